@@ -1,0 +1,1 @@
+"""LLM inference server: Flask front end, continuous-batching engine in a backend process."""

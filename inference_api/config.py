@@ -1,0 +1,90 @@
+"""The one server configuration, built once at the entry point from CLI flags and the environment."""
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Mapping, Sequence
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    threads: int = 128  # gunicorn gthread threads: one per open stream
+    model: str | None = None  # None: the embedded SmolLM2 GGUF; else a hub id, a folder or a .gguf path
+    model_cache_dir: Path = Path("model_cache")
+    served_model_name: str | None = None  # None: derived from the model
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    rows: int = 32  # fixed user rows, each with its own KV cache
+    context_length: int = 2048  # KV positions per row (prompt + output)
+    prefill_chunk: int = 256  # prompt tokens prefilled per engine step, so long prompts never stall streams
+    max_waiting: int = 64  # requests allowed to wait for a free row; beyond it: 503
+    mock: bool = False
+    mock_tokens_per_second: float = 50.0
+    allow_download: bool = False  # let transformers fetch a hub model (off: no network at run time)
+    torch_threads: int = 0  # 0: torch's default
+    log_level: str = "info"
+
+    @property
+    def max_open_sessions(self) -> int:
+        return self.rows + self.max_waiting
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str]) -> "ServerConfig":
+        return cls.from_args([], env)
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str], env: Mapping[str, str] | None = None) -> "ServerConfig":
+        env = os.environ if env is None else env
+        return cls(**vars(build_parser(env).parse_args(list(argv))))
+
+
+def _bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+# field name -> (environment variable, help)
+_ENV = {
+    "host": ("HOST", "listen address"),
+    "port": ("PORT", "listen port"),
+    "threads": ("THREADS", "gunicorn threads (concurrent streams)"),
+    "model": ("MODEL", "hub id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
+    "model_cache_dir": ("MODEL_CACHE_DIR", "where converted models are kept"),
+    "served_model_name": ("SERVED_MODEL_NAME", "model name used in URLs and API responses"),
+    "device": ("DEVICE", "auto, cpu, cuda or cuda:N"),
+    "dtype": ("DTYPE", "auto, float32, float16 or bfloat16"),
+    "rows": ("MAX_USERS", "user rows decoded together"),
+    "context_length": ("CONTEXT_LENGTH", "tokens per row (prompt + output)"),
+    "prefill_chunk": ("PREFILL_CHUNK", "prompt tokens prefilled per step"),
+    "max_waiting": ("MAX_WAITING", "requests that may wait for a row before 503"),
+    "mock": ("MOCK_MODEL", "serve the mock backend (no weights)"),
+    "mock_tokens_per_second": ("MOCK_TOKENS_PER_SECOND", "mock backend decode rate"),
+    "allow_download": ("ALLOW_DOWNLOAD", "allow fetching hub models at start-up"),
+    "torch_threads": ("TORCH_THREADS", "torch intra-op threads in the engine (0: default)"),
+    "log_level": ("LOG_LEVEL", "gunicorn and app log level"),
+}
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m inference_api", description="Serve an LLM over HTTP.")
+    for f in fields(ServerConfig):
+        var, help_text = _ENV[f.name]
+        default = f.default
+        flag = "--" + f.name.replace("_", "-")
+        if f.type in ("bool",):
+            default = _bool(env.get(var, default))
+            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                help=f"{help_text} (env {var})")
+            continue
+        convert = {"int": int, "float": float, "Path": Path}.get(f.type, str)
+        raw = env.get(var)
+        parser.add_argument(flag, dest=f.name, type=convert, default=convert(raw) if raw else default,
+                            help=f"{help_text} (env {var}, default {default})")
+    return parser

@@ -1,0 +1,1 @@
+"""The decode engine: fixed user rows, continuous batching, per-row sampling and stopping."""

@@ -1,0 +1,186 @@
+"""The engine: admit waiting requests into free rows, run one forward, sample every row, emit text."""
+from __future__ import annotations
+
+import logging
+import random
+from collections import deque
+from typing import Protocol, Sequence as Seq
+
+import torch
+
+from ..messages import EngineStats, FinishReason, GenerateRequest, TokenEvent, TokenLogprob
+from .rows import RowTable
+from .sampling import RowParams, apply_penalties, sample
+from .sequence import Sequence, Status
+
+log = logging.getLogger(__name__)
+
+
+class Runner(Protocol):
+    device: torch.device
+    vocab_size: int
+
+    def prefill(self, row: int, token_ids: list[int], start: int) -> torch.Tensor: ...
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor: ...
+
+
+class Detokenizer(Protocol):
+    def decode(self, ids: Seq[int]) -> str: ...
+
+
+class Engine:
+    def __init__(self, runner: Runner, tokenizer: Detokenizer, rows: int, context_length: int,
+                 prefill_chunk: int, eos_ids: frozenset[int]):
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.rows = RowTable(rows)
+        self.context_length = context_length
+        self.prefill_chunk = prefill_chunk
+        self.eos_ids = eos_ids
+        self.params = RowParams.allocate(rows, runner.vocab_size, runner.device)
+        self.waiting: deque[Sequence] = deque()
+        self.running: dict[int, Sequence] = {}  # row -> sequence
+        self.sessions: dict[str, Sequence] = {}
+        self._rng = random.Random()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    @property
+    def stats(self) -> EngineStats:
+        return EngineStats(rows_in_use=self.rows.num_used, rows_total=self.rows.num_rows, waiting=len(self.waiting))
+
+    def add(self, request: GenerateRequest) -> None:
+        seq = Sequence(request, self.tokenizer.decode)
+        self.sessions[seq.session_id] = seq
+        self.waiting.append(seq)
+
+    def cancel(self, session_id: str) -> None:
+        seq = self.sessions.pop(session_id, None)
+        if seq is None:
+            return
+        if seq.status is Status.WAITING:
+            self.waiting.remove(seq)
+        seq.finish(FinishReason.CANCELLED)
+        self._release(seq)
+
+    def step(self) -> list[TokenEvent]:
+        self._admit()
+        try:
+            seqs, logits = self._forward()
+            if not seqs:
+                return []
+            tokens = self._sample(seqs, logits)
+        except Exception as exc:  # a failed forward must not take the process (and every stream) down
+            log.exception("engine step failed")
+            return self._fail_running(f"engine error: {exc}")
+        return self._postprocess(seqs, tokens, logits)
+
+    def _admit(self) -> None:
+        while self.waiting and self.rows.num_free:
+            seq = self.waiting.popleft()
+            seq.row = self.rows.allocate()
+            seq.status = Status.PREFILL
+            seed = seq.params.seed if seq.params.seed is not None else self._rng.getrandbits(63)
+            self.params.set_row(seq.row, seq.params, seed, seq.prompt_ids)
+            self.running[seq.row] = seq
+
+    def _forward(self) -> tuple[list[Sequence], torch.Tensor]:
+        """Prefill up to one chunk of prompt tokens, then decode every row that has a token to feed."""
+        seqs, logits = [], []
+        budget = self.prefill_chunk
+        for seq in sorted(self.running.values(), key=lambda s: s.row):
+            if seq.status is not Status.PREFILL or budget <= 0:
+                continue
+            n = min(budget, seq.prefill_remaining)
+            out = self.runner.prefill(seq.row, seq.prompt_ids[seq.num_cached:seq.num_cached + n], seq.num_cached)
+            seq.num_cached += n
+            budget -= n
+            if seq.prefill_remaining == 0:
+                seqs.append(seq)
+                logits.append(out)
+        decoding = [s for s in self.running.values() if s.status is Status.DECODE]
+        if decoding:
+            width = max(s.row for s in decoding) + 1
+            dev = self.runner.device
+            tokens = torch.zeros(width, dtype=torch.long, device=dev)
+            positions = torch.zeros(width, dtype=torch.long, device=dev)
+            active = torch.zeros(width, dtype=torch.bool, device=dev)
+            rows = torch.tensor([s.row for s in decoding], device=dev)
+            tokens[rows] = torch.tensor([s.last_token for s in decoding], device=dev)
+            positions[rows] = torch.tensor([s.num_tokens - 1 for s in decoding], device=dev)
+            active[rows] = True
+            out = self.runner.decode(tokens, positions, active)[rows]
+            for s in decoding:
+                s.num_cached += 1
+            seqs.extend(decoding)
+            logits.append(out)
+        if not seqs:
+            return [], torch.empty(0)
+        return seqs, torch.cat([l.reshape(-1, l.shape[-1]) for l in logits])
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+        p = self.params
+        rows = torch.tensor([s.row for s in seqs], device=logits.device)
+        if any(s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1.0
+               for s in seqs):
+            logits = apply_penalties(logits, rows, p)
+        steps = torch.tensor([s.num_output for s in seqs], device=logits.device)
+        tokens = sample(logits, p.temperature[rows], p.top_k[rows], p.top_p[rows], p.seed[rows], steps)
+        p.record(rows, tokens)
+        return tokens.tolist()
+
+    def _postprocess(self, seqs: list[Sequence], tokens: list[int], logits: torch.Tensor) -> list[TokenEvent]:
+        events = []
+        want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        logprobs = self._logprobs(logits, want_logprobs, tokens, seqs) if want_logprobs else {}
+        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+            if seq.status is Status.PREFILL:
+                seq.status = Status.DECODE
+            text = seq.append(token, self.eos_ids, self.context_length)
+            if i in logprobs:
+                seq.pending_logprobs.append(logprobs[i])
+            seq.pending_ids.append(token)
+            if text or seq.is_finished:
+                events.append(self._event(seq, text))
+            if seq.is_finished:
+                self.sessions.pop(seq.session_id, None)
+                self._release(seq)
+        return events
+
+    def _event(self, seq: Sequence, text: str, error: str | None = None) -> TokenEvent:
+        event = TokenEvent(session_id=seq.session_id, text=text, token_ids=tuple(seq.pending_ids),
+                           logprobs=tuple(seq.pending_logprobs), finish_reason=seq.finish_reason,
+                           prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output, error=error)
+        seq.pending_ids.clear()
+        seq.pending_logprobs.clear()
+        return event
+
+    def _logprobs(self, logits: torch.Tensor, idx: list[int], tokens: list[int],
+                  seqs: list[Sequence]) -> dict[int, TokenLogprob]:
+        lp = torch.log_softmax(logits[idx].float(), dim=-1)
+        top_n = max(seqs[i].params.logprobs for i in idx)
+        top_v, top_i = lp.topk(max(top_n, 1), dim=-1)
+        out = {}
+        for j, i in enumerate(idx):
+            n = seqs[i].params.logprobs
+            top = tuple((self.tokenizer.decode([t]), v) for t, v in zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
+            out[i] = TokenLogprob(self.tokenizer.decode([tokens[i]]), float(lp[j, tokens[i]]), top)
+        return out
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.row is not None and self.running.get(seq.row) is seq:
+            del self.running[seq.row]
+            self.rows.free(seq.row)
+        seq.row = None
+
+    def _fail_running(self, message: str) -> list[TokenEvent]:
+        events = []
+        for seq in list(self.running.values()):
+            seq.finish(FinishReason.ERROR)
+            events.append(self._event(seq, "", error=message))
+            self.sessions.pop(seq.session_id, None)
+            self._release(seq)
+        return events

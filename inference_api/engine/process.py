@@ -1,0 +1,77 @@
+"""The backend process: build the engine, then loop: read requests, step, push outputs."""
+from __future__ import annotations
+
+import logging
+import queue
+
+from ..config import ServerConfig
+from ..messages import (CancelRequest, EngineFailed, EngineReady, GenerateRequest, Shutdown, StepOutput)
+from .engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
+    from ..model_loader import model_name
+
+    if config.mock:
+        from ..mock.runner import MockRunner
+        from ..mock.tokenizer import EOS, ByteTokenizer
+
+        runner = MockRunner(config.rows, config.mock_tokens_per_second)
+        engine = Engine(runner, ByteTokenizer(), config.rows, config.context_length, config.prefill_chunk,
+                        frozenset([EOS]))
+        return engine, EngineReady("", model_name(config), config.context_length, runner.vocab_size, "cpu", "none")
+
+    import torch
+
+    from ..model_loader import eos_ids, load_model, pick_device, pick_dtype, resolve_model_dir
+    from ..tokenizer import HFTokenizer
+    from .model_runner import ModelRunner
+
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    model_dir = resolve_model_dir(config)
+    device = pick_device(config.device)
+    model = load_model(model_dir, device, pick_dtype(config.dtype, device))
+    tokenizer = HFTokenizer(model_dir)
+    runner = ModelRunner(model, config.rows, config.context_length)
+    log.warning("model %s on %s (%s); KV cache %.0f MiB for %d rows x %d tokens", model_dir, device, model.dtype,
+                runner.cache.nbytes / 2**20, config.rows, config.context_length)
+    engine = Engine(runner, tokenizer, config.rows, config.context_length, config.prefill_chunk,
+                    eos_ids(model, tokenizer.tok))
+    ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, device,
+                        str(model.dtype).removeprefix("torch."))
+    return engine, ready
+
+
+def run_engine(config: ServerConfig, inbox, outbox) -> None:
+    """Process entry point. Blocks on the inbox while idle; drains it between steps while busy."""
+    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
+    try:
+        engine, ready = build_engine(config)
+    except Exception as exc:
+        log.exception("engine failed to start")
+        outbox.put(EngineFailed(str(exc)))
+        return
+    outbox.put(ready)
+    last_stats = None
+    while True:
+        messages = [] if engine.has_work else [inbox.get()]
+        try:
+            while True:
+                messages.append(inbox.get_nowait())
+        except queue.Empty:
+            pass
+        for msg in messages:
+            if isinstance(msg, GenerateRequest):
+                engine.add(msg)
+            elif isinstance(msg, CancelRequest):
+                engine.cancel(msg.session_id)
+            elif isinstance(msg, Shutdown):
+                return
+        events = engine.step() if engine.has_work else []
+        stats = engine.stats
+        if events or stats != last_stats:
+            outbox.put(StepOutput(tuple(events), stats))
+            last_stats = stats

@@ -1,0 +1,112 @@
+"""Vectorised sampling: every row in one call, each with its own temperature, top-k, top-p, seed and penalties.
+
+Randomness is a counter-based hash of (seed, step, rank), so a seeded request draws the same numbers
+whatever else shares the batch: same seed and prompt, same output.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..messages import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+
+
+def _i64(x: int) -> int:
+    """An unsigned 64-bit constant as the signed value torch stores."""
+    x &= _MASK64
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+_GOLDEN, _MIX1, _MIX2, _STEP = (_i64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                                   0x94D049BB133111EB, 0xD6E8FEB86659FD93))
+
+
+def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 values."""
+    return (x >> n) & ((1 << (64 - n)) - 1)
+
+
+def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, n: int) -> torch.Tensor:
+    """Uniform numbers in (0, 1), shape [B, n], a pure function of (seed, step, column): splitmix64."""
+    cols = torch.arange(n, dtype=torch.int64, device=seeds.device)
+    x = seeds[:, None] * _GOLDEN + steps[:, None] * _STEP + (cols[None, :] + 1) * _GOLDEN
+    x = (x ^ _shr(x, 30)) * _MIX1
+    x = (x ^ _shr(x, 27)) * _MIX2
+    x = x ^ _shr(x, 31)
+    return (_shr(x, 11).to(torch.float64) + 0.5) / float(1 << 53)
+
+
+@dataclass
+class RowParams:
+    """Per-row sampling parameters as tensors, written when a request takes a row."""
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    seed: torch.Tensor
+    presence: torch.Tensor
+    frequency: torch.Tensor
+    repetition: torch.Tensor
+    output_counts: torch.Tensor  # [rows, vocab] how often each token was generated
+    seen: torch.Tensor  # [rows, vocab] token appears in prompt or output (repetition penalty)
+
+    @classmethod
+    def allocate(cls, rows: int, vocab: int, device: torch.device) -> "RowParams":
+        f = dict(dtype=torch.float32, device=device)
+        return cls(
+            temperature=torch.ones(rows, **f), top_k=torch.full((rows,), vocab, dtype=torch.int64, device=device),
+            top_p=torch.ones(rows, **f), seed=torch.zeros(rows, dtype=torch.int64, device=device),
+            presence=torch.zeros(rows, **f), frequency=torch.zeros(rows, **f), repetition=torch.ones(rows, **f),
+            output_counts=torch.zeros(rows, vocab, **f), seen=torch.zeros(rows, vocab, dtype=torch.bool, device=device),
+        )
+
+    def set_row(self, row: int, params: SamplingParams, seed: int, prompt_ids: list[int]) -> None:
+        vocab = self.output_counts.shape[1]
+        self.temperature[row] = params.temperature
+        self.top_k[row] = params.top_k if 0 < params.top_k < vocab else vocab
+        self.top_p[row] = params.top_p
+        self.seed[row] = _i64(seed)
+        self.presence[row] = params.presence_penalty
+        self.frequency[row] = params.frequency_penalty
+        self.repetition[row] = params.repetition_penalty
+        self.output_counts[row].zero_()
+        self.seen[row].zero_()
+        if prompt_ids:
+            self.seen[row, torch.tensor(prompt_ids, device=self.seen.device).clamp_(0, vocab - 1)] = True
+
+    def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        self.output_counts[rows, tokens] += 1
+        self.seen[rows, tokens] = True
+
+
+def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, p: RowParams) -> torch.Tensor:
+    """OpenAI presence/frequency penalties over output tokens; HF repetition penalty over prompt and output."""
+    counts = p.output_counts[rows]
+    logits = logits - p.frequency[rows, None] * counts - p.presence[rows, None] * (counts > 0)
+    rep = p.repetition[rows, None]
+    penalised = torch.where(logits > 0, logits / rep, logits * rep)
+    return torch.where(p.seen[rows], penalised, logits)
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+           seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """Pick one token per row. temperature <= 0 is greedy; top_k holds the vocabulary size when disabled."""
+    greedy_tokens = logits.argmax(dim=-1)
+    greedy = temperature <= 0
+    if bool(greedy.all()):
+        return greedy_tokens
+    scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
+    kmax = int(top_k.max())
+    values, indices = scaled.topk(kmax, dim=-1)  # sorted, largest first
+    ranks = torch.arange(kmax, device=logits.device)
+    values = values.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(values, dim=-1)
+    # nucleus: drop a token once the mass before it already reaches top_p (the first token always stays)
+    probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], 0.0)
+    # exponential race: argmax(p / E) with E ~ Exp(1) draws from p (normalisation not needed)
+    race = probs.double() / -torch.log(hash_uniform(seeds, steps, kmax))
+    choice = race.argmax(dim=-1, keepdim=True)
+    return torch.where(greedy, greedy_tokens, indices.gather(1, choice).squeeze(1))

@@ -1,0 +1,89 @@
+"""One request inside the engine: its tokens, its row, its status, and the text it has streamed."""
+from __future__ import annotations
+
+import enum
+from typing import Callable, Sequence as Seq
+
+from ..messages import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
+from .detokenize import IncrementalDetokenizer
+from .stopping import check_stop
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"  # queued for a free row
+    PREFILL = "prefill"  # in a row, prompt partly in the KV cache
+    DECODE = "decode"  # prompt cached; one token per step
+    FINISHED = "finished"
+
+
+class Sequence:
+    def __init__(self, request: GenerateRequest, decode: Callable[[Seq[int]], str]):
+        self.session_id = request.session_id
+        self.params: SamplingParams = request.params
+        self.prompt_ids: list[int] = list(request.prompt_ids)
+        self.output_ids: list[int] = []
+        self.status = Status.WAITING
+        self.row: int | None = None
+        self.num_cached = 0  # tokens already written to this row's KV cache
+        self.finish_reason: FinishReason | None = None
+        self._detok = IncrementalDetokenizer(decode, self.prompt_ids)
+        self._text = ""  # decoded output so far
+        self._sent = 0  # characters of _text already streamed
+        self._checked = 0  # characters of _text already searched for stop sequences
+        self.pending_ids: list[int] = []  # tokens not yet reported in an event
+        self.pending_logprobs: list[TokenLogprob] = []
+
+    # derived values
+    @property
+    def num_prompt(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt + self.num_output
+
+    @property
+    def prefill_remaining(self) -> int:
+        return self.num_prompt - self.num_cached
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    def append(self, token_id: int, eos_ids: frozenset[int], context_length: int) -> str:
+        """Add a sampled token; update status; return the text now safe to stream."""
+        self.output_ids.append(token_id)
+        if token_id in eos_ids and not self.params.ignore_eos:
+            return self.finish(FinishReason.EOS)
+        self._text += self._detok.add(token_id)
+        stop = check_stop(self._text, self.params.stop, self._checked)
+        self._checked = len(self._text)
+        if stop.stopped:
+            self._text = self._text[:stop.safe_len]
+            return self.finish(FinishReason.STOP)
+        if self.num_output >= self.params.max_tokens or self.num_tokens >= context_length:
+            return self.finish(FinishReason.LENGTH)
+        return self._take(stop.safe_len)
+
+    def finish(self, reason: FinishReason) -> str:
+        """End the sequence; return whatever held-back text may still be sent."""
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        return self._take(len(self._text)) if reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.EOS) else ""
+
+    def _take(self, upto: int) -> str:
+        piece = self._text[self._sent:upto]
+        self._sent = max(self._sent, upto)
+        return piece

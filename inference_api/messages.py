@@ -1,0 +1,100 @@
+"""Typed messages between the HTTP app and the engine process (pickled over multiprocessing queues)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # a stop sequence matched
+    LENGTH = "length"  # max_tokens or the context is full
+    EOS = "eos"  # the model produced an end-of-sequence token
+    CANCELLED = "cancelled"  # the client went away
+    ERROR = "error"  # the engine failed this request
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0  # 0 means greedy
+    top_k: int = 0  # 0 disables top-k
+    top_p: float = 1.0
+    max_tokens: int = 128
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logprobs: int | None = None  # None: no logprobs; N: the chosen token's logprob plus the top N
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    session_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class CancelRequest:
+    session_id: str
+
+
+@dataclass(frozen=True)
+class Shutdown:
+    pass
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    """New output for one session: text that is safe to show (UTF-8 complete, clear of stop prefixes)."""
+
+    session_id: str
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    rows_in_use: int = 0
+    rows_total: int = 0
+    waiting: int = 0
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """Everything one engine step produced, sent as one message to keep IPC per step constant."""
+
+    events: tuple[TokenEvent, ...] = ()
+    stats: EngineStats = field(default_factory=EngineStats)
+
+
+@dataclass(frozen=True)
+class EngineReady:
+    model_dir: str  # local folder holding the tokenizer files ("" for the mock)
+    model_name: str
+    context_length: int
+    vocab_size: int
+    device: str
+    dtype: str
+
+
+@dataclass(frozen=True)
+class EngineFailed:
+    message: str

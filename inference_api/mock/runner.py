@@ -1,0 +1,40 @@
+"""A fake model runner: logits that spell "Echo: <prompt> — " over and over, at a fixed step rate."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from .tokenizer import VOCAB
+
+
+class MockRunner:
+    def __init__(self, rows: int, tokens_per_second: float):
+        self.device = torch.device("cpu")
+        self.vocab_size = VOCAB
+        self.step_seconds = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
+        self._scripts: list[bytes] = [b""] * rows
+        self._prompt_len = [0] * rows
+        self._last_step = 0.0
+
+    def prefill(self, row: int, token_ids: list[int], start: int) -> torch.Tensor:
+        if start == 0:
+            self._scripts[row] = b""
+        self._scripts[row] += bytes(t for t in token_ids if t < 256)
+        self._prompt_len[row] = start + len(token_ids)
+        return self._logits([row], [self._prompt_len[row]])[0]
+
+    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+        wait = self._last_step + self.step_seconds - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)  # the mock's decode rate; a real model spends this time computing
+        self._last_step = time.monotonic()
+        rows = list(range(tokens.shape[0]))
+        return self._logits(rows, [int(p) + 1 for p in positions])
+
+    def _logits(self, rows: list[int], next_positions: list[int]) -> torch.Tensor:
+        logits = torch.zeros(len(rows), VOCAB)
+        for i, (row, pos) in enumerate(zip(rows, next_positions)):
+            script = b"Echo: " + self._scripts[row][-64:].decode("utf-8", "ignore").encode() + " — ".encode()
+            logits[i, script[(pos - self._prompt_len[row]) % len(script)]] = 50.0
+        return logits

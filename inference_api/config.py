@@ -24,6 +24,7 @@ class ServerConfig:
     context_length: int = 2048  # KV positions per row (prompt + output)
     prefill_chunk: int = 256  # prompt tokens prefilled per engine step, so long prompts never stall streams
     max_waiting: int = 64  # requests allowed to wait for a free row; beyond it: 503
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413
     mock: bool = False
     mock_tokens_per_second: float = 50.0
     allow_download: bool = False  # let transformers fetch a hub model (off: no network at run time)
@@ -64,6 +65,7 @@ _ENV = {
     "context_length": ("CONTEXT_LENGTH", "tokens per row (prompt + output)"),
     "prefill_chunk": ("PREFILL_CHUNK", "prompt tokens prefilled per step"),
     "max_waiting": ("MAX_WAITING", "requests that may wait for a row before 503"),
+    "max_body_bytes": ("MAX_BODY_BYTES", "largest accepted request body in bytes"),
     "mock": ("MOCK_MODEL", "serve the mock backend (no weights)"),
     "mock_tokens_per_second": ("MOCK_TOKENS_PER_SECOND", "mock backend decode rate"),
     "allow_download": ("ALLOW_DOWNLOAD", "allow fetching hub models at start-up"),

@@ -1,0 +1,76 @@
+"""The native API, compatible with the original inference API: /inference, /predictions, /health."""
+from __future__ import annotations
+
+from flask import Blueprint, Response, jsonify, request, stream_with_context
+
+from .app import engine_client, server_config
+from .errors import ApiError
+from .streaming import first_event, session_events
+from .validation import check_fits, json_body, parse_native
+
+native = Blueprint("native", __name__)
+
+
+def served_model(model_name: str) -> None:
+    client = engine_client()
+    if client.ready is None:
+        raise ApiError(503, "model is loading, try again shortly", retry_after=5)
+    if model_name != client.ready.model_name:
+        raise ApiError(404, f"unknown model {model_name!r}; this server serves {client.ready.model_name!r}")
+
+
+@native.post("/inference/<model_name>")
+def inference(model_name: str):
+    return _generate(model_name, chat=False)
+
+
+@native.post("/predictions/<model_name>")
+def predictions(model_name: str):
+    return _generate(model_name, chat=True)
+
+
+def _generate(model_name: str, chat: bool):
+    served_model(model_name)
+    req = parse_native(json_body(request))
+    client = engine_client()
+    tokenizer = client.tokenizer
+    prompt_ids = tokenizer.encode_chat([{"role": "user", "content": req.text}]) if chat else tokenizer.encode(req.text)
+    check_fits(len(prompt_ids), req.params.max_tokens, client.ready.context_length)
+    session = client.submit(prompt_ids, req.params)
+    events = session_events(client, session, request.environ)
+    first = first_event(events)
+    prefix = req.text if req.return_prompt else ""
+
+    if not req.stream:
+        parts, last = [prefix], first
+        for event in ([first] if first else []) + list(events):
+            parts.append(event.text)
+            last = event
+        return jsonify(text="".join(parts), finish_reason=last.finish_reason.value if last else None,
+                       prompt_tokens=session.prompt_tokens, completion_tokens=last.completion_tokens if last else 0)
+
+    def body():
+        if prefix:
+            yield prefix.encode()
+        for event in ([first] if first else []):
+            yield event.text.encode()
+        for event in events:
+            if event.error:
+                raise RuntimeError(event.error)  # cut the chunked stream: the client sees an incomplete response
+            if event.text:
+                yield event.text.encode()
+
+    return Response(stream_with_context(body()), mimetype="text/plain", content_type="text/plain; charset=utf-8",
+                    headers={"X-Accel-Buffering": "no", "Cache-Control": "no-cache"})
+
+
+@native.get("/health")
+def health():
+    client = engine_client()
+    body = {"status": client.state, "model": client.ready.model_name if client.ready else None,
+            "rows_in_use": client.stats.rows_in_use, "rows_total": server_config().rows,
+            "queue_length": client.stats.waiting, "open_sessions": client.open_sessions,
+            "backend_pid": client.process.pid}
+    if client.failure is not None:
+        body["message"] = client.failure
+    return jsonify(body), 200 if client.state == "ready" else 503

@@ -1,0 +1,51 @@
+"""Per-request event streams: blocking reads of the session queue, client-disconnect detection, clean-up."""
+from __future__ import annotations
+
+import queue
+import select
+import socket
+from typing import Iterator
+
+from .engine_client import EngineClient, Session
+from .errors import ApiError
+from .messages import FinishReason, TokenEvent
+
+
+def client_disconnected(environ: dict) -> bool:
+    """True when the client has closed its connection (gunicorn exposes the socket; EOF shows as readable)."""
+    sock = environ.get("gunicorn.socket")
+    if sock is None:
+        return False
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK) == b""
+    except (OSError, ValueError):
+        return True
+
+
+def session_events(client: EngineClient, session: Session, environ: dict,
+                   poll_seconds: float = 0.5) -> Iterator[TokenEvent]:
+    """Yield the session's events until it finishes; cancel it if the client leaves or the stream is closed."""
+    try:
+        while True:
+            try:
+                event = session.events.get(timeout=poll_seconds)
+            except queue.Empty:
+                if client_disconnected(environ):
+                    return
+                continue
+            if not event.finished and client_disconnected(environ):
+                return
+            yield event
+            if event.finished:
+                return
+    finally:
+        client.release(session)
+
+
+def first_event(events: Iterator[TokenEvent]) -> TokenEvent | None:
+    """Wait for the first event before sending headers, so an early failure can still get a proper status."""
+    event = next(events, None)
+    if event is not None and event.finish_reason is FinishReason.ERROR:
+        raise ApiError(503, event.error or "generation failed", retry_after=5)
+    return event

@@ -1,0 +1,125 @@
+"""Request validation: every bad field raises ApiError(400) naming the field and what it accepts."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from flask import Request
+
+from .errors import ApiError
+from .messages import SamplingParams
+
+
+def json_body(request: Request) -> dict:
+    if request.mimetype != "application/json":
+        raise ApiError(400, f"Content-Type must be application/json, got {request.mimetype or 'none'!r}")
+    data = request.get_data(cache=False)
+    try:
+        import json
+
+        body = json.loads(data)
+    except (ValueError, UnicodeDecodeError):
+        raise ApiError(400, "Malformed JSON request body") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return body
+
+
+def reject_unknown(body: dict, allowed: set[str]) -> None:
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise ApiError(400, f"unknown field {unknown[0]!r}; accepted fields: {', '.join(sorted(allowed))}",
+                       param=unknown[0])
+
+
+def number(body: dict, name: str, default: Any, lo: float, hi: float, *, integer: bool = False,
+           lo_open: bool = False) -> Any:
+    """A number in [lo, hi] ((lo, hi] when lo_open); numeric strings are accepted, null means the default."""
+    value = body.get(name)
+    if value is None:
+        return default
+    bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
+    kind = "an integer" if integer else "a number"
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ApiError(400, f"{name} must be {kind} in {bounds}", param=name)
+    try:
+        text = value.strip() if isinstance(value, str) else ""
+        parsed = value if not text else int(text) if integer and text.lstrip("+-").isdigit() else float(text)
+    except ValueError:
+        raise ApiError(400, f"{name} must be {kind} in {bounds}, got {value!r}", param=name) from None
+    if isinstance(parsed, float) and not math.isfinite(parsed):
+        raise ApiError(400, f"{name} must be a finite number in {bounds}", param=name)
+    if integer:
+        if parsed != int(parsed):
+            raise ApiError(400, f"{name} must be {kind} in {bounds}, got {value!r}", param=name)
+        parsed = int(parsed)
+    if parsed < lo or parsed > hi or (lo_open and parsed == lo):
+        raise ApiError(400, f"{name} must be {kind} in {bounds}, got {value!r}", param=name)
+    return parsed
+
+
+def boolean(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ApiError(400, f"{name} must be true or false", param=name)
+    return value
+
+
+def string(body: dict, name: str, *, required: bool = False, default: str | None = None) -> str | None:
+    value = body.get(name)
+    if value is None:
+        if required:
+            raise ApiError(400, f"{name} is required (a non-empty string)", param=name)
+        return default
+    if not isinstance(value, str) or (required and not value):
+        raise ApiError(400, f"{name} must be a non-empty string", param=name)
+    return value
+
+
+def stop_list(body: dict, name: str, max_items: int = 4) -> tuple[str, ...]:
+    value = body.get(name)
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if (not isinstance(items, list) or len(items) > max_items
+            or not all(isinstance(s, str) and s for s in items)):
+        raise ApiError(400, f"{name} must be a non-empty string or a list of up to {max_items} non-empty strings",
+                       param=name)
+    return tuple(items)
+
+
+SEED_RANGE = (-(2**63), 2**64 - 1)
+
+NATIVE_FIELDS = {"text", "temperature", "top_k", "top_p", "max_tokens", "stop_sequence", "return_prompt", "seed",
+                 "stream", "session_id"}
+
+
+@dataclass(frozen=True)
+class NativeRequest:
+    text: str
+    params: SamplingParams
+    return_prompt: bool
+    stream: bool
+
+
+def parse_native(body: dict) -> NativeRequest:
+    reject_unknown(body, NATIVE_FIELDS)
+    params = SamplingParams(
+        temperature=number(body, "temperature", 1.0, 0, 100),
+        top_k=number(body, "top_k", 10, 1, 1000, integer=True),
+        top_p=number(body, "top_p", 0.9, 0, 1, lo_open=True),
+        max_tokens=number(body, "max_tokens", 128, 1, 2048, integer=True),
+        stop=stop_list(body, "stop_sequence"),
+        seed=number(body, "seed", None, *SEED_RANGE, integer=True),
+    )
+    return NativeRequest(text=string(body, "text", required=True), params=params,
+                         return_prompt=boolean(body, "return_prompt", False), stream=boolean(body, "stream", True))
+
+
+def check_fits(prompt_tokens: int, max_tokens: int, context_length: int, field: str = "max_tokens") -> None:
+    if prompt_tokens + max_tokens > context_length:
+        raise ApiError(400, f"prompt ({prompt_tokens} tokens) plus {field} ({max_tokens}) exceeds the context "
+                            f"length of {context_length} tokens", param=field)

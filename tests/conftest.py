@@ -1,14 +1,11 @@
 """Shared fixtures: one real-model server and one mock server per test session, on loopback."""
 from __future__ import annotations
 
-import os
+from pathlib import Path
 
 import pytest
 
-from servers import MODEL_NAME, ROOT, ServerProcess
-
-# the converted default model is kept between runs (the same folder the serve command uses)
-MODEL_CACHE = os.environ.get("MODEL_CACHE_DIR", str(ROOT / "model_cache"))
+from servers import MODEL_CACHE, MODEL_NAME, ServerProcess
 
 
 @pytest.fixture(scope="session")
@@ -28,3 +25,19 @@ def mock_server():
 @pytest.fixture(scope="session")
 def model_name() -> str:
     return MODEL_NAME
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The default model converted into the model cache (the folder the real server loads)."""
+    from inference_api.config import DEFAULT_MODEL_NAME
+    from inference_api.model_loader import convert_gguf, embedded_gguf
+
+    return convert_gguf(embedded_gguf(), Path(MODEL_CACHE) / DEFAULT_MODEL_NAME)
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(model_dir):
+    from inference_api.tokenizer import HFTokenizer
+
+    return HFTokenizer(model_dir)

@@ -14,6 +14,8 @@ import requests
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "SmolLM2-135M-Instruct"
+# the converted default model is kept between runs (the same folder the serve command uses)
+MODEL_CACHE = os.environ.get("MODEL_CACHE_DIR", str(ROOT / "model_cache"))
 
 
 def free_port() -> int:

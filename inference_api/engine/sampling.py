@@ -78,7 +78,7 @@ class RowParams:
             self.seen[row, torch.tensor(prompt_ids, device=self.seen.device).clamp_(0, vocab - 1)] = True
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
-        self.output_counts[rows, tokens] += 1
+        self.output_counts.index_put_((rows, tokens), torch.ones(len(rows), device=rows.device), accumulate=True)
         self.seen[rows, tokens] = True
 
 
@@ -99,7 +99,7 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     if bool(greedy.all()):
         return greedy_tokens
     scaled = logits.float() / torch.where(greedy, 1.0, temperature)[:, None]
-    kmax = int(top_k.max())
+    kmax = min(int(top_k.max()), logits.shape[-1])
     values, indices = scaled.topk(kmax, dim=-1)  # sorted, largest first
     ranks = torch.arange(kmax, device=logits.device)
     values = values.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf"))

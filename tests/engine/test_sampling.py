@@ -1,0 +1,81 @@
+import torch
+
+from inference_api.engine.sampling import RowParams, apply_penalties, hash_uniform, sample
+from inference_api.messages import SamplingParams
+
+
+def rows(n, **kw):
+    base = dict(temperature=1.0, top_k=1000, top_p=1.0, seed=0, step=0)
+    base.update(kw)
+    return (torch.full((n,), float(base["temperature"])), torch.full((n,), base["top_k"], dtype=torch.long),
+            torch.full((n,), float(base["top_p"])), torch.full((n,), base["seed"], dtype=torch.long),
+            torch.full((n,), base["step"], dtype=torch.long))
+
+
+def test_greedy_rows_take_the_argmax():
+    logits = torch.randn(4, 50)
+    t, k, p, s, st = rows(4, temperature=0.0)
+    assert torch.equal(sample(logits, t, k, p, s, st), logits.argmax(-1))
+
+
+def test_each_row_uses_its_own_parameters_in_one_call():
+    logits = torch.randn(3, 100).repeat(1, 1)
+    t = torch.tensor([0.0, 1.0, 1.0])
+    k = torch.tensor([100, 1, 100])  # row 1: top_k=1 is greedy too
+    p = torch.tensor([1.0, 1.0, 1e-6])  # row 2: tiny top_p keeps only the best token
+    s = torch.tensor([1, 2, 3])
+    out = sample(logits, t, k, p, s, torch.zeros(3, dtype=torch.long))
+    assert torch.equal(out, logits.argmax(-1))
+
+
+def test_top_k_limits_the_choice():
+    logits = torch.arange(100, dtype=torch.float).repeat(200, 1)  # token 99 best
+    t, k, p, _, st = rows(200, top_k=3)
+    seeds = torch.arange(200)
+    out = sample(logits, t, k, p, seeds, st)
+    assert set(out.tolist()) == {97, 98, 99}
+
+
+def test_top_p_keeps_the_nucleus():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(300, 1)
+    t, k, p, _, st = rows(300, top_p=0.7)
+    out = sample(logits, t, k, p, torch.arange(300), st)
+    assert set(out.tolist()) == {0, 1}
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    n = 4000
+    t, k, p, _, st = rows(n)
+    out = sample(torch.log(probs).repeat(n, 1), t, k, p, torch.arange(n), st)
+    freq = torch.bincount(out, minlength=3).float() / n
+    assert torch.allclose(freq, probs, atol=0.03)
+
+
+def test_same_seed_and_step_give_the_same_draw_whatever_the_batch():
+    logits = torch.randn(1, 1000)
+    t, k, p, _, st = rows(1)
+    alone = sample(logits, t, k, p, torch.tensor([42]), st)
+    others = torch.randn(5, 1000)
+    batch = torch.cat([others[:2], logits, others[2:]])
+    t5, k5, p5, _, st5 = rows(6)
+    seeds = torch.tensor([1, 2, 42, 3, 4, 5])
+    assert sample(batch, t5, k5, p5, seeds, st5)[2] == alone[0]
+
+
+def test_hash_uniform_is_deterministic_and_in_range():
+    u = hash_uniform(torch.tensor([7, 7, 8]), torch.tensor([0, 0, 0]), 1000)
+    assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])
+    assert float(u.min()) > 0 and float(u.max()) < 1
+    assert abs(float(u.mean()) - 0.5) < 0.05
+
+
+def test_penalties():
+    params = RowParams.allocate(2, 5, torch.device("cpu"))
+    params.set_row(0, SamplingParams(presence_penalty=1.0, frequency_penalty=0.5), 0, [])
+    params.set_row(1, SamplingParams(repetition_penalty=2.0), 0, [3])
+    params.record(torch.tensor([0, 0]), torch.tensor([2, 2]))
+    logits = torch.ones(2, 5)
+    out = apply_penalties(logits, torch.tensor([0, 1]), params)
+    assert out[0].tolist() == [1, 1, 1 - 1.0 - 2 * 0.5, 1, 1]
+    assert out[1].tolist() == [1, 1, 1, 0.5, 1]  # the prompt token is penalised

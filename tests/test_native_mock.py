@@ -1,0 +1,134 @@
+"""The native HTTP API over the mock backend: errors, limits, cancellation, clean-up, backend death."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import time
+
+import pytest
+import requests
+
+from servers import ServerProcess
+
+
+def post(server, model_name, body, stream=False, **kw):
+    return requests.post(f"{server.url}/inference/{model_name}", json=body, stream=stream, timeout=30, **kw)
+
+
+def test_streams_the_echo_with_utf8_intact(mock_server, model_name):
+    r = post(mock_server, model_name, {"text": "héllo 日本", "max_tokens": 30}, stream=True)
+    assert r.status_code == 200
+    assert r.headers["Content-Type"] == "text/plain; charset=utf-8"
+    assert r.headers["Transfer-Encoding"] == "chunked"
+    chunks = list(r.raw.read_chunked(decode_content=False))
+    pieces = [c.decode("utf-8") for c in chunks]  # strict: no HTTP chunk splits a character
+    assert len(pieces) > 5
+    assert "".join(pieces) == "Echo: héllo 日本 — Echo: "
+
+
+def test_max_tokens_and_stop_sequence(mock_server, model_name):
+    r = post(mock_server, model_name, {"text": "abc", "max_tokens": 9, "stream": False})
+    assert r.json() == {"text": "Echo: abc", "finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 9}
+    r = post(mock_server, model_name, {"text": "abc", "stop_sequence": ["bc", "zz"], "stream": False})
+    assert r.json()["text"] == "Echo: a" and r.json()["finish_reason"] == "stop"
+    r = post(mock_server, model_name, {"text": "abc", "stop_sequence": " a", "return_prompt": True})
+    assert r.text == "abcEcho:"
+
+
+@pytest.mark.parametrize("kwargs,status,fragment", [
+    (dict(data="{not json", headers={"Content-Type": "application/json"}), 400, "Malformed JSON"),
+    (dict(data="[1, 2]", headers={"Content-Type": "application/json"}), 400, "JSON object"),
+    (dict(data='{"text": "hi"}', headers={"Content-Type": "text/plain"}), 400, "Content-Type"),
+    (dict(json={"text": "hi", "top_k": "many"}), 400, "top_k"),
+    (dict(json={"text": "hi", "max_tokens": 5000}), 400, "max_tokens"),
+    (dict(data=b'{"text": "' + b"x" * (2 << 20) + b'"}', headers={"Content-Type": "application/json"}), 413, "large"),
+])
+def test_bad_requests_get_json_errors(mock_server, model_name, kwargs, status, fragment):
+    r = requests.post(f"{mock_server.url}/inference/{model_name}", timeout=30, **kwargs)
+    assert r.status_code == status
+    assert r.headers["Content-Type"] == "application/json"
+    assert r.json()["status_code"] == status and fragment in r.json()["message"]
+
+
+def test_unknown_model_path_and_method(mock_server, model_name):
+    r = post(mock_server, "falcon40b", {"text": "hi"})
+    assert r.status_code == 404 and "falcon40b" in r.json()["message"]
+    r = requests.get(f"{mock_server.url}/inference/{model_name}", timeout=10)
+    assert r.status_code == 405 and r.json()["status_code"] == 405
+    r = requests.get(f"{mock_server.url}/no/such/path", timeout=10)
+    assert r.status_code == 404 and r.json() == {"status_code": 404, "message": "not found"}
+
+
+def open_stream(server, model_name, text, max_tokens=2000):
+    """A raw socket streaming request, so the test controls exactly when the client goes away."""
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    body = json.dumps({"text": text, "max_tokens": max_tokens}).encode()
+    sock.sendall(f"POST /inference/{model_name} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    assert b"200 OK" in sock.recv(4096)
+    return sock
+
+
+def test_queue_full_is_answered_at_once_and_disconnects_free_everything(mock_server, model_name):
+    # 4 rows + 4 queue places: fill them all with long streams
+    socks = [open_stream(mock_server, model_name, f"user {i}") for i in range(4)]
+    waiting = []
+    for i in range(4):
+        sock = socket.create_connection(("127.0.0.1", mock_server.port), timeout=10)
+        body = json.dumps({"text": f"waiter {i}", "max_tokens": 10}).encode()
+        sock.sendall(f"POST /inference/{model_name} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        waiting.append(sock)
+    deadline = time.monotonic() + 10
+    while mock_server.health()["open_sessions"] < 8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    health = mock_server.health()
+    assert health["rows_in_use"] == 4 and health["open_sessions"] == 8
+    started = time.monotonic()
+    r = post(mock_server, model_name, {"text": "one too many"})
+    assert time.monotonic() - started < 1.0
+    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+    assert r.json()["status_code"] == 503 and "busy" in r.json()["message"]
+    # every client leaves: rows and sessions are freed within a step or two
+    for sock in socks + waiting:
+        sock.close()
+    health = mock_server.wait_idle(timeout=10)
+    assert health["rows_in_use"] == 0 and health["open_sessions"] == 0 and health["queue_length"] == 0
+    assert post(mock_server, model_name, {"text": "after", "max_tokens": 4}).text == "Echo"
+
+
+def test_mixed_finished_failed_and_abandoned_leave_no_state(mock_server, model_name):
+    post(mock_server, model_name, {"text": "done", "max_tokens": 3})
+    post(mock_server, model_name, {"text": "bad", "top_p": 7})
+    r = post(mock_server, model_name, {"text": "abandon", "max_tokens": 500}, stream=True)
+    next(r.iter_content(chunk_size=None))
+    r.close()
+    r = post(mock_server, model_name, {"text": "half read", "max_tokens": 500}, stream=True)
+    r.raw.read(3)
+    r.close()
+    health = mock_server.wait_idle(timeout=10)
+    assert health["open_sessions"] == 0 and health["rows_in_use"] == 0
+
+
+def test_backend_death_ends_streams_with_an_error_and_health_turns_503(model_name):
+    server = ServerProcess("--mock", "--mock-tokens-per-second", "20")
+    try:
+        r = post(server, model_name, {"text": "doomed", "max_tokens": 1000}, stream=True)
+        chunks = r.iter_content(chunk_size=None)
+        assert next(chunks)
+        os.kill(server.health()["backend_pid"], signal.SIGKILL)
+        with pytest.raises(requests.exceptions.ChunkedEncodingError):
+            for _ in chunks:  # the stream is cut, not ended as if complete
+                pass
+        deadline = time.monotonic() + 10
+        while requests.get(server.url + "/health", timeout=5).status_code != 503 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        health = requests.get(server.url + "/health", timeout=5)
+        assert health.status_code == 503 and health.json()["status"] == "failed"
+        r = post(server, model_name, {"text": "after"})
+        assert r.status_code == 503 and r.json()["status_code"] == 503
+        assert server.health()["open_sessions"] == 0
+    finally:
+        server.stop()

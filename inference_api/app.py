@@ -25,8 +25,12 @@ def create_app(config: ServerConfig | None = None) -> Flask:
     register_error_handlers(app)
 
     from .routes_native import native
+    from .routes_openai import openai_api
+    from .routes_tgi import tgi
 
     app.register_blueprint(native)
+    app.register_blueprint(openai_api)
+    app.register_blueprint(tgi)
     return app
 
 

@@ -10,12 +10,14 @@ log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None,
+                 code: str | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.retry_after = retry_after
+        self.code = code  # OpenAI's machine-readable error code, e.g. "model_not_found"
 
 
 _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
@@ -26,8 +28,8 @@ def error_body(path: str, err: ApiError) -> dict:
     """The error object of the API family the path belongs to."""
     if path.startswith("/v1/"):
         return {"error": {"message": err.message, "type": _OPENAI_TYPES.get(err.status, "server_error"),
-                          "param": err.param, "code": None}}
-    if path in ("/generate", "/generate_stream", "/info"):
+                          "param": err.param, "code": err.code}}
+    if path in ("/", "/generate", "/generate_stream", "/info"):  # "/" is TGI's compat route
         kind = "validation" if err.status in (400, 413, 422) else "overloaded" if err.status in (429, 503) \
             else "generation"
         return {"error": err.message, "error_type": kind}

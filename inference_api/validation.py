@@ -1,6 +1,7 @@
 """Request validation: every bad field raises ApiError(400) naming the field and what it accepts."""
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,14 @@ def stop_list(body: dict, name: str, max_items: int = 4) -> tuple[str, ...]:
         raise ApiError(400, f"{name} must be a non-empty string or a list of up to {max_items} non-empty strings",
                        param=name)
     return tuple(items)
+
+
+def only_default(body: dict, name: str, *neutral: Any) -> None:
+    """A field the server does not implement: accepted when null or at a value that changes nothing."""
+    value = body.get(name)
+    if value is None or any(type(value) is type(n) and value == n for n in neutral):
+        return
+    raise ApiError(400, f"{name}={json.dumps(value)[:100]} is not supported by this server", param=name)
 
 
 SEED_RANGE = (-(2**63), 2**64 - 1)

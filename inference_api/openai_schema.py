@@ -1,0 +1,167 @@
+"""OpenAI request parsing: /v1/completions and /v1/chat/completions bodies into sampling parameters.
+
+Fields the server implements are validated with their OpenAI ranges; fields it does not implement are
+accepted only at a value that changes nothing (``only_default``); anything else is a 400 naming the field.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import ApiError
+from .messages import SamplingParams
+from .validation import SEED_RANGE, boolean, number, only_default, reject_unknown, stop_list, string
+
+# sent by clients, harmless to ignore: they do not change what the model generates
+_IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+            "prompt_cache_retention", "parallel_tool_calls"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n",
+           "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
+           "top_k", "repetition_penalty"}  # top_k and repetition_penalty: extensions, as in vLLM and TGI
+COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "best_of", "suffix"}
+CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
+                                    "tools", "tool_choice", "functions", "function_call", "modalities", "audio",
+                                    "prediction", "reasoning_effort", "verbosity", "web_search_options",
+                                    "moderation", "prompt_cache_options"}
+ROLES = {"system", "developer", "user", "assistant"}
+_MESSAGE_FIELDS = {"role", "content", "name", "refusal", "tool_calls", "function_call", "audio"}
+
+
+@dataclass(frozen=True)
+class OpenAIRequest:
+    model: str
+    params: SamplingParams  # max_tokens is filled in once the prompt length is known
+    max_tokens: int | None  # None: as much as fits, up to the server's cap
+    max_tokens_field: str  # the field max_tokens came from, for error messages
+    stream: bool
+    include_usage: bool
+    prompt: str | None = None  # completions: text ...
+    prompt_ids: tuple[int, ...] | None = None  # ... or token ids
+    messages: tuple[dict, ...] | None = None  # chat: {"role", "content"} with content a string
+
+
+def parse_completion(body: dict, vocab_size: int) -> OpenAIRequest:
+    reject_unknown(body, COMPLETION_FIELDS)
+    only_default(body, "echo", False)
+    only_default(body, "best_of", 1)
+    only_default(body, "suffix", "")
+    prompt, prompt_ids = _prompt(body.get("prompt"), vocab_size)
+    logprobs = number(body, "logprobs", None, 0, 5, integer=True)
+    return _request(body, logprobs, "max_tokens", prompt=prompt, prompt_ids=prompt_ids)
+
+
+def parse_chat(body: dict) -> OpenAIRequest:
+    reject_unknown(body, CHAT_FIELDS)
+    for name, neutral in (("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"),
+                          ("functions", []), ("function_call", "none"), ("modalities", ["text"])):
+        only_default(body, name, neutral)
+    for name in ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options", "moderation",
+                 "prompt_cache_options"):
+        only_default(body, name)
+    messages = _messages(body.get("messages"))
+    top = number(body, "top_logprobs", None, 0, 20, integer=True)
+    want = boolean(body, "logprobs", False)
+    if top is not None and not want:
+        raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+    field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    return _request(body, (top or 0) if want else None, field, messages=messages)
+
+
+def _request(body: dict, logprobs: int | None, max_field: str, **prompt) -> OpenAIRequest:
+    model = string(body, "model", required=True)
+    n = body.get("n")
+    if n is not None and (type(n) is not int or n != 1):
+        raise ApiError(400, f"n={n!r} is not supported: this server returns one choice per request (n must be 1)",
+                       param="n")
+    logit_bias = body.get("logit_bias")
+    if logit_bias is not None and logit_bias != {}:
+        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
+    stream = boolean(body, "stream", False)
+    include_usage = _stream_options(body.get("stream_options"), stream)
+    temperature = number(body, "temperature", 1.0, 0, 2)
+    top_p = number(body, "top_p", 1.0, 0, 1)
+    params = SamplingParams(
+        temperature=0.0 if top_p == 0 else temperature,  # top_p 0 keeps only the top token: greedy
+        top_k=number(body, "top_k", 0, 0, 1_000_000, integer=True),
+        top_p=top_p or 1.0,
+        stop=stop_list(body, "stop", 4),
+        seed=number(body, "seed", None, *SEED_RANGE, integer=True),
+        presence_penalty=number(body, "presence_penalty", 0.0, -2, 2),
+        frequency_penalty=number(body, "frequency_penalty", 0.0, -2, 2),
+        repetition_penalty=number(body, "repetition_penalty", 1.0, 0, 10, lo_open=True),
+        logprobs=logprobs,
+    )
+    return OpenAIRequest(model=model, params=params,
+                         max_tokens=number(body, max_field, None, 1, 1 << 31, integer=True), max_tokens_field=max_field,
+                         stream=stream, include_usage=include_usage, **prompt)
+
+
+def _stream_options(options, stream: bool) -> bool:
+    if options is None:
+        return False
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options")
+    reject_unknown(options, {"include_usage", "include_obfuscation"})
+    boolean(options, "include_obfuscation", False)  # accepted; this server never pads chunks
+    return boolean(options, "include_usage", False)
+
+
+def _prompt(prompt, vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]:
+    """A string, a list of one string, a list of token ids, or a list of one list of token ids."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ApiError(400, "prompt must not be empty", param="prompt")
+        return prompt, None
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        if not all(0 <= t < vocab_size for t in prompt):
+            raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+        return None, tuple(prompt)
+    if isinstance(prompt, list) and len(prompt) > 1:
+        raise ApiError(400, "batched prompts are not supported: send one prompt (a string or a list of token ids) "
+                            "per request", param="prompt")
+    raise ApiError(400, "prompt is required: a non-empty string, a list of one string, or a list of token ids",
+                   param="prompt")
+
+
+def _messages(messages) -> tuple[dict, ...]:
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages is required: a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict):
+            raise ApiError(400, f"{where} must be an object with role and content", param=where)
+        role = msg.get("role")
+        if role not in ROLES:
+            raise ApiError(400, f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}"
+                           + (" (tool calling is not supported)" if role in ("tool", "function") else ""),
+                           param=f"{where}.role")
+        unknown = sorted(set(msg) - _MESSAGE_FIELDS)
+        if unknown:
+            raise ApiError(400, f"{where}: unknown field {unknown[0]!r}", param=f"{where}.{unknown[0]}")
+        for name in ("tool_calls", "function_call", "audio"):
+            if msg.get(name):
+                raise ApiError(400, f"{where}.{name} is not supported by this server", param=f"{where}.{name}")
+        string(msg, "name")  # accepted, not shown to the model
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _content(msg.get("content"), f"{where}.content")})
+    return tuple(out)
+
+
+def _content(content, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else None
+                raise ApiError(400, f"{where}[{j}] must be {{\"type\": \"text\", \"text\": string}}"
+                               + (f"; {kind!r} parts are not supported" if kind and kind != "text" else ""),
+                               param=f"{where}[{j}]")
+            texts.append(part["text"])
+        return "\n".join(texts)
+    raise ApiError(400, f"{where} must be a string or a non-empty list of text parts", param=where)

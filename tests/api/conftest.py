@@ -1,0 +1,41 @@
+"""Fixtures for the OpenAI and TGI API tests: clients on the session's servers, the native API's answers."""
+from __future__ import annotations
+
+import pytest
+import requests
+
+
+@pytest.fixture(scope="session")
+def oai(real_server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="session")
+def native(real_server, model_name):
+    """The native API's non-streaming answer: greedy unless told otherwise; chat goes through /predictions."""
+
+    def call(text: str, max_tokens: int, chat: bool = False, **fields) -> dict:
+        route = "predictions" if chat else "inference"
+        body = {"text": text, "max_tokens": max_tokens, "temperature": 0, "stream": False, **fields}
+        response = requests.post(f"{real_server.url}/{route}/{model_name}", json=body, timeout=60)
+        response.raise_for_status()
+        return response.json()
+
+    return call
+
+
+@pytest.fixture(scope="session")
+def sse_data():
+    """The ``data:`` payloads of a server-sent-events body, checking the framing on the way."""
+
+    def parse(response: requests.Response) -> list[str]:
+        assert response.headers["Content-Type"].startswith("text/event-stream")
+        body = response.content.decode()
+        assert body.endswith("\n\n"), body[-200:]
+        events = body[:-2].split("\n\n")
+        assert all(e.startswith("data: ") and "\n" not in e for e in events), body[:500]
+        return [e[len("data: "):] for e in events]
+
+    return parse

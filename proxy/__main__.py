@@ -1,0 +1,48 @@
+"""``python -m proxy [flags]``: serve the proxy with gunicorn (gthread, one worker, many threads)."""
+from __future__ import annotations
+
+import os
+import sys
+
+from gunicorn.app.base import BaseApplication
+
+from .config import ConfigError, ProxyConfig
+
+
+class ProxyServer(BaseApplication):
+    def __init__(self, config: ProxyConfig):
+        self.proxy_config = config
+        super().__init__()
+
+    def load_config(self) -> None:
+        c = self.proxy_config
+        host = f"[{c.host}]" if ":" in c.host else c.host
+        # one worker: the per-team limit is counted in-process; threads carry the open streams
+        options = {"bind": f"{host}:{c.port}", "workers": 1, "worker_class": "gthread", "threads": c.threads,
+                   "timeout": 30, "graceful_timeout": 10, "keepalive": 5, "loglevel": c.log_level,
+                   "accesslog": None,  # the app writes its own JSON access log
+                   # gunicorn's control socket has one default path per user: a second gunicorn (the inference
+                   # server, another proxy) would take it over
+                   "control_socket_disable": True}
+        for key, value in options.items():
+            self.cfg.set(key, value)
+
+    def load(self):
+        from .app import create_app
+
+        return create_app(self.proxy_config)
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        config = ProxyConfig.from_args(sys.argv[1:] if argv is None else argv, os.environ)
+    except ConfigError as exc:
+        print(f"python -m proxy: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    for warning in config.warnings():
+        print(f"\n{'!' * 78}\nWARNING: {warning}\n{'!' * 78}\n", file=sys.stderr, flush=True)
+    ProxyServer(config).run()
+
+
+if __name__ == "__main__":
+    main()

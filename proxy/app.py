@@ -1,0 +1,118 @@
+"""The Flask app factory: one catch-all route that authenticates, applies the team limit and forwards."""
+from __future__ import annotations
+
+import re
+import time
+import uuid
+from urllib.parse import quote, urlsplit
+
+from flask import Flask, Response, g, request
+from werkzeug.routing import BaseConverter
+
+from .access_log import AccessLog
+from .auth import Identity, TokenVerifier, bearer_token
+from .config import ProxyConfig
+from .errors import ProxyError, register_error_handlers
+from .limits import Slot, TeamLimiter
+from .upstream import StreamBody, Upstream, client_response_headers, upstream_request_headers
+
+METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
+PUBLIC = {("GET", "/health"), ("HEAD", "/health")}
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:+/=@-]{1,128}")
+
+
+class _AnyPath(BaseConverter):
+    """Every path, including the empty one and ones with empty segments (``//``)."""
+    regex = ".*"
+    part_isolating = False
+
+
+def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flask:
+    app = Flask(__name__)
+    app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
+    app.json.sort_keys = False
+    app.url_map.converters["anypath"] = _AnyPath
+    app.url_map.merge_slashes = False
+    app.extensions["proxy_config"] = config
+    verifier = TokenVerifier(config)
+    limiter = TeamLimiter(config.max_concurrent_per_team)
+    upstream = Upstream(config)
+    access_log = access_log or AccessLog()
+    register_error_handlers(app)
+
+    @app.before_request
+    def start() -> None:
+        g.started = time.monotonic()
+        given = request.headers.get("X-Request-Id", "")
+        g.request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+
+    @app.route("/<anypath:path>", methods=METHODS)
+    def forward(path: str):
+        identity = None
+        if (request.method, request.path) not in PUBLIC:
+            identity = verifier.verify(bearer_token(request.headers.get("Authorization")))
+        g.identity = identity
+        slot = limiter.acquire(identity.team_id) if identity is not None else Slot(None, None)
+        if slot is None:
+            raise ProxyError(429, f"team {identity.team_id!r} already has {limiter.max_per_team} requests in "
+                                  "progress; retry when one finishes", {"Retry-After": str(config.retry_after)})
+        try:
+            body = request.get_data(cache=False)
+            headers = upstream_request_headers(request.headers.items(), upstream_host=config.upstream_host,
+                                               client_addr=request.remote_addr, scheme=request.scheme,
+                                               request_id=g.request_id, identity=identity)
+            answer = upstream.send(request.method, _target(), headers, body)
+        except BaseException:
+            slot.release()
+            raise
+        g.stream = stream = StreamBody(answer, on_close=slot.release)
+        upstream_headers = list(answer.raw.headers.items())
+        response = Response(stream, status=answer.status_code, headers=client_response_headers(upstream_headers))
+        if not any(name.lower() == "content-type" for name, _ in upstream_headers):
+            del response.headers["Content-Type"]  # pass through its absence rather than invent one
+        return response
+
+    @app.after_request
+    def finish(response: Response) -> Response:
+        response.headers["X-Request-Id"] = g.get("request_id") or uuid.uuid4().hex
+        identity: Identity | None = g.get("identity")
+        stream: StreamBody | None = g.get("stream")
+        started = g.get("started", time.monotonic())
+        fields = {"request_id": response.headers["X-Request-Id"],
+                  "team_id": identity.team_id if identity else None,
+                  "token_id": identity.token_id if identity else None,
+                  "method": request.method, "path": request.path, "status": response.status_code,
+                  "client": request.remote_addr}
+        error = g.get("error")
+
+        def write() -> None:
+            outcome = {}
+            if stream is not None:
+                outcome["bytes"] = stream.bytes_sent
+                if stream.error:
+                    outcome["error"] = stream.error
+                elif not stream.complete and stream.bytes_sent:
+                    outcome["error"] = "client disconnected"
+            else:
+                outcome["bytes"] = response.content_length or 0
+                if error:
+                    outcome["error"] = error
+            access_log.write(**fields, **outcome, duration_ms=round((time.monotonic() - started) * 1000, 1))
+
+        response.call_on_close(write)
+        return response
+
+    return app
+
+
+def _target() -> str:
+    """The request target as the client sent it (raw path and query), so percent-escapes pass unchanged."""
+    raw = request.environ.get("RAW_URI") or request.environ.get("REQUEST_URI") or ""
+    if raw.startswith("/"):
+        return raw
+    if raw.startswith(("http://", "https://")):  # absolute-form target
+        parts = urlsplit(raw)
+        return (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+    target = quote(request.environ.get("SCRIPT_NAME", "") + request.environ.get("PATH_INFO", "")) or "/"
+    query = request.environ.get("QUERY_STRING")
+    return f"{target}?{query}" if query else target

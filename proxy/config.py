@@ -1,0 +1,154 @@
+"""The one proxy configuration, built once at the entry point from CLI flags and the environment."""
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Mapping, Sequence
+from urllib.parse import urlsplit
+
+HMAC_ALGORITHMS = frozenset({"HS256", "HS384", "HS512"})
+PUBLIC_KEY_ALGORITHMS = frozenset({"RS256", "RS384", "RS512", "PS256", "PS384", "PS512", "ES256", "ES384",
+                                   "ES512", "EdDSA"})
+MIN_SECRET_BYTES = 32
+
+
+class ConfigError(ValueError):
+    """The flags and environment do not make a usable configuration; the proxy refuses to start."""
+
+
+@dataclass(frozen=True)
+class ProxyConfig:
+    jwt_secret: str | None = field(default=None, repr=False)  # HMAC key; required when an HS* algorithm is accepted
+    host: str = "0.0.0.0"
+    port: int = 1223
+    upstream: str = "http://127.0.0.1:8000"
+    threads: int = 128  # gunicorn gthread threads: one per open stream
+    jwt_algorithms: tuple[str, ...] = ("HS256",)
+    jwt_public_key: str | None = field(default=None, repr=False)  # PEM text, for RS*/PS*/ES*/EdDSA
+    jwt_required_claims: tuple[str, ...] = ("team_id", "token_id")
+    jwt_require_exp: bool = False
+    jwt_leeway: float = 30.0  # seconds of clock skew tolerated on exp, nbf and iat
+    jwt_audience: str | None = None  # when set, tokens must carry this aud
+    jwt_issuer: str | None = None  # when set, tokens must carry this iss
+    connect_timeout: float = 5.0  # seconds to open the upstream connection; then 504
+    first_byte_timeout: float = 120.0  # seconds until upstream sends its response headers; then 504
+    stream_idle_timeout: float = 600.0  # longest silence between two body chunks once streaming; 0: no limit
+    max_concurrent_per_team: int = 0  # open requests per team_id; beyond it 429; 0: no limit
+    retry_after: int = 1  # the Retry-After seconds sent with a 429
+    max_body_bytes: int = 16 << 20  # larger request bodies get 413
+    log_level: str = "info"
+
+    @property
+    def upstream_host(self) -> str:
+        """host[:port] of the upstream, sent as the forwarded request's Host header."""
+        return urlsplit(self.upstream).netloc
+
+    def warnings(self) -> list[str]:
+        """Problems that do not stop the proxy but that an operator must see."""
+        found = []
+        if self.jwt_secret is not None and len(self.jwt_secret.encode()) < MIN_SECRET_BYTES:
+            found.append(f"JWT_SECRET is only {len(self.jwt_secret.encode())} bytes long: anyone who guesses it can "
+                         f"mint tokens. Use at least {MIN_SECRET_BYTES} random bytes.")
+        return found
+
+    @classmethod
+    def from_args(cls, argv: Sequence[str], env: Mapping[str, str]) -> "ProxyConfig":
+        args = build_parser(env).parse_args(list(argv))
+        return cls.build(secret=env.get("JWT_SECRET") or None, **vars(args))
+
+    @classmethod
+    def build(cls, *, secret: str | None, jwt_public_key_file: Path | None = None, **values) -> "ProxyConfig":
+        """Validate and normalise the parsed values; raise ConfigError when the proxy must not start."""
+        algorithms = tuple(dict.fromkeys(a.strip() for a in values.pop("jwt_algorithms", ("HS256",)) if a.strip()))
+        if not algorithms:
+            raise ConfigError("no JWT algorithm accepted")
+        unknown = [a for a in algorithms if a not in HMAC_ALGORITHMS | PUBLIC_KEY_ALGORITHMS]
+        if unknown:
+            raise ConfigError(f"unsupported JWT algorithm(s) {', '.join(unknown)}; choose from "
+                              f"{', '.join(sorted(HMAC_ALGORITHMS | PUBLIC_KEY_ALGORITHMS))}")
+        if any(a in HMAC_ALGORITHMS for a in algorithms) and not secret:
+            raise ConfigError("JWT_SECRET is required (set it in the environment)")
+        public_key = None
+        if any(a in PUBLIC_KEY_ALGORITHMS for a in algorithms):
+            if jwt_public_key_file is None:
+                raise ConfigError("--jwt-public-key-file is required for " + ", ".join(
+                    a for a in algorithms if a in PUBLIC_KEY_ALGORITHMS))
+            try:
+                public_key = Path(jwt_public_key_file).read_text()
+            except OSError as exc:
+                raise ConfigError(f"cannot read the public key file: {exc}") from exc
+        upstream = values.pop("upstream", cls.upstream).rstrip("/")
+        parts = urlsplit(upstream)
+        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+            raise ConfigError(f"upstream must be an http(s) URL like http://127.0.0.1:8000, not {upstream!r}")
+        claims = tuple(dict.fromkeys(c.strip() for c in values.pop("jwt_required_claims", ()) if c.strip()))
+        config = cls(jwt_secret=secret, jwt_algorithms=algorithms, jwt_public_key=public_key, upstream=upstream,
+                     jwt_required_claims=claims, **values)
+        for name in ("port", "threads", "connect_timeout", "first_byte_timeout", "max_body_bytes"):
+            if getattr(config, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        for name in ("stream_idle_timeout", "max_concurrent_per_team", "retry_after", "jwt_leeway"):
+            if getattr(config, name) < 0:
+                raise ConfigError(f"{name} must not be negative")
+        return config
+
+
+def _bool(value: str | bool) -> bool:
+    if isinstance(value, bool):
+        return value
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _names(value: str | Sequence[str]) -> tuple[str, ...]:
+    if isinstance(value, str):
+        return tuple(v.strip() for v in value.split(",") if v.strip())
+    return tuple(value)
+
+
+# flag -> (field, environment variable, type, help); the default comes from ProxyConfig
+_OPTIONS = [
+    ("--host", "host", "PROXY_HOST", str, "listen address"),
+    ("--port", "port", "PROXY_PORT", int, "listen port"),
+    ("--upstream", "upstream", "UPSTREAM_URL", str, "inference server base URL"),
+    ("--threads", "threads", "PROXY_THREADS", int, "gunicorn threads (concurrent requests)"),
+    ("--jwt-algorithms", "jwt_algorithms", "JWT_ALGORITHMS", _names, "accepted JWT algorithms, comma-separated"),
+    ("--jwt-public-key-file", "jwt_public_key_file", "JWT_PUBLIC_KEY_FILE", Path,
+     "PEM public key for RS*/PS*/ES*/EdDSA tokens"),
+    ("--jwt-required-claims", "jwt_required_claims", "JWT_REQUIRED_CLAIMS", _names,
+     "claims every token must carry, comma-separated"),
+    ("--jwt-require-exp", "jwt_require_exp", "JWT_REQUIRE_EXP", bool, "reject tokens without an exp claim"),
+    ("--jwt-leeway", "jwt_leeway", "JWT_LEEWAY_SECONDS", float, "clock skew tolerated on exp/nbf/iat, seconds"),
+    ("--jwt-audience", "jwt_audience", "JWT_AUDIENCE", str, "required aud claim"),
+    ("--jwt-issuer", "jwt_issuer", "JWT_ISSUER", str, "required iss claim"),
+    ("--connect-timeout", "connect_timeout", "UPSTREAM_CONNECT_TIMEOUT", float,
+     "seconds to connect to upstream before 504"),
+    ("--first-byte-timeout", "first_byte_timeout", "UPSTREAM_FIRST_BYTE_TIMEOUT", float,
+     "seconds for upstream to start answering before 504"),
+    ("--stream-idle-timeout", "stream_idle_timeout", "UPSTREAM_STREAM_IDLE_TIMEOUT", float,
+     "longest pause between streamed chunks before the stream is cut, seconds (0: none)"),
+    ("--max-concurrent-per-team", "max_concurrent_per_team", "MAX_CONCURRENT_PER_TEAM", int,
+     "open requests allowed per team_id before 429 (0: no limit)"),
+    ("--retry-after", "retry_after", "RETRY_AFTER_SECONDS", int, "Retry-After seconds sent with a 429"),
+    ("--max-body-bytes", "max_body_bytes", "PROXY_MAX_BODY_BYTES", int, "largest accepted request body"),
+    ("--log-level", "log_level", "PROXY_LOG_LEVEL", str, "gunicorn log level"),
+]
+
+
+def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m proxy",
+        description="JWT-checking reverse proxy in front of the inference server. The HMAC secret is read from "
+                    "the JWT_SECRET environment variable (never a flag, so it stays out of process listings).")
+    defaults = ProxyConfig()
+    for flag, name, var, kind, help_text in _OPTIONS:
+        default = getattr(defaults, name, None)
+        raw = env.get(var)
+        if kind is bool:
+            parser.add_argument(flag, dest=name, action=argparse.BooleanOptionalAction,
+                                default=_bool(raw) if raw else default, help=f"{help_text} (env {var})")
+            continue
+        shown = ",".join(default) if isinstance(default, tuple) else default
+        parser.add_argument(flag, dest=name, type=kind, default=kind(raw) if raw else default,
+                            help=f"{help_text} (env {var}, default {shown})")
+    return parser

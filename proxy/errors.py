@@ -1,0 +1,56 @@
+"""Errors the proxy answers itself, always as JSON ``{"status_code": N, "message": "..."}``, never HTML."""
+from __future__ import annotations
+
+import logging
+
+from flask import Flask, g, jsonify, request
+from werkzeug.exceptions import HTTPException
+
+from .auth import AuthError
+
+log = logging.getLogger("proxy")
+
+
+class ProxyError(Exception):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.headers = headers or {}
+
+
+def error_response(status: int, message: str, headers: dict[str, str] | None = None):
+    g.error = message  # for the access log
+    response = jsonify(status_code=status, message=message)
+    response.status_code = status
+    response.headers.update(headers or {})
+    return response
+
+
+def register_error_handlers(app: Flask) -> None:
+    @app.errorhandler(AuthError)
+    def unauthorized(exc: AuthError):
+        # RFC 6750: a bare challenge when no credentials came, error="invalid_token" when they were bad
+        challenge = 'Bearer realm="inference"'
+        if request.headers.get("Authorization"):
+            challenge += ', error="invalid_token"'
+        return error_response(401, exc.message, {"WWW-Authenticate": challenge})
+
+    @app.errorhandler(ProxyError)
+    def proxy_error(exc: ProxyError):
+        return error_response(exc.status, exc.message, exc.headers)
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException):
+        status = exc.code or 500
+        message = {405: f"method {request.method} not allowed", 413: "request body too large"}.get(
+            status, exc.description or exc.name)
+        headers = {}
+        if status == 405 and getattr(exc, "valid_methods", None):
+            headers["Allow"] = ", ".join(exc.valid_methods)
+        return error_response(status, message, headers)
+
+    @app.errorhandler(Exception)
+    def unexpected(exc: Exception):
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return error_response(500, "internal proxy error")

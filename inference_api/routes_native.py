@@ -67,10 +67,13 @@ def _generate(model_name: str, chat: bool):
 @native.get("/health")
 def health():
     client = engine_client()
-    body = {"status": client.state, "model": client.ready.model_name if client.ready else None,
+    ready = client.ready
+    body = {"status": client.state, "model": ready.model_name if ready else None,
             "rows_in_use": client.stats.rows_in_use, "rows_total": server_config().rows,
             "queue_length": client.stats.waiting, "open_sessions": client.open_sessions,
-            "backend_pid": client.process.pid}
+            "mock": server_config().mock, "model_dir": ready.model_dir if ready else None,
+            "device": ready.device if ready else None, "dtype": ready.dtype if ready else None,
+            "context_length": ready.context_length if ready else None, "backend_pid": client.process.pid}
     if client.failure is not None:
         body["message"] = client.failure
     return jsonify(body), 200 if client.state == "ready" else 503

@@ -20,7 +20,7 @@ class Runner(Protocol):
     device: torch.device
     vocab_size: int
 
-    def prefill(self, row: int, token_ids: list[int], start: int) -> torch.Tensor: ...
+    def prefill(self, rows: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor: ...
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor: ...
 
@@ -88,38 +88,52 @@ class Engine:
             self.running[seq.row] = seq
 
     def _forward(self) -> tuple[list[Sequence], torch.Tensor]:
-        """Prefill up to one chunk of prompt tokens, then decode every row that has a token to feed."""
-        seqs, logits = [], []
-        budget = self.prefill_chunk
-        for seq in sorted(self.running.values(), key=lambda s: s.row):
-            if seq.status is not Status.PREFILL or budget <= 0:
-                continue
-            n = min(budget, seq.prefill_remaining)
-            out = self.runner.prefill(seq.row, seq.prompt_ids[seq.num_cached:seq.num_cached + n], seq.num_cached)
-            seq.num_cached += n
-            budget -= n
-            if seq.prefill_remaining == 0:
-                seqs.append(seq)
-                logits.append(out)
-        decoding = [s for s in self.running.values() if s.status is Status.DECODE]
-        if decoding:
-            width = max(s.row for s in decoding) + 1
-            dev = self.runner.device
-            tokens = torch.zeros(width, dtype=torch.long, device=dev)
-            positions = torch.zeros(width, dtype=torch.long, device=dev)
-            active = torch.zeros(width, dtype=torch.bool, device=dev)
-            rows = torch.tensor([s.row for s in decoding], device=dev)
-            tokens[rows] = torch.tensor([s.last_token for s in decoding], device=dev)
-            positions[rows] = torch.tensor([s.num_tokens - 1 for s in decoding], device=dev)
-            active[rows] = True
-            out = self.runner.decode(tokens, positions, active)[rows]
-            for s in decoding:
-                s.num_cached += 1
-            seqs.extend(decoding)
-            logits.append(out)
-        if not seqs:
+        """Prefill up to one chunk of prompt tokens, then decode every row with a token to feed."""
+        parts = [part for part in (self._prefill(), self._decode()) if part[0]]
+        if not parts:
             return [], torch.empty(0)
-        return seqs, torch.cat([l.reshape(-1, l.shape[-1]) for l in logits])
+        return [s for seqs, _ in parts for s in seqs], torch.cat([logits for _, logits in parts])
+
+    def _prefill(self) -> tuple[list[Sequence], torch.Tensor | None]:
+        """One forward over several rows' prompt chunks, at most prefill_chunk tokens with padding, so a
+        long prompt never stalls the running streams for more than one bounded piece of work."""
+        batch, width = [], 0
+        for seq in sorted(self.running.values(), key=lambda s: s.row):
+            if seq.status is not Status.PREFILL:
+                continue
+            n = min(seq.prefill_remaining, self.prefill_chunk)
+            if batch and (len(batch) + 1) * max(width, n) > self.prefill_chunk:
+                break
+            batch.append((seq, n))
+            width = max(width, n)
+        if not batch:
+            return [], None
+        logits = self.runner.prefill([s.row for s, _ in batch],
+                                     [s.prompt_ids[s.num_cached:s.num_cached + n] for s, n in batch],
+                                     [s.num_cached for s, _ in batch])
+        for seq, n in batch:
+            seq.num_cached += n
+        done = [i for i, (seq, _) in enumerate(batch) if seq.prefill_remaining == 0]
+        return [batch[i][0] for i in done], logits[done]
+
+    def _decode(self) -> tuple[list[Sequence], torch.Tensor | None]:
+        """One token for every decoding row; the batch spans rows 0..highest, idle rows masked out."""
+        decoding = [s for s in self.running.values() if s.status is Status.DECODE]
+        if not decoding:
+            return [], None
+        width = max(s.row for s in decoding) + 1
+        dev = self.runner.device
+        tokens = torch.zeros(width, dtype=torch.long, device=dev)
+        positions = torch.zeros(width, dtype=torch.long, device=dev)
+        active = torch.zeros(width, dtype=torch.bool, device=dev)
+        rows = torch.tensor([s.row for s in decoding], device=dev)
+        tokens[rows] = torch.tensor([s.last_token for s in decoding], device=dev)
+        positions[rows] = torch.tensor([s.num_tokens - 1 for s in decoding], device=dev)
+        active[rows] = True
+        logits = self.runner.decode(tokens, positions, active)[rows]
+        for s in decoding:
+            s.num_cached += 1
+        return decoding, logits
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         p = self.params

@@ -33,18 +33,24 @@ class RowKVCache(Cache):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
-    def bind(self, rows: slice, write_pos: torch.Tensor, attend_len: int) -> None:
-        """Set where the next forward writes ([B, T] positions per row) and how far it attends."""
+    def bind(self, rows: slice | torch.Tensor, write_pos: torch.Tensor, attend_len: int) -> None:
+        """Set the rows of the next forward (a slice: views, for decode; an index tensor: any rows, for
+        prefill), where each new token is written ([B, T] positions) and how many positions it attends."""
         self._rows, self._write, self._attend = rows, write_pos, attend_len
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        k = self.keys[layer_idx][self._rows]
-        v = self.values[layer_idx][self._rows]
-        idx = self._write[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
-        k.scatter_(2, idx, key_states.to(k.dtype))
-        v.scatter_(2, idx, value_states.to(v.dtype))
-        return k[:, :, :self._attend], v[:, :, :self._attend]
+        return (self._update(self.keys[layer_idx], key_states), self._update(self.values[layer_idx], value_states))
+
+    def _update(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+        if isinstance(self._rows, slice):
+            view = store[self._rows]
+            idx = self._write[:, None, :, None].expand(-1, view.shape[1], -1, view.shape[3])
+            view.scatter_(2, idx, new.to(view.dtype))
+            return view[:, :, :self._attend]
+        rows = self._rows[:, None]
+        store[rows, :, self._write] = new.transpose(1, 2).to(store.dtype)  # [B, T, heads, dim]
+        return store[self._rows, :, :self._attend]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._attend

@@ -33,14 +33,26 @@ class ModelRunner:
         return out.logits[:, -1].float()
 
     @torch.inference_mode()
-    def prefill(self, row: int, token_ids: list[int], start: int) -> torch.Tensor:
-        """Write token_ids at positions start.. of one row; return the last position's logits [V]."""
-        end = start + len(token_ids)
-        positions = torch.arange(start, end, device=self.device)[None]
-        visible = torch.arange(end, device=self.device)[None, :] <= positions[0][:, None]  # causal [T, L]
-        self.cache.bind(slice(row, row + 1), positions, end)
-        ids = torch.tensor([token_ids], device=self.device)
-        return self._forward(ids, positions, visible[None], 1)[0]
+    def prefill(self, rows: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Write each chunk at positions start.. of its row, all rows in one forward; return the logits of
+        each chunk's last token [len(rows), V]. Chunks are left-padded so every row's last token is last;
+        padding writes to the scratch slot and sees only position 0."""
+        width = max(len(c) for c in chunks)
+        ids = torch.zeros(len(rows), width, dtype=torch.long)
+        positions = torch.zeros(len(rows), width, dtype=torch.long)
+        write = torch.full((len(rows), width), self.cache.scratch, dtype=torch.long)
+        for i, (chunk, start) in enumerate(zip(chunks, starts)):
+            pad = width - len(chunk)
+            ids[i, pad:] = torch.tensor(chunk)
+            positions[i, pad:] = torch.arange(start, start + len(chunk))
+            write[i, pad:] = positions[i, pad:]
+        attend = max(s + len(c) for s, c in zip(starts, chunks))
+        real = write != self.cache.scratch
+        keys = torch.arange(attend)
+        visible = torch.where(real[..., None], keys <= positions[..., None], keys == 0)  # [B, T, L]
+        ids, positions, write, visible = (t.to(self.device) for t in (ids, positions, write, visible))
+        self.cache.bind(torch.tensor(rows, device=self.device), write, attend)
+        return self._forward(ids, positions, visible, 1)
 
     @torch.inference_mode()
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:

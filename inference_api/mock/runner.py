@@ -17,12 +17,13 @@ class MockRunner:
         self._prompt_len = [0] * rows
         self._last_step = 0.0
 
-    def prefill(self, row: int, token_ids: list[int], start: int) -> torch.Tensor:
-        if start == 0:
-            self._scripts[row] = b""
-        self._scripts[row] += bytes(t for t in token_ids if t < 256)
-        self._prompt_len[row] = start + len(token_ids)
-        return self._logits([row], [self._prompt_len[row]])[0]
+    def prefill(self, rows: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        for row, chunk, start in zip(rows, chunks, starts):
+            if start == 0:
+                self._scripts[row] = b""
+            self._scripts[row] += bytes(t for t in chunk if t < 256)
+            self._prompt_len[row] = start + len(chunk)
+        return self._logits(rows, [self._prompt_len[r] for r in rows])
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
         wait = self._last_step + self.step_seconds - time.monotonic()

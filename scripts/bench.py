@@ -1,0 +1,172 @@
+#!/usr/bin/env python3
+"""Benchmark a running server: N concurrent streaming clients on loopback, bounded in count and time.
+
+Prints aggregate output tokens/s, time to first token and inter-token latency (p50, p99) per concurrency.
+With --baseline it also times transformers' generate in-process on the same model and prompts (batch 1,
+and one static batch of 32) and prints the ratios. With --proxy-url it runs the same load through the
+JWT proxy too and prints the overhead.
+
+    python scripts/bench.py --url http://127.0.0.1:8000 --baseline
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+import requests
+
+SUBJECTS = ["the ocean", "a robot's first day", "ancient Rome", "how bread is made", "a winter forest",
+            "learning the violin", "the moon landing", "coffee farming", "a city library", "mountain climbing",
+            "a curious cat", "summer rain", "steam trains", "the game of chess", "a rooftop garden", "desert life"]
+
+
+def prompts(n: int) -> list[str]:
+    return [f"Write a long, detailed essay about {SUBJECTS[i % len(SUBJECTS)]} (part {i})." for i in range(n)]
+
+
+@dataclass
+class Stream:
+    start: float = 0.0
+    arrivals: list[float] = field(default_factory=list)
+    text: str = ""
+    error: str | None = None
+
+
+def one_stream(url: str, model: str, prompt: str, max_tokens: int, headers: dict, out: Stream) -> None:
+    out.start = time.perf_counter()
+    try:
+        with requests.post(f"{url}/predictions/{model}", headers=headers, stream=True, timeout=300,
+                           json={"text": prompt, "temperature": 0, "max_tokens": max_tokens}) as r:
+            if r.status_code != 200:
+                out.error = f"{r.status_code}: {r.text[:200]}"
+                return
+            pieces = []
+            for chunk in r.raw.read_chunked(decode_content=False):
+                out.arrivals.append(time.perf_counter())
+                pieces.append(chunk)
+            out.text = b"".join(pieces).decode("utf-8", "replace")
+    except requests.RequestException as exc:
+        out.error = str(exc)
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def run_load(url: str, model: str, concurrency: int, max_tokens: int, count_tokens, headers=None) -> dict:
+    streams = [Stream() for _ in range(concurrency)]
+    threads = [threading.Thread(target=one_stream, args=(url, model, p, max_tokens, headers or {}, s))
+               for p, s in zip(prompts(concurrency), streams)]
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    elapsed = time.perf_counter() - started
+    errors = [s.error for s in streams if s.error]
+    tokens = sum(count_tokens(s.text) for s in streams)
+    ttft = [s.arrivals[0] - s.start for s in streams if s.arrivals]
+    itl = [b - a for s in streams for a, b in zip(s.arrivals, s.arrivals[1:])]
+    return dict(concurrency=concurrency, tokens=tokens, seconds=elapsed, tps=tokens / elapsed, errors=len(errors),
+                ttft_p50=pct(ttft, 0.5), ttft_p99=pct(ttft, 0.99), itl_p50=pct(itl, 0.5), itl_p99=pct(itl, 0.99),
+                first_error=errors[0] if errors else None)
+
+
+def print_row(label: str, r: dict) -> None:
+    print(f"{label:<22} c={r['concurrency']:<3} {r['tokens']:>6} tok {r['seconds']:7.2f}s {r['tps']:8.1f} tok/s  "
+          f"TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms p99 {r['ttft_p99'] * 1e3:7.1f} ms  "
+          f"ITL p50 {r['itl_p50'] * 1e3:6.1f} ms p99 {r['itl_p99'] * 1e3:6.1f} ms"
+          + (f"  ERRORS {r['errors']}: {r['first_error']}" if r["errors"] else ""))
+
+
+def baseline(model_dir: str, batch_sizes: list[int], max_tokens: int) -> dict[int, float]:
+    """transformers generate, greedy, in this process: output tokens per second for each batch size."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+    tok.pad_token = tok.pad_token or tok.eos_token
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eos = model.generation_config.eos_token_id
+    results = {}
+    for b in batch_sizes:
+        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+                 for p in prompts(b)]
+        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+        started = time.perf_counter()
+        with torch.inference_mode():
+            out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        elapsed = time.perf_counter() - started
+        new = out[:, enc.input_ids.shape[1]:]
+        tokens = 0
+        for row in new.tolist():  # count up to and including the end token, as the server does
+            tokens += next((i + 1 for i, t in enumerate(row) if t == eos), len(row))
+        results[b] = tokens / elapsed
+        print(f"{'generate (in-process)':<22} b={b:<3} {tokens:>6} tok {elapsed:7.2f}s {results[b]:8.1f} tok/s")
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--baseline", action="store_true", help="also time transformers generate in-process")
+    ap.add_argument("--proxy-url", help="also run the load through this JWT proxy")
+    ap.add_argument("--jwt-secret", help="secret to sign the proxy's token (default: JWT_SECRET)")
+    args = ap.parse_args()
+    for u in filter(None, [args.url, args.proxy_url]):
+        host = urlparse(u).hostname or ""
+        if not (host == "localhost" or host.startswith("127.") or host == "::1"):
+            sys.exit(f"refusing to load a non-loopback address: {u}")
+
+    health = requests.get(args.url + "/health", timeout=10).json()
+    model = health["model"]
+    print(f"server {args.url}: model {model}, {health['rows_total']} rows")
+    tokenizer = None
+    if not health.get("mock", False) and args.baseline:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(health["model_dir"])
+    count = (lambda text: len(tokenizer.encode(text, add_special_tokens=False)) + 1) if tokenizer \
+        else (lambda text: len(text.encode()))  # without the tokenizer: bytes (the mock's tokens)
+
+    run_load(args.url, model, 2, 4, count)  # warm-up
+    direct = {}
+    for c in args.concurrency:
+        direct[c] = run_load(args.url, model, c, args.max_tokens, count)
+        print_row("server (HTTP stream)", direct[c])
+
+    if args.proxy_url:
+        import os
+
+        import jwt
+
+        secret = args.jwt_secret or os.environ["JWT_SECRET"]
+        token = jwt.encode({"team_id": "bench", "token_id": "bench"}, secret, algorithm="HS256")
+        headers = {"Authorization": f"Bearer {token}"}
+        for c in args.concurrency:
+            r = run_load(args.proxy_url, model, c, args.max_tokens, count, headers)
+            print_row("through proxy", r)
+            d = direct[c]
+            print(f"{'  proxy overhead':<22} c={c:<3} TTFT p50 {(r['ttft_p50'] - d['ttft_p50']) * 1e3:+.1f} ms, "
+                  f"throughput {r['tps'] / d['tps']:.3f}x")
+
+    if args.baseline:
+        base = baseline(health["model_dir"], [1, 32], args.max_tokens)
+        for c, b in ((1, 1), (32, 32)):
+            if c in direct:
+                print(f"ratio: server c={c} / generate b={b} = {direct[c]['tps'] / base[b]:.2f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""Helpers for the proxy tests: free ports, subprocesses with bounded start-up, tokens."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jwt
+import requests
+
+ROOT = Path(__file__).resolve().parents[2]
+SECRET = "proxy-tests-secret-0123456789-abcdefghijklmnop"  # >= 32 bytes: no warning
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make_token(claims: dict | None = None, secret: str | bytes = SECRET, algorithm: str = "HS256", **extra) -> str:
+    payload = {"team_id": "team-a", "token_id": "token-1"} if claims is None else dict(claims)
+    payload.update(extra)
+    return jwt.encode(payload, secret, algorithm=algorithm)
+
+
+def bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+class Process:
+    """A server subprocess on a free loopback port; ready once GET /health answers (any status unless told)."""
+
+    def __init__(self, argv: list[str], port: int, env: dict[str, str] | None = None, ready_timeout: float = 60,
+                 ready_status: int | None = None):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="proxy-test-", suffix=".log", delete=False)
+        full_env = {k: v for k, v in os.environ.items() if k != "JWT_SECRET"}
+        full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            self._wait_ready(ready_timeout, ready_status)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float, status: int | None) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.proc.args} exited early ({self.proc.returncode}):\n{self.output()}")
+            try:
+                code = requests.get(self.url + "/health", timeout=2).status_code
+                if status is None or code == status:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.proc.args} not ready after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()
+
+
+def start_proxy(upstream: str, *flags: str, secret: str | None = SECRET, env: dict[str, str] | None = None) -> Process:
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(port), "--upstream", upstream,
+            "--threads", "128", *flags]
+    full_env = {**({"JWT_SECRET": secret} if secret is not None else {}), **(env or {})}
+    return Process(argv, port, env=full_env)
+
+
+def start_mock_inference_server(tokens_per_second: float = 50) -> Process:
+    """The real inference server over its mock backend (``python -m inference_api --mock``)."""
+    port = free_port()
+    argv = [sys.executable, "-m", "inference_api", "--mock", "--host", "127.0.0.1", "--port", str(port)]
+    return Process(argv, port, env={"MOCK_TOKENS_PER_SECOND": str(tokens_per_second)}, ready_timeout=180,
+                   ready_status=200)

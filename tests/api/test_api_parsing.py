@@ -1,0 +1,90 @@
+"""Request parsing and stream building without a server: every rejected field is named, defaults are right."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from inference_api.errors import ApiError
+from inference_api.messages import EngineReady, FinishReason, TokenEvent
+from inference_api.openai_responses import ChatFormat, stream_chunks
+from inference_api.openai_schema import parse_chat, parse_completion
+from inference_api.tgi_schema import parse_tgi
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def rejects(parse, body: dict, param: str) -> str:
+    with pytest.raises(ApiError) as info:
+        parse(body)
+    assert info.value.status == 400 and info.value.param == param, info.value.message
+    return info.value.message
+
+
+def test_chat_defaults():
+    req = parse_chat(dict(CHAT))
+    assert req.params.temperature == 1.0 and req.params.top_p == 1.0 and req.params.logprobs is None
+    assert req.max_tokens is None and not req.stream and not req.include_usage
+    assert req.messages == ({"role": "user", "content": "hi"},)
+
+
+def test_chat_maps_parameters():
+    req = parse_chat({**CHAT, "temperature": 0, "stop": "\n", "seed": 3, "logprobs": True, "top_logprobs": 2,
+                      "max_completion_tokens": 7, "stream": True, "stream_options": {"include_usage": True},
+                      "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
+                                                                     {"type": "text", "text": "b"}]}]})
+    assert (req.params.temperature, req.params.stop, req.params.seed, req.params.logprobs) == (0, ("\n",), 3, 2)
+    assert req.max_tokens == 7 and req.max_tokens_field == "max_completion_tokens" and req.include_usage
+    assert req.messages == ({"role": "system", "content": "a\nb"},)
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"n": 3}, "n"), ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),
+    ({"frequency_penalty": "x"}, "frequency_penalty"), ({"stop": [""]}, "stop"), ({"seed": 1.5}, "seed"),
+    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"stream_options": {"include_usage": True}}, "stream_options"), ({"logprobs": "yes"}, "logprobs"),
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"max_tokens": 0}, "max_tokens"),
+    ({"messages": []}, "messages"), ({"messages": [{"role": "user"}]}, "messages[0].content"),
+    ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"), ({"model": 5}, "model"),
+    ({"reasoning_effort": "high"}, "reasoning_effort"), ({"frobnicate": 1}, "frobnicate"),
+])
+def test_chat_rejections_name_the_field(extra, param):
+    rejects(parse_chat, {**CHAT, **extra}, param)
+
+
+def test_completion_prompts():
+    assert parse_completion({"model": "m", "prompt": ["hi"]}, 100).prompt == "hi"
+    assert parse_completion({"model": "m", "prompt": [[1, 2]]}, 100).prompt_ids == (1, 2)
+    assert parse_completion({"model": "m", "prompt": "x", "logprobs": 0, "echo": False}, 100).params.logprobs == 0
+    for prompt in ("", [], ["a", "b"], [1, 100], [[1], [2]], {"a": 1}, None):
+        rejects(lambda b: parse_completion(b, 100), {"model": "m", "prompt": prompt}, "prompt")
+
+
+def test_tgi_greedy_unless_sampling():
+    assert parse_tgi({"inputs": "x"}, 64).params.temperature == 0
+    assert parse_tgi({"inputs": "x", "parameters": {"temperature": 1.0}}, 64).params.temperature == 0
+    sampled = parse_tgi({"inputs": "x", "parameters": {"top_k": 5}}, 64)
+    assert sampled.params.temperature == 1.0 and sampled.params.top_k == 5 and sampled.seed is not None
+    seeded = parse_tgi({"inputs": "x", "parameters": {"do_sample": True, "seed": 9, "stop": []}}, 64)
+    assert seeded.seed == 9 and seeded.params.stop == ()
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"watermark": True}, "watermark"), ({"best_of": 2}, "best_of"), ({"typical_p": 0.9}, "typical_p"),
+    ({"temperature": 0}, "temperature"), ({"top_p": 0}, "top_p"), ({"truncate": 65}, "truncate"),
+    ({"seed": -1}, "seed"), ({"stop": ["a"] * 5}, "stop"), ({"grammar": {"type": "regex"}}, "grammar"),
+    ({"max_new_tokens": 0}, "max_new_tokens"), ({"adapter": 1}, "adapter"),
+])
+def test_tgi_rejections_name_the_field(params, param):
+    rejects(lambda b: parse_tgi(b, 64), {"inputs": "x", "parameters": params}, param)
+
+
+def test_stream_error_after_start_is_an_error_event_and_ends_the_stream():
+    ready = EngineReady("", "m", 64, 10, "cpu", "float32")
+    events = [TokenEvent("s", "Hel", (1,)), TokenEvent("s", "", finish_reason=FinishReason.ERROR, error="boom")]
+    chunks = [c.decode() for c in stream_chunks(ChatFormat(ready, False), iter(events), 3, True)]
+    assert json.loads(chunks[0][6:])["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert json.loads(chunks[1][6:])["choices"][0]["delta"] == {"content": "Hel"}
+    assert json.loads(chunks[2][6:]) == {"error": {"message": "boom", "type": "server_error", "param": None,
+                                                   "code": None}}
+    assert len(chunks) == 3  # no [DONE]: the stream did not complete

@@ -5,6 +5,7 @@ import dataclasses
 import time
 
 from flask import Blueprint, jsonify, request
+from jinja2 import TemplateError
 
 from .app import engine_client
 from .errors import ApiError
@@ -65,7 +66,10 @@ def chat_completions():
     _check_model(body)
     client = engine_client()
     req = parse_chat(body)
-    prompt_ids = client.tokenizer.encode_chat(list(req.messages))
+    try:
+        prompt_ids = client.tokenizer.encode_chat(list(req.messages))
+    except TemplateError as err:  # e.g. a template that insists on alternating user/assistant turns
+        raise ApiError(400, f"messages do not fit the model's chat template: {err}", param="messages") from None
     return _generate(req, prompt_ids, ChatFormat(client.ready, req.params.logprobs is not None))
 
 

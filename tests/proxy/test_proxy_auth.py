@@ -1,0 +1,164 @@
+"""Every rejection is a 401 JSON body naming the reason, with WWW-Authenticate: Bearer; nothing reaches upstream."""
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import subprocess
+import sys
+import time
+import uuid
+
+import jwt
+import pytest
+import requests
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec, rsa
+
+from proxy_helpers import ROOT, SECRET, bearer, free_port, make_token
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def handmade_token(header: dict, claims: dict, key: bytes | None) -> str:
+    """A token built by hand, for the forms PyJWT refuses to produce (alg none, HMAC over a public key)."""
+    signing_input = f"{_b64(json.dumps(header).encode())}.{_b64(json.dumps(claims).encode())}"
+    signature = _b64(hmac.new(key, signing_input.encode(), hashlib.sha256).digest()) if key else ""
+    return f"{signing_input}.{signature}"
+
+
+CLAIMS = {"team_id": "team-a", "token_id": "token-1"}
+NOW = int(time.time())
+TAMPERED = make_token().rsplit(".", 2)
+TAMPERED = f"{TAMPERED[0]}.{_b64(json.dumps({'team_id': 'team-z', 'token_id': 'x'}).encode())}.{TAMPERED[2]}"
+
+REJECTIONS = [
+    ("no header", None, "missing Authorization"),
+    ("basic scheme", "Basic dXNlcjpwYXNz", "scheme"),
+    ("token without scheme", make_token(), "scheme"),
+    ("empty bearer", "Bearer ", "empty bearer token"),
+    ("not a jwt", "Bearer not-a-jwt", "malformed"),
+    ("three garbage parts", "Bearer a.b.c", "malformed"),
+    ("bad signature", "Bearer " + make_token(secret="another-secret-that-is-long-enough-0123456789"), "signature"),
+    ("tampered claims", "Bearer " + TAMPERED, "signature"),
+    ("alg none", "Bearer " + handmade_token({"alg": "none", "typ": "JWT"}, CLAIMS, None), "none"),
+    ("alg None", "Bearer " + handmade_token({"alg": "None", "typ": "JWT"}, CLAIMS, None), "none"),
+    ("alg not allowed", "Bearer " + make_token(algorithm="HS512"), "HS512"),
+    ("expired", "Bearer " + make_token(exp=NOW - 3600), "expired"),
+    ("not yet valid", "Bearer " + make_token(nbf=NOW + 3600), "not yet valid"),
+    ("missing team_id", "Bearer " + make_token({"token_id": "t"}), "team_id"),
+    ("missing token_id", "Bearer " + make_token({"team_id": "t"}), "token_id"),
+    ("empty claims", "Bearer " + make_token({}), "missing the required claim"),
+    ("team_id not a string", "Bearer " + make_token({"team_id": ["a"], "token_id": "t"}), "team_id"),
+]
+
+
+def assert_401(response: requests.Response, fragment: str) -> None:
+    assert response.status_code == 401, response.text
+    assert response.headers["Content-Type"] == "application/json"
+    assert response.headers["WWW-Authenticate"].startswith("Bearer")
+    body = response.json()
+    assert body["status_code"] == 401
+    assert fragment.lower() in body["message"].lower(), body["message"]
+    assert response.headers["X-Request-Id"]
+
+
+@pytest.mark.parametrize("name, authorization, fragment", REJECTIONS, ids=[r[0] for r in REJECTIONS])
+def test_rejections_are_401_json(proxy, stub, name, authorization, fragment):
+    path = f"/inference/model-{uuid.uuid4().hex}"
+    headers = {"Authorization": authorization} if authorization is not None else {}
+    response = requests.post(proxy.url + path, json={"text": "hi"}, headers=headers, timeout=10)
+    assert_401(response, fragment)
+    assert response.headers["WWW-Authenticate"].startswith('Bearer realm=')
+    assert not any(path in seen for seen in stub.seen), "a rejected request reached upstream"
+
+
+@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
+                                          ("POST", "/generate"), ("POST", "/predictions/m"), ("DELETE", "/x/y"),
+                                          ("POST", "/health"), ("GET", "/health/"), ("GET", "/"),
+                                          ("OPTIONS", "/inference/m"), ("HEAD", "/inference/m")])
+def test_every_path_but_get_health_needs_a_token(proxy, method, path):
+    response = requests.request(method, proxy.url + path, timeout=10)
+    assert response.status_code == 401
+    assert response.headers["WWW-Authenticate"].startswith("Bearer")
+    if method != "HEAD":
+        assert response.json()["status_code"] == 401
+
+
+def test_health_is_public(proxy):
+    response = requests.get(proxy.url + "/health", timeout=10)
+    assert response.status_code == 200
+    assert response.json()["model"] == "stub-model"
+
+
+def test_valid_token_passes(proxy):
+    response = requests.get(proxy.url + "/echo", headers=bearer(make_token()), timeout=10)
+    assert response.status_code == 200
+    assert response.json()["method"] == "GET"
+
+
+def test_exp_required_and_leeway(stub, make_proxy):
+    strict = make_proxy(stub.url, "--jwt-require-exp", "--jwt-leeway", "0")
+    assert_401(requests.get(strict.url + "/echo", headers=bearer(make_token()), timeout=10), "exp")
+    now = int(time.time())
+    ok = requests.get(strict.url + "/echo", headers=bearer(make_token(exp=now + 60)), timeout=10)
+    assert ok.status_code == 200
+    assert_401(requests.get(strict.url + "/echo", headers=bearer(make_token(exp=now - 10)), timeout=10), "expired")
+    lenient = make_proxy(stub.url, "--jwt-leeway", "60")
+    assert requests.get(lenient.url + "/echo", headers=bearer(make_token(exp=now - 10)), timeout=10).status_code == 200
+
+
+def _key_pair(kind: str):
+    private = rsa.generate_private_key(public_exponent=65537, key_size=2048) if kind == "RS256" \
+        else ec.generate_private_key(ec.SECP256R1())
+    public_pem = private.public_key().public_bytes(serialization.Encoding.PEM,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+    return private, public_pem
+
+
+@pytest.mark.parametrize("alg", ["RS256", "ES256"])
+def test_public_key_algorithms(stub, make_proxy, tmp_path, alg):
+    private, public_pem = _key_pair(alg)
+    other, _ = _key_pair(alg)
+    key_file = tmp_path / "public.pem"
+    key_file.write_bytes(public_pem)
+    proxy = make_proxy(stub.url, "--jwt-algorithms", f"{alg},HS256", "--jwt-public-key-file", str(key_file))
+    good = jwt.encode(CLAIMS, private, algorithm=alg)
+    response = requests.get(proxy.url + "/echo", headers=bearer(good), timeout=10)
+    assert response.status_code == 200
+    assert ["X-Team-Id", "team-a"] in response.json()["headers"]
+    assert requests.get(proxy.url + "/echo", headers=bearer(make_token()), timeout=10).status_code == 200
+    assert_401(requests.get(proxy.url + "/echo", headers=bearer(jwt.encode(CLAIMS, other, algorithm=alg)),
+                            timeout=10), "signature")
+    # key confusion: an HS256 token whose HMAC key is the public key must not pass
+    confused = handmade_token({"alg": "HS256", "typ": "JWT"}, CLAIMS, public_pem)
+    assert_401(requests.get(proxy.url + "/echo", headers=bearer(confused), timeout=10), "signature")
+    hs_only = jwt.encode(CLAIMS, private, algorithm=alg)
+    assert_401(requests.get(make_proxy(stub.url).url + "/echo", headers=bearer(hs_only), timeout=10), alg)
+
+
+def _run_proxy(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in __import__("os").environ.items() if k != "JWT_SECRET"}
+    return subprocess.run([sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(free_port()), *flags],
+                          cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=60)
+
+
+@pytest.mark.timeout(120)
+def test_refuses_to_start_without_secret():
+    result = _run_proxy({})
+    assert result.returncode == 2
+    assert "JWT_SECRET is required" in result.stderr
+    result = _run_proxy({"JWT_SECRET": SECRET}, "--jwt-algorithms", "RS256")
+    assert result.returncode == 2 and "public-key-file" in result.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.filterwarnings("ignore::jwt.warnings.InsecureKeyLengthWarning")
+def test_short_secret_warns_loudly(stub, make_proxy):
+    proxy = make_proxy(stub.url, secret="short")
+    assert "WARNING: JWT_SECRET is only 5 bytes" in proxy.output()
+    response = requests.get(proxy.url + "/echo", headers=bearer(make_token(secret="short")), timeout=10)
+    assert response.status_code == 200

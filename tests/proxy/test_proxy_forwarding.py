@@ -1,0 +1,121 @@
+"""What the upstream sees and what the client gets back: methods, targets, bodies, headers, statuses, the log."""
+from __future__ import annotations
+
+import base64
+import json
+import os
+import time
+
+import pytest
+import requests
+
+from proxy_helpers import bearer, make_token
+
+
+def echo(proxy, method="GET", target="/echo", headers=None, **kwargs):
+    response = requests.request(method, proxy.url + target, headers={**bearer(make_token()), **(headers or {})},
+                                timeout=10, **kwargs)
+    assert response.status_code == 200, response.text
+    seen = response.json()
+    seen["headers_dict"] = {}
+    for name, value in seen["headers"]:
+        seen["headers_dict"].setdefault(name.lower(), []).append(value)
+    return response, seen
+
+
+def test_headers_rewritten(proxy, stub):
+    client_headers = {
+        "X-Team-Id": "evil-team", "x-token-id": "evil-token", "X-Forwarded-For": "10.1.2.3",
+        "X-Request-Id": "client-request-42", "Connection": "keep-alive, X-Client-Hop", "X-Client-Hop": "1",
+        "Keep-Alive": "timeout=30", "Proxy-Authorization": "Basic eDp5", "TE": "trailers", "Trailer": "X-Sum",
+        "Upgrade": "example/1", "Proxy-Connection": "keep-alive", "X-Custom": "kept", "User-Agent": "proxy-test/1",
+    }
+    response, seen = echo(proxy, headers=client_headers)
+    h = seen["headers_dict"]
+    assert h["host"] == [f"127.0.0.1:{stub.port}"]
+    assert "authorization" not in h
+    assert h["x-team-id"] == ["team-a"] and h["x-token-id"] == ["token-1"]
+    assert h["x-forwarded-for"] == ["10.1.2.3, 127.0.0.1"]
+    assert h["x-forwarded-proto"] == ["http"]
+    assert h["x-forwarded-host"] == [f"127.0.0.1:{proxy.port}"]
+    assert h["x-request-id"] == ["client-request-42"]
+    assert h["x-custom"] == ["kept"] and h["user-agent"] == ["proxy-test/1"]
+    for hop in ("x-client-hop", "keep-alive", "proxy-authorization", "te", "trailer", "upgrade", "proxy-connection",
+                "transfer-encoding"):
+        assert hop not in h, hop
+    assert h.get("connection", ["keep-alive"]) == ["keep-alive"]  # only the proxy's own connection handling
+    # response: upstream headers pass, hop-by-hop ones do not; the request id comes back
+    assert response.headers["X-Stub"] == "yes"
+    assert "X-Stub-Hop" not in response.headers
+    assert "Keep-Alive" not in response.headers
+    assert response.headers["X-Request-Id"] == "client-request-42"
+
+
+def test_request_id_created_when_absent_or_unusable(proxy):
+    response, seen = echo(proxy)
+    created = response.headers["X-Request-Id"]
+    assert len(created) >= 16 and seen["headers_dict"]["x-request-id"] == [created]
+    response, seen = echo(proxy, headers={"X-Request-Id": "bad id with spaces"})
+    assert response.headers["X-Request-Id"] != "bad id with spaces"
+    assert seen["headers_dict"]["x-request-id"] == [response.headers["X-Request-Id"]]
+
+
+@pytest.mark.parametrize("method", ["GET", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
+def test_methods_targets_and_bodies_pass_unchanged(proxy, method):
+    body = bytes(range(256)) * 3 if method not in ("GET", "OPTIONS") else b""
+    for target in ["/v1/chat/completions?stream=true&x=%20y", "/generate", "/predictions/m", "/inference/m",
+                   "/", "/a%2Fb//c/", "/any/thing?q=%E6%97%A5"]:
+        response, seen = echo(proxy, method, target, data=body)
+        assert seen["method"] == method
+        assert seen["target"] == target
+        assert base64.b64decode(seen["body"]) == body
+
+
+def test_head_passes_headers_without_body(proxy):
+    response = requests.head(proxy.url + "/anything", headers=bearer(make_token()), timeout=10)
+    assert response.status_code == 200
+    assert response.headers["X-Stub"] == "head" and response.headers["Content-Length"] == "42"
+    assert response.content == b""
+
+
+@pytest.mark.parametrize("status", [400, 404, 429, 500, 503])
+def test_upstream_status_and_body_pass_through(proxy, status):
+    response = requests.post(proxy.url + f"/status/{status}", headers=bearer(make_token()), timeout=10)
+    assert response.status_code == status
+    assert response.json() == {"status": status}
+    assert response.headers["Retry-After"] == "7"
+
+
+def test_proxy_errors_are_json(proxy, stub, make_proxy):
+    response = requests.request("TRACE", proxy.url + "/echo", headers=bearer(make_token()), timeout=10)
+    assert response.status_code == 405 and response.json()["status_code"] == 405
+    small = make_proxy(stub.url, "--max-body-bytes", "1000")
+    response = requests.post(small.url + "/echo", data=b"x" * 5000, headers=bearer(make_token()), timeout=10)
+    assert response.status_code == 413
+    assert response.json() == {"status_code": 413, "message": "request body too large"}
+
+
+def _log_lines(process) -> list[dict]:
+    return [json.loads(line) for line in process.output().splitlines() if line.startswith('{"time"')]
+
+
+def test_one_json_log_line_per_request_without_the_token(stub, make_proxy):
+    proxy = make_proxy(stub.url)
+    token = make_token({"team_id": "log-team", "token_id": "log-token"})
+    response = requests.post(proxy.url + "/stream?id=log&chunks=3&delay=0.05&text=logged", headers=bearer(token),
+                             timeout=10)
+    assert response.status_code == 200
+    requests.get(proxy.url + "/echo", timeout=10)  # 401
+    deadline = time.monotonic() + 10
+    while len(_log_lines(proxy)) < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    streamed, rejected = [line for line in _log_lines(proxy) if line["path"] in ("/stream", "/echo")][:2]
+    assert streamed["team_id"] == "log-team" and streamed["token_id"] == "log-token"
+    assert streamed["method"] == "POST" and streamed["status"] == 200
+    assert streamed["bytes"] == len(response.content)
+    assert streamed["request_id"] == response.headers["X-Request-Id"]
+    assert streamed["duration_ms"] >= 100  # logged when the stream ended, not when it started
+    assert {"time", "client"} <= streamed.keys()
+    assert rejected["status"] == 401 and rejected["team_id"] is None and "missing" in rejected["error"]
+    assert token not in proxy.output()
+    assert token.split(".")[2] not in proxy.output()

@@ -132,3 +132,19 @@ def test_backend_death_ends_streams_with_an_error_and_health_turns_503(model_nam
         assert server.health()["open_sessions"] == 0
     finally:
         server.stop()
+
+
+def test_stopping_the_server_stops_the_engine_process(model_name):
+    server = ServerProcess("--mock")
+    engine_pid = server.health()["backend_pid"]
+    server.proc.send_signal(signal.SIGTERM)  # to gunicorn's master only, as a process manager would
+    server.proc.wait(30)
+    server.stop()
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        try:
+            os.kill(engine_pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.2)
+    pytest.fail("the engine process outlived the server")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import queue
 
 from ..config import ServerConfig
@@ -45,6 +46,16 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     return engine, ready
 
 
+def _wait_for_work(inbox, parent: int):
+    """Block until a message arrives; if the web worker died without saying goodbye, shut down."""
+    while True:
+        try:
+            return inbox.get(timeout=5.0)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return Shutdown()
+
+
 def run_engine(config: ServerConfig, inbox, outbox) -> None:
     """Process entry point. Blocks on the inbox while idle; drains it between steps while busy."""
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
@@ -55,9 +66,10 @@ def run_engine(config: ServerConfig, inbox, outbox) -> None:
         outbox.put(EngineFailed(str(exc)))
         return
     outbox.put(ready)
+    parent = os.getppid()
     last_stats = None
     while True:
-        messages = [] if engine.has_work else [inbox.get()]
+        messages = [] if engine.has_work else [_wait_for_work(inbox, parent)]
         try:
             while True:
                 messages.append(inbox.get_nowait())

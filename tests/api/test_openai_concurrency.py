@@ -6,7 +6,7 @@ import asyncio
 from openai import AsyncOpenAI
 
 CLIENTS = 36
-MAX_TOKENS = 8
+MAX_TOKENS = 6
 THINGS = ["apples", "rivers", "clocks", "tigers", "violins", "glaciers", "bread", "comets", "lanterns", "owls",
           "deserts", "pianos", "bridges", "honey", "storms", "castles", "whales", "maps", "candles", "forests",
           "trains", "mirrors", "islands", "kites", "tea", "volcanoes", "robots", "gardens", "snow", "ships",

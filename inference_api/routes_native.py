@@ -5,6 +5,7 @@ from flask import Blueprint, Response, jsonify, request, stream_with_context
 
 from .app import engine_client, server_config
 from .errors import ApiError
+from .generation import all_events, collect
 from .streaming import first_event, session_events
 from .validation import check_fits, json_body, parse_native
 
@@ -42,19 +43,14 @@ def _generate(model_name: str, chat: bool):
     prefix = req.text if req.return_prompt else ""
 
     if not req.stream:
-        parts, last = [prefix], first
-        for event in ([first] if first else []) + list(events):
-            parts.append(event.text)
-            last = event
-        return jsonify(text="".join(parts), finish_reason=last.finish_reason.value if last else None,
-                       prompt_tokens=session.prompt_tokens, completion_tokens=last.completion_tokens if last else 0)
+        gen = collect(first, events)
+        return jsonify(text=prefix + gen.text, finish_reason=gen.finish_reason.value if gen.finish_reason else None,
+                       prompt_tokens=session.prompt_tokens, completion_tokens=gen.completion_tokens)
 
     def body():
         if prefix:
             yield prefix.encode()
-        for event in ([first] if first else []):
-            yield event.text.encode()
-        for event in events:
+        for event in all_events(first, events):
             if event.error:
                 raise RuntimeError(event.error)  # cut the chunked stream: the client sees an incomplete response
             if event.text:

@@ -1,6 +1,7 @@
 """Forwarding to the upstream server: header rewriting, the upstream call, and the pass-through body stream."""
 from __future__ import annotations
 
+from http.cookiejar import DefaultCookiePolicy
 from typing import Callable, Iterable, Iterator, Mapping
 
 import requests
@@ -65,6 +66,8 @@ class Upstream:
         self._session = requests.Session()
         self._session.headers.clear()  # no default Accept-Encoding/User-Agent: forward only what the client sent
         self._session.trust_env = False  # no proxies or netrc from the environment
+        # the session is shared by all users: it must never remember one user's Set-Cookie and send it for another
+        self._session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
         adapter = HTTPAdapter(pool_connections=1, pool_maxsize=config.threads, max_retries=0)
         self._session.mount("http://", adapter)
         self._session.mount("https://", adapter)

@@ -37,8 +37,9 @@ class Process:
     """A server subprocess on a free loopback port; ready once GET /health answers (any status unless told)."""
 
     def __init__(self, argv: list[str], port: int, env: dict[str, str] | None = None, ready_timeout: float = 60,
-                 ready_status: int | None = None):
+                 ready_status: int | None = None, stop_signal: int = signal.SIGTERM):
         self.port = port
+        self.stop_signal = stop_signal
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="proxy-test-", suffix=".log", delete=False)
         full_env = {k: v for k, v in os.environ.items() if k != "JWT_SECRET"}
@@ -70,7 +71,7 @@ class Process:
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, self.stop_signal)
             try:
                 self.proc.wait(15)
             except subprocess.TimeoutExpired:

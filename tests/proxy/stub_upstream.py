@@ -129,7 +129,8 @@ def _make_handler(stub: StubUpstream):
                                      "headers": [[k, v] for k, v in self.headers.items()],
                                      "body": base64.b64encode(body).decode()},
                                # hop-by-hop response headers the proxy must drop; the X-Stub one it must keep
-                               {"X-Stub": "yes", "Keep-Alive": "timeout=60", "X-Stub-Hop": "1",
+                               {"X-Stub": "yes", "Set-Cookie": "session=user-a; Path=/", "Keep-Alive": "timeout=60",
+                                "X-Stub-Hop": "1",
                                 "Connection": "keep-alive, X-Stub-Hop"})
             except (BrokenPipeError, ConnectionResetError):
                 self.close_connection = True

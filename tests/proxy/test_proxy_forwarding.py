@@ -49,6 +49,17 @@ def test_headers_rewritten(proxy, stub):
     assert "X-Stub-Hop" not in response.headers
     assert "Keep-Alive" not in response.headers
     assert response.headers["X-Request-Id"] == "client-request-42"
+    assert response.headers["Set-Cookie"] == "session=user-a; Path=/"
+
+
+def test_upstream_cookies_are_not_kept_by_the_proxy(proxy):
+    """The proxy's upstream session is shared by every user: one user's Set-Cookie must not reach another."""
+    first, _ = echo(proxy)
+    assert "Set-Cookie" in first.headers
+    _, seen = echo(proxy, headers=bearer(make_token({"team_id": "other", "token_id": "o"})))
+    assert "cookie" not in seen["headers_dict"]
+    _, seen = echo(proxy, headers={"Cookie": "mine=1"})
+    assert seen["headers_dict"]["cookie"] == ["mine=1"]
 
 
 def test_request_id_created_when_absent_or_unusable(proxy):

@@ -173,3 +173,20 @@ def test_64_concurrent_streams_lose_nothing_and_never_mix(proxy, stub):
     for i, (status, body) in enumerate(results):
         assert status == 200
         assert body == expected_body(5, tags[i]), f"stream {i} got {body!r}"
+
+
+@pytest.mark.timeout(60)
+def test_stream_idle_timeout_cuts_visibly(stub, make_proxy):
+    """A stream silent for longer than --stream-idle-timeout is cut, and the client sees an incomplete response."""
+    proxy = make_proxy(stub.url, "--stream-idle-timeout", "1")
+    response = requests.post(stream_url(proxy, f"idle-{uuid.uuid4().hex}", chunks=3, delay=3.0),
+                             headers=bearer(make_token()), stream=True, timeout=30)
+    assert response.status_code == 200
+    pieces = response.iter_content(chunk_size=None)
+    assert next(pieces) == b"tok 0\n"
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):
+        b"".join(pieces)
+    deadline = time.monotonic() + 10
+    while '"error":"upstream stream broken' not in proxy.output():
+        assert time.monotonic() < deadline, proxy.output()
+        time.sleep(0.1)

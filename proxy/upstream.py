@@ -1,6 +1,7 @@
 """Forwarding to the upstream server: header rewriting, the upstream call, and the pass-through body stream."""
 from __future__ import annotations
 
+import errno
 from http.cookiejar import DefaultCookiePolicy
 from typing import Callable, Iterable, Iterator, Mapping
 
@@ -139,9 +140,10 @@ class StreamBody:
         except GeneratorExit:
             raise
         except Exception as exc:
-            # re-raised so the server aborts the response instead of ending it cleanly: the client must see the cut
+            # The client must see the cut, so the response is aborted rather than ended cleanly. gunicorn drops
+            # the client connection quietly on ECONNRESET; the access log line carries the reason.
             self.error = f"upstream stream broken: {type(exc).__name__}"
-            raise
+            raise ConnectionResetError(errno.ECONNRESET, self.error) from exc
 
     def close(self) -> None:
         if self._closed:

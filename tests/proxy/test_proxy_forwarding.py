@@ -82,6 +82,12 @@ def test_methods_targets_and_bodies_pass_unchanged(proxy, method):
         assert base64.b64decode(seen["body"]) == body
 
 
+def test_chunked_request_body_is_forwarded(proxy):
+    _, seen = echo(proxy, "POST", "/inference/m", data=iter([b'{"text": ', b'"chunked"}']))
+    assert base64.b64decode(seen["body"]) == b'{"text": "chunked"}'
+    assert seen["headers_dict"]["content-length"] == ["19"]
+
+
 def test_head_passes_headers_without_body(proxy):
     response = requests.head(proxy.url + "/anything", headers=bearer(make_token()), timeout=10)
     assert response.status_code == 200

@@ -40,7 +40,7 @@ def test_first_chunk_arrives_while_upstream_still_generating(proxy, stub, conten
     assert first == b"tok 0\n"
     assert record.sent < 3 and not record.done, "the proxy buffered the stream"
     assert first + b"".join(pieces) == expected_body(3)
-    assert record.done
+    assert stub.wait_for(lambda: record.done, timeout=10)  # the stub marks it done just after its last write
 
 
 @pytest.mark.timeout(60)

@@ -5,6 +5,7 @@ import base64
 import hashlib
 import hmac
 import json
+import os
 import subprocess
 import sys
 import time
@@ -141,7 +142,7 @@ def test_public_key_algorithms(stub, make_proxy, tmp_path, alg):
 
 
 def _run_proxy(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in __import__("os").environ.items() if k != "JWT_SECRET"}
+    clean = {k: v for k, v in os.environ.items() if k != "JWT_SECRET"}
     return subprocess.run([sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(free_port()), *flags],
                           cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=60)
 

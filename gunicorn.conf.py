@@ -14,3 +14,4 @@ timeout = 120
 graceful_timeout = 10
 keepalive = 5
 loglevel = os.environ.get("LOG_LEVEL", "info")
+control_socket_disable = True  # its default path is shared by every gunicorn of the same user

@@ -18,7 +18,9 @@ class Server(BaseApplication):
         c = self.server_config
         options = {"bind": f"{c.host}:{c.port}", "workers": 1, "worker_class": "gthread", "threads": c.threads,
                    "timeout": 120, "graceful_timeout": 10, "keepalive": 5, "loglevel": c.log_level,
-                   "accesslog": "-" if c.log_level == "debug" else None}
+                   "accesslog": "-" if c.log_level == "debug" else None,
+                   # the control socket has one default path per user: two servers (or the proxy) would share it
+                   "control_socket_disable": True}
         for key, value in options.items():
             self.cfg.set(key, value)
 

@@ -115,6 +115,17 @@ def baseline(model_dir: str, batch_sizes: list[int], max_tokens: int) -> dict[in
     return results
 
 
+def token_counter(health: dict, max_tokens: int):
+    """Output tokens of one streamed answer: the mock's tokens are bytes; for a model, the re-encoded text
+    plus the end token, never more than were asked for (an answer cut by max_tokens has no end token)."""
+    if health.get("mock", False):
+        return lambda text: len(text.encode())
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(health["model_dir"])
+    return lambda text: min(len(tokenizer.encode(text, add_special_tokens=False)) + 1, max_tokens)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -132,13 +143,7 @@ def main() -> None:
     health = requests.get(args.url + "/health", timeout=10).json()
     model = health["model"]
     print(f"server {args.url}: model {model}, {health['rows_total']} rows")
-    tokenizer = None
-    if not health.get("mock", False) and args.baseline:
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(health["model_dir"])
-    count = (lambda text: len(tokenizer.encode(text, add_special_tokens=False)) + 1) if tokenizer \
-        else (lambda text: len(text.encode()))  # without the tokenizer: bytes (the mock's tokens)
+    count = token_counter(health, args.max_tokens)
 
     run_load(args.url, model, 2, 4, count)  # warm-up
     direct = {}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import torch
 
+from .attention import use_row_attention
 from .kv_cache import RowKVCache
 
 
@@ -16,6 +17,7 @@ def kv_geometry(config) -> tuple[int, int, int]:
 
 class ModelRunner:
     def __init__(self, model, rows: int, context_length: int):
+        use_row_attention(model)
         self.model = model
         self.device = model.device
         self.dtype = model.dtype

@@ -4,17 +4,20 @@
 Prints aggregate output tokens/s, time to first token and inter-token latency (p50, p99) per concurrency.
 With --baseline it also times transformers' generate in-process on the same model and prompts (batch 1,
 and one static batch of 32) and prints the ratios. With --proxy-url it runs the same load through the
-JWT proxy too and prints the overhead.
+JWT proxy too and prints the overhead. With --repeat N every load runs N times, server and generate runs
+interleaved, and the medians are reported (a shared 2-core machine is noisy).
 
-    python scripts/bench.py --url http://127.0.0.1:8000 --baseline
+    python scripts/bench.py --url http://127.0.0.1:8000 --baseline --repeat 3
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import threading
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -88,31 +91,34 @@ def print_row(label: str, r: dict) -> None:
           + (f"  ERRORS {r['errors']}: {r['first_error']}" if r["errors"] else ""))
 
 
-def baseline(model_dir: str, batch_sizes: list[int], max_tokens: int) -> dict[int, float]:
-    """transformers generate, greedy, in this process: output tokens per second for each batch size."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+class Baseline:
+    """transformers generate, greedy, in this process, on the same model and prompts as the server load."""
 
-    tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
-    tok.pad_token = tok.pad_token or tok.eos_token
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eos = model.generation_config.eos_token_id
-    results = {}
-    for b in batch_sizes:
-        texts = [tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-                 for p in prompts(b)]
-        enc = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
+    def __init__(self, model_dir: str, max_tokens: int):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.torch, self.max_tokens = torch, max_tokens
+        self.tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
+        self.tok.pad_token = self.tok.pad_token or self.tok.eos_token
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.eos = self.model.generation_config.eos_token_id
+
+    def run(self, batch: int) -> float:
+        """Output tokens per second of one static batch."""
+        texts = [self.tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                              add_generation_prompt=True) for p in prompts(batch)]
+        enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         started = time.perf_counter()
-        with torch.inference_mode():
-            out = model.generate(**enc, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.pad_token_id)
+        with self.torch.inference_mode():
+            out = self.model.generate(**enc, max_new_tokens=self.max_tokens, do_sample=False,
+                                      pad_token_id=self.tok.pad_token_id)
         elapsed = time.perf_counter() - started
-        new = out[:, enc.input_ids.shape[1]:]
         tokens = 0
-        for row in new.tolist():  # count up to and including the end token, as the server does
-            tokens += next((i + 1 for i, t in enumerate(row) if t == eos), len(row))
-        results[b] = tokens / elapsed
-        print(f"{'generate (in-process)':<22} b={b:<3} {tokens:>6} tok {elapsed:7.2f}s {results[b]:8.1f} tok/s")
-    return results
+        for row in out[:, enc.input_ids.shape[1]:].tolist():  # up to and including the end token, as the server
+            tokens += next((i + 1 for i, t in enumerate(row) if t == self.eos), len(row))
+        print(f"{'generate (in-process)':<22} b={batch:<3} {tokens:>6} tok {elapsed:7.2f}s {tokens / elapsed:8.1f} tok/s")
+        return tokens / elapsed
 
 
 def token_counter(health: dict, max_tokens: int):
@@ -134,6 +140,7 @@ def main() -> None:
     ap.add_argument("--baseline", action="store_true", help="also time transformers generate in-process")
     ap.add_argument("--proxy-url", help="also run the load through this JWT proxy")
     ap.add_argument("--jwt-secret", help="secret to sign the proxy's token (default: JWT_SECRET)")
+    ap.add_argument("--repeat", type=int, default=1, help="run every load this many times; report medians")
     args = ap.parse_args()
     for u in filter(None, [args.url, args.proxy_url]):
         host = urlparse(u).hostname or ""
@@ -145,32 +152,46 @@ def main() -> None:
     print(f"server {args.url}: model {model}, {health['rows_total']} rows")
     count = token_counter(health, args.max_tokens)
 
+    headers = proxy_headers(args.jwt_secret) if args.proxy_url else {}
+    base = Baseline(health["model_dir"], args.max_tokens) if args.baseline else None
+    pairs = {1: 1, 32: 32}  # server concurrency -> generate batch it is compared with
     run_load(args.url, model, 2, 4, count)  # warm-up
-    direct = {}
-    for c in args.concurrency:
-        direct[c] = run_load(args.url, model, c, args.max_tokens, count)
-        print_row("server (HTTP stream)", direct[c])
-
-    if args.proxy_url:
-        import os
-
-        import jwt
-
-        secret = args.jwt_secret or os.environ["JWT_SECRET"]
-        token = jwt.encode({"team_id": "bench", "token_id": "bench"}, secret, algorithm="HS256")
-        headers = {"Authorization": f"Bearer {token}"}
+    direct, proxied, generated = defaultdict(list), defaultdict(list), defaultdict(list)
+    for _ in range(args.repeat):  # interleaved, so a noisy machine slows both sides of a ratio alike
         for c in args.concurrency:
-            r = run_load(args.proxy_url, model, c, args.max_tokens, count, headers)
+            direct[c].append(run_load(args.url, model, c, args.max_tokens, count))
+            print_row("server (HTTP stream)", direct[c][-1])
+            if args.proxy_url:
+                proxied[c].append(run_load(args.proxy_url, model, c, args.max_tokens, count, headers))
+                print_row("through proxy", proxied[c][-1])
+            if base and c in pairs:
+                generated[pairs[c]].append(base.run(pairs[c]))
+
+    print(f"\nmedians of {args.repeat} run(s):")
+    for c in args.concurrency:
+        d = median_row(direct[c])
+        print_row("server (HTTP stream)", d)
+        if args.proxy_url:
+            r = median_row(proxied[c])
             print_row("through proxy", r)
-            d = direct[c]
             print(f"{'  proxy overhead':<22} c={c:<3} TTFT p50 {(r['ttft_p50'] - d['ttft_p50']) * 1e3:+.1f} ms, "
                   f"throughput {r['tps'] / d['tps']:.3f}x")
+        if c in pairs and generated[pairs[c]]:
+            g = statistics.median(generated[pairs[c]])
+            print(f"ratio: server c={c} / generate b={pairs[c]} = {d['tps']:.1f} / {g:.1f} = {d['tps'] / g:.2f}")
 
-    if args.baseline:
-        base = baseline(health["model_dir"], [1, 32], args.max_tokens)
-        for c, b in ((1, 1), (32, 32)):
-            if c in direct:
-                print(f"ratio: server c={c} / generate b={b} = {direct[c]['tps'] / base[b]:.2f}")
+
+def median_row(runs: list[dict]) -> dict:
+    """Each figure's median over repeated runs of one load."""
+    row = {k: (statistics.median(r[k] for r in runs) if isinstance(v, float) else v) for k, v in runs[-1].items()}
+    return {**row, "errors": sum(r["errors"] for r in runs)}
+
+
+def proxy_headers(secret: str | None) -> dict[str, str]:
+    import jwt
+
+    token = jwt.encode({"team_id": "bench", "token_id": "bench"}, secret or os.environ["JWT_SECRET"], algorithm="HS256")
+    return {"Authorization": f"Bearer {token}"}
 
 
 if __name__ == "__main__":

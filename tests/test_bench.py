@@ -13,27 +13,30 @@ def bench(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True, timeout=300)
 
 
-def rows(output: str) -> dict[int, float]:
-    """concurrency -> tok/s of each 'server (HTTP stream)' line."""
+def rows(output: str) -> list[tuple[int, float]]:
+    """(concurrency, tok/s) of each 'server (HTTP stream)' line."""
     found = re.findall(r"server \(HTTP stream\)\s+c=(\d+)\s+\d+ tok\s+[\d.]+s\s+([\d.]+) tok/s", output)
-    return {int(c): float(tps) for c, tps in found}
+    return [(int(c), float(tps)) for c, tps in found]
 
 
 def test_mock_server_figures(mock_server):
-    result = bench("--url", mock_server.url, "--concurrency", "1", "2", "--max-tokens", "8")
+    result = bench("--url", mock_server.url, "--concurrency", "1", "2", "--max-tokens", "8", "--repeat", "2")
     assert result.returncode == 0, result.stderr
     assert "ERRORS" not in result.stdout
     figures = rows(result.stdout)
-    assert set(figures) == {1, 2} and all(tps > 0 for tps in figures.values())
+    assert len(figures) == 6 and all(tps > 0 for _, tps in figures)  # 2 runs of each, then the medians
+    assert "medians of 2 run(s)" in result.stdout
     assert "TTFT p50" in result.stdout and "ITL p50" in result.stdout
 
 
 def test_real_server_with_baseline_counts_model_tokens(real_server):
-    result = bench("--url", real_server.url, "--concurrency", "1", "--max-tokens", "4", "--baseline")
+    result = bench("--url", real_server.url, "--concurrency", "1", "32", "--max-tokens", "4", "--baseline")
     assert result.returncode == 0, result.stderr
     assert re.search(r"c=1\s+4 tok", result.stdout), result.stdout  # 4 tokens asked for, 4 counted
+    assert re.search(r"c=32\s+128 tok", result.stdout), result.stdout
     assert re.search(r"generate \(in-process\)\s+b=32\s+\d+ tok", result.stdout)
-    assert re.search(r"ratio: server c=1 / generate b=1 = [\d.]+", result.stdout)
+    for c in (1, 32):
+        assert re.search(rf"ratio: server c={c} / generate b={c} = [\d.]+ / [\d.]+ = [\d.]+", result.stdout)
 
 
 def test_refuses_non_loopback_addresses():

@@ -22,7 +22,7 @@ class ServerConfig:
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     rows: int = 32  # fixed user rows, each with its own KV cache
     context_length: int = 2048  # KV positions per row (prompt + output)
-    prefill_chunk: int = 256  # prompt tokens prefilled per engine step, so long prompts never stall streams
+    prefill_chunk: int = 512  # prompt tokens prefilled per engine step, so long prompts never stall streams
     max_waiting: int = 64  # requests allowed to wait for a free row; beyond it: 503
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     mock: bool = False

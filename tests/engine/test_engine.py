@@ -1,0 +1,129 @@
+"""Engine.step() over the mock runner (no weights, no sleeping): scheduling, chunked prefill, release."""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from inference_api.engine.engine import Engine
+from inference_api.messages import FinishReason, GenerateRequest, SamplingParams
+from inference_api.mock.runner import MockRunner
+from inference_api.mock.tokenizer import EOS, ByteTokenizer
+
+
+class SpyRunner(MockRunner):
+    """The mock runner, recording what each forward was given."""
+
+    def __init__(self, rows: int):
+        super().__init__(rows, tokens_per_second=0)
+        self.prefills: list[list[int]] = []  # per prefill call: the chunk lengths
+        self.fail_decode = False
+
+    def prefill(self, rows, chunks, starts):
+        self.prefills.append([len(c) for c in chunks])
+        return super().prefill(rows, chunks, starts)
+
+    def decode(self, tokens, positions, active):
+        if self.fail_decode:
+            raise RuntimeError("device lost")
+        return super().decode(tokens, positions, active)
+
+
+def make_engine(rows: int = 4, prefill_chunk: int = 64, context: int = 4096) -> tuple[Engine, SpyRunner]:
+    runner = SpyRunner(rows)
+    return Engine(runner, ByteTokenizer(), rows, context, prefill_chunk, frozenset([EOS])), runner
+
+
+def request(sid: str, prompt: str, max_tokens: int = 8) -> GenerateRequest:
+    return GenerateRequest(sid, tuple(prompt.encode()), SamplingParams(temperature=0, max_tokens=max_tokens))
+
+
+def run(engine: Engine, limit: int = 1000) -> dict[str, list]:
+    events = defaultdict(list)
+    for _ in range(limit):
+        if not engine.has_work:
+            return events
+        for event in engine.step():
+            events[event.session_id].append(event)
+    raise AssertionError("engine did not finish")
+
+
+def text(events) -> str:
+    return "".join(e.text for e in events)
+
+
+def test_more_requests_than_rows_all_finish_with_their_own_text_and_free_everything():
+    engine, _ = make_engine(rows=4)
+    prompts = {f"s{i}": f"prompt number {i}" for i in range(10)}
+    for sid, prompt in prompts.items():
+        engine.add(request(sid, prompt, max_tokens=20))
+    assert engine.stats.rows_in_use == 0 and engine.stats.waiting == 10
+    first = engine.step()
+    assert engine.stats.rows_in_use == 4 and engine.stats.waiting == 6
+    events = run(engine)
+    for event in first:
+        events[event.session_id].insert(0, event)
+    for sid, prompt in prompts.items():
+        assert text(events[sid]) == ("Echo: " + prompt)[:20]  # the mock echoes its own row's prompt
+        assert events[sid][-1].finish_reason is FinishReason.LENGTH
+        assert events[sid][-1].completion_tokens == 20 and events[sid][-1].prompt_tokens == len(prompt)
+    assert engine.stats.rows_in_use == 0 and not engine.sessions and not engine.running
+
+
+def test_long_prompt_is_prefilled_in_bounded_chunks_while_other_rows_keep_decoding():
+    engine, runner = make_engine(rows=4, prefill_chunk=64)
+    engine.add(request("short", "hi", max_tokens=100))
+    engine.step()  # "short" is prefilled and decoding
+    engine.add(request("long", "x" * 300, max_tokens=4))
+    short_tokens = 0
+    while engine.sessions["long"].num_output == 0:
+        events = engine.step()
+        short_tokens += sum(len(e.token_ids) for e in events if e.session_id == "short")
+    assert all(sum(chunk) <= 64 for chunk in runner.prefills)
+    assert sum(runner.prefills[-1]) > 0 and len(runner.prefills) == 1 + 5  # 300 tokens: 5 chunks of at most 64
+    assert short_tokens == 5  # one token for the running row in every step of the long prefill
+
+
+def test_several_short_prompts_share_one_prefill_within_the_budget():
+    engine, runner = make_engine(rows=4, prefill_chunk=64)
+    for i in range(4):
+        engine.add(request(f"s{i}", "y" * 15))
+    engine.step()
+    assert runner.prefills == [[15, 15, 15, 15]]
+
+
+def test_cancel_frees_a_running_row_and_removes_a_waiting_request():
+    engine, _ = make_engine(rows=1)
+    engine.add(request("running", "a", max_tokens=50))
+    engine.add(request("waiting", "b", max_tokens=50))
+    engine.step()
+    assert engine.stats.rows_in_use == 1 and engine.stats.waiting == 1
+    engine.cancel("waiting")
+    assert engine.stats.waiting == 0 and "waiting" not in engine.sessions
+    engine.cancel("running")
+    assert engine.stats.rows_in_use == 0 and not engine.sessions and not engine.has_work
+    engine.cancel("unknown")  # a late cancel for a finished session is harmless
+
+
+def test_a_failed_forward_ends_running_requests_with_an_error_and_the_engine_keeps_serving():
+    engine, runner = make_engine(rows=2)
+    engine.add(request("a", "one", max_tokens=50))
+    engine.add(request("b", "two", max_tokens=50))
+    engine.step()
+    runner.fail_decode = True
+    events = engine.step()
+    assert {e.session_id for e in events} == {"a", "b"}
+    assert all(e.finish_reason is FinishReason.ERROR and "device lost" in e.error for e in events)
+    assert engine.stats.rows_in_use == 0 and not engine.sessions
+    runner.fail_decode = False
+    engine.add(request("c", "three", max_tokens=5))
+    assert text(run(engine)["c"]) == "Echo:"
+
+
+@pytest.mark.parametrize("stop, expected", [(("mber",), "Echo: nu"), (("zzz",), "Echo: number")])
+def test_stop_sequences_cut_the_stream(stop, expected):
+    engine, _ = make_engine()
+    engine.add(GenerateRequest("s", tuple(b"number"), SamplingParams(temperature=0, max_tokens=12, stop=stop)))
+    events = run(engine)["s"]
+    assert text(events) == expected
+    assert events[-1].finish_reason is (FinishReason.STOP if stop == ("mber",) else FinishReason.LENGTH)

@@ -5,6 +5,7 @@ import torch
 
 from .attention import use_row_attention
 from .kv_cache import RowKVCache
+from .linear import use_packed_linears
 
 
 def kv_geometry(config) -> tuple[int, int, int]:
@@ -17,10 +18,11 @@ def kv_geometry(config) -> tuple[int, int, int]:
 
 class ModelRunner:
     def __init__(self, model, rows: int, context_length: int):
-        use_row_attention(model)
-        self.model = model
         self.device = model.device
         self.dtype = model.dtype
+        use_row_attention(model)
+        self.packed_linears = use_packed_linears(model)
+        self.model = model
         self.vocab_size = model.config.vocab_size
         layers, kv_heads, head_dim = kv_geometry(model.config)
         self.cache = RowKVCache(layers, rows, kv_heads, context_length, head_dim, self.dtype, self.device)

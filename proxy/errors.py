@@ -1,4 +1,8 @@
-"""Errors the proxy answers itself, always as JSON ``{"status_code": N, "message": "..."}``, never HTML."""
+"""Errors the proxy answers itself, always as JSON ``{"status_code": N, "message": "..."}``, never HTML.
+
+Under ``/v1/`` and on TGI's routes the body also carries the ``error`` field that the openai and
+text-generation clients read, so each client raises its own error type with the proxy's reason.
+"""
 from __future__ import annotations
 
 import logging
@@ -19,9 +23,23 @@ class ProxyError(Exception):
         self.headers = headers or {}
 
 
+TGI_PATHS = frozenset({"/", "/generate", "/generate_stream", "/info"})
+_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+
+
+def error_body(path: str, status: int, message: str) -> dict:
+    body = {"status_code": status, "message": message}
+    if path.startswith("/v1/"):
+        kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        body["error"] = {"message": message, "type": kind, "param": None, "code": None}
+    elif path in TGI_PATHS:
+        body["error"] = message
+    return body
+
+
 def error_response(status: int, message: str, headers: dict[str, str] | None = None):
     g.error = message  # for the access log
-    response = jsonify(status_code=status, message=message)
+    response = jsonify(error_body(request.path, status, message))
     response.status_code = status
     response.headers.update(headers or {})
     return response

@@ -89,6 +89,20 @@ def test_every_path_but_get_health_needs_a_token(proxy, method, path):
         assert response.json()["status_code"] == 401
 
 
+MISSING = "missing Authorization header (expected 'Bearer <token>')"
+
+
+@pytest.mark.parametrize("path, error", [
+    ("/v1/chat/completions", {"message": MISSING, "type": "authentication_error", "param": None, "code": None}),
+    ("/generate", MISSING),
+    ("/inference/m", None),
+])
+def test_401_body_also_speaks_the_api_of_the_path(proxy, path, error):
+    body = requests.post(proxy.url + path, json={}, timeout=10).json()
+    assert body["status_code"] == 401 and body["message"] == MISSING
+    assert body.get("error") == error
+
+
 def test_health_is_public(proxy):
     response = requests.get(proxy.url + "/health", timeout=10)
     assert response.status_code == 200

@@ -1,6 +1,8 @@
-"""The openai client through the JWT proxy (``python -m proxy``), the JWT passed as the client's api_key."""
+"""The official clients through the JWT proxy (``python -m proxy``): openai with the JWT as its api_key, and
+text-generation with it in an Authorization header."""
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -12,6 +14,8 @@ import openai
 import pytest
 import requests
 from servers import ROOT, free_port
+from text_generation import AsyncClient, Client
+from text_generation.errors import UnknownError
 
 SECRET = "test-secret-" + "x" * 40  # at least 32 bytes, or the proxy warns
 
@@ -70,3 +74,37 @@ def test_bad_jwt_is_an_authentication_error(proxy_url, model_name):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=proxy_url + "/v1", api_key="unused", max_retries=0).completions.create(
             model=model_name, prompt="hi", max_tokens=2)
+
+
+def test_async_openai_client_streams_through_the_proxy(proxy_url, oai, model_name):
+    kwargs = dict(model=model_name, prompt="The capital of Italy is", max_tokens=8, temperature=0)
+    direct = oai.completions.create(**kwargs).choices[0].text
+
+    async def run() -> str:
+        client = openai.AsyncOpenAI(base_url=proxy_url + "/v1", api_key=token(), max_retries=0, timeout=60)
+        async with client:
+            stream = await client.completions.create(**kwargs, stream=True)
+            return "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+
+    assert asyncio.run(run()) == direct
+
+
+def test_text_generation_client_through_the_proxy(proxy_url, real_server):
+    prompt, n = "The three primary colors are", 10
+    direct = Client(real_server.url, timeout=60).generate(prompt, max_new_tokens=n)
+    client = Client(proxy_url, headers={"Authorization": f"Bearer {token()}"}, timeout=60)
+    out = client.generate(prompt, max_new_tokens=n)
+    assert out.generated_text == direct.generated_text
+    assert out.details.generated_tokens == direct.details.generated_tokens
+    events = list(client.generate_stream(prompt, max_new_tokens=n))
+    assert "".join(e.token.text for e in events if not e.token.special) == direct.generated_text
+    assert events[-1].generated_text == direct.generated_text
+
+    async def run_async() -> str:
+        response = await AsyncClient(proxy_url, headers={"Authorization": f"Bearer {token()}"},
+                                     timeout=60).generate(prompt, max_new_tokens=n)
+        return response.generated_text
+
+    assert asyncio.run(run_async()) == direct.generated_text
+    with pytest.raises(UnknownError):  # the proxy's 401 reaches the client as an error, not as an answer
+        Client(proxy_url, timeout=10).generate(prompt, max_new_tokens=2)

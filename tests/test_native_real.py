@@ -125,8 +125,9 @@ def test_prompt_plus_max_tokens_must_fit_the_context(real_server, model_name):
 
 def test_disconnect_frees_the_row(real_server, model_name):
     real_server.wait_idle()
-    r = requests.post(f"{real_server.url}/inference/{model_name}", stream=True, timeout=60,
-                      json={"text": "Write a very long essay about rivers.", "max_tokens": 900})
+    # greedy through the chat template: hundreds of tokens, never an early end token (sampling could end it at once)
+    r = requests.post(f"{real_server.url}/predictions/{model_name}", stream=True, timeout=60,
+                      json={"text": "Write a very long essay about rivers.", "max_tokens": 900, "temperature": 0})
     next(r.iter_content(chunk_size=None))
     assert real_server.health()["rows_in_use"] == 1
     r.close()

@@ -17,8 +17,6 @@ def json_body(request: Request) -> dict:
         raise ApiError(400, f"Content-Type must be application/json, got {request.mimetype or 'none'!r}")
     data = request.get_data(cache=False)
     try:
-        import json
-
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "Malformed JSON request body") from None

@@ -5,7 +5,7 @@ import atexit
 import logging
 import os
 
-from flask import Flask, current_app
+from flask import Flask, current_app, request
 
 from .config import ServerConfig
 from .engine_client import EngineClient
@@ -23,6 +23,11 @@ def create_app(config: ServerConfig | None = None) -> Flask:
     app.extensions["server_config"] = config
     app.extensions["engine_client"] = client
     register_error_handlers(app)
+
+    @app.after_request
+    def count_answer(response):
+        client.metrics.answered(request.path, response.status_code)
+        return response
 
     from .routes_native import native
     from .routes_openai import openai_api

@@ -10,6 +10,7 @@ import logging
 import multiprocessing as mp
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ from .engine.process import run_engine
 from .errors import ApiError
 from .messages import (CancelRequest, EngineFailed, EngineReady, EngineStats, FinishReason, GenerateRequest,
                        SamplingParams, Shutdown, StepOutput, TokenEvent)
+from .metrics import Metrics
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -28,7 +30,13 @@ class Session:
     id: str
     prompt_tokens: int
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
-    done: bool = False
+    finish_reason: FinishReason | None = None  # set by the demultiplexer when the last event arrives
+    started: float = field(default_factory=time.monotonic)
+    has_output: bool = False
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
 
 
 class EngineClient:
@@ -46,6 +54,7 @@ class EngineClient:
         self.failure: str | None = None
         self.tokenizer: Tokenizer | None = None
         self.stats = EngineStats(rows_total=config.rows)
+        self.metrics = Metrics(lambda: self.stats, lambda: self.open_sessions)
 
     # life cycle
     def start(self) -> "EngineClient":
@@ -84,6 +93,7 @@ class EngineClient:
                 raise ApiError(503, f"server busy: all {self.config.rows} rows and {self.config.max_waiting} "
                                     f"queue places are taken", retry_after=1)
             self._sessions[session.id] = session
+        self.metrics.submitted(len(prompt_ids))
         self._inbox.put(GenerateRequest(session.id, tuple(prompt_ids), params))
         return session
 
@@ -91,7 +101,10 @@ class EngineClient:
         """Forget a session; if it was still generating, tell the engine to free its row."""
         with self._lock:
             known = self._sessions.pop(session.id, None) is not None
-        if known and not session.done and self.failure is None:
+        if not known:
+            return
+        self.metrics.ended(session.finish_reason or FinishReason.CANCELLED, session.started)
+        if not session.done and self.failure is None:
             self._inbox.put(CancelRequest(session.id))
 
     # output
@@ -122,9 +135,12 @@ class EngineClient:
     def _deliver(self, event: TokenEvent) -> None:
         session = self._sessions.get(event.session_id)
         if session is None:
+            self.metrics.tokens(len(event.token_ids))
             return  # abandoned: the client has gone
+        self.metrics.tokens(len(event.token_ids), None if session.has_output else session.started)
+        session.has_output = session.has_output or bool(event.token_ids)
         if event.finished:
-            session.done = True
+            session.finish_reason = event.finish_reason
         session.events.put(event)
 
     def _load_tokenizer(self, ready: EngineReady) -> Tokenizer:
@@ -142,5 +158,5 @@ class EngineClient:
         with self._lock:
             sessions = list(self._sessions.values())
         for session in sessions:
-            session.done = True
+            session.finish_reason = FinishReason.ERROR
             session.events.put(TokenEvent(session.id, "", finish_reason=FinishReason.ERROR, error=message))

@@ -1,4 +1,4 @@
-"""The native API, compatible with the original inference API: /inference, /predictions, /health."""
+"""The native API, compatible with the original inference API: /inference, /predictions, /health, /metrics."""
 from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify, request, stream_with_context
@@ -6,6 +6,7 @@ from flask import Blueprint, Response, jsonify, request, stream_with_context
 from .app import engine_client, server_config
 from .errors import ApiError
 from .generation import all_events, collect
+from .metrics import CONTENT_TYPE
 from .streaming import first_event, session_events
 from .validation import check_fits, json_body, parse_native
 
@@ -73,3 +74,9 @@ def health():
     if client.failure is not None:
         body["message"] = client.failure
     return jsonify(body), 200 if client.state == "ready" else 503
+
+
+@native.get("/metrics")
+def metrics():
+    """Prometheus text format: requests, tokens, latency histograms, rows and queue."""
+    return Response(engine_client().metrics.exposition(), content_type=CONTENT_TYPE)

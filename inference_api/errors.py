@@ -24,12 +24,24 @@ _OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404:
                  413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
 
 
+def api_of(path: str) -> str:
+    """The API family a path belongs to: ``openai``, ``tgi``, ``native`` or ``other``."""
+    if path.startswith("/v1/"):
+        return "openai"
+    if path in ("/", "/generate", "/generate_stream", "/info"):  # "/" is TGI's compat route
+        return "tgi"
+    if path.startswith(("/inference/", "/predictions/")):
+        return "native"
+    return "other"
+
+
 def error_body(path: str, err: ApiError) -> dict:
     """The error object of the API family the path belongs to."""
-    if path.startswith("/v1/"):
+    api = api_of(path)
+    if api == "openai":
         return {"error": {"message": err.message, "type": _OPENAI_TYPES.get(err.status, "server_error"),
                           "param": err.param, "code": err.code}}
-    if path in ("/", "/generate", "/generate_stream", "/info"):  # "/" is TGI's compat route
+    if api == "tgi":
         kind = "validation" if err.status in (400, 413, 422) else "overloaded" if err.status in (429, 503) \
             else "generation"
         return {"error": err.message, "error_type": kind}

@@ -12,27 +12,17 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from .errors import api_of
 from .messages import EngineStats, FinishReason
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
-def api_of(path: str) -> str:
-    """Which API a path belongs to, a label of low cardinality (never the raw path)."""
-    if path.startswith("/v1/"):
-        return "openai"
-    if path in ("/", "/generate", "/generate_stream", "/info"):
-        return "tgi"
-    if path.startswith(("/inference/", "/predictions/")):
-        return "native"
-    return "other"
-
-
 class Metrics:
     def __init__(self, stats: Callable[[], EngineStats], open_sessions: Callable[[], int]):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("inference_http_requests", "HTTP answers by API and status code",
+        self.requests = Counter("inference_http_requests", "HTTP answers by API (never the raw path) and status",
                                 ["api", "status"], registry=r)
         self.prompt_tokens = Counter("inference_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("inference_generated_tokens", "tokens generated", registry=r)

@@ -78,15 +78,18 @@ def string(body: dict, name: str, *, required: bool = False, default: str | None
     return value
 
 
+MAX_STOP_CHARS = 512  # bounds the engine's per-token stop matching, which every row's request shares
+
+
 def stop_list(body: dict, name: str, max_items: int = 4) -> tuple[str, ...]:
     value = body.get(name)
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
     if (not isinstance(items, list) or len(items) > max_items
-            or not all(isinstance(s, str) and s for s in items)):
-        raise ApiError(400, f"{name} must be a non-empty string or a list of up to {max_items} non-empty strings",
-                       param=name)
+            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in items)):
+        raise ApiError(400, f"{name} must be a non-empty string or a list of up to {max_items} non-empty strings, "
+                            f"each at most {MAX_STOP_CHARS} characters", param=name)
     return tuple(items)
 
 

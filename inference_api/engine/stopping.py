@@ -28,11 +28,17 @@ def check_stop(text: str, stops: tuple[str, ...], start: int = 0) -> StopCheck:
 
 
 def held_back(text: str, stops: tuple[str, ...]) -> int:
-    """Length of the longest suffix of ``text`` that is a proper prefix of some stop sequence."""
+    """Length of the longest suffix of ``text`` that is a proper prefix of some stop sequence.
+
+    Only suffixes that begin with the stop's first character can match, so the search jumps between those
+    (a plain scan of every suffix length would cost O(len(stop)^2) per token)."""
     longest = 0
     for stop in stops:
-        for n in range(min(len(stop) - 1, len(text)), longest, -1):
-            if text.endswith(stop[:n]):
-                longest = n
+        window = text[-(len(stop) - 1):] if len(stop) > 1 else ""
+        i = window.find(stop[0]) if window else -1
+        while i != -1 and len(window) - i > longest:
+            if stop.startswith(window[i:]):
+                longest = len(window) - i
                 break
+            i = window.find(stop[0], i + 1)
     return longest

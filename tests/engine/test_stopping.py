@@ -25,6 +25,23 @@ def test_longest_held_back_suffix():
     assert held_back("xxab", ("zzz",)) == 0
     assert held_back("xa", ("ab",)) == 1
     assert held_back("ab", ("ab",)) == 0  # a full match is not a proper prefix: check_stop catches it
+    assert held_back("aaab", ("abab",)) == 2
+    assert held_back("abab", ("ababc",)) == 4
+    assert held_back("xaba", ("abaX",)) == 3
+    assert held_back("ba", ("a", "ab")) == 1
+    assert held_back("", ("ab",)) == 0
+
+
+def test_held_back_equals_the_plain_scan_of_every_suffix():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(2000):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
+        stops = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3)))
+        plain = max([n for stop in stops for n in range(1, min(len(stop) - 1, len(text)) + 1)
+                     if text.endswith(stop[:n])], default=0)
+        assert held_back(text, stops) == plain, (text, stops)
 
 
 def test_match_spanning_the_search_start():

@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Benchmark a running server: N concurrent streaming clients on loopback, bounded in count and time.
 
-Prints aggregate output tokens/s, time to first token and inter-token latency (p50, p99) per concurrency.
+Prints aggregate output tokens/s, time to first token and inter-token latency (p50, p99) per concurrency,
+and the engine process's resident memory (now and peak).
 With --baseline it also times transformers' generate in-process on the same model and prompts (batch 1,
 and one static batch of 32) and prints the ratios. With --proxy-url it runs the same load through the
 JWT proxy too and prints the overhead. With --repeat N every load runs N times, server and generate runs
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import statistics
 import sys
 import threading
@@ -179,6 +181,19 @@ def main() -> None:
         if c in pairs and generated[pairs[c]]:
             g = statistics.median(generated[pairs[c]])
             print(f"ratio: server c={c} / generate b={pairs[c]} = {d['tps']:.1f} / {g:.1f} = {d['tps'] / g:.2f}")
+    memory = engine_memory(health)
+    if memory:
+        print(memory)
+
+
+def engine_memory(health: dict) -> str | None:
+    """The engine process's resident memory now and at its peak (the server runs on this host: loopback)."""
+    try:
+        status = Path(f"/proc/{health['backend_pid']}/status").read_text()
+    except (KeyError, OSError):
+        return None
+    kib = dict(re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", status, re.M))
+    return f"engine memory: {int(kib['VmRSS']) / 2**20:.2f} GiB resident, peak {int(kib['VmHWM']) / 2**20:.2f} GiB"
 
 
 def median_row(runs: list[dict]) -> dict:

@@ -27,6 +27,7 @@ def test_mock_server_figures(mock_server):
     assert len(figures) == 6 and all(tps > 0 for _, tps in figures)  # 2 runs of each, then the medians
     assert "medians of 2 run(s)" in result.stdout
     assert "TTFT p50" in result.stdout and "ITL p50" in result.stdout
+    assert re.search(r"engine memory: [\d.]+ GiB resident, peak [\d.]+ GiB", result.stdout)
 
 
 def test_real_server_with_baseline_counts_model_tokens(real_server):

@@ -28,10 +28,10 @@ class Metrics:
         self.generated_tokens = Counter("inference_generated_tokens", "tokens generated", registry=r)
         self.finished = Counter("inference_generations_finished", "generations ended, by reason", ["reason"],
                                 registry=r)
-        self.ttft = Histogram("inference_time_to_first_token_seconds", "from submission to the first text",
+        self.ttft = Histogram("inference_time_to_first_token_seconds", "from submission to the first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
-        self.duration = Histogram("inference_request_duration_seconds", "from submission until the request is released",
-                                  buckets=_LATENCY_BUCKETS, registry=r)
+        self.duration = Histogram("inference_request_duration_seconds",
+                                  "from submission until the request is released", buckets=_LATENCY_BUCKETS, registry=r)
         gauges = {"inference_rows_in_use": ("user rows decoding or prefilling", lambda: stats().rows_in_use),
                   "inference_rows_total": ("user rows", lambda: stats().rows_total),
                   "inference_queue_length": ("requests waiting for a row", lambda: stats().waiting),

@@ -23,7 +23,7 @@ class ProxyError(Exception):
         self.headers = headers or {}
 
 
-TGI_PATHS = frozenset({"/", "/generate", "/generate_stream", "/info"})
+_TGI_PATHS = frozenset({"/", "/generate", "/generate_stream", "/info"})
 _OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
 
 
@@ -32,7 +32,7 @@ def error_body(path: str, status: int, message: str) -> dict:
     if path.startswith("/v1/"):
         kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         body["error"] = {"message": message, "type": kind, "param": None, "code": None}
-    elif path in TGI_PATHS:
+    elif path in _TGI_PATHS:
         body["error"] = message
     return body
 

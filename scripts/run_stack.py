@@ -66,9 +66,8 @@ def main() -> int:
     ap.add_argument("--ready-timeout", type=float, default=600)
     args, server_flags = ap.parse_known_args()
 
-    env_file = args.env_file
-    env = {**load_env_file(env_file), **os.environ}
-    env["JWT_SECRET"] = ensure_secret(env, env_file)
+    env = {**load_env_file(args.env_file), **os.environ}
+    env["JWT_SECRET"] = ensure_secret(env, args.env_file)
     env.setdefault("PYTHONUNBUFFERED", "1")
     server_url = f"http://127.0.0.1:{args.server_port}"
     procs = [

@@ -6,8 +6,8 @@ import time
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from inference_api.messages import EngineStats, FinishReason
 from inference_api.errors import api_of
+from inference_api.messages import EngineStats, FinishReason
 from inference_api.metrics import Metrics
 
 

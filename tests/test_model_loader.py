@@ -46,12 +46,17 @@ def save_tiny_model(arch: str, folder: Path, tokenizer_dir: Path) -> Path:
     return folder
 
 
-def reference_greedy(folder: Path, prompt_ids: list[int], n: int, ignore_eos: bool = True) -> list[int]:
+def reference_greedy(folder: Path, n: int, ignore_eos: bool = True):
+    """transformers' greedy generate on the saved model: prompt ids -> the n (or fewer) new token ids."""
     model = T.AutoModelForCausalLM.from_pretrained(folder).eval()
-    ids = torch.tensor([prompt_ids])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                         min_new_tokens=n if ignore_eos else 0, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt_ids):].tolist()
+
+    def generate(prompt_ids: list[int]) -> list[int]:
+        ids = torch.tensor([prompt_ids])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                             min_new_tokens=n if ignore_eos else 0, do_sample=False, pad_token_id=0)
+        return out[0, len(prompt_ids):].tolist()
+
+    return generate
 
 
 def test_embedded_gguf_is_found_through_the_installed_file_list_without_importing_the_package():
@@ -112,8 +117,9 @@ def test_any_causal_lm_in_the_row_cache_matches_generate(arch, tmp_path, model_d
     while engine.has_work:
         for event in engine.step():
             out[event.session_id].extend(event.token_ids)
+    reference = reference_greedy(folder, 12)
     for i, ids in enumerate(prompt_ids):
-        assert out[str(i)] == reference_greedy(folder, ids, 12), f"{arch}: prompt {i}"
+        assert out[str(i)] == reference(ids), f"{arch}: prompt {i}"
 
 
 def test_server_serves_a_local_model_folder(tmp_path, model_dir):
@@ -127,7 +133,7 @@ def test_server_serves_a_local_model_folder(tmp_path, model_dir):
         assert r.status_code == 200, r.text
         tokenizer = T.AutoTokenizer.from_pretrained(folder)
         ids = tokenizer.encode(PROMPTS[1])
-        expected = reference_greedy(folder, ids, 8, ignore_eos=False)
+        expected = reference_greedy(folder, 8, ignore_eos=False)(ids)
         assert r.json()["text"] == tokenizer.decode(expected, skip_special_tokens=True)
         assert requests.post(f"{server.url}/inference/SmolLM2-135M-Instruct", json={"text": "x"},
                              timeout=10).status_code == 404

@@ -49,4 +49,14 @@ def use_packed_linears(model: nn.Module) -> int:
             setattr(parent, name, PackedLinear(child))
     except RuntimeError as exc:  # an unusual shape or build: keep the layers not yet replaced as they are
         log.warning("oneDNN packed linear unavailable (%s); using torch's default linear", exc)
-    return sum(isinstance(m, PackedLinear) for m in model.modules())
+    packed = sum(isinstance(m, PackedLinear) for m in model.modules())
+    if packed:
+        _own_remaining_tensors(model)
+    return packed
+
+
+def _own_remaining_tensors(model: nn.Module) -> None:
+    """transformers maps the safetensors file into memory. The tensors left dense (embeddings, norms) would
+    keep that whole mapping, the replaced weights' pages included, resident; copies of them let it go."""
+    for tensor in [*model.parameters(), *model.buffers()]:
+        tensor.data = tensor.data.clone()

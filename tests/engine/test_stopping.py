@@ -1,3 +1,5 @@
+import random
+
 from inference_api.engine.stopping import check_stop, held_back
 
 
@@ -33,8 +35,6 @@ def test_longest_held_back_suffix():
 
 
 def test_held_back_equals_the_plain_scan_of_every_suffix():
-    import random
-
     rng = random.Random(0)
     for _ in range(2000):
         text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))

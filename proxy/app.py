@@ -14,6 +14,7 @@ from .auth import Identity, TokenVerifier, bearer_token
 from .config import ProxyConfig
 from .errors import ProxyError, register_error_handlers
 from .limits import Slot, TeamLimiter
+from .playground import register_playground
 from .upstream import StreamBody, Upstream, client_response_headers, upstream_request_headers
 
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
@@ -39,6 +40,7 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
     upstream = Upstream(config)
     access_log = access_log or AccessLog()
     register_error_handlers(app)
+    register_playground(app)  # GET / and /playground: the chat page, no token needed to load it
 
     @app.before_request
     def start() -> None:

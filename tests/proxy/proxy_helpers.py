@@ -80,6 +80,16 @@ class Process:
         self.log.close()
 
 
+def wait_idle(server: Process, timeout: float = 20) -> dict:
+    """Wait until the inference server holds no session and no row; return its last /health body."""
+    deadline = time.monotonic() + timeout
+    while True:
+        health = requests.get(server.url + "/health", timeout=10).json()
+        if (health["open_sessions"] == 0 and health["rows_in_use"] == 0) or time.monotonic() > deadline:
+            return health
+        time.sleep(0.1)
+
+
 def start_proxy(upstream: str, *flags: str, secret: str | None = SECRET, env: dict[str, str] | None = None) -> Process:
     port = free_port()
     argv = [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(port), "--upstream", upstream,

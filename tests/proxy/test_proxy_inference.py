@@ -3,14 +3,13 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 
-from proxy_helpers import bearer, make_token
+from proxy_helpers import bearer, make_token, wait_idle
 
 
 @pytest.fixture(scope="module")
@@ -23,15 +22,6 @@ def model(inference_proxy) -> str:
 def echo_of(prompt: str) -> str:
     """What the mock backend streams for a prompt: the prompt echoed, over and over."""
     return f"Echo: {prompt} — "
-
-
-def wait_idle(server, timeout: float = 20) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        health = requests.get(server.url + "/health", timeout=10).json()
-        if (health["open_sessions"] == 0 and health["rows_in_use"] == 0) or time.monotonic() > deadline:
-            return health
-        time.sleep(0.1)
 
 
 @pytest.mark.timeout(120)

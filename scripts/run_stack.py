@@ -2,8 +2,8 @@
 """Run the whole stack: the inference server on loopback and the JWT proxy in front of it.
 
 On a first run it writes a random JWT_SECRET into a git-ignored .env (unless JWT_SECRET is set), then
-prints a ready-to-paste curl command with a valid token. Ctrl-C stops both. Flags after the script
-name go to the inference server (for example --mock, or --model PATH).
+prints a ready-to-paste curl command with a valid token and the address of the chat page. Ctrl-C stops
+both. Flags after the script name go to the inference server (for example --mock, or --model PATH).
 """
 from __future__ import annotations
 
@@ -98,6 +98,8 @@ def main() -> int:
               f"  -H 'Authorization: Bearer {token}' \\\n"
               f"  -H 'Content-Type: application/json' \\\n"
               f"  -d '{{\"text\": \"What is the capital of France?\", \"max_tokens\": 64}}'\n\n"
+              f"Or chat in a browser: http://127.0.0.1:{args.proxy_port}/ (paste the token after 'Bearer' "
+              f"when the page asks).\n\n"
               f"Ctrl-C stops both processes.\n", flush=True)
         while all(p.poll() is None for p in procs):
             time.sleep(0.5)

@@ -47,13 +47,17 @@ def test_first_run_writes_a_secret_prints_a_working_curl_and_ctrl_c_stops_both(s
     secret = re.fullmatch(r"JWT_SECRET=(\S+)\n", env_file.read_text()).group(1)
     assert len(secret) >= 32
 
-    command = output[output.index("curl -N"):output.index("\n\nCtrl-C")]
+    command = output[output.index("curl -N"):output.index("\n\nOr chat in a browser")]
     token = re.search(r"Bearer (\S+)'", command).group(1)
     assert {"team_id", "token_id", "exp"} <= set(jwt.decode(token, secret, algorithms=["HS256"]))
     assert f"127.0.0.1:{proxy_port}/predictions/" in command
     if shutil.which("curl"):
         pasted = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
         assert pasted.returncode == 0 and pasted.stdout.startswith("Echo: "), pasted
+    page = re.search(r"Or chat in a browser: (http://\S+/) ", output).group(1)
+    assert page == f"http://127.0.0.1:{proxy_port}/"
+    answer = requests.get(page, timeout=10)  # the playground needs no token to load
+    assert answer.status_code == 200 and "Chat playground" in answer.text
     url = f"http://127.0.0.1:{proxy_port}/predictions/SmolLM2-135M-Instruct"
     assert requests.post(url, json={"text": "hi"}, timeout=10).status_code == 401  # no token: no answer
 

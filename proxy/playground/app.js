@@ -170,6 +170,7 @@
     const system = $("system").value.trim();
     state.conversation.push({role: "user", content: text});
     const messages = [...(system ? [{role: "system", content: system}] : []), ...state.conversation];
+    if (matchMedia("(max-width: 480px)").matches) $("settings").open = false;  // room for the answer on a phone
     const userView = addMessage("user", text);
     $("prompt").value = "";
     const view = addMessage("assistant", "");

@@ -79,9 +79,10 @@ def test_rejections_are_401_json(proxy, stub, name, authorization, fragment):
 
 @pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
                                           ("POST", "/generate"), ("POST", "/predictions/m"), ("DELETE", "/x/y"),
-                                          ("POST", "/health"), ("GET", "/health/"), ("GET", "/"),
-                                          ("OPTIONS", "/inference/m"), ("HEAD", "/inference/m")])
-def test_every_path_but_get_health_needs_a_token(proxy, method, path):
+                                          ("POST", "/health"), ("GET", "/health/"), ("POST", "/"),
+                                          ("GET", "/playground/"), ("OPTIONS", "/inference/m"),
+                                          ("HEAD", "/inference/m")])
+def test_every_path_but_get_health_and_the_chat_page_needs_a_token(proxy, method, path):
     response = requests.request(method, proxy.url + path, timeout=10)
     assert response.status_code == 401
     assert response.headers["WWW-Authenticate"].startswith("Bearer")

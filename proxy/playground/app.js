@@ -290,6 +290,9 @@
     $("token-dialog").close();
     loadModels();
   });
+  $("token-dialog").addEventListener("close", () => {
+    if (!savedToken()) setStatus("The page needs a token to chat: press Token to enter one.", true);
+  });
   $("chat-form").addEventListener("submit", (event) => {
     event.preventDefault();
     send();

@@ -88,7 +88,7 @@ def wait_answer_done(page, count: int = 1):
 
 
 @pytest.mark.timeout(180)
-def test_chat_streams_the_servers_answer(context, inference_proxy, inference_server, model):
+def test_chat_streams_the_servers_answer(context, inference_proxy, inference_server, model, capsys):
     requested = []
     context.on("request", lambda r: requested.append(r))
     token = make_token()
@@ -141,14 +141,15 @@ def test_chat_streams_the_servers_answer(context, inference_proxy, inference_ser
     ARTIFACTS.mkdir(exist_ok=True)
     shot = ARTIFACTS / "playground-chat.png"
     page.screenshot(path=str(shot))
-    print(f"\nscreenshot of the finished chat: {shot}")
+    with capsys.disabled():  # shown in every run, not only a failing one
+        print(f"\nscreenshot of the finished chat: {shot}")
     assert shot.stat().st_size > 10_000
 
 
 @pytest.mark.timeout(120)
 def test_stop_aborts_and_frees_the_row(context, inference_proxy, inference_server):
     page = open_playground(context, inference_proxy.url, make_token())
-    set_params(page, **{"max-tokens": "1500"})  # 30 s at the mock's 50 tokens/s
+    set_params(page, **{"max-tokens": "1900"})  # 38 s at the mock's 50 tokens/s: longer than wait_idle waits
     send(page, "a long answer please")
     page.wait_for_function("() => (document.querySelector('#messages .assistant .text')?.textContent.length || 0) > 10")
     assert requests.get(inference_server.url + "/health", timeout=10).json()["open_sessions"] >= 1
@@ -244,6 +245,9 @@ def test_page_and_assets_need_no_token_but_nothing_else_changes(inference_proxy)
         assert response.status_code == 200, path
         assert "connect-src 'self'" in response.headers["Content-Security-Policy"]
         assert "://" not in response.text  # nothing from another host
+        again = requests.get(inference_proxy.url + path, headers={"If-None-Match": response.headers["ETag"]},
+                             timeout=10)
+        assert again.status_code == 304
     for method, path in (("POST", "/"), ("GET", "/playground/"), ("GET", "/playground/other.js"),
                          ("POST", "/playground"), ("OPTIONS", "/")):
         response = requests.request(method, inference_proxy.url + path, timeout=10)

@@ -168,15 +168,16 @@
       return setStatus(err.message, true);
     }
     const system = $("system").value.trim();
-    state.conversation.push({role: "user", content: text});
-    const messages = [...(system ? [{role: "system", content: system}] : []), ...state.conversation];
+    const conversation = state.conversation;  // "New chat" replaces it; this turn then ends on the old one
+    conversation.push({role: "user", content: text});
+    const messages = [...(system ? [{role: "system", content: system}] : []), ...conversation];
     if (matchMedia("(max-width: 480px)").matches) $("settings").open = false;  // room for the answer on a phone
     const userView = addMessage("user", text);
     $("prompt").value = "";
     const view = addMessage("assistant", "");
     view.li.setAttribute("aria-busy", "true");
     const takeBack = () => {  // nothing arrived: the turn is undone and the text goes back to the input
-      state.conversation.pop();
+      conversation.pop();
       userView.li.remove();
       view.li.remove();
       if (!$("prompt").value) $("prompt").value = text;
@@ -250,12 +251,13 @@
       view.li.removeAttribute("aria-busy");
     }
 
+    if (conversation !== state.conversation) return;  // the chat was cleared meanwhile
     if (!answer && (stopped || (failure && !finish))) {
       takeBack();
       setStatus(stopped ? "Stopped before the first token." : `${failure} Nothing arrived; send again.`, !stopped);
       return;
     }
-    state.conversation.push({role: "assistant", content: answer});
+    conversation.push({role: "assistant", content: answer});
     const tokens = usage ? usage.completion_tokens : pieces;
     const counts = usage ? ` · ${plural(usage.prompt_tokens, "prompt token")}, ${plural(usage.completion_tokens, "completion token")}`
                          : ` · about ${plural(pieces, "token")}`;

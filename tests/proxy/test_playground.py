@@ -70,7 +70,8 @@ def open_playground(context, url: str, token: str | None = None):
 
 
 def set_params(page, **values: str) -> None:
-    page.locator("#settings summary").click()
+    if page.locator("#settings").get_attribute("open") is None:
+        page.locator("#settings summary").click()
     for field, value in values.items():
         page.locator(f"#{field}").fill(value)
 
@@ -161,6 +162,20 @@ def test_stop_aborts_and_frees_the_row(context, inference_proxy, inference_serve
     assert page.locator("#send").is_enabled() and not page.locator("#stop-button").is_visible()
     kept = page.locator("#messages .assistant .text").text_content()
     assert len(kept) > 10
+
+    # "New chat" in the middle of an answer aborts it too and forgets the whole conversation
+    send(page, "another long one")
+    page.wait_for_function("() => document.querySelectorAll('#messages .assistant .text')[1]?.textContent.length > 10")
+    page.locator("#new-chat").click()
+    health = wait_idle(inference_server)
+    assert health["open_sessions"] == 0 and health["rows_in_use"] == 0, health
+    assert page.locator("#messages li").count() == 0 and page.locator("#send").is_enabled()
+    requested = []
+    page.on("request", lambda r: requested.append(r))
+    set_params(page, **{"max-tokens": "5"})
+    send(page, "fresh start")
+    wait_answer_done(page)
+    assert [m["role"] for m in json.loads(requested[-1].post_data)["messages"]] == ["user"]
 
 
 @pytest.mark.timeout(120)

@@ -238,6 +238,19 @@ def test_broken_stream_keeps_what_arrived(context, inference_proxy, model):
 
 
 @pytest.mark.timeout(120)
+def test_busy_server_says_how_long_to_wait(context, inference_proxy, model):
+    page = open_playground(context, inference_proxy.url, make_token())
+    body = json.dumps({"error": {"message": "the server is at capacity", "type": "server_error"}})
+    page.route("**/v1/chat/completions", lambda route: route.fulfill(
+        status=503, headers={"Content-Type": "application/json", "Retry-After": "3"}, body=body))
+    send(page, "anyone?")
+    page.wait_for_function("() => document.querySelector('#status').classList.contains('error')")
+    assert page.locator("#status").text_content() == ("The server is busy (the server is at capacity). "
+                                                      "Please wait 3 seconds and send again.")
+    assert page.locator("#prompt").input_value() == "anyone?" and page.locator("#messages li").count() == 0
+
+
+@pytest.mark.timeout(120)
 def test_phone_sized_screen(browser, inference_proxy, model):
     context = browser.new_context(viewport={"width": 360, "height": 640}, is_mobile=True, has_touch=True)
     context.set_default_timeout(30_000)

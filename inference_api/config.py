@@ -20,6 +20,8 @@ class ServerConfig:
     served_model_name: str | None = None  # None: derived from the model
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
+    quantize: str = "auto"  # auto (a GGUF's own quantization, else none) | none | int8 | int4
+    kv_dtype: str = "auto"  # auto (bfloat16 with quantized weights, else the model's) | float32 | bfloat16 | float16
     rows: int = 32  # fixed user rows, each with its own KV cache
     context_length: int = 2048  # KV positions per row (prompt + output)
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step, so long prompts never stall streams
@@ -61,6 +63,8 @@ _ENV = {
     "served_model_name": ("SERVED_MODEL_NAME", "model name used in URLs and API responses"),
     "device": ("DEVICE", "auto, cpu, cuda or cuda:N"),
     "dtype": ("DTYPE", "auto, float32, float16 or bfloat16"),
+    "quantize": ("QUANTIZE", "weights: auto (a GGUF keeps its own quantization), none, int8 or int4"),
+    "kv_dtype": ("KV_DTYPE", "KV cache: auto, float32, bfloat16 or float16"),
     "rows": ("MAX_USERS", "user rows decoded together"),
     "context_length": ("CONTEXT_LENGTH", "tokens per row (prompt + output)"),
     "prefill_chunk": ("PREFILL_CHUNK", "prompt tokens prefilled per step"),
@@ -71,6 +75,13 @@ _ENV = {
     "allow_download": ("ALLOW_DOWNLOAD", "allow fetching hub models at start-up"),
     "torch_threads": ("TORCH_THREADS", "torch intra-op threads in the engine (0: default)"),
     "log_level": ("LOG_LEVEL", "gunicorn and app log level"),
+}
+
+
+_CHOICES = {
+    "dtype": ("auto", "float32", "float16", "bfloat16"),
+    "quantize": ("auto", "none", "int8", "int4"),
+    "kv_dtype": ("auto", "float32", "float16", "bfloat16"),
 }
 
 
@@ -88,5 +99,5 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         convert = {"int": int, "float": float, "Path": Path}.get(f.type, str)
         raw = env.get(var)
         parser.add_argument(flag, dest=f.name, type=convert, default=convert(raw) if raw else default,
-                            help=f"{help_text} (env {var}, default {default})")
+                            choices=_CHOICES.get(f.name), help=f"{help_text} (env {var}, default {default})")
     return parser

@@ -93,6 +93,8 @@ class EngineReady:
     vocab_size: int
     device: str
     dtype: str
+    quantize: str = "none"  # none | int8 | int4: how the weights are held
+    kv_dtype: str = ""
 
 
 @dataclass(frozen=True)

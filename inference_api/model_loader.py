@@ -125,3 +125,45 @@ def eos_ids(model, tokenizer) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset(eos if isinstance(eos, list) else [eos])
+
+
+# GGUF tensor types by the weight-only mode that keeps them: 4-bit blocks as int4, 5- to 8-bit as int8
+_GGUF_INT4 = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"}
+_GGUF_INT8 = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
+
+
+def gguf_source(config: ServerConfig) -> Path | None:
+    if config.model is None:
+        return embedded_gguf()
+    return Path(config.model) if config.model.endswith(".gguf") else None
+
+
+def gguf_quantization(gguf: Path) -> str:
+    """The weight-only mode that keeps a GGUF file's own quantization of its linear layers."""
+    from collections import Counter
+
+    from gguf import GGUFReader
+
+    kinds = Counter(t.tensor_type.name for t in GGUFReader(str(gguf)).tensors
+                    if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2)
+    if not kinds:
+        return "none"
+    kind = kinds.most_common(1)[0][0]
+    return "int4" if kind in _GGUF_INT4 else "int8" if kind in _GGUF_INT8 else "none"
+
+
+def pick_precision(config: ServerConfig, device: str, dtype) -> tuple[str, object, int | None]:
+    """(quantize, KV cache dtype, int8 group) for the configured flags: auto keeps a GGUF file's own
+    quantization (with int8 groups of 32, as its Q8_0 blocks) and holds the cache in bfloat16 when the
+    weights are quantized; a folder is served as it is unless --quantize says otherwise."""
+    import torch
+
+    gguf = gguf_source(config)
+    quantize = config.quantize
+    if quantize == "auto":
+        quantize = gguf_quantization(gguf) if gguf is not None and config.dtype in ("auto", "float32") else "none"
+    if config.kv_dtype != "auto":
+        kv = getattr(torch, config.kv_dtype)
+    else:
+        kv = torch.bfloat16 if quantize != "none" and device == "cpu" else dtype
+    return quantize, kv, 32 if gguf is not None else None

@@ -70,6 +70,7 @@ def health():
             "queue_length": client.stats.waiting, "open_sessions": client.open_sessions,
             "mock": server_config().mock, "model_dir": ready.model_dir if ready else None,
             "device": ready.device if ready else None, "dtype": ready.dtype if ready else None,
+            "quantize": ready.quantize if ready else None, "kv_dtype": ready.kv_dtype if ready else None,
             "context_length": ready.context_length if ready else None, "backend_pid": client.process.pid}
     if client.failure is not None:
         body["message"] = client.failure

@@ -4,7 +4,10 @@
 Prints aggregate output tokens/s, time to first token and inter-token latency (p50, p99) per concurrency,
 and the engine process's resident memory (now and peak).
 With --baseline it also times transformers' generate in-process on the same model and prompts (batch 1,
-and one static batch of 32) and prints the ratios. With --proxy-url it runs the same load through the
+and one static batch of 32) and prints the ratios. With --peer-url it drives another OpenAI-compatible
+server (llama.cpp's llama-server, say) with the same prompts, interleaved, and prints our ratio to it at
+every concurrency; --api openai streams /v1/completions from both (the default with a peer), native
+streams /predictions. With --proxy-url it runs the same load through the
 JWT proxy too and prints the overhead. With --repeat N every load runs N times, server and generate runs
 interleaved, and the medians are reported (a shared 2-core machine is noisy).
 
@@ -43,7 +46,32 @@ class Stream:
     error: str | None = None
 
 
-def one_stream(url: str, model: str, prompt: str, max_tokens: int, headers: dict, out: Stream) -> None:
+def openai_stream(url: str, model: str, prompt: str, max_tokens: int, headers: dict, out: Stream) -> None:
+    """A /v1/completions stream (raw prompt, greedy); each event that carries text is one arrival."""
+    import json
+
+    out.start = time.perf_counter()
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    try:
+        with requests.post(f"{url}/v1/completions", headers=headers, stream=True, timeout=300, json=body) as r:
+            if r.status_code != 200:
+                out.error = f"{r.status_code}: {r.text[:200]}"
+                return
+            pieces = []
+            for line in r.iter_lines():
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                text = choices[0].get("text") or ""
+                if text:
+                    out.arrivals.append(time.perf_counter())
+                    pieces.append(text)
+            out.text = "".join(pieces)
+    except (requests.RequestException, ValueError) as exc:
+        out.error = str(exc)
+
+
+def native_stream(url: str, model: str, prompt: str, max_tokens: int, headers: dict, out: Stream) -> None:
     out.start = time.perf_counter()
     try:
         with requests.post(f"{url}/predictions/{model}", headers=headers, stream=True, timeout=300,
@@ -67,8 +95,10 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_load(url: str, model: str, concurrency: int, max_tokens: int, count_tokens, headers=None) -> dict:
+def run_load(url: str, model: str, concurrency: int, max_tokens: int, count_tokens, headers=None,
+             api: str = "native") -> dict:
     streams = [Stream() for _ in range(concurrency)]
+    one_stream = openai_stream if api == "openai" else native_stream
     threads = [threading.Thread(target=one_stream, args=(url, model, p, max_tokens, headers or {}, s))
                for p, s in zip(prompts(concurrency), streams)]
     started = time.perf_counter()
@@ -96,11 +126,11 @@ def print_row(label: str, r: dict) -> None:
 class Baseline:
     """transformers generate, greedy, in this process, on the same model and prompts as the server load."""
 
-    def __init__(self, model_dir: str, max_tokens: int):
+    def __init__(self, model_dir: str, max_tokens: int, chat: bool = True):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
-        self.torch, self.max_tokens = torch, max_tokens
+        self.torch, self.max_tokens, self.chat = torch, max_tokens, chat
         self.tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
         self.tok.pad_token = self.tok.pad_token or self.tok.eos_token
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -109,7 +139,8 @@ class Baseline:
     def run(self, batch: int) -> float:
         """Output tokens per second of one static batch."""
         texts = [self.tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                              add_generation_prompt=True) for p in prompts(batch)]
+                                              add_generation_prompt=True) if self.chat else p
+                 for p in prompts(batch)]
         enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         started = time.perf_counter()
         with self.torch.inference_mode():
@@ -143,8 +174,13 @@ def main() -> None:
     ap.add_argument("--proxy-url", help="also run the load through this JWT proxy")
     ap.add_argument("--jwt-secret", help="secret to sign the proxy's token (default: JWT_SECRET)")
     ap.add_argument("--repeat", type=int, default=1, help="run every load this many times; report medians")
+    ap.add_argument("--peer-url", help="also drive this OpenAI-compatible server (e.g. llama-server) the same way")
+    ap.add_argument("--peer-pid", type=int, help="the peer's process id, to print its resident memory")
+    ap.add_argument("--api", choices=["native", "openai"], help="native: /predictions; openai: /v1/completions "
+                    "(default: openai with --peer-url, else native)")
     args = ap.parse_args()
-    for u in filter(None, [args.url, args.proxy_url]):
+    api = args.api or ("openai" if args.peer_url else "native")
+    for u in filter(None, [args.url, args.proxy_url, args.peer_url]):
         host = urlparse(u).hostname or ""
         if not (host == "localhost" or host.startswith("127.") or host == "::1"):
             sys.exit(f"refusing to load a non-loopback address: {u}")
@@ -155,16 +191,21 @@ def main() -> None:
     count = token_counter(health, args.max_tokens)
 
     headers = proxy_headers(args.jwt_secret) if args.proxy_url else {}
-    base = Baseline(health["model_dir"], args.max_tokens) if args.baseline else None
+    base = Baseline(health["model_dir"], args.max_tokens, chat=api == "native") if args.baseline else None
     pairs = {1: 1, 32: 32}  # server concurrency -> generate batch it is compared with
-    run_load(args.url, model, 2, 4, count)  # warm-up
-    direct, proxied, generated = defaultdict(list), defaultdict(list), defaultdict(list)
+    run_load(args.url, model, 2, 4, count, api=api)  # warm-up
+    if args.peer_url:
+        run_load(args.peer_url, model, 2, 4, count, api="openai")
+    direct, proxied, generated, peer = defaultdict(list), defaultdict(list), defaultdict(list), defaultdict(list)
     for _ in range(args.repeat):  # interleaved, so a noisy machine slows both sides of a ratio alike
         for c in args.concurrency:
-            direct[c].append(run_load(args.url, model, c, args.max_tokens, count))
+            direct[c].append(run_load(args.url, model, c, args.max_tokens, count, api=api))
             print_row("server (HTTP stream)", direct[c][-1])
+            if args.peer_url:
+                peer[c].append(run_load(args.peer_url, model, c, args.max_tokens, count, api="openai"))
+                print_row("peer", peer[c][-1])
             if args.proxy_url:
-                proxied[c].append(run_load(args.proxy_url, model, c, args.max_tokens, count, headers))
+                proxied[c].append(run_load(args.proxy_url, model, c, args.max_tokens, count, headers, api=api))
                 print_row("through proxy", proxied[c][-1])
             if base and c in pairs:
                 generated[pairs[c]].append(base.run(pairs[c]))
@@ -178,22 +219,27 @@ def main() -> None:
             print_row("through proxy", r)
             print(f"{'  proxy overhead':<22} c={c:<3} TTFT p50 {(r['ttft_p50'] - d['ttft_p50']) * 1e3:+.1f} ms, "
                   f"throughput {r['tps'] / d['tps']:.3f}x")
+        if args.peer_url:
+            p = median_row(peer[c])
+            print_row("peer", p)
+            print(f"ratio: server c={c} / peer c={c} = {d['tps']:.1f} / {p['tps']:.1f} = {d['tps'] / p['tps']:.2f}")
         if c in pairs and generated[pairs[c]]:
             g = statistics.median(generated[pairs[c]])
             print(f"ratio: server c={c} / generate b={pairs[c]} = {d['tps']:.1f} / {g:.1f} = {d['tps'] / g:.2f}")
-    memory = engine_memory(health)
-    if memory:
-        print(memory)
+    for label, pid in (("engine", health.get("backend_pid")), ("peer", args.peer_pid)):
+        memory = process_memory(pid)
+        if memory:
+            print(f"{label} memory: {memory}")
 
 
-def engine_memory(health: dict) -> str | None:
-    """The engine process's resident memory now and at its peak (the server runs on this host: loopback)."""
+def process_memory(pid: int | None) -> str | None:
+    """A process's resident memory now and at its peak (servers run on this host: loopback)."""
     try:
-        status = Path(f"/proc/{health['backend_pid']}/status").read_text()
-    except (KeyError, OSError):
+        status = Path(f"/proc/{pid}/status").read_text()
+    except (TypeError, OSError):
         return None
     kib = dict(re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", status, re.M))
-    return f"engine memory: {int(kib['VmRSS']) / 2**20:.2f} GiB resident, peak {int(kib['VmHWM']) / 2**20:.2f} GiB"
+    return f"{int(kib['VmRSS']) / 2**20:.2f} GiB resident, peak {int(kib['VmHWM']) / 2**20:.2f} GiB"
 
 
 def median_row(runs: list[dict]) -> dict:

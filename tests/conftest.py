@@ -10,7 +10,18 @@ from servers import MODEL_CACHE, MODEL_NAME, ServerProcess
 
 @pytest.fixture(scope="session")
 def real_server():
-    server = ServerProcess("--model-cache-dir", MODEL_CACHE, "--context-length", "1024", "--max-waiting", "64")
+    """The exact mode: the embedded model's weights dequantized to float32, a float32 KV cache."""
+    server = ServerProcess("--model-cache-dir", MODEL_CACHE, "--context-length", "1024", "--max-waiting", "64",
+                           "--quantize", "none", "--dtype", "float32")
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def quantized_server():
+    """The default 4-bit weights, with a float32 KV cache so outputs compare with generate exactly."""
+    server = ServerProcess("--model-cache-dir", MODEL_CACHE, "--context-length", "1024", "--max-waiting", "64",
+                           "--kv-dtype", "float32")
     yield server
     server.stop()
 

@@ -108,18 +108,50 @@ def test_hub_id_loads_from_the_local_hub_cache_and_never_downloads(tmp_path, mon
 def test_any_causal_lm_in_the_row_cache_matches_generate(arch, tmp_path, model_dir):
     """Three prompts decoded together, the long one prefilled in chunks: each equals generate alone."""
     folder = save_tiny_model(arch, tmp_path / arch, model_dir)
-    engine, _ = build_engine(ServerConfig(model=str(folder), rows=4, context_length=256, prefill_chunk=8))
-    tokenizer = T.AutoTokenizer.from_pretrained(folder)
+    engine, ready = build_engine(ServerConfig(model=str(folder), rows=4, context_length=256, prefill_chunk=8))
+    assert ready.quantize == "none"  # a folder is served as it is unless --quantize says otherwise
+    prompt_ids, out = _greedy_rows(engine, T.AutoTokenizer.from_pretrained(folder), 12)
+    reference = reference_greedy(folder, 12)
+    for i, ids in enumerate(prompt_ids):
+        assert out[str(i)] == reference(ids), f"{arch}: prompt {i}"
+
+
+def _greedy_rows(engine, tokenizer, n: int) -> tuple[list[list[int]], dict[str, list[int]]]:
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
     for i, ids in enumerate(prompt_ids):
-        engine.add(GenerateRequest(str(i), tuple(ids), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)))
+        engine.add(GenerateRequest(str(i), tuple(ids), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
     out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
     while engine.has_work:
         for event in engine.step():
             out[event.session_id].extend(event.token_ids)
-    reference = reference_greedy(folder, 12)
+    return prompt_ids, out
+
+
+@pytest.mark.parametrize("arch,mode", [("llama", "int4"), ("qwen2", "int8"), ("gpt2", "int8")])
+def test_quantized_rows_match_generate_on_the_dequantized_weights(arch, mode, tmp_path, model_dir):
+    """--quantize on a model folder: the served tokens equal generate on the same weights dequantized
+    (compact llama-family layers and transformers' modules alike)."""
+    from inference_api.engine import llama
+    from inference_api.engine.linear import quantize
+
+    folder = save_tiny_model(arch, tmp_path / arch, model_dir)
+    engine, ready = build_engine(ServerConfig(model=str(folder), rows=4, context_length=256, prefill_chunk=8,
+                                              quantize=mode, kv_dtype="float32"))
+    assert (ready.quantize, ready.kv_dtype) == (mode, "float32")
+    prompt_ids, out = _greedy_rows(engine, T.AutoTokenizer.from_pretrained(folder), 12)
+
+    model = T.AutoModelForCausalLM.from_pretrained(folder).eval()
+    compact = llama.supports(model.config)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                head = name == "lm_head" and compact  # the compact head is held as int8 groups of 32
+                weight = quantize(module.weight, "int8" if head else mode, 32 if head else None).dequantize()
+                module.weight = torch.nn.Parameter(weight)  # a new tensor: a tied embedding stays as it was
     for i, ids in enumerate(prompt_ids):
-        assert out[str(i)] == reference(ids), f"{arch}: prompt {i}"
+        expected = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
+                                  pad_token_id=0)[0, len(ids):].tolist()
+        assert out[str(i)] == expected, f"{arch} {mode}: prompt {i}"
 
 
 def test_server_serves_a_local_model_folder(tmp_path, model_dir):

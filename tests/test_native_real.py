@@ -55,8 +55,13 @@ def assert_greedy_equivalent(server_text: str, prompt: str, chat: bool, referenc
     print(f"near-tie accepted at step {step}: margin {margin:.2e}")
 
 
-def test_forty_concurrent_greedy_requests_match_generate_alone(real_server, model_name, reference):
-    """More requests than rows: some wait; each output still equals the model's output for it alone."""
+@pytest.mark.parametrize("mode", ["exact", "quantized"])
+def test_forty_concurrent_greedy_requests_match_generate_alone(mode, request, model_name, reference):
+    """More requests than rows: some wait; each output still equals the model's output for it alone. The
+    quantized server holds the GGUF's own 4-bit blocks, whose dequantized values the reference runs."""
+    real_server = request.getfixturevalue("real_server" if mode == "exact" else "quantized_server")
+    health = real_server.health()
+    assert health["quantize"] == ("none" if mode == "exact" else "int4")
     jobs = [(p, i % 5 == 4) for i, p in enumerate(PROMPTS)]  # every fifth through the chat template
 
     def run(job):

@@ -7,10 +7,23 @@ token this step write there, and no row ever attends to it.
 """
 from __future__ import annotations
 
+import mmap
 from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
+    """A zeroed tensor. On CPU it lies in an anonymous memory map, which the kernel gives zeroed pages
+    on first touch: a row's cache takes memory as its positions fill, not all at start-up."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = 1
+    for n in shape:
+        count *= n
+    buffer = mmap.mmap(-1, count * dtype.itemsize)
+    return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
 
 
 class RowKVCache(Cache):
@@ -18,9 +31,10 @@ class RowKVCache(Cache):
                  dtype: torch.dtype, device: torch.device):
         super().__init__(layers=[])
         shape = (rows, kv_heads, length + 1, head_dim)  # +1: the scratch slot
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.keys = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        self.values = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.length = length
+        self.dtype = dtype
         self._rows = slice(0, rows)
         self._write = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self._attend = 1
@@ -28,6 +42,11 @@ class RowKVCache(Cache):
     @property
     def scratch(self) -> int:
         return self.length
+
+    @property
+    def write_positions(self) -> torch.Tensor:
+        """[B, T] positions the bound forward writes to."""
+        return self._write
 
     @property
     def nbytes(self) -> int:
@@ -43,13 +62,13 @@ class RowKVCache(Cache):
         return (self._update(self.keys[layer_idx], key_states), self._update(self.values[layer_idx], value_states))
 
     def _update(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
-        if isinstance(self._rows, slice):
-            view = store[self._rows]
-            idx = self._write[:, None, :, None].expand(-1, view.shape[1], -1, view.shape[3])
-            view.scatter_(2, idx, new.to(view.dtype))
-            return view[:, :, :self._attend]
-        rows = self._rows[:, None]
-        store[rows, :, self._write] = new.transpose(1, 2).to(store.dtype)  # [B, T, heads, dim]
+        rows, heads, length, dim = store.shape
+        first = self._rows.start if isinstance(self._rows, slice) else None
+        row_ids = (torch.arange(first, first + new.shape[0], device=store.device) if first is not None
+                   else self._rows)
+        heads_ids = torch.arange(heads, device=store.device)
+        flat = (row_ids[:, None, None] * heads + heads_ids[None, :, None]) * length + self._write[:, None, :]
+        store.view(-1, dim).index_copy_(0, flat.reshape(-1), new.reshape(-1, dim).to(store.dtype))
         return store[self._rows, :, :self._attend]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

@@ -1,62 +1,95 @@
-"""CPU linear layers on oneDNN with their weights packed once at start-up.
+"""The linear layers a model is served with, picked once at start-up.
 
-PyTorch's default float32 linear on CPU goes through MKL's sgemm, which reads the weight in its
-[out, in] layout on every call. oneDNN with a weight reordered once into its blocked layout is much
-faster for the shapes a decode step has: on a 2-core AVX2 machine, a SmolLM2 decode step of 1 row
-took 42 ms instead of 64, of 32 rows 98 ms instead of 144, and prefill chunks are no slower.
-The math is the same up to float summation order (logits differ by about 1e-4).
+- CPU, float32 weights: oneDNN with each weight reordered once into its blocked layout (faster than
+  torch's default sgemm path for decode shapes; the math is the same up to summation order).
+- CPU, ``--quantize int8|int4``: the weight-only kernels of quant.py (float32 math on 8-bit or 4-bit
+  weights); without a compiler for them, the dequantized weights on oneDNN.
+- Other devices: F.linear in the model's dtype, on the (dequantized) weights.
 """
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from .quant import Int4Weight, Int8Weight, QuantLinear, can_quantize, quantize_int4, quantize_int8
 
 log = logging.getLogger(__name__)
 
 
-class PackedLinear(nn.Module):
-    """An ``nn.Linear`` whose weight lives in oneDNN's packed layout (the dense weight is dropped,
-    unless another module such as a tied embedding still holds it)."""
+class DenseLinear:
+    """F.linear on a dense weight (CUDA, or a CPU without oneDNN)."""
 
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach(), None)
-        self.bias = linear.bias
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias = weight, bias
+        self.nbytes = weight.nbytes
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class OneDNNLinear:
+    """A float32 CPU linear whose weight was reordered once into oneDNN's blocked layout."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
+        self.bias = bias
+        self.nbytes = weight.numel() * 4
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+
+def quantize(weight: torch.Tensor, mode: str, group: int | None = None) -> Int8Weight | Int4Weight | None:
+    if mode == "none" or not can_quantize(weight, mode):
+        return None
+    return quantize_int8(weight, group) if mode == "int8" else quantize_int4(weight)
+
+
+def linear_factory(device: torch.device, dtype: torch.dtype, mode: str, kernels) -> Callable:
+    """make_linear(weight [N, K], bias) -> a callable layer, for this device, dtype and quantization."""
+    onednn = device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+    def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, group: int | None = None,
+                    as_mode: str | None = None):
+        bias = None if bias is None else bias.detach().to(dtype).clone()
+        packed = quantize(weight, as_mode or mode, group)
+        if packed is not None and kernels is not None and device.type == "cpu" and dtype == torch.float32:
+            return QuantLinear(packed, bias, kernels)
+        if packed is not None:
+            weight = packed.dequantize()
+        if onednn:
+            return OneDNNLinear(weight, bias)
+        return DenseLinear(weight.detach().to(device=device, dtype=dtype).clone(), bias)
+
+    return make_linear
+
+
+class LinearModule(nn.Module):
+    """An nn.Module around one of the layers above, to stand in for nn.Linear inside transformers' models."""
+
+    def __init__(self, layer, in_features: int, out_features: int):
+        super().__init__()
+        self.layer, self.in_features, self.out_features = layer, in_features, out_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layer(x)
+
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {type(self.layer).__name__}"
 
 
-def _packable(module: nn.Module) -> bool:
-    return type(module) is nn.Linear and module.weight.dtype == torch.float32 and module.weight.device.type == "cpu"
-
-
-def use_packed_linears(model: nn.Module) -> int:
-    """Replace every float32 ``nn.Linear`` of a CPU model by a PackedLinear; return how many. A model on
-    another device or dtype, or a torch build without oneDNN, is left as it is."""
-    if not torch.backends.mkldnn.is_available():
-        return 0
+def use_linears(model: nn.Module, make_linear: Callable) -> int:
+    """Replace every nn.Linear of a transformers model by a layer of make_linear; return how many. The
+    tensors left dense are copied, so the memory-mapped weights file (and the replaced weights) go."""
     targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if _packable(child)]
-    try:
-        for parent, name, child in targets:
-            setattr(parent, name, PackedLinear(child))
-    except RuntimeError as exc:  # an unusual shape or build: keep the layers not yet replaced as they are
-        log.warning("oneDNN packed linear unavailable (%s); using torch's default linear", exc)
-    packed = sum(isinstance(m, PackedLinear) for m in model.modules())
-    if packed:
-        _own_remaining_tensors(model)
-    return packed
-
-
-def _own_remaining_tensors(model: nn.Module) -> None:
-    """transformers maps the safetensors file into memory. The tensors left dense (embeddings, norms) would
-    keep that whole mapping, the replaced weights' pages included, resident; copies of them let it go."""
+               for name, child in parent.named_children() if type(child) is nn.Linear]
+    for parent, name, child in targets:
+        setattr(parent, name, LinearModule(make_linear(child.weight, child.bias), child.in_features,
+                                           child.out_features))
     for tensor in [*model.parameters(), *model.buffers()]:
         tensor.data = tensor.data.clone()
+    return len(targets)

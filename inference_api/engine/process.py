@@ -26,24 +26,30 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
 
     import torch
 
-    from ..model_loader import eos_ids, load_model, pick_device, pick_dtype, resolve_model_dir
+    from ..model_loader import eos_ids, load_model, pick_device, pick_dtype, pick_precision, resolve_model_dir
     from ..tokenizer import HFTokenizer
-    from .model_runner import ModelRunner
+    from .kernels import load_kernels
+    from .model_runner import ModelRunner, Precision
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     model_dir = resolve_model_dir(config)
     device = pick_device(config.device)
     model = load_model(model_dir, device, pick_dtype(config.dtype, device))
+    quantize, kv_dtype, group = pick_precision(config, device, model.dtype)
+    kernels = load_kernels(config.model_cache_dir) if device == "cpu" else None
     tokenizer = HFTokenizer(model_dir)
-    runner = ModelRunner(model, config.rows, config.context_length)
-    log.warning("model %s on %s (%s, %d linear layers packed for oneDNN); KV cache %.0f MiB for %d rows x %d tokens",
-                model_dir, device, model.dtype, runner.packed_linears, runner.cache.nbytes / 2**20, config.rows,
+    eos = eos_ids(model, tokenizer.tok)
+    runner = ModelRunner(model, config.rows, config.context_length, Precision(quantize, kv_dtype, group), kernels)
+    dtype = str(model.dtype).removeprefix("torch.")
+    del model  # the runner holds its own (packed or quantized) copies of the weights
+    kv = str(runner.cache.dtype).removeprefix("torch.")
+    log.warning("model %s on %s (%s, weights %s, %s layers); KV cache %s, %.0f MiB for %d rows x %d tokens",
+                model_dir, device, dtype, quantize, runner.kind, kv, runner.cache.nbytes / 2**20, config.rows,
                 config.context_length)
-    engine = Engine(runner, tokenizer, config.rows, config.context_length, config.prefill_chunk,
-                    eos_ids(model, tokenizer.tok))
+    engine = Engine(runner, tokenizer, config.rows, config.context_length, config.prefill_chunk, eos)
     ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, device,
-                        str(model.dtype).removeprefix("torch."))
+                        dtype, quantize, kv)
     return engine, ready
 
 

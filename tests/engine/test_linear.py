@@ -1,45 +1,59 @@
+from pathlib import Path
+
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from inference_api.engine.linear import PackedLinear, use_packed_linears
+from inference_api.engine.kernels import load_kernels
+from inference_api.engine.linear import DenseLinear, OneDNNLinear, linear_factory, use_linears
+from inference_api.engine.quant import QuantLinear, quantize_int4
+from servers import MODEL_CACHE
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
 
+@onednn
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(7, 48), (3, 5, 48), (32, 1, 48)])
-def test_packed_linear_equals_linear(bias, shape):
+def test_onednn_linear_equals_linear(bias, shape):
     torch.manual_seed(0)
     linear = nn.Linear(48, 80, bias=bias)
     x = torch.randn(*shape)
     with torch.inference_mode():
-        torch.testing.assert_close(PackedLinear(linear)(x), linear(x), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(OneDNNLinear(linear.weight, linear.bias)(x), linear(x), rtol=1e-4, atol=1e-4)
 
 
-def _tiny_model(tied: bool) -> LlamaForCausalLM:
+def test_factory_picks_by_device_dtype_and_quantization():
+    w = torch.randn(64, 96)
+    cpu = torch.device("cpu")
+    kernels = load_kernels(Path(MODEL_CACHE))
+    assert isinstance(linear_factory(cpu, torch.bfloat16, "none", None)(w, None), DenseLinear)
+    quantized = linear_factory(cpu, torch.float32, "int4", kernels)(w, None)
+    assert isinstance(quantized, QuantLinear) and quantized.weight.q.dtype == torch.uint8
+    assert isinstance(linear_factory(cpu, torch.float32, "int8", kernels)(w, None, as_mode="int8"), QuantLinear)
+    if torch.backends.mkldnn.is_available():
+        assert isinstance(linear_factory(cpu, torch.float32, "none", kernels)(w, None), OneDNNLinear)
+        # without the kernels a quantized model is served on its dequantized weights, same numbers
+        fallback = linear_factory(cpu, torch.float32, "int4", None)(w, None)
+        x = torch.randn(3, 96)
+        torch.testing.assert_close(fallback(x), F.linear(x, quantize_int4(w).dequantize()), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("model", ["llama", "gpt2"])
+def test_every_linear_of_a_transformers_model_is_replaced_and_logits_stay_the_same(model):
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=tied)
-    return LlamaForCausalLM(config).eval()
-
-
-@pytest.mark.parametrize("tied", [True, False])
-def test_every_linear_of_a_cpu_model_is_packed_and_logits_stay_the_same(tied):
-    model = _tiny_model(tied)
+    if model == "llama":
+        m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                         num_attention_heads=6, num_key_value_heads=2)).eval()
+    else:  # gpt2's projections are Conv1D, not nn.Linear: only its head is replaced
+        m = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=48, n_layer=2, n_head=4)).eval()
     ids = torch.tensor([[5, 9, 13, 2, 7]])
     with torch.inference_mode():
-        before = model(input_ids=ids).logits
-        packed = use_packed_linears(model)
-        after = model(input_ids=ids).logits
-    assert packed == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the output head
-    assert not any(type(m) is nn.Linear for m in model.modules())
-    assert model.model.embed_tokens.weight.shape == (64, 48)  # a tied embedding keeps its dense weight
+        before = m(input_ids=ids).logits
+        replaced = use_linears(m, linear_factory(torch.device("cpu"), torch.float32, "none", None))
+        after = m(input_ids=ids).logits
+    assert replaced == (2 * 7 + 1 if model == "llama" else 1)
+    assert not any(type(x) is nn.Linear for x in m.modules())
     torch.testing.assert_close(after, before, rtol=1e-4, atol=1e-4)
-
-
-def test_other_dtypes_are_left_alone():
-    model = _tiny_model(tied=False).to(torch.bfloat16)
-    assert use_packed_linears(model) == 0
-    assert isinstance(model.lm_head, nn.Linear)

@@ -1,0 +1,41 @@
+"""Builds the weight-only quantized CPU kernels (csrc/woq.cpp) with the machine's C++ compiler, once.
+
+The build goes into a folder of the model cache, so later starts load it in well under a second; the
+set-up command builds it ahead of the first start. Returns None when no compiler is available: the
+caller then serves dequantized weights instead.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "woq.cpp"
+
+
+def load_kernels(cache_dir: Path):
+    try:
+        from torch.utils import cpp_extension
+
+        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+        build = Path(cache_dir) / "kernels" / f"woq-{digest}"
+        build.mkdir(parents=True, exist_ok=True)
+        # the venv's ninja, when the interpreter runs without the venv activated
+        bin_dir = str(Path(sys.executable).parent)
+        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+        return cpp_extension.load(f"woq_{digest}", [str(SOURCE)], build_directory=str(build),
+                                  extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+    except Exception as exc:  # no compiler, no headers, a read-only cache: serve without the kernels
+        log.warning("quantized CPU kernels unavailable (%s); weights are served dequantized", exc)
+        return None
+
+
+if __name__ == "__main__":  # the set-up step: python -m inference_api.engine.kernels [CACHE_DIR]
+    logging.basicConfig(level="INFO")
+    ok = load_kernels(Path(sys.argv[1] if len(sys.argv) > 1 else "model_cache")) is not None
+    print("quantized CPU kernels", "ready" if ok else "unavailable")

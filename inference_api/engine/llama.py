@@ -1,0 +1,137 @@
+"""A compact llama-family decoder (llama, mistral, qwen2) over the row KV cache.
+
+One fused QKV and one fused gate/up projection per layer, rotary tables computed once for every
+position, keys and values written in place into the preallocated cache, and linears of whichever kind
+``make_linear`` picked (oneDNN-packed float32, 8-bit or 4-bit weight groups, or dense on CUDA).
+transformers' own modules stay the fallback for every other architecture.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
+def supports(config) -> bool:
+    return (config.model_type in ARCHITECTURES and getattr(config, "hidden_act", "silu") == "silu"
+            and not getattr(config, "mlp_bias", False)
+            and (getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads) % 2 == 0)
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+def rotary_tables(config, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin [length, head_dim] for every position, with the model's rope type and scaling."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope_type = (getattr(config, "rope_scaling", None) or {}).get("rope_type", "default")
+    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+    freqs = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq.float())
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return (emb.cos() * scale).contiguous(), (emb.sin() * scale).contiguous()
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class CompactLM:
+    """forward(ids, positions, visible, cache, last_only) -> float32 logits; the cache is bound by the caller."""
+
+    def __init__(self, config, embed: Callable[[torch.Tensor], torch.Tensor], layers: list[Layer],
+                 norm: torch.Tensor, head: Linear, length: int, device, dtype: torch.dtype, kernels=None):
+        self.config = config
+        self.kernels = kernels if torch.device(device).type == "cpu" and dtype == torch.float32 else None
+        self.embed, self.layers, self.norm, self.head = embed, layers, norm, head
+        self.heads = config.num_attention_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.eps = config.rms_norm_eps
+        self.dtype = dtype
+        self.cos, self.sin = (t.to(dtype) for t in rotary_tables(config, length, device))  # as transformers casts
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm as transformers computes it: in float32, the weight applied after the cast back."""
+        h = x.float()
+        return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache,
+                last_only: bool = True) -> torch.Tensor:
+        if ids.shape[1] == 1 and self.kernels is not None:
+            return self._decode(ids[:, 0], positions[:, 0], visible[:, 0].sum(-1), cache)
+        b, t = ids.shape
+        hq, hk, d = self.heads, self.kv_heads, self.head_dim
+        mask = visible[:, None]  # [B, 1, T, L] bool
+        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, D]
+        x = self.embed(ids).to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(self._norm(x, layer.attn_norm)).view(b, t, hq + 2 * hk, d).transpose(1, 2)
+            q, k, v = qkv.split([hq, hk, hk], dim=1)
+            keys, values = cache.update(_rope(k, cos, sin), v, i)
+            q = _rope(q, cos, sin)
+            if keys.dtype != q.dtype:  # a 16-bit cache: attention itself in the model's dtype
+                keys, values = keys.to(q.dtype), values.to(q.dtype)
+            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=hk != hq)
+            x = x + layer.o(a.transpose(1, 2).reshape(b, t, hq * d))
+            gate, up = layer.gate_up(self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        if last_only:
+            x = x[:, -1:]
+        return self.head(self._norm(x, self.norm)).float()
+
+    def _decode(self, ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, cache) -> torch.Tensor:
+        """One token per row through the CPU kernels: a few calls per layer, each row reading only its
+        own cached positions. Returns logits [B, 1, V]."""
+        k, d = self.kernels, self.head_dim
+        write = cache.write_positions[:, 0]
+        cos, sin = self.cos[positions], self.sin[positions]
+        x = self.embed(ids).to(self.dtype)
+        for i, layer in enumerate(self.layers):
+            keys, values = cache.keys[i], cache.values[i]
+            q = k.rope_store(layer.qkv(k.rms_norm(x, layer.attn_norm, self.eps)), cos, sin, keys, values, write,
+                             self.heads)
+            x = x + layer.o(k.decode_attention(q, keys, values, lengths, d ** -0.5).view(x.shape[0], -1))
+            x = x + layer.down(k.silu_mul(layer.gate_up(k.rms_norm(x, layer.mlp_norm, self.eps))))
+        return self.head(k.rms_norm(x, self.norm, self.eps))[:, None]
+
+
+def build_compact(model, make_linear: Callable, embed_fn: Callable, length: int, kernels=None) -> CompactLM:
+    """Take a loaded transformers llama-family model apart into a CompactLM (its tensors are copied or
+    quantized, so the transformers model can be dropped afterwards)."""
+    config = model.config
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    layers = []
+    for i in range(config.num_hidden_layers):
+        p = f"model.layers.{i}."
+        att = p + "self_attn."
+        qkv_bias = None
+        if att + "q_proj.bias" in sd:
+            qkv_bias = torch.cat([sd[att + n + "_proj.bias"] for n in "qkv"]).float()
+        layers.append(Layer(
+            attn_norm=sd[p + "input_layernorm.weight"].clone(),
+            qkv=make_linear(torch.cat([sd[att + n + "_proj.weight"] for n in "qkv"]), qkv_bias),
+            o=make_linear(sd[att + "o_proj.weight"], sd.get(att + "o_proj.bias")),
+            mlp_norm=sd[p + "post_attention_layernorm.weight"].clone(),
+            gate_up=make_linear(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]), None),
+            down=make_linear(sd[p + "mlp.down_proj.weight"], None)))
+    embed_w = sd["model.embed_tokens.weight"]
+    head_w = embed_w if config.tie_word_embeddings or "lm_head.weight" not in sd else sd["lm_head.weight"]
+    embed, head = embed_fn(embed_w, head_w)
+    return CompactLM(config, embed, layers, sd["model.norm.weight"].clone(), head, length, model.device,
+                     model.dtype, kernels)

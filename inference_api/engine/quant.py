@@ -1,0 +1,101 @@
+"""Weight-only quantized linears: 8-bit and 4-bit weight groups, float32 activations and accumulation.
+
+Layouts follow GGUF's blocks, so a GGUF model keeps the weights it was quantized to:
+- int8: ``q`` [N, K] int8 and one float scale per group of G inputs (G = 32 as in Q8_0, or K: per
+  output channel); w = q * s.
+- int4: ``q`` [N, K/2] uint8 in blocks of 32 weights (low nibbles are weights 0..15, high nibbles
+  16..31, as in Q4_1) with a scale d and a minimum m per block; w = d * nibble + m.
+
+The kernels (``csrc/woq.cpp``) compute float32 ``F.linear`` on the dequantized weight, up to summation
+order, while reading a quarter or an eighth of the float32 bytes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MODES = ("none", "int8", "int4")
+
+
+@dataclass
+class Int8Weight:
+    q: torch.Tensor  # [N, K] int8
+    s: torch.Tensor  # [N, K / G] float32
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.s.nbytes
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        return (self.q.view(n, self.s.shape[1], -1).float() * self.s[..., None]).view(n, k)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Dequantized rows (an embedding lookup)."""
+        q, s = self.q[ids], self.s[ids]
+        return (q.view(*q.shape[:-1], s.shape[-1], -1).float() * s[..., None]).flatten(-2)
+
+
+@dataclass
+class Int4Weight:
+    q: torch.Tensor  # [N, K / 2] uint8
+    d: torch.Tensor  # [N, K / 32] float32
+    m: torch.Tensor  # [N, K / 32] float32
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.nbytes + self.d.nbytes + self.m.nbytes
+
+    def dequantize(self) -> torch.Tensor:
+        n = self.q.shape[0]
+        q = self.q.view(n, -1, 16)
+        nib = torch.cat([q & 15, q >> 4], dim=-1).float()  # [N, K/32, 32]
+        return (nib * self.d[..., None] + self.m[..., None]).view(n, -1)
+
+
+def quantize_int8(w: torch.Tensor, group: int | None = None) -> Int8Weight:
+    """Symmetric 8-bit groups of ``group`` inputs (None: one scale per output channel)."""
+    w = w.detach().float()
+    n, k = w.shape
+    group = k if group is None or k % group else group
+    g = w.view(n, k // group, group)
+    s = g.abs().amax(-1) / 127
+    q = torch.where(s[..., None] > 0, g / s[..., None].clamp(min=torch.finfo(torch.float32).tiny), 0)
+    return Int8Weight(q.round().clamp(-127, 127).to(torch.int8).view(n, k).contiguous(), s.contiguous())
+
+
+def quantize_int4(w: torch.Tensor) -> Int4Weight:
+    """Asymmetric 4-bit blocks of 32 (the block minimum and (max - min) / 15 as in Q4_1). A weight that
+    came from a Q4_1 block gets its original nibbles back, and the same value up to float rounding."""
+    w = w.detach().float()
+    n, k = w.shape
+    g = w.view(n, k // 32, 32)
+    lo, hi = g.amin(-1), g.amax(-1)
+    d = (hi - lo) / 15
+    nib = torch.where(d[..., None] > 0, (g - lo[..., None]) / d[..., None].clamp(min=1e-30), 0)
+    nib = nib.round().clamp(0, 15).to(torch.uint8)
+    q = nib[..., :16] | (nib[..., 16:] << 4)
+    return Int4Weight(q.reshape(n, k // 2).contiguous(), d.contiguous(), lo.contiguous())
+
+
+def can_quantize(w: torch.Tensor, mode: str) -> bool:
+    return mode == "int8" or (mode == "int4" and w.shape[1] % 32 == 0)
+
+
+class QuantLinear:
+    """A linear layer over an Int8Weight or Int4Weight, through the compiled kernels."""
+
+    def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, kernels):
+        self.weight, self.bias, self.kernels = weight, bias, kernels
+        self.out_features = weight.q.shape[0]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if isinstance(w, Int8Weight):
+            return self.kernels.linear_int8(x, w.q, w.s, self.bias)
+        return self.kernels.linear_int4(x, w.q, w.d, w.m, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes

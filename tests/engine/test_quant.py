@@ -1,0 +1,86 @@
+"""The quantized CPU kernels and the decode-step kernels against plain torch on the same numbers."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from inference_api.engine.kernels import load_kernels
+from inference_api.engine.llama import _rope
+from inference_api.engine.quant import Int4Weight, quantize_int4, quantize_int8
+from servers import MODEL_CACHE
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_kernels(Path(MODEL_CACHE))
+    assert k is not None, "the kernels must build on the test machines (gcc and the Python headers are there)"
+    return k
+
+
+def _weight(n: int, k: int) -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.randn(n, k) * 0.05
+
+
+@pytest.mark.parametrize("rows", [1, 3, 5, 33, 70])
+@pytest.mark.parametrize("form", ["int8-channel", "int8-group32", "int4"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_quantized_linear_is_float32_linear_on_the_dequantized_weight(kernels, rows, form, bias):
+    w = _weight(72, 96)
+    packed = {"int8-channel": lambda: quantize_int8(w), "int8-group32": lambda: quantize_int8(w, 32),
+              "int4": lambda: quantize_int4(w)}[form]()
+    b = torch.randn(72) if bias else None
+    x = torch.randn(rows, 96)
+    if isinstance(packed, Int4Weight):
+        y = kernels.linear_int4(x, packed.q, packed.d, packed.m, b)
+    else:
+        y = kernels.linear_int8(x, packed.q, packed.s, b)
+    torch.testing.assert_close(y, F.linear(x, packed.dequantize(), b), rtol=1e-5, atol=1e-5)
+
+
+def test_quantization_error_is_small_and_int4_keeps_q4_1_blocks():
+    w = _weight(64, 128)
+    assert (quantize_int8(w).dequantize() - w).abs().max() <= w.abs().max() / 127
+    blocks = quantize_int4(w)
+    again = quantize_int4(blocks.dequantize())  # a weight that came from 4-bit blocks keeps its nibbles
+    assert torch.equal(again.q, blocks.q)
+    torch.testing.assert_close(again.dequantize(), blocks.dequantize(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_equals_sdpa_over_each_rows_length(kernels, dtype):
+    torch.manual_seed(0)
+    rows, hk, hq, length, dim = 6, 2, 6, 40, 16
+    keys, values = torch.randn(rows, hk, length, dim).to(dtype), torch.randn(rows, hk, length, dim).to(dtype)
+    q = torch.randn(4, hq, dim)
+    lengths = torch.tensor([1, 7, 40, 23])
+    out = kernels.decode_attention(q, keys, values, lengths, dim ** -0.5)
+    mask = (torch.arange(length)[None, :] < lengths[:, None])[:, None, None, :]
+    ref = F.scaled_dot_product_attention(q[:, :, None], keys[:4].float(), values[:4].float(), attn_mask=mask,
+                                         enable_gqa=True)[:, :, 0]
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_norm_activation_and_rotary_store(kernels):
+    torch.manual_seed(0)
+    x, w = torch.randn(3, 48), torch.randn(48)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (48,), w, 1e-5))
+    gu = torch.randn(3, 20)
+    torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gu[:, :10]) * gu[:, 10:])
+
+    hq, hk, dim, b = 4, 2, 8, 3
+    qkv = torch.randn(b, (hq + 2 * hk) * dim)
+    cos, sin = torch.randn(b, dim), torch.randn(b, dim)
+    kc, vc = torch.zeros(5, hk, 10, dim), torch.zeros(5, hk, 10, dim)
+    pos = torch.tensor([0, 9, 4])
+    q = kernels.rope_store(qkv, cos, sin, kc, vc, pos, hq)
+    heads = qkv.view(b, hq + 2 * hk, dim)
+    c, s = cos[:, None], sin[:, None]
+    torch.testing.assert_close(q, _rope(heads[:, :hq], c, s))
+    for i, p in enumerate(pos.tolist()):
+        torch.testing.assert_close(kc[i, :, p], _rope(heads[i:i + 1, hq:hq + hk], c[i:i + 1], s[i:i + 1])[0])
+        torch.testing.assert_close(vc[i, :, p], heads[i, hq + hk:])
+    assert kc[3:].abs().sum() == 0  # rows beyond the batch untouched

@@ -60,14 +60,15 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
                                   "progress; retry when one finishes", {"Retry-After": str(config.retry_after)})
         try:
             body = request.get_data(cache=False)
-            headers = upstream_request_headers(request.headers.items(), upstream_host=config.upstream_host,
-                                               client_addr=request.remote_addr, scheme=request.scheme,
-                                               request_id=g.request_id, identity=identity)
-            answer = upstream.send(request.method, _target(), headers, body)
+            headers = upstream_request_headers(request.headers.items(), client_addr=request.remote_addr,
+                                               scheme=request.scheme, request_id=g.request_id, identity=identity)
+            forwarded = upstream.send(request.method, _target(), headers, body)
         except BaseException:
             slot.release()
             raise
-        g.stream = stream = StreamBody(answer, on_close=slot.release)
+        g.upstream = forwarded
+        answer = forwarded.response
+        g.stream = stream = StreamBody(answer, on_close=lambda: (forwarded.release(), slot.release()))
         upstream_headers = list(answer.raw.headers.items())
         response = Response(stream, status=answer.status_code, headers=client_response_headers(upstream_headers))
         if not any(name.lower() == "content-type" for name, _ in upstream_headers):
@@ -86,6 +87,11 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
                   "method": request.method, "path": request.path, "status": response.status_code,
                   "client": request.remote_addr}
         error = g.get("error")
+        forwarded = g.get("upstream")
+        if forwarded is not None:
+            fields["upstream"] = forwarded.upstream
+            if forwarded.attempts > 1:
+                fields["attempts"] = forwarded.attempts
 
         def write() -> None:
             outcome = {}

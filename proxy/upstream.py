@@ -148,18 +148,21 @@ class UpstreamPool:
             backend.down_until = 0.0
 
     def failed(self, backend: Backend, reason: str, retry_after: float = 0.0) -> None:
-        """Skip the upstream for a while: the cooldown, doubled per further failure, at least its Retry-After."""
+        """Skip the upstream for a while: the cooldown, doubled each time it fails again once its cooldown is over
+        (requests that were already open on it and fail together count once), at least its Retry-After."""
         with self._lock:
-            backend.failures += 1
+            now = self._clock()
+            if now >= backend.down_until:
+                backend.failures += 1
             seconds = min(max(self._cooldown * 2 ** min(backend.failures - 1, 4), retry_after), MAX_COOLDOWN)
-            backend.down_until = self._clock() + seconds
+            backend.down_until = max(backend.down_until, now + seconds)
         LOG.warning("upstream %s (%s) skipped for %.0f s: %s", backend.url, backend.host, seconds, reason)
 
     def _refresh(self, force: bool = False) -> None:
         """Look up the host names that are due; keep each address's Backend (and its counts) across look-ups."""
         now = self._clock()
         with self._lock:
-            due = [o for o in self._origins if force or now >= o.next_resolve]
+            due = [o for o in self._origins if o.next_resolve != float("inf") and (force or now >= o.next_resolve)]
             if not due or (self._resolving and not force):
                 return
             self._resolving = True

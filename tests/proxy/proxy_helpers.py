@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -13,14 +12,9 @@ from pathlib import Path
 import jwt
 import requests
 
-ROOT = Path(__file__).resolve().parents[2]
+from servers import ROOT, free_port  # noqa: F401 - one free_port for all tests
+
 SECRET = "proxy-tests-secret-" + "0123456789abcdef" * 4  # 83 bytes: long enough for HS512 too
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make_token(claims: dict | None = None, secret: str | bytes = SECRET, algorithm: str = "HS256", **extra) -> str:
@@ -90,17 +84,20 @@ def wait_idle(server: Process, timeout: float = 20) -> dict:
         time.sleep(0.1)
 
 
-def start_proxy(upstream: str, *flags: str, secret: str | None = SECRET, env: dict[str, str] | None = None) -> Process:
+def start_proxy(upstream: str | list[str], *flags: str, secret: str | None = SECRET,
+                env: dict[str, str] | None = None) -> Process:
+    """The proxy in front of one upstream URL, or of several (one --upstream flag each)."""
     port = free_port()
-    argv = [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(port), "--upstream", upstream,
-            "--threads", "128", *flags]
+    upstreams = [upstream] if isinstance(upstream, str) else upstream
+    argv = [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(port),
+            *[arg for url in upstreams for arg in ("--upstream", url)], "--threads", "128", *flags]
     full_env = {**({"JWT_SECRET": secret} if secret is not None else {}), **(env or {})}
     return Process(argv, port, env=full_env)
 
 
-def start_mock_inference_server(tokens_per_second: float = 50) -> Process:
+def start_mock_inference_server(tokens_per_second: float = 50, *flags: str, port: int | None = None) -> Process:
     """The real inference server over its mock backend (``python -m inference_api --mock``)."""
-    port = free_port()
-    argv = [sys.executable, "-m", "inference_api", "--mock", "--host", "127.0.0.1", "--port", str(port)]
+    port = port or free_port()
+    argv = [sys.executable, "-m", "inference_api", "--mock", "--host", "127.0.0.1", "--port", str(port), *flags]
     return Process(argv, port, env={"MOCK_TOKENS_PER_SECOND": str(tokens_per_second)}, ready_timeout=180,
                    ready_status=200)

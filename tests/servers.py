@@ -1,4 +1,4 @@
-"""Start the real server (gunicorn, real processes) on a free loopback port, for end-to-end tests."""
+"""Start real servers (gunicorn, real processes) on free loopback ports, for end-to-end tests."""
 from __future__ import annotations
 
 import os
@@ -74,3 +74,50 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+
+
+class Process:
+    """A server subprocess on a free loopback port; ready once GET /health answers (any status unless told)."""
+
+    def __init__(self, argv: list[str], port: int, env: dict[str, str] | None = None, ready_timeout: float = 60,
+                 ready_status: int | None = None, stop_signal: int = signal.SIGTERM):
+        self.port = port
+        self.stop_signal = stop_signal
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="proxy-test-", suffix=".log", delete=False)
+        full_env = {k: v for k, v in os.environ.items() if k != "JWT_SECRET"}
+        full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        try:
+            self._wait_ready(ready_timeout, ready_status)
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_ready(self, timeout: float, status: int | None) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"{self.proc.args} exited early ({self.proc.returncode}):\n{self.output()}")
+            try:
+                code = requests.get(self.url + "/health", timeout=2).status_code
+                if status is None or code == status:
+                    return
+            except requests.RequestException:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.proc.args} not ready after {timeout} s:\n{self.output()}")
+
+    def output(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, self.stop_signal)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self.log.close()

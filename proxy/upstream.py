@@ -248,8 +248,9 @@ class Upstream:
         while (backend := self.pool.pick(tried)) is not None:
             tried.add(backend)
             try:
-                response = self._session.request(method, backend.url + target, headers={**headers, "Host": backend.host},
-                                                 data=body or None, stream=True, allow_redirects=False,
+                response = self._session.request(method, backend.url + target,
+                                                 headers={**headers, "Host": backend.host}, data=body or None,
+                                                 stream=True, allow_redirects=False,
                                                  timeout=(c.connect_timeout, c.first_byte_timeout))
             except requests.ReadTimeout:
                 self.pool.release(backend)
@@ -264,7 +265,8 @@ class Upstream:
                     refused = ProxyError(502, f"upstream unreachable: {_reason(exc)}")
                 self.pool.failed(backend, refused.message)
                 continue
-            answer = Forwarded(response, backend.url, len(tried), _once(response, lambda b=backend: self.pool.release(b)))
+            release = _once(response, lambda b=backend: self.pool.release(b))
+            answer = Forwarded(response, backend.url, len(tried), release)
             if response.status_code == 503:
                 self.pool.failed(backend, "answered 503", _seconds(response.headers.get("Retry-After")))
                 if held:

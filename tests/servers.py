@@ -24,58 +24,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """``python -m inference_api`` with the given flags; waits for /health to say ready."""
-
-    def __init__(self, *flags: str, env: dict | None = None, ready_timeout: float = 300):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="server-", suffix=".log", delete=False)
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "inference_api", "--port", str(self.port), *flags],
-                                     cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        self._wait_ready(ready_timeout)
-
-    def _wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.output()}")
-            try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except requests.RequestException:
-                pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout}s:\n{self.output()}")
-
-    def health(self) -> dict:
-        return requests.get(self.url + "/health", timeout=5).json()
-
-    def wait_idle(self, timeout: float = 30) -> dict:
-        """Wait until no session and no row is in use; return the last health body."""
-        deadline = time.monotonic() + timeout
-        while True:
-            body = self.health()
-            if (body["open_sessions"] == 0 and body["rows_in_use"] == 0) or time.monotonic() > deadline:
-                return body
-            time.sleep(0.1)
-
-    def output(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-5000:]
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-
-
 class Process:
     """A server subprocess on a free loopback port; ready once GET /health answers (any status unless told)."""
 
@@ -84,7 +32,7 @@ class Process:
         self.port = port
         self.stop_signal = stop_signal
         self.url = f"http://127.0.0.1:{port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="proxy-test-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix="test-server-", suffix=".log", delete=False)
         full_env = {k: v for k, v in os.environ.items() if k != "JWT_SECRET"}
         full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
         self.proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
@@ -99,7 +47,7 @@ class Process:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.proc.args} exited early ({self.proc.returncode}):\n{self.output()}")
+                raise RuntimeError(f"{self.proc.args} exited early ({self.proc.returncode}):\n{self.output()[-5000:]}")
             try:
                 code = requests.get(self.url + "/health", timeout=2).status_code
                 if status is None or code == status:
@@ -107,7 +55,7 @@ class Process:
             except requests.RequestException:
                 pass
             time.sleep(0.2)
-        raise RuntimeError(f"{self.proc.args} not ready after {timeout} s:\n{self.output()}")
+        raise RuntimeError(f"{self.proc.args} not ready after {timeout} s:\n{self.output()[-5000:]}")
 
     def output(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
@@ -116,8 +64,39 @@ class Process:
         if self.proc.poll() is None:
             os.killpg(self.proc.pid, self.stop_signal)
             try:
-                self.proc.wait(15)
+                self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         self.log.close()
+
+
+class ServerProcess(Process):
+    """``python -m inference_api`` with the given flags on a free loopback port; waits for /health to say ready."""
+
+    def __init__(self, *flags: str, env: dict | None = None, ready_timeout: float = 300):
+        port = free_port()
+        super().__init__([sys.executable, "-m", "inference_api", "--port", str(port), *flags], port, env=env,
+                         ready_timeout=ready_timeout, ready_status=200)
+
+    def health(self) -> dict:
+        return requests.get(self.url + "/health", timeout=5).json()
+
+    def wait_idle(self, timeout: float = 30) -> dict:
+        """Wait until no session and no row is in use; return the last health body."""
+        deadline = time.monotonic() + timeout
+        while True:
+            body = self.health()
+            if (body["open_sessions"] == 0 and body["rows_in_use"] == 0) or time.monotonic() > deadline:
+                return body
+            time.sleep(0.1)
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    """Poll until predicate() is true or the time is up; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
+from servers import wait_for
+
 UTF8_TEXT = "héllo 日本 ✓ — done"
 GZIP_TEXT = b"compressed " * 200
 
@@ -72,12 +74,7 @@ class StubUpstream:
             return sum(1 for r in self.streams.values() if r.sent and not r.done and not r.reader_gone)
 
     def wait_for(self, predicate, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return True
-            time.sleep(0.05)
-        return predicate()
+        return wait_for(predicate, timeout)
 
     def stop(self) -> None:
         self.server.shutdown()

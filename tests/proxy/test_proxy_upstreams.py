@@ -14,6 +14,7 @@ import pytest
 import requests
 
 from proxy_helpers import bearer, make_token, start_mock_inference_server, start_proxy
+from servers import wait_for
 
 SERVER_FLAGS = ("--rows", "2", "--max-waiting", "16")
 TOKENS_PER_SECOND = 20
@@ -49,17 +50,12 @@ def open_sessions(server) -> int:
     return requests.get(server.url + "/health", timeout=10).json()["open_sessions"]
 
 
-def wait_for(predicate, timeout: float = 30) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
+def counts(servers) -> list[int]:
+    return [open_sessions(s) for s in servers]
 
 
 def wait_idle(servers) -> None:
-    assert wait_for(lambda: all(open_sessions(s) == 0 for s in servers)), [open_sessions(s) for s in servers]
+    assert wait_for(lambda: counts(servers) == [0, 0, 0], 30), counts(servers)
 
 
 def open_stream(proxy, model, max_tokens=2000, team="team-a") -> requests.Response:
@@ -78,18 +74,18 @@ def test_each_request_goes_to_the_upstream_with_the_fewest_open_requests(servers
     try:
         for _ in range(6):  # held open one after the other: 2, 2, 2
             streams.append(open_stream(proxy, model))
-        assert wait_for(lambda: [open_sessions(s) for s in servers] == [2, 2, 2]), [open_sessions(s) for s in servers]
+        assert wait_for(lambda: counts(servers) == [2, 2, 2], 30), counts(servers)
 
         # free one stream's server, then open a new stream: it must land there, whoever's turn it would be
         # (the same server twice in a row, then another one, so no rotation can pass by chance)
         for victim in (4, 4, 0):
-            counts = [open_sessions(s) for s in servers]
+            before = counts(servers)
             streams[victim].close()
-            assert wait_for(lambda: sum(open_sessions(s) for s in servers) == 5)
-            freed = [open_sessions(s) for s in servers]
+            assert wait_for(lambda: sum(open_sessions(s) for s in servers) == 5, 30)
+            freed = counts(servers)
             streams[victim] = open_stream(proxy, model)
-            assert wait_for(lambda: sum(open_sessions(s) for s in servers) == 6)
-            assert [open_sessions(s) for s in servers] == counts, f"freed {freed}, the new stream went elsewhere"
+            assert wait_for(lambda: sum(open_sessions(s) for s in servers) == 6, 30)
+            assert counts(servers) == before, f"freed {freed}, the new stream went elsewhere"
     finally:
         for stream in streams:
             stream.close()
@@ -149,7 +145,7 @@ def test_a_killed_server_loses_no_request_that_had_not_started_and_is_used_again
     url = f"{proxy.url}/inference/{model}"
     # 12 requests of 2 s each over 3 servers of 2 rows: on each server 2 stream and 2 wait for a row
     clients = [Client(url, max_tokens=2 * TOKENS_PER_SECOND) for _ in range(12)]
-    assert wait_for(lambda: [open_sessions(s) for s in servers] == [4, 4, 4]), [open_sessions(s) for s in servers]
+    assert wait_for(lambda: counts(servers) == [4, 4, 4], 30), counts(servers)
     victim = servers[1]
     os.killpg(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait(10)

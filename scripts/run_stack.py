@@ -103,7 +103,7 @@ def main() -> int:
                 p.send_signal(signal.SIGTERM)
         for p in procs:
             try:
-                p.wait(20)
+                p.wait(90)  # longer than the server's drain: open streams finish
             except subprocess.TimeoutExpired:
                 p.kill()
 

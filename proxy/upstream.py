@@ -166,28 +166,31 @@ class UpstreamPool:
             if not due or (self._resolving and not force):
                 return
             self._resolving = True
+        found = {}
         try:
             found = {origin.url: self._resolve(origin.url) for origin in due}
         finally:
             with self._lock:
                 self._resolving = False
-        with self._lock:
-            for origin in due:
-                urls = found[origin.url]
-                if urls is None:  # the look-up failed: keep what we had, try again soon
-                    origin.next_resolve = now + min(1.0, self._resolve_interval)
-                    continue
-                known = {b.url: b for b in origin.backends}
-                host = urlsplit(origin.url).netloc
-                origin.backends = [known.get(url) or Backend(url, host) for url in urls]
-                origin.next_resolve = now + self._resolve_interval
+                self._update(due, found, now)
+
+    def _update(self, due: list[_Origin], found: dict[str, list[str] | None], now: float) -> None:
+        for origin in due:
+            urls = found.get(origin.url)
+            if urls is None:  # the look-up failed: keep what we had, try again soon
+                origin.next_resolve = now + min(1.0, self._resolve_interval)
+                continue
+            known = {b.url: b for b in origin.backends}
+            host = urlsplit(origin.url).netloc
+            origin.backends = [known.get(url) or Backend(url, host) for url in urls]
+            origin.next_resolve = now + self._resolve_interval
 
     def _resolve(self, url: str) -> list[str] | None:
         parts = urlsplit(url)
         port = parts.port or (443 if parts.scheme == "https" else 80)
         try:
             infos = self._resolver(parts.hostname, port, type=socket.SOCK_STREAM)
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:
             LOG.warning("cannot resolve upstream %s: %s", url, exc)
             return None
         addresses = list(dict.fromkeys(info[4][0] for info in infos))

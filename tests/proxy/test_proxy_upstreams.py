@@ -143,9 +143,10 @@ class Client:
 def test_a_killed_server_loses_no_request_that_had_not_started_and_is_used_again_once_back(servers, proxy, model):
     wait_idle(servers)
     url = f"{proxy.url}/inference/{model}"
-    # 12 requests of 2 s each over 3 servers of 2 rows: on each server 2 stream and 2 wait for a row
-    clients = [Client(url, max_tokens=2 * TOKENS_PER_SECOND) for _ in range(12)]
-    assert wait_for(lambda: counts(servers) == [4, 4, 4], 30), counts(servers)
+    # 12 requests of 3 s each over 3 servers of 2 rows: on each server 2 stream and 2 wait for a row
+    clients = [Client(url, max_tokens=3 * TOKENS_PER_SECOND) for _ in range(12)]
+    assert wait_for(lambda: sum(counts(servers)) == 12, 30), counts(servers)
+    assert counts(servers)[1] > 2, "the server to be killed has no waiting request"
     victim = servers[1]
     os.killpg(victim.proc.pid, signal.SIGKILL)
     victim.proc.wait(10)

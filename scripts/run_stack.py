@@ -114,7 +114,7 @@ def main() -> int:
         if args.require_secret:
             print(f"\nReady: {health['model']} behind the JWT proxy on port {args.proxy_port} (the server listens "
                   f"on 127.0.0.1:{args.server_port} only). Make a token with scripts/jwt_util.py and your "
-                  f"JWT_SECRET.\n", flush=True)
+                  f"JWT_SECRET; the chat page is at / on the same port.\n", flush=True)
             return _wait(procs)
         token = jwt.encode({"team_id": "local", "token_id": "readme", "exp": int(time.time()) + 30 * 86400},
                            env["JWT_SECRET"], algorithm="HS256")

@@ -83,13 +83,17 @@ class ServerProcess(Process):
         return requests.get(self.url + "/health", timeout=5).json()
 
     def wait_idle(self, timeout: float = 30) -> dict:
-        """Wait until no session and no row is in use; return the last health body."""
-        deadline = time.monotonic() + timeout
-        while True:
-            body = self.health()
-            if (body["open_sessions"] == 0 and body["rows_in_use"] == 0) or time.monotonic() > deadline:
-                return body
-            time.sleep(0.1)
+        return wait_idle(self, timeout)
+
+
+def wait_idle(server: Process, timeout: float = 30) -> dict:
+    """Wait until the inference server holds no session and no row; return its last /health body."""
+    deadline = time.monotonic() + timeout
+    while True:
+        body = requests.get(server.url + "/health", timeout=10).json()
+        if (body["open_sessions"] == 0 and body["rows_in_use"] == 0) or time.monotonic() > deadline:
+            return body
+        time.sleep(0.1)
 
 
 def wait_for(predicate, timeout: float) -> bool:

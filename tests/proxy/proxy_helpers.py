@@ -2,12 +2,10 @@
 from __future__ import annotations
 
 import sys
-import time
 
 import jwt
-import requests
 
-from servers import ROOT, Process, free_port  # noqa: F401 - one definition for all tests
+from servers import ROOT, Process, free_port, wait_idle  # noqa: F401 - one definition for all tests
 
 SECRET = "proxy-tests-secret-" + "0123456789abcdef" * 4  # 83 bytes: long enough for HS512 too
 
@@ -20,16 +18,6 @@ def make_token(claims: dict | None = None, secret: str | bytes = SECRET, algorit
 
 def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
-
-
-def wait_idle(server: Process, timeout: float = 20) -> dict:
-    """Wait until the inference server holds no session and no row; return its last /health body."""
-    deadline = time.monotonic() + timeout
-    while True:
-        health = requests.get(server.url + "/health", timeout=10).json()
-        if (health["open_sessions"] == 0 and health["rows_in_use"] == 0) or time.monotonic() > deadline:
-            return health
-        time.sleep(0.1)
 
 
 def start_proxy(upstream: str | list[str], *flags: str, secret: str | None = SECRET,

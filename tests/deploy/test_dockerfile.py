@@ -17,8 +17,11 @@ def hadolint() -> str:
 
 
 def dockerfiles() -> list:
-    skip = {".venv", ".git", "model_cache", "node_modules"}
-    return sorted(p for p in ROOT.rglob("*Dockerfile*") if not skip & set(p.relative_to(ROOT).parts))
+    """Every Dockerfile of the project: tracked, or new and not ignored (never the venv's)."""
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*Dockerfile*"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0, listed.stderr
+    return sorted({ROOT / line for line in listed.stdout.splitlines() if (ROOT / line).is_file()})
 
 
 def test_there_is_a_dockerfile_and_hadolint_runs():

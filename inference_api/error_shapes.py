@@ -41,12 +41,14 @@ def status_for(api: str, status: int) -> int:
     return 422 if api == TGI and status == 400 else status
 
 
-def tgi_error_type(status: int) -> str:
+def tgi_error_type(status: int) -> str | None:
+    """TGI's error_type; None where the text-generation client should choose by status (404: NotFoundError,
+    504: ShardTimeoutError)."""
     if status in (400, 413, 422):
         return "validation"
     if status in (429, 503):
         return "overloaded"
-    return "generation"
+    return "generation" if status == 500 else None
 
 
 def shortfin_code(status: int) -> str | None:
@@ -64,7 +66,8 @@ def error_body(api: str, status: int, message: str, *, param: str | None = None,
         kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         return {"error": {"message": message, "type": kind, "param": param, "code": code}}
     if api == TGI:
-        return {"error": message, "error_type": tgi_error_type(status)}
+        kind = tgi_error_type(status)
+        return {"error": message, "error_type": kind} if kind else {"error": message}
     if api == LLAMA_STACK:
         return {"detail": message}  # FastAPI's HTTPException body, as llama-stack's server sends it
     if api == SHORTFIN:

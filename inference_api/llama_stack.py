@@ -18,14 +18,14 @@ import json
 from dataclasses import dataclass
 from typing import Iterator
 
-from flask import Blueprint, Response, g, jsonify, request, stream_with_context
+from flask import Blueprint, g, jsonify, request
 
 from .error_shapes import LLAMA_STACK
 from .errors import ApiError
 from .messages import FinishReason, SamplingParams, TokenEvent, TokenLogprob
 from .openai_responses import visible
 from .serving import Serving, is_error
-from .sse import sse
+from .sse import sse, sse_response
 from .validation import boolean, json_body, number, only_default, reject_unknown, string
 
 STOP_REASON = {FinishReason.EOS: "end_of_turn", FinishReason.STOP: "end_of_turn", FinishReason.LENGTH: "out_of_tokens"}
@@ -167,9 +167,7 @@ def llama_stack_blueprint(serving: Serving) -> Blueprint:
         event_stream = "text/event-stream" in request.headers.get("Accept", "")
         frame = sse if event_stream else (lambda obj: (json.dumps(obj, separators=(",", ":")) + "\n").encode())
         chunks = _stream(run.events(), chat, want)
-        return Response(stream_with_context(frame(c) for c in chunks),
-                        mimetype="text/event-stream" if event_stream else "application/x-ndjson",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response((frame(c) for c in chunks), "text/event-stream" if event_stream else "application/x-ndjson")
 
     return bp
 

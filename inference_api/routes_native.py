@@ -4,11 +4,12 @@ Model names may contain ``/`` (hub ids such as ``org/name``): the routes take th
 """
 from __future__ import annotations
 
-from flask import Blueprint, Response, g, jsonify, request, stream_with_context
+from flask import Blueprint, Response, g, jsonify, request
 
 from .error_shapes import NATIVE
 from .metrics import CONTENT_TYPE
 from .serving import Serving, is_error
+from .sse import sse_response
 from .validation import json_body, parse_native
 
 
@@ -48,8 +49,7 @@ def native_blueprint(serving: Serving) -> Blueprint:
                 if event.text:
                     yield event.text.encode()
 
-        return Response(stream_with_context(body()), mimetype="text/plain", content_type="text/plain; charset=utf-8",
-                        headers={"X-Accel-Buffering": "no", "Cache-Control": "no-cache"})
+        return sse_response(body(), "text/plain")
 
     @native.get("/health")
     def health():

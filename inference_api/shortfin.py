@@ -14,12 +14,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator
 
-from flask import Response, g, jsonify, stream_with_context
+from flask import g, jsonify
 
 from .error_shapes import SHORTFIN
 from .errors import ApiError
 from .messages import SamplingParams, TokenEvent
 from .serving import Serving, is_error
+from .sse import sse_response
 from .validation import boolean, number, only_default, reject_unknown, string, token_ids
 
 FIELDS = {"text", "input_ids", "image_data", "sampling_params", "rid", "return_input_ids", "return_logprob",
@@ -89,8 +90,7 @@ def generate_shortfin(serving: Serving, body: dict):
     run = serving.start(prompt_ids, req.params, req.max_completion_tokens, req.max_completion_tokens,
                         "max_completion_tokens")
     if req.stream:
-        return Response(stream_with_context(_stream(req, run.events())), mimetype="text/event-stream",
-                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse_response(_stream(req, run.events()))
     gen = run.collect()
     if req.return_input_ids:
         return jsonify(gen.token_ids)

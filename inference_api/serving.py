@@ -19,6 +19,7 @@ from .generation import Generation, all_events, collect
 from .messages import EngineReady, FinishReason, SamplingParams, TokenEvent
 from .streaming import first_event, session_events
 from .tokenizer import Tokenizer
+from .validation import check_fits
 
 
 @dataclass
@@ -82,19 +83,13 @@ class Serving:
         fit the context, submit, and wait for the first event."""
         context = self.ready().context_length
         if not prompt_ids:
-            raise ApiError(400, "the prompt is empty (no tokens)", param=field)
+            raise ApiError(400, "the prompt is empty (no tokens)")
         if max_tokens is None:
             max_tokens = max(1, min(default_max, context - len(prompt_ids)))
         check_fits(len(prompt_ids), max_tokens, context, field)
         session = self.client.submit(prompt_ids, dataclasses.replace(params, max_tokens=max_tokens))
         events = session_events(self.client, session, request.environ)
         return Run(len(prompt_ids), first_event(events), events)
-
-
-def check_fits(prompt_tokens: int, max_tokens: int, context_length: int, field: str = "max_tokens") -> None:
-    if prompt_tokens + max_tokens > context_length:
-        raise ApiError(400, f"prompt ({prompt_tokens} tokens) plus {field} ({max_tokens}) exceeds the context "
-                            f"length of {context_length} tokens", param=field)
 
 
 def is_error(event: TokenEvent) -> bool:

@@ -46,12 +46,7 @@ class Serving:
 
     # readiness and the model
     def ready(self) -> EngineReady:
-        client = self.client
-        if client.failure is not None:
-            raise ApiError(503, f"backend unavailable: {client.failure}", retry_after=30)
-        if client.ready is None:
-            raise ApiError(503, "model is loading, try again shortly", retry_after=5)
-        return client.ready
+        return self.client.check_ready()
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -5,11 +5,17 @@ import atexit
 import logging
 import os
 
-from flask import Flask, current_app, request
+from flask import Flask
 
 from .config import ServerConfig
 from .engine_client import EngineClient
-from .errors import register_error_handlers
+from .errors import register_error_handlers, request_api
+from .llama_stack import llama_stack_blueprint
+from .routes_native import native_blueprint
+from .routes_openai import openai_blueprint
+from .routes_shared import shared_blueprint
+from .routes_tgi import tgi_blueprint
+from .serving import Serving
 
 
 def create_app(config: ServerConfig | None = None) -> Flask:
@@ -20,28 +26,16 @@ def create_app(config: ServerConfig | None = None) -> Flask:
     app.json.sort_keys = False
     client = EngineClient(config).start()
     atexit.register(client.shutdown)
-    app.extensions["server_config"] = config
-    app.extensions["engine_client"] = client
     register_error_handlers(app)
 
     @app.after_request
     def count_answer(response):
-        client.metrics.answered(request.path, response.status_code)
+        client.metrics.answered(request_api(), response.status_code)
         return response
 
-    from .routes_native import native
-    from .routes_openai import openai_api
-    from .routes_tgi import tgi
-
-    app.register_blueprint(native)
-    app.register_blueprint(openai_api)
-    app.register_blueprint(tgi)
+    serving = Serving(client, config)
+    # /inference/completion and /inference/chat_completion (llama-stack) are fixed paths: they win over the
+    # native API's /inference/<path:model>
+    for blueprint in (llama_stack_blueprint, native_blueprint, openai_blueprint, tgi_blueprint, shared_blueprint):
+        app.register_blueprint(blueprint(serving))
     return app
-
-
-def engine_client() -> EngineClient:
-    return current_app.extensions["engine_client"]
-
-
-def server_config() -> ServerConfig:
-    return current_app.extensions["server_config"]

@@ -82,11 +82,16 @@ class EngineClient:
         return len(self._sessions)
 
     # requests
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Session:
+    def check_ready(self) -> EngineReady:
+        """The engine's description, or a 503 while it loads or after it failed."""
         if self.failure is not None:
             raise ApiError(503, f"backend unavailable: {self.failure}", retry_after=30)
         if self.ready is None:
             raise ApiError(503, "model is loading, try again shortly", retry_after=5)
+        return self.ready
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Session:
+        self.check_ready()
         session = Session(uuid.uuid4().hex, len(prompt_ids))
         with self._lock:
             if len(self._sessions) >= self.config.max_open_sessions:

@@ -1,7 +1,9 @@
-"""Errors the proxy answers itself, always as JSON ``{"status_code": N, "message": "..."}``, never HTML.
+"""Errors the proxy answers itself, always JSON, never HTML, in the shape of the API the request was for.
 
-Under ``/v1/`` and on TGI's routes the body also carries the ``error`` field that the openai and
-text-generation clients read, so each client raises its own error type with the proxy's reason.
+The shapes are the server's own (``inference_api.error_shapes``, pure Python: no torch, no Flask), so each
+client raises the same exception type for a proxy error as for the server's (a 429 here and the server's
+503 both make the text-generation client raise ``OverloadedError``). Paths shared by two dialects
+(``/generate``, ``/tokenize``) are told apart by the body, as the server does.
 """
 from __future__ import annotations
 
@@ -9,6 +11,8 @@ import logging
 
 from flask import Flask, g, jsonify, request
 from werkzeug.exceptions import HTTPException
+
+from inference_api.error_shapes import api_of, error_body, status_for
 
 from .auth import AuthError
 
@@ -23,24 +27,19 @@ class ProxyError(Exception):
         self.headers = headers or {}
 
 
-_TGI_PATHS = frozenset({"/", "/generate", "/generate_stream", "/info"})
-_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
-
-
-def error_body(path: str, status: int, message: str) -> dict:
-    body = {"status_code": status, "message": message}
-    if path.startswith("/v1/"):
-        kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-        body["error"] = {"message": message, "type": kind, "param": None, "code": None}
-    elif path in _TGI_PATHS:
-        body["error"] = message
-    return body
+def request_api() -> str:
+    """The API family of the current request; the body is read (and kept) only on the shared paths."""
+    body = None
+    if request.path in ("/generate", "/tokenize") and request.mimetype == "application/json":
+        body = request.get_json(silent=True, cache=True)
+    return api_of(request.path, body)
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None):
     g.error = message  # for the access log
-    response = jsonify(error_body(request.path, status, message))
-    response.status_code = status
+    api = request_api()
+    response = jsonify(error_body(api, status, message))
+    response.status_code = status_for(api, status)
     response.headers.update(headers or {})
     return response
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import jwt
 import requests
@@ -119,7 +120,7 @@ def main() -> int:
         token = jwt.encode({"team_id": "local", "token_id": "readme", "exp": int(time.time()) + 30 * 86400},
                            env["JWT_SECRET"], algorithm="HS256")
         print(f"\nReady: {health['model']} behind the JWT proxy on port {args.proxy_port}. Try:\n\n"
-              f"curl -N http://127.0.0.1:{args.proxy_port}/predictions/{health['model']} \\\n"
+              f"curl -N http://127.0.0.1:{args.proxy_port}/predictions/{quote(health['model'], safe='/')} \\\n"
               f"  -H 'Authorization: Bearer {token}' \\\n"
               f"  -H 'Content-Type: application/json' \\\n"
               f"  -d '{{\"text\": \"What is the capital of France?\", \"max_tokens\": 64}}'\n\n"

@@ -2,6 +2,7 @@
 list give the server's greedy answers for the same prompts."""
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -35,14 +36,18 @@ def server_answers(server, model_name: str, prompts: list[str], chat: bool) -> l
 def test_greedy_offline_answers_equal_the_servers(llm, real_server, model_name, chat, request):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
     prompts = PROMPTS[::4] if chat else PROMPTS  # all 40 through generate; the template on a quarter of them
+    started = time.monotonic()
     if chat:
         results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
     else:
         results = llm.generate(prompts, params, use_tqdm=False)
+    offline_s = time.monotonic() - started
     served = server_answers(real_server, model_name, prompts, chat)
+    print(f"offline {offline_s:.1f} s, server {time.monotonic() - started - offline_s:.1f} s for {len(prompts)} prompts")
     assert [r.index for r in results] == list(range(len(prompts)))
     assert len({r.text for r in results}) > len(prompts) * 3 // 4  # distinct prompts, distinct answers
     differ = [(p, r.text, s) for p, r, s in zip(prompts, results, served) if r.text != s]
+    print(f"{len(differ)} of {len(prompts)} answers differ")
     for prompt, offline_text, server_text in differ:  # only a near-tie in the model may part them
         ref = request.getfixturevalue("reference")
         assert_greedy_equivalent(offline_text, prompt, chat, ref)

@@ -199,3 +199,17 @@ def test_close_interrupts_open_requests_and_stops_the_engine():
     assert not process.is_alive()
     with pytest.raises(EngineError, match="closed"):
         llm.start_request("again")
+
+
+def test_engine_death_interrupts_open_requests_with_the_error():
+    import os
+    import signal
+
+    with LLM(mock=True, rows=1, mock_tokens_per_second=50) as llm:
+        running = llm.start_request("r", SamplingParams(max_tokens=1000))
+        waiting = llm.start_request("w", SamplingParams(max_tokens=1000))
+        wait_for(lambda: running.status is RequestStatus.GENERATING)
+        os.kill(llm._client.process.pid, signal.SIGKILL)
+        for handle in (running, waiting):
+            assert llm.sync_request(handle, timeout=30) is RequestStatus.INTERRUPTED
+            assert handle.finish_reason == "error" and "exited" in handle.queue.error

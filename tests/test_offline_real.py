@@ -43,7 +43,8 @@ def test_greedy_offline_answers_equal_the_servers(llm, real_server, model_name, 
         results = llm.generate(prompts, params, use_tqdm=False)
     offline_s = time.monotonic() - started
     served = server_answers(real_server, model_name, prompts, chat)
-    print(f"offline {offline_s:.1f} s, server {time.monotonic() - started - offline_s:.1f} s for {len(prompts)} prompts")
+    server_s = time.monotonic() - started - offline_s
+    print(f"offline {offline_s:.1f} s, server {server_s:.1f} s for {len(prompts)} prompts")
     assert [r.index for r in results] == list(range(len(prompts)))
     assert len({r.text for r in results}) > len(prompts) * 3 // 4  # distinct prompts, distinct answers
     differ = [(p, r.text, s) for p, r, s in zip(prompts, results, served) if r.text != s]

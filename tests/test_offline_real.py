@@ -15,7 +15,8 @@ from test_native_real import MAX_TOKENS, PROMPTS, assert_greedy_equivalent, refe
 
 @pytest.fixture(scope="module")
 def llm():
-    with LLM(model_cache_dir=MODEL_CACHE, context_length=1024) as llm:  # the real server's flags
+    # the real_server fixture's flags (the exact mode)
+    with LLM(model_cache_dir=MODEL_CACHE, context_length=1024, quantize="none", dtype="float32") as llm:
         yield llm
 
 

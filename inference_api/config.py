@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_STOP_SEQUENCES = 8  # lets h2oGPT's six through; TGI's --max-stop-sequences
 
 
 @dataclass(frozen=True)
@@ -27,7 +28,7 @@ class ServerConfig:
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step, so long prompts never stall streams
     max_waiting: int = 64  # requests allowed to wait for a free row; beyond it: 503
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
-    max_stop_sequences: int = 8  # stop strings per request, every API (TGI's --max-stop-sequences; h2oGPT sends 6)
+    max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES  # stop strings per request, every API (TGI's --max-stop-sequences; h2oGPT sends 6)
     mock: bool = False
     mock_tokens_per_second: float = 50.0
     allow_download: bool = False  # let transformers fetch a hub model (off: no network at run time)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import DEFAULT_MAX_STOP_SEQUENCES
 from .errors import ApiError
 from .messages import SamplingParams
 from .validation import (SEED_RANGE, boolean, number, only_default, penalties, reject_unknown, stop_list, string,
@@ -43,7 +44,7 @@ class OpenAIRequest:
     messages: tuple[dict, ...] | None = None  # chat: {"role", "content"} with content a string
 
 
-def parse_completion(body: dict, vocab_size: int, max_stop: int = 4) -> OpenAIRequest:
+def parse_completion(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> OpenAIRequest:
     reject_unknown(body, COMPLETION_FIELDS)
     only_default(body, "echo", False)
     only_default(body, "best_of", 1)
@@ -53,7 +54,7 @@ def parse_completion(body: dict, vocab_size: int, max_stop: int = 4) -> OpenAIRe
     return _request(body, logprobs, "max_tokens", vocab_size, max_stop, prompt=prompt, prompt_ids=prompt_ids)
 
 
-def parse_chat(body: dict, vocab_size: int, max_stop: int = 4) -> OpenAIRequest:
+def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> OpenAIRequest:
     reject_unknown(body, CHAT_FIELDS)
     for name, neutral in (("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"),
                           ("functions", []), ("function_call", "none"), ("modalities", ["text"])):

@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from .config import DEFAULT_MAX_STOP_SEQUENCES
 from .errors import ApiError
 from .messages import SamplingParams
 from .validation import boolean, number, only_default, reject_unknown, stop_list, string
@@ -32,7 +33,7 @@ class TgiRequest:
         return self.params.seed if self.params.temperature > 0 else None
 
 
-def parse_tgi(body: dict, context_length: int, max_stop: int = 4) -> TgiRequest:
+def parse_tgi(body: dict, context_length: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> TgiRequest:
     reject_unknown(body, TGI_FIELDS)
     inputs = string(body, "inputs", required=True)
     p = body.get("parameters")

@@ -8,6 +8,7 @@ from typing import Any
 
 from flask import Request
 
+from .config import DEFAULT_MAX_STOP_SEQUENCES
 from .errors import ApiError
 from .messages import SamplingParams
 
@@ -136,7 +137,7 @@ class NativeRequest:
     stream: bool
 
 
-def parse_native(body: dict, max_stop: int = 4) -> NativeRequest:
+def parse_native(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> NativeRequest:
     reject_unknown(body, NATIVE_FIELDS)
     params = SamplingParams(
         temperature=number(body, "temperature", 1.0, 0, 100),

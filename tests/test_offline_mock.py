@@ -147,7 +147,7 @@ def test_generate_keeps_input_order_over_an_iterable(llm, capsys):
     (dict(temperature=5), "temperature", {"temperature": 5}),
     (dict(top_p=1.5), "top_p", {"top_p": 1.5}),
     (dict(max_tokens=0), "max_tokens", {"max_tokens": 0}),
-    (dict(stop=["a", "b", "c", "d", "e"]), "stop", {"stop": ["a", "b", "c", "d", "e"]}),
+    (dict(stop=list("abcdefghi")), "stop", {"stop": list("abcdefghi")}),  # over the default 8 stop sequences
     (dict(logprobs=9), "logprobs", {"logprobs": 9}),
     (dict(top_k="many"), "top_k", {"top_k": "many"}),
     (dict(n=2), "n", {"n": 2}),

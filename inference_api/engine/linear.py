@@ -3,7 +3,10 @@
 - CPU, float32 weights: oneDNN with each weight reordered once into its blocked layout (faster than
   torch's default sgemm path for decode shapes; the math is the same up to summation order).
 - CPU, ``--quantize int8|int4``: the weight-only kernels of quant.py (float32 math on 8-bit or 4-bit
-  weights); without a compiler for them, the dequantized weights on oneDNN.
+  weights) for one row, the decode step of one stream, which is bound by the bytes of weight it reads;
+  the same weights dequantized on oneDNN for several rows, where compute bounds the step and oneDNN's
+  packed float32 GEMM is the faster (measured on the 2-core machines: docs/performance.md). Both compute
+  float32 math on the same values. Without a compiler for the kernels, oneDNN alone.
 - Other devices: F.linear in the model's dtype, on the (dequantized) weights.
 """
 from __future__ import annotations
@@ -43,6 +46,18 @@ class OneDNNLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class SplitLinear:
+    """The quantized kernel for one row, oneDNN on the dequantized weight for more: picked per call."""
+
+    def __init__(self, quantized: QuantLinear, dense: OneDNNLinear):
+        self.quantized, self.dense = quantized, dense
+        self.weight = quantized.weight  # the quantized form: embedding lookups of a tied head read its rows
+        self.nbytes = quantized.nbytes + dense.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quantized(x) if x.numel() == x.shape[-1] else self.dense(x)
+
+
 def quantize(weight: torch.Tensor, mode: str, group: int | None = None) -> Int8Weight | Int4Weight | None:
     if mode == "none" or not can_quantize(weight, mode):
         return None
@@ -58,6 +73,8 @@ def linear_factory(device: torch.device, dtype: torch.dtype, mode: str, kernels)
         bias = None if bias is None else bias.detach().to(dtype).clone()
         packed = quantize(weight, as_mode or mode, group)
         if packed is not None and kernels is not None and device.type == "cpu" and dtype == torch.float32:
+            if onednn:
+                return SplitLinear(QuantLinear(packed, bias, kernels), OneDNNLinear(packed.dequantize(), bias))
             return QuantLinear(packed, bias, kernels)
         if packed is not None:
             weight = packed.dequantize()

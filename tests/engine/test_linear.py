@@ -7,7 +7,7 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from inference_api.engine.kernels import load_kernels
-from inference_api.engine.linear import DenseLinear, OneDNNLinear, linear_factory, use_linears
+from inference_api.engine.linear import DenseLinear, OneDNNLinear, SplitLinear, linear_factory, use_linears
 from inference_api.engine.quant import QuantLinear, quantize_int4
 from servers import MODEL_CACHE
 
@@ -30,15 +30,30 @@ def test_factory_picks_by_device_dtype_and_quantization():
     cpu = torch.device("cpu")
     kernels = load_kernels(Path(MODEL_CACHE))
     assert isinstance(linear_factory(cpu, torch.bfloat16, "none", None)(w, None), DenseLinear)
-    quantized = linear_factory(cpu, torch.float32, "int4", kernels)(w, None)
-    assert isinstance(quantized, QuantLinear) and quantized.weight.q.dtype == torch.uint8
-    assert isinstance(linear_factory(cpu, torch.float32, "int8", kernels)(w, None, as_mode="int8"), QuantLinear)
-    if torch.backends.mkldnn.is_available():
-        assert isinstance(linear_factory(cpu, torch.float32, "none", kernels)(w, None), OneDNNLinear)
-        # without the kernels a quantized model is served on its dequantized weights, same numbers
-        fallback = linear_factory(cpu, torch.float32, "int4", None)(w, None)
-        x = torch.randn(3, 96)
-        torch.testing.assert_close(fallback(x), F.linear(x, quantize_int4(w).dequantize()), rtol=1e-4, atol=1e-4)
+    if not torch.backends.mkldnn.is_available():
+        assert isinstance(linear_factory(cpu, torch.float32, "int4", kernels)(w, None), QuantLinear)
+        return
+    assert isinstance(linear_factory(cpu, torch.float32, "none", kernels)(w, None), OneDNNLinear)
+    # without the kernels a quantized model is served on its dequantized weights, same numbers
+    fallback = linear_factory(cpu, torch.float32, "int4", None)(w, None)
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(fallback(x), F.linear(x, quantize_int4(w).dequantize()), rtol=1e-4, atol=1e-4)
+
+
+@onednn
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_quantized_layers_take_the_kernel_for_one_row_and_onednn_for_more(mode, monkeypatch):
+    kernels = load_kernels(Path(MODEL_CACHE))
+    layer = linear_factory(torch.device("cpu"), torch.float32, mode, kernels)(torch.randn(64, 96), torch.randn(64))
+    assert isinstance(layer, SplitLinear) and isinstance(layer.quantized, QuantLinear)
+    calls = []
+    for part in (QuantLinear, OneDNNLinear):
+        monkeypatch.setattr(part, "__call__", lambda self, x, run=part.__call__, name=part.__name__:
+                            calls.append(name) or run(self, x))
+    for x in (torch.randn(1, 1, 96), torch.randn(4, 96), torch.randn(2, 3, 96)):
+        expected = F.linear(x, layer.quantized.weight.dequantize(), layer.quantized.bias)
+        torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)  # the same numbers either way
+    assert calls == ["QuantLinear", "OneDNNLinear", "OneDNNLinear"]
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])

@@ -4,17 +4,32 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 
-from flask import Flask, current_app, request
+from flask import Flask, current_app, g, has_request_context, request
+
+from lifecycle.access_log import AccessLog, request_id
+from lifecycle.drain import RETRY_AFTER, Drain
 
 from .config import ServerConfig
-from .engine_client import EngineClient
-from .errors import register_error_handlers
+from .engine_client import EngineClient, Session
+from .errors import ApiError, api_of, register_error_handlers
+from .preflight import Estimate
+from .streaming import SESSION_KEY
 
 
-def create_app(config: ServerConfig | None = None) -> Flask:
+class _RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = g.get("request_id", "-") if has_request_context() else "-"
+        return True
+
+
+def create_app(config: ServerConfig | None = None, estimate: Estimate | None = None) -> Flask:
     config = config or ServerConfig.from_env(os.environ)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s [%(request_id)s] %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_RequestIdFilter())
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.json.sort_keys = False
@@ -22,11 +37,42 @@ def create_app(config: ServerConfig | None = None) -> Flask:
     atexit.register(client.shutdown)
     app.extensions["server_config"] = config
     app.extensions["engine_client"] = client
+    app.extensions["preflight"] = estimate
+    app.extensions["drain"] = drain = Drain(config.drain_timeout, lambda: client.open_sessions, client.abort_all,
+                                            client.shutdown)
+    access_log = AccessLog()
     register_error_handlers(app)
+
+    @app.before_request
+    def admit():
+        g.started = time.monotonic()
+        g.request_id = request_id(request.headers.get("X-Request-Id"))
+        if drain.active and request.method == "POST":
+            raise ApiError(503, "server is shutting down; retry shortly (another instance takes over)",
+                           retry_after=RETRY_AFTER)
 
     @app.after_request
     def count_answer(response):
         client.metrics.answered(request.path, response.status_code)
+        response.headers["X-Request-Id"] = g.get("request_id") or request_id(None)
+        fields = {"request_id": response.headers["X-Request-Id"], "team_id": request.headers.get("X-Team-Id"),
+                  "method": request.method, "path": request.path, "api": api_of(request.path),
+                  "status": response.status_code, "client": request.headers.get("X-Forwarded-For",
+                                                                                   request.remote_addr)}
+        started, environ = g.get("started", time.monotonic()), request.environ
+
+        def write() -> None:
+            session: Session | None = environ.get(SESSION_KEY)
+            outcome = {}
+            if session is not None:
+                outcome = {"prompt_tokens": session.prompt_tokens, "tokens_out": session.completion_tokens,
+                           "ttft_ms": None if session.first_token_at is None
+                           else round((session.first_token_at - session.started) * 1000, 1),
+                           "finish_reason": (session.finish_reason.value if session.finish_reason
+                                             else "cancelled")}
+            access_log.write(**fields, **outcome, duration_ms=round((time.monotonic() - started) * 1000, 1))
+
+        response.call_on_close(write)
         return response
 
     from .routes_native import native

@@ -1,7 +1,9 @@
 """The native API, compatible with the original inference API: /inference, /predictions, /health, /metrics."""
 from __future__ import annotations
 
-from flask import Blueprint, Response, jsonify, request, stream_with_context
+from flask import Blueprint, Response, current_app, jsonify, request, stream_with_context
+
+from lifecycle.drain import RETRY_AFTER
 
 from .app import engine_client, server_config
 from .errors import ApiError
@@ -63,18 +65,27 @@ def _generate(model_name: str, chat: bool):
 
 @native.get("/health")
 def health():
+    """200 only while serving; 503 while loading, restarting the engine, draining or failed."""
     client = engine_client()
     ready = client.ready
-    body = {"status": client.state, "model": ready.model_name if ready else None,
+    state = "draining" if current_app.extensions["drain"].active else client.state
+    estimate = current_app.extensions["preflight"]
+    body = {"status": state, "model": ready.model_name if ready else None,
             "rows_in_use": client.stats.rows_in_use, "rows_total": server_config().rows,
             "queue_length": client.stats.waiting, "open_sessions": client.open_sessions,
             "mock": server_config().mock, "model_dir": ready.model_dir if ready else None,
             "device": ready.device if ready else None, "dtype": ready.dtype if ready else None,
             "quantize": ready.quantize if ready else None, "kv_dtype": ready.kv_dtype if ready else None,
-            "context_length": ready.context_length if ready else None, "backend_pid": client.process.pid}
+            "context_length": ready.context_length if ready else None, "backend_pid": client.process.pid,
+            "engine_restarts": client.restart_count,
+            "memory": estimate.as_dict() if estimate else None}
     if client.failure is not None:
         body["message"] = client.failure
-    return jsonify(body), 200 if client.state == "ready" else 503
+    response = jsonify(body)
+    response.status_code = 200 if state == "ready" else 503
+    if state != "ready":
+        response.headers["Retry-After"] = str(RETRY_AFTER)
+    return response
 
 
 @native.get("/metrics")

@@ -1,7 +1,6 @@
 """The Flask app factory: one catch-all route that authenticates, applies the team limit and forwards."""
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from urllib.parse import quote, urlsplit
@@ -9,7 +8,8 @@ from urllib.parse import quote, urlsplit
 from flask import Flask, Response, g, request
 from werkzeug.routing import BaseConverter
 
-from .access_log import AccessLog
+from lifecycle.access_log import AccessLog, request_id
+
 from .auth import Identity, TokenVerifier, bearer_token
 from .config import ProxyConfig
 from .errors import ProxyError, register_error_handlers
@@ -19,7 +19,6 @@ from .upstream import StreamBody, Upstream, client_response_headers, upstream_re
 
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 PUBLIC = {("GET", "/health"), ("HEAD", "/health")}
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:+/=@-]{1,128}")
 
 
 class _AnyPath(BaseConverter):
@@ -45,8 +44,7 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
     @app.before_request
     def start() -> None:
         g.started = time.monotonic()
-        given = request.headers.get("X-Request-Id", "")
-        g.request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        g.request_id = request_id(request.headers.get("X-Request-Id"))
 
     @app.route("/<anypath:path>", methods=METHODS)
     def forward(path: str):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import math
 import signal
+import sys
 import threading
 import time
 from typing import Callable
@@ -75,7 +76,11 @@ def drain_on_signals(worker, drain: Drain) -> None:
         worker.handle_exit(signal.SIGTERM, None)
 
     def on_signal(signum, frame) -> None:
-        drain.begin(stop)
+        gevent = sys.modules.get("gevent")
+        if gevent is not None and gevent.monkey.is_module_patched("threading"):
+            gevent.spawn(drain.begin, stop)  # a gevent signal callback must not block, even to start a thread
+        else:
+            drain.begin(stop)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -9,6 +9,8 @@ from flask import Flask, Response, g, request
 from werkzeug.routing import BaseConverter
 
 from lifecycle.access_log import AccessLog, request_id
+from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked
+from lifecycle.drain import RETRY_AFTER, Drain
 
 from .auth import Identity, TokenVerifier, bearer_token
 from .config import ProxyConfig
@@ -38,6 +40,16 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
     limiter = TeamLimiter(config.max_concurrent_per_team)
     upstream = Upstream(config)
     access_log = access_log or AccessLog()
+    watchdog = Watchdog()
+    streams: set[StreamBody] = set()  # forwarded responses not yet closed: what a drain waits for
+
+    def cut(message: str) -> int:
+        for stream in list(streams):
+            stream.abort()
+        return len(streams)
+
+    app.extensions["drain"] = drain = Drain(config.drain_timeout, lambda: len(streams), cut)
+    app.wsgi_app = close_when_asked(app.wsgi_app)
     register_error_handlers(app)
     register_playground(app)  # GET / and /playground: the chat page, no token needed to load it
 
@@ -45,6 +57,10 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
     def start() -> None:
         g.started = time.monotonic()
         g.request_id = request_id(request.headers.get("X-Request-Id"))
+        if drain.active:
+            if (request.method, request.path) in PUBLIC:
+                raise ProxyError(503, "draining", {"Retry-After": str(RETRY_AFTER)}, {"status": "draining"})
+            raise ProxyError(503, "the proxy is shutting down; retry shortly", {"Retry-After": str(RETRY_AFTER)})
 
     @app.route("/<anypath:path>", methods=METHODS)
     def forward(path: str):
@@ -57,7 +73,10 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
             raise ProxyError(429, f"team {identity.team_id!r} already has {limiter.max_per_team} requests in "
                                   "progress; retry when one finishes", {"Retry-After": str(config.retry_after)})
         try:
-            body = request.get_data(cache=False)
+            try:
+                body = watchdog.read_body(request.environ, lambda: request.get_data(cache=False), config.body_timeout)
+            except BodyTimeout as exc:
+                raise ProxyError(408, str(exc), {"Connection": "close"}) from None
             headers = upstream_request_headers(request.headers.items(), upstream_host=config.upstream_host,
                                                client_addr=request.remote_addr, scheme=request.scheme,
                                                request_id=g.request_id, identity=identity)
@@ -65,7 +84,12 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         except BaseException:
             slot.release()
             raise
-        g.stream = stream = StreamBody(answer, on_close=slot.release)
+        def closed() -> None:
+            streams.discard(stream)
+            slot.release()
+
+        g.stream = stream = StreamBody(answer, on_close=closed)
+        streams.add(stream)
         upstream_headers = list(answer.raw.headers.items())
         response = Response(stream, status=answer.status_code, headers=client_response_headers(upstream_headers))
         if not any(name.lower() == "content-type" for name, _ in upstream_headers):

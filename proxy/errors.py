@@ -16,11 +16,12 @@ log = logging.getLogger("proxy")
 
 
 class ProxyError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, fields: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.headers = headers or {}
+        self.fields = fields or {}  # extra top-level body fields, e.g. the draining /health's "status"
 
 
 _TGI_PATHS = frozenset({"/", "/generate", "/generate_stream", "/info"})
@@ -37,9 +38,9 @@ def error_body(path: str, status: int, message: str) -> dict:
     return body
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None):
+def error_response(status: int, message: str, headers: dict[str, str] | None = None, fields: dict | None = None):
     g.error = message  # for the access log
-    response = jsonify(error_body(request.path, status, message))
+    response = jsonify({**error_body(request.path, status, message), **(fields or {})})
     response.status_code = status
     response.headers.update(headers or {})
     return response
@@ -52,11 +53,13 @@ def register_error_handlers(app: Flask) -> None:
         challenge = 'Bearer realm="inference"'
         if request.headers.get("Authorization"):
             challenge += ', error="invalid_token"'
-        return error_response(401, exc.message, {"WWW-Authenticate": challenge})
+        # answered without reading the body, and the connection closed: a client that sends a large body (or
+        # sends it slowly) with a bad token costs nothing more
+        return error_response(401, exc.message, {"WWW-Authenticate": challenge, "Connection": "close"})
 
     @app.errorhandler(ProxyError)
     def proxy_error(exc: ProxyError):
-        return error_response(exc.status, exc.message, exc.headers)
+        return error_response(exc.status, exc.message, exc.headers, exc.fields)
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):

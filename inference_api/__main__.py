@@ -1,4 +1,4 @@
-"""``python -m inference_api [flags]``: check that the model fits, then serve with gunicorn (gthread, one worker)."""
+"""``python -m inference_api [flags]``: check that the model fits, then serve with gunicorn (one gthread worker)."""
 from __future__ import annotations
 
 import os
@@ -20,7 +20,7 @@ class Server(BaseApplication):
 
     def load_config(self) -> None:
         c = self.server_config
-        options = {"bind": f"{c.host}:{c.port}", "workers": 1, "worker_class": "gthread",
+        options = {"bind": f"{c.host}:{c.port}", "workers": 1, "worker_class": "inference_api.worker.ServerWorker",
                    "threads": c.threads, "timeout": 120, "keepalive": 5, "loglevel": c.log_level,
                    "accesslog": None,  # the app writes one structured line per request
                    **gunicorn_timeouts(c.drain_timeout),

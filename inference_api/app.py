@@ -9,11 +9,12 @@ import time
 from flask import Flask, current_app, g, has_request_context, request
 
 from lifecycle.access_log import AccessLog, request_id
+from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked
 from lifecycle.drain import RETRY_AFTER, Drain
 
 from .config import ServerConfig
 from .engine_client import EngineClient, Session
-from .errors import ApiError, api_of, register_error_handlers
+from .errors import ApiError, api_of, error_response, register_error_handlers
 from .preflight import Estimate
 from .streaming import SESSION_KEY
 
@@ -41,6 +42,8 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
     app.extensions["drain"] = drain = Drain(config.drain_timeout, lambda: client.open_sessions, client.abort_all,
                                             client.shutdown)
     access_log = AccessLog()
+    watchdog = Watchdog()
+    app.wsgi_app = close_when_asked(app.wsgi_app)
     register_error_handlers(app)
 
     @app.before_request
@@ -50,6 +53,13 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
         if drain.active and request.method == "POST":
             raise ApiError(503, "server is shutting down; retry shortly (another instance takes over)",
                            retry_after=RETRY_AFTER)
+        if request.method == "POST":  # the whole body within its deadline (cached for the route)
+            try:
+                watchdog.read_body(request.environ, lambda: request.get_data(cache=True), config.body_timeout)
+            except BodyTimeout as exc:
+                response = error_response(ApiError(408, str(exc)))
+                response.headers["Connection"] = "close"
+                return response
 
     @app.after_request
     def count_answer(response):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -222,3 +223,28 @@ def test_the_server_returns_and_logs_the_request_id(mock_server, model_name):
     assert line["status"] == 200 and line["tokens_out"] == 13 and line["finish_reason"] == "length"
     assert line["ttft_ms"] is not None and line["ttft_ms"] >= 0 and line["api"] == "native"
     assert requests.get(mock_server.url + "/health", timeout=5).headers["X-Request-Id"]
+
+
+def test_the_server_has_header_and_body_deadlines(model_name):
+    server = ServerProcess("--mock", "--header-timeout", "1", "--body-timeout", "1")
+    headers = socket.create_connection(("127.0.0.1", server.port), timeout=20)
+    body = socket.create_connection(("127.0.0.1", server.port), timeout=20)
+    try:
+        headers.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
+        body.sendall(f"POST /inference/{model_name} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: 100\r\n\r\n{{\"text\": ".encode())
+        assert read_all(headers) == b""  # closed, unanswered
+        answer = read_all(body)
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"not received within 1 s" in answer
+        assert server.health()["status"] == "ready"
+    finally:
+        headers.close()
+        body.close()
+        server.stop()
+
+
+def read_all(sock: socket.socket) -> bytes:
+    data = b""
+    while piece := sock.recv(65536):
+        data += piece
+    return data

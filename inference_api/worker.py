@@ -22,7 +22,7 @@ class ServerWorker(ThreadWorker):
         super().init_process()
 
     def handle(self, conn):
-        when = time.monotonic() + self.app.server_config.header_timeout
+        when = time.monotonic() + self.wsgi.extensions["server_config"].header_timeout
         self._header_deadline.key = key = self._deadlines.call_at(when, lambda: _shut_read(conn.sock))
         try:
             return super().handle(conn)

@@ -165,6 +165,19 @@ def test_engine_dies_with_its_worker_busy_or_idle(model_name):
         server.stop()
 
 
+def test_past_the_restart_bound_the_worker_exits_and_gunicorn_replaces_it():
+    server = ServerProcess("--mock", "--engine-max-restarts", "0")
+    try:
+        engine = server.health()["backend_pid"]
+        worker = parent_of(engine)
+        os.kill(engine, signal.SIGKILL)
+        assert wait_until(lambda: gone(worker), 20, 0.1), "the worker did not give up"
+        assert wait_until(lambda: requests.get(server.url + "/health", timeout=5).status_code == 200, 60, 0.2)
+        assert parent_of(server.health()["backend_pid"]) not in (worker, server.proc.pid)
+    finally:
+        server.stop()
+
+
 def test_a_post_processing_fault_fails_only_its_request(model_name):
     server = ServerProcess("--mock", "--mock-tokens-per-second", "50", env={"TEST_FAULT_TEXT": "kaboom"})
     try:

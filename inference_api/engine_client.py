@@ -128,6 +128,8 @@ class EngineClient:
 
     # requests
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Session:
+        if self._stopping.is_set():
+            raise ApiError(503, "server is shutting down; retry shortly", retry_after=5)
         if self.failure is not None:
             raise ApiError(503, f"backend unavailable: {self.failure}", retry_after=30)
         if self.ready is None:

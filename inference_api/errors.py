@@ -1,10 +1,17 @@
-"""API errors and the JSON bodies they become. Every error the server sends is JSON, never HTML."""
+"""API errors and the JSON bodies they become. Every error the server sends is JSON, never HTML.
+
+The body's shape is the API family's (``error_shapes``): the family of the handling route, set by its
+blueprint (or by a route that tells dialects apart by the body); for unrouted paths, the family the path
+belongs to.
+"""
 from __future__ import annotations
 
 import logging
 
-from flask import Flask, jsonify, request
+from flask import Flask, g, jsonify, request
 from werkzeug.exceptions import HTTPException
+
+from .error_shapes import api_of, error_body, status_for
 
 log = logging.getLogger(__name__)
 
@@ -20,37 +27,19 @@ class ApiError(Exception):
         self.code = code  # OpenAI's machine-readable error code, e.g. "model_not_found"
 
 
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                 413: "invalid_request_error", 429: "rate_limit_error", 503: "server_error"}
+def request_api() -> str:
+    """The API family of the current request."""
+    return g.get("api") or api_of(request.path)
 
 
-def api_of(path: str) -> str:
-    """The API family a path belongs to: ``openai``, ``tgi``, ``native`` or ``other``."""
-    if path.startswith("/v1/"):
-        return "openai"
-    if path in ("/", "/generate", "/generate_stream", "/info"):  # "/" is TGI's compat route
-        return "tgi"
-    if path.startswith(("/inference/", "/predictions/")):
-        return "native"
-    return "other"
-
-
-def error_body(path: str, err: ApiError) -> dict:
-    """The error object of the API family the path belongs to."""
-    api = api_of(path)
-    if api == "openai":
-        return {"error": {"message": err.message, "type": _OPENAI_TYPES.get(err.status, "server_error"),
-                          "param": err.param, "code": err.code}}
-    if api == "tgi":
-        kind = "validation" if err.status in (400, 413, 422) else "overloaded" if err.status in (429, 503) \
-            else "generation"
-        return {"error": err.message, "error_type": kind}
-    return {"status_code": err.status, "message": err.message}
+def body_of(api: str, err: ApiError) -> dict:
+    return error_body(api, err.status, err.message, param=err.param, code=err.code)
 
 
 def error_response(err: ApiError):
-    response = jsonify(error_body(request.path, err))
-    response.status_code = err.status
+    api = request_api()
+    response = jsonify(body_of(api, err))
+    response.status_code = status_for(api, err.status)
     if err.retry_after is not None:
         response.headers["Retry-After"] = str(err.retry_after)
     return response

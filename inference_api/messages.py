@@ -18,8 +18,11 @@ class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (0: off)
     max_tokens: int = 128
+    min_tokens: int = 0  # no end token, stop token or stop string before this many tokens
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # tokens that end the output (not shown), as the end token does
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

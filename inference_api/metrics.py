@@ -12,7 +12,6 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from .errors import api_of
 from .messages import EngineStats, FinishReason
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
@@ -55,8 +54,9 @@ class Metrics:
         self.finished.labels(reason.value).inc()
         self.duration.observe(time.monotonic() - started)
 
-    def answered(self, path: str, status: int) -> None:
-        self.requests.labels(api_of(path), str(status)).inc()
+    def answered(self, api: str, status: int) -> None:
+        """An HTTP answer of an API family (``error_shapes``), never labelled with the raw path."""
+        self.requests.labels(api, str(status)).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -6,7 +6,7 @@ import time
 import uuid
 from typing import Iterator
 
-from .errors import ApiError, error_body
+from .error_shapes import OPENAI, error_body
 from .generation import Generation
 from .messages import EngineReady, FinishReason, TokenEvent, TokenLogprob
 from .sse import sse
@@ -114,22 +114,27 @@ class ChatFormat(_Format):
 
 
 def stream_chunks(fmt: _Format, events: Iterator[TokenEvent], prompt_tokens: int,
-                  include_usage: bool) -> Iterator[bytes]:
+                  include_usage: bool, continuous_usage: bool = False) -> Iterator[bytes]:
     """The SSE body: opening chunks, one chunk per event with text, the finish chunk, usage, [DONE].
 
-    An engine failure after the stream has started becomes a ``data: {"error": ...}`` event and ends it.
+    ``include_usage``: every chunk carries ``usage: null`` and a last chunk the usage; ``continuous_usage``
+    (vLLM's ``continuous_usage_stats``): every chunk carries the usage so far. An engine failure after the
+    stream has started becomes a ``data: {"error": ...}`` event and ends it.
     """
+    completion_tokens = 0
+
     def send(chunk: dict) -> bytes:
-        if include_usage:
+        if continuous_usage:
+            chunk["usage"] = usage(prompt_tokens, completion_tokens)
+        elif include_usage:
             chunk["usage"] = None
         return sse(chunk)
 
     for chunk in fmt.opening():
         yield send(chunk)
-    completion_tokens = 0
     for event in events:
         if event.finish_reason is FinishReason.ERROR:
-            yield sse(error_body("/v1/", ApiError(500, event.error or "generation failed")))
+            yield sse(error_body(OPENAI, 500, event.error or "generation failed"))
             return
         completion_tokens = event.completion_tokens
         lps = visible(event.logprobs, event.finish_reason)

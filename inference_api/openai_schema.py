@@ -7,16 +7,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .config import DEFAULT_MAX_STOP_SEQUENCES
 from .errors import ApiError
 from .messages import SamplingParams
-from .validation import SEED_RANGE, boolean, number, only_default, reject_unknown, stop_list, string
+from .validation import (SEED_RANGE, boolean, number, only_default, penalties, reject_unknown, stop_list, string,
+                         token_ids)
 
 # sent by clients, harmless to ignore: they do not change what the model generates
 _IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
             "prompt_cache_retention", "parallel_tool_calls"}
+# vLLM's sampling extras, which tools built for vLLM send (GuideLLM, h2oGPT's vLLM mode)
+VLLM_EXTRAS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+               "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n",
-           "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
-           "top_k", "repetition_penalty"}  # top_k and repetition_penalty: extensions, as in vLLM and TGI
+           "presence_penalty", "frequency_penalty", "logprobs", "logit_bias"} | VLLM_EXTRAS
 COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
                                     "tools", "tool_choice", "functions", "function_call", "modalities", "audio",
@@ -34,22 +38,23 @@ class OpenAIRequest:
     max_tokens_field: str  # the field max_tokens came from, for error messages
     stream: bool
     include_usage: bool
+    continuous_usage: bool  # vLLM's stream_options.continuous_usage_stats: usage in every chunk
     prompt: str | None = None  # completions: text ...
     prompt_ids: tuple[int, ...] | None = None  # ... or token ids
     messages: tuple[dict, ...] | None = None  # chat: {"role", "content"} with content a string
 
 
-def parse_completion(body: dict, vocab_size: int) -> OpenAIRequest:
+def parse_completion(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> OpenAIRequest:
     reject_unknown(body, COMPLETION_FIELDS)
     only_default(body, "echo", False)
     only_default(body, "best_of", 1)
     only_default(body, "suffix", "")
     prompt, prompt_ids = _prompt(body.get("prompt"), vocab_size)
     logprobs = number(body, "logprobs", None, 0, 5, integer=True)
-    return _request(body, logprobs, "max_tokens", prompt=prompt, prompt_ids=prompt_ids)
+    return _request(body, logprobs, "max_tokens", vocab_size, max_stop, prompt=prompt, prompt_ids=prompt_ids)
 
 
-def parse_chat(body: dict) -> OpenAIRequest:
+def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> OpenAIRequest:
     reject_unknown(body, CHAT_FIELDS)
     for name, neutral in (("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"),
                           ("functions", []), ("function_call", "none"), ("modalities", ["text"])):
@@ -63,10 +68,11 @@ def parse_chat(body: dict) -> OpenAIRequest:
     if top is not None and not want:
         raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _request(body, (top or 0) if want else None, field, messages=messages)
+    return _request(body, (top or 0) if want else None, field, vocab_size, max_stop, messages=messages)
 
 
-def _request(body: dict, logprobs: int | None, max_field: str, **prompt) -> OpenAIRequest:
+def _request(body: dict, logprobs: int | None, max_field: str, vocab_size: int, max_stop: int,
+             **prompt) -> OpenAIRequest:
     model = string(body, "model", required=True)
     n = body.get("n")
     if n is not None and (type(n) is not int or n != 1):
@@ -76,35 +82,45 @@ def _request(body: dict, logprobs: int | None, max_field: str, **prompt) -> Open
     if logit_bias is not None and logit_bias != {}:
         raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
     stream = boolean(body, "stream", False)
-    include_usage = _stream_options(body.get("stream_options"), stream)
+    include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
+    boolean(body, "skip_special_tokens", True)  # accepted: special tokens are never shown
+    boolean(body, "spaces_between_special_tokens", True)
+    only_default(body, "include_stop_str_in_output", False)
     temperature = number(body, "temperature", 1.0, 0, 2)
     top_p = number(body, "top_p", 1.0, 0, 1)
     params = SamplingParams(
         temperature=0.0 if top_p == 0 else temperature,  # top_p 0 keeps only the top token: greedy
         top_k=number(body, "top_k", 0, 0, 1_000_000, integer=True),
         top_p=top_p or 1.0,
-        stop=stop_list(body, "stop", 4),
+        min_p=number(body, "min_p", 0.0, 0, 1),
+        stop=stop_list(body, "stop", max_stop),
+        stop_token_ids=token_ids(body, "stop_token_ids", vocab_size),
+        min_tokens=number(body, "min_tokens", 0, 0, 1 << 31, integer=True),
+        ignore_eos=boolean(body, "ignore_eos", False),
         seed=number(body, "seed", None, *SEED_RANGE, integer=True),
-        presence_penalty=number(body, "presence_penalty", 0.0, -2, 2),
-        frequency_penalty=number(body, "frequency_penalty", 0.0, -2, 2),
-        repetition_penalty=number(body, "repetition_penalty", 1.0, 0, 10, lo_open=True),
         logprobs=logprobs,
+        **penalties(body),
     )
-    return OpenAIRequest(model=model, params=params,
-                         max_tokens=number(body, max_field, None, 1, 1 << 31, integer=True), max_tokens_field=max_field,
-                         stream=stream, include_usage=include_usage, **prompt)
+    max_tokens = number(body, max_field, None, 1, 1 << 31, integer=True)
+    if max_tokens is not None and params.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({params.min_tokens}) must not exceed {max_field} ({max_tokens})",
+                       param="min_tokens")
+    return OpenAIRequest(model=model, params=params, max_tokens=max_tokens, max_tokens_field=max_field,
+                         stream=stream, include_usage=include_usage or continuous_usage,
+                         continuous_usage=continuous_usage, **prompt)
 
 
-def _stream_options(options, stream: bool) -> bool:
+def _stream_options(options, stream: bool) -> tuple[bool, bool]:
+    """(include_usage, continuous_usage_stats)."""
     if options is None:
-        return False
+        return False, False
     if not stream:
         raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", param="stream_options")
-    reject_unknown(options, {"include_usage", "include_obfuscation"})
+    reject_unknown(options, {"include_usage", "include_obfuscation", "continuous_usage_stats"})
     boolean(options, "include_obfuscation", False)  # accepted; this server never pads chunks
-    return boolean(options, "include_usage", False)
+    return boolean(options, "include_usage", False), boolean(options, "continuous_usage_stats", False)
 
 
 def _prompt(prompt, vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]:
@@ -165,3 +181,34 @@ def _content(content, where: str) -> str:
             texts.append(part["text"])
         return "\n".join(texts)
     raise ApiError(400, f"{where} must be a string or a non-empty list of text parts", param=where)
+
+
+@dataclass(frozen=True)
+class TokenizeRequest:
+    prompt: str | None
+    messages: tuple[dict, ...] | None
+    add_special_tokens: bool
+    return_token_strs: bool
+
+
+TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
+                   "continue_final_message", "return_token_strs", "chat_template", "chat_template_kwargs", "tools"}
+
+
+def parse_tokenize(body: dict) -> TokenizeRequest:
+    """vLLM's TokenizeCompletionRequest (``prompt``) or TokenizeChatRequest (``messages``)."""
+    reject_unknown(body, TOKENIZE_FIELDS)
+    only_default(body, "add_generation_prompt", True)  # the chat prompt always ends with the assistant's turn
+    only_default(body, "continue_final_message", False)
+    for name in ("chat_template", "chat_template_kwargs", "tools"):
+        only_default(body, name)
+    messages = _messages(body["messages"]) if body.get("messages") is not None else None
+    prompt = None if messages is not None else string(body, "prompt", required=True)
+    return TokenizeRequest(prompt=prompt, messages=messages,
+                           add_special_tokens=boolean(body, "add_special_tokens", messages is None),
+                           return_token_strs=boolean(body, "return_token_strs", False))
+
+
+def parse_detokenize(body: dict, vocab_size: int) -> tuple[int, ...]:
+    reject_unknown(body, {"model", "tokens"})
+    return token_ids(body, "tokens", vocab_size, required=True)

@@ -24,8 +24,11 @@ log = logging.getLogger(__name__)
 GiB = 1 << 30
 RUNTIME_OVERHEAD = 1 * GiB  # torch, allocator slack, activations and logits, the web worker
 DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
-# packed weights plus one 16-bit scale per group of 32
-QUANT_BYTES = {"int8": 1.0 + 2 / 32, "int4": 0.5 + 2 / 32}
+# bytes per weight of the quantized layouts (engine/quant.py): int4 packs two weights a byte (q uint8 [N, K/2])
+# with a float32 scale d and a float32 minimum m per block of 32; int8 is a byte per weight and one float32 scale
+# per group: 32 weights from a GGUF (as Q8_0), one output channel (K weights) from a folder
+QUANT_BYTES = {"int4": 0.5 + 8 / 32, "int8": 1.0 + 4 / 32}
+HEAD_BYTES = 1.0 + 4 / 32  # a quantized model's output head: int8 groups of 32 (llama family)
 SHRINK_FLAGS = "--rows, --context-length, --dtype, --kv-dtype or --quantize"
 
 
@@ -39,7 +42,9 @@ class ModelShape:
     num_layers: int
     num_kv_heads: int
     head_dim: int
-    embedding_params: int = 0  # token embedding and an untied output head: never quantized
+    vocab_params: int = 0  # vocabulary x hidden: the token embedding, and the output head again unless tied
+    tied: bool = True  # the output head is the token embedding
+    hidden: int = 0
 
 
 @dataclass(frozen=True)
@@ -66,7 +71,7 @@ class Estimate:
     def summary(self) -> str:
         free = "unknown" if self.free_bytes is None else f"{_gib(self.free_bytes)} free"
         text = (f"needs {_gib(self.needed_bytes)} of {self.memory_kind} on {self.device} (weights "
-                f"{_gib(self.weights_bytes)}, KV cache {_gib(self.kv_cache_bytes)}, runtime "
+                f"{_gib(self.weights_bytes)}, KV cache {_gib(self.kv_cache_bytes)} if every row fills its context, runtime "
                 f"{_gib(self.overhead_bytes)}), {free}")
         if self.disk_needed_bytes:
             text += f"; conversion needs {_gib(self.disk_needed_bytes)} of disk, {_gib(self.disk_free_bytes or 0)} free"
@@ -79,11 +84,15 @@ def _gib(n: float) -> str:
 
 def estimate_bytes(num_params: int, bytes_per_weight: float, bytes_per_kv: float, num_layers: int,
                    num_kv_heads: int, head_dim: int, rows: int, context_length: int,
-                   dense_params: int = 0, bytes_per_dense: float = 0.0) -> tuple[int, int]:
-    """(weights, KV cache) in bytes: ``dense_params`` of the parameters (embeddings, which quantization leaves
-    alone) at ``bytes_per_dense``, the others at ``bytes_per_weight``; keys and values for every layer, row and
-    position (plus the cache's one scratch position) at ``bytes_per_kv``."""
-    weights = math.ceil((num_params - dense_params) * bytes_per_weight + dense_params * bytes_per_dense)
+                   dense_params: int = 0, bytes_per_dense: float = 0.0, head_params: int = 0,
+                   bytes_per_head: float = 0.0) -> tuple[int, int]:
+    """(weights, KV cache) in bytes: ``dense_params`` of the parameters (an untied token embedding, which
+    quantization leaves alone) at ``bytes_per_dense``, ``head_params`` (a quantized model's output head) at
+    ``bytes_per_head``, the others at ``bytes_per_weight``; keys and values for every layer, row and position
+    (plus the cache's one scratch position) at ``bytes_per_kv``. The KV cache is the worst case: on CPU it is
+    lazily resident (anonymous memory), so a server whose rows never fill their context uses less."""
+    weights = math.ceil((num_params - dense_params - head_params) * bytes_per_weight + dense_params * bytes_per_dense
+                        + head_params * bytes_per_head)
     kv = math.ceil(2 * num_layers * rows * num_kv_heads * (context_length + 1) * head_dim * bytes_per_kv)
     return weights, kv
 
@@ -98,7 +107,11 @@ def quantize_mode(config: ServerConfig) -> str:
     return gguf_quantization(gguf) if gguf is not None and config.dtype in ("auto", "float32") else "none"
 
 
-def bytes_per_weight(config: ServerConfig, device: str, quantize: str = "none") -> float:
+def bytes_per_weight(config: ServerConfig, device: str, quantize: str = "none", in_features: int | None = None) -> float:
+    """``in_features``: for int8 from a folder, the K weights that share an output channel's scale (None: a GGUF's
+    groups of 32)."""
+    if quantize == "int8" and in_features:
+        return 1.0 + 4 / in_features
     if quantize in QUANT_BYTES:
         return QUANT_BYTES[quantize]
     return DTYPE_BYTES[_dtype(config.dtype, device)]
@@ -128,8 +141,8 @@ def shape_from_config(cfg: dict, num_params: int | None = None) -> ModelShape:
         vocab, inter = cfg["vocab_size"], cfg["intermediate_size"]
         per_layer = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter + 2 * hidden
         num_params = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2) + layers * per_layer + hidden
-    embedding = cfg["vocab_size"] * hidden * (1 if cfg.get("tie_word_embeddings") else 2)
-    return ModelShape(num_params, layers, kv_heads, head_dim, embedding)
+    return ModelShape(num_params, layers, kv_heads, head_dim, cfg["vocab_size"] * hidden,
+                      bool(cfg.get("tie_word_embeddings")), hidden)
 
 
 def safetensors_params(folder: Path) -> int | None:
@@ -158,9 +171,10 @@ def shape_from_gguf(path: Path) -> ModelShape:
     arch = field("general.architecture")
     heads = field(f"{arch}.attention.head_count")
     head_dim = field(f"{arch}.attention.key_length") or field(f"{arch}.embedding_length") // heads
-    embedding = sum(int(t.n_elements) for t in reader.tensors if t.name in ("token_embd.weight", "output.weight"))
-    return ModelShape(sum(int(t.n_elements) for t in reader.tensors), field(f"{arch}.block_count"),
-                      field(f"{arch}.attention.head_count_kv") or heads, head_dim, embedding)
+    names = {t.name: int(t.n_elements) for t in reader.tensors}
+    return ModelShape(sum(names.values()), field(f"{arch}.block_count"),
+                      field(f"{arch}.attention.head_count_kv") or heads, head_dim, names["token_embd.weight"],
+                      "output.weight" not in names, field(f"{arch}.embedding_length"))
 
 
 def model_shape(config: ServerConfig) -> tuple[ModelShape, int]:
@@ -237,11 +251,16 @@ def estimate(config: ServerConfig) -> Estimate:
     shape, disk_needed = model_shape(config)
     device = pick_device(config.device)
     quantize = quantize_mode(config)
-    weights, kv = estimate_bytes(shape.num_params, bytes_per_weight(config, device, quantize),
+    from .model_loader import gguf_source
+
+    per_channel = None if gguf_source(config) is not None else shape.hidden or None
+    quantized = quantize != "none"
+    weights, kv = estimate_bytes(shape.num_params, bytes_per_weight(config, device, quantize, per_channel),
                                  bytes_per_kv(config, device, quantize), shape.num_layers, shape.num_kv_heads,
                                  shape.head_dim, config.rows, config.context_length,
-                                 shape.embedding_params if quantize != "none" else 0,
-                                 bytes_per_weight(config, device))
+                                 dense_params=shape.vocab_params if quantized and not shape.tied else 0,
+                                 bytes_per_dense=bytes_per_weight(config, device),
+                                 head_params=shape.vocab_params if quantized else 0, bytes_per_head=HEAD_BYTES)
     return Estimate(device, weights, kv, RUNTIME_OVERHEAD, free_memory(device), disk_needed,
                     free_disk(config.model_cache_dir) if disk_needed else None)
 

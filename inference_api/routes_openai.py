@@ -1,86 +1,94 @@
-"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions, on the same engine."""
+"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions, and vLLM's /tokenize and
+/detokenize (the /tokenize body with ``inputs`` is TGI's, answered by the TGI module)."""
 from __future__ import annotations
 
-import dataclasses
 import time
 
-from flask import Blueprint, jsonify, request
-from jinja2 import TemplateError
+from flask import Blueprint, g, jsonify, request
 
-from .app import engine_client
-from .errors import ApiError
-from .generation import all_events, collect
+from .error_shapes import OPENAI
 from .openai_responses import ChatFormat, CompletionFormat, stream_chunks
-from .openai_schema import OpenAIRequest, parse_chat, parse_completion
-from .routes_native import served_model
+from .openai_schema import OpenAIRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from .serving import Run, Serving
 from .sse import sse_response
-from .streaming import first_event, session_events
-from .validation import check_fits, json_body, string
-
-openai_api = Blueprint("openai", __name__)
+from .validation import json_body, string
 
 # max_tokens when the request has none: as many as fit in the context, at most this many
 DEFAULT_MAX_TOKENS = 1024
 
 
-def _check_model(body: dict) -> None:
-    try:
-        served_model(string(body, "model", required=True))
-    except ApiError as err:
-        if err.status == 404:
-            err.code = "model_not_found"
-        raise
+def openai_blueprint(serving: Serving) -> Blueprint:
+    api = Blueprint("openai", __name__)
+    max_stop = serving.config.max_stop_sequences
+
+    @api.before_request
+    def family() -> None:
+        g.api = OPENAI
+
+    def check_model(body: dict) -> None:
+        serving.check_model(string(body, "model", required=True), code="model_not_found")
+
+    def model_object() -> dict:
+        return {"id": serving.model_name, "object": "model", "created": int(time.time()), "owned_by": "inference_api",
+                "max_model_len": serving.ready().context_length}
+
+    @api.get("/v1/models")
+    def models():
+        return jsonify(object="list", data=[model_object()])
+
+    @api.get("/v1/models/<path:model_name>")
+    def model(model_name: str):
+        check_model({"model": model_name})
+        return jsonify(model_object())
+
+    @api.post("/v1/completions")
+    def completions():
+        body = json_body(request)
+        check_model(body)
+        ready = serving.ready()
+        req = parse_completion(body, ready.vocab_size, max_stop)
+        prompt_ids = list(req.prompt_ids) if req.prompt_ids else serving.tokenizer.encode(req.prompt)
+        return respond(req, prompt_ids, CompletionFormat(ready, req.params.logprobs is not None))
+
+    @api.post("/v1/chat/completions")
+    def chat_completions():
+        body = json_body(request)
+        check_model(body)
+        ready = serving.ready()
+        req = parse_chat(body, ready.vocab_size, max_stop)
+        prompt_ids = serving.encode_chat(list(req.messages))
+        return respond(req, prompt_ids, ChatFormat(ready, req.params.logprobs is not None))
+
+    def respond(req: OpenAIRequest, prompt_ids: list[int], fmt):
+        run: Run = serving.start(prompt_ids, req.params, req.max_tokens, DEFAULT_MAX_TOKENS, req.max_tokens_field)
+        if not req.stream:
+            return jsonify(fmt.response(run.collect(), run.prompt_tokens))
+        return sse_response(stream_chunks(fmt, run.events(), run.prompt_tokens, req.include_usage,
+                                          req.continuous_usage))
+
+    return api
 
 
-@openai_api.get("/v1/models")
-def models():
-    if engine_client().ready is None:
-        raise ApiError(503, "model is loading, try again shortly", retry_after=5)
-    return jsonify(object="list", data=[_model_object()])
+def tokenize_openai(serving: Serving, body: dict):
+    """vLLM's POST /tokenize: ``prompt`` or ``messages`` into ``{count, max_model_len, tokens}``."""
+    g.api = OPENAI
+    if body.get("model") is not None:
+        serving.check_model(string(body, "model"), code="model_not_found")
+    req = parse_tokenize(body)
+    if req.messages is not None:
+        ids = serving.encode_chat(list(req.messages))
+    else:
+        ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+    out = {"count": len(ids), "max_model_len": serving.ready().context_length, "tokens": ids}
+    if req.return_token_strs:
+        out["token_strs"] = [serving.tokenizer.decode([t]) for t in ids]
+    return jsonify(out)
 
 
-@openai_api.get("/v1/models/<path:model_name>")
-def model(model_name: str):
-    _check_model({"model": model_name})
-    return jsonify(_model_object())
-
-
-def _model_object() -> dict:
-    return {"id": engine_client().ready.model_name, "object": "model", "created": int(time.time()),
-            "owned_by": "inference_api"}
-
-
-@openai_api.post("/v1/completions")
-def completions():
-    body = json_body(request)
-    _check_model(body)
-    client = engine_client()
-    req = parse_completion(body, client.ready.vocab_size)
-    prompt_ids = list(req.prompt_ids) if req.prompt_ids else client.tokenizer.encode(req.prompt)
-    return _generate(req, prompt_ids, CompletionFormat(client.ready, req.params.logprobs is not None))
-
-
-@openai_api.post("/v1/chat/completions")
-def chat_completions():
-    body = json_body(request)
-    _check_model(body)
-    client = engine_client()
-    req = parse_chat(body)
-    try:
-        prompt_ids = client.tokenizer.encode_chat(list(req.messages))
-    except TemplateError as err:  # e.g. a template that insists on alternating user/assistant turns
-        raise ApiError(400, f"messages do not fit the model's chat template: {err}", param="messages") from None
-    return _generate(req, prompt_ids, ChatFormat(client.ready, req.params.logprobs is not None))
-
-
-def _generate(req: OpenAIRequest, prompt_ids: list[int], fmt):
-    client = engine_client()
-    context = client.ready.context_length
-    max_tokens = req.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, context - len(prompt_ids)))
-    check_fits(len(prompt_ids), max_tokens, context, req.max_tokens_field)
-    session = client.submit(prompt_ids, dataclasses.replace(req.params, max_tokens=max_tokens))
-    events = session_events(client, session, request.environ)
-    first = first_event(events)
-    if not req.stream:
-        return jsonify(fmt.response(collect(first, events), len(prompt_ids)))
-    return sse_response(stream_chunks(fmt, all_events(first, events), len(prompt_ids), req.include_usage))
+def detokenize_openai(serving: Serving, body: dict):
+    """vLLM's POST /detokenize: ``tokens`` into ``{prompt}``."""
+    g.api = OPENAI
+    if body.get("model") is not None:
+        serving.check_model(string(body, "model"), code="model_not_found")
+    tokens = parse_detokenize(body, serving.ready().vocab_size)
+    return jsonify(prompt=serving.tokenizer.decode(list(tokens)))

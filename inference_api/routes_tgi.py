@@ -1,87 +1,78 @@
-"""The TGI-compatible API (text-generation-inference): /generate, /generate_stream, / and /info.
+"""The TGI-compatible API (text-generation-inference): /generate, /generate_stream, /, /info and /tokenize.
 
 The text-generation client posts to the base URL itself (TGI's compat route ``/``), choosing by ``stream``.
-Validation errors are 422 with ``error_type: "validation"``, as TGI sends them.
+Validation errors are 422 with ``error_type: "validation"``, as TGI sends them (``error_shapes``).
+``/generate`` and ``/tokenize`` are shared with other dialects: ``routes_shared`` hands bodies with
+``inputs`` here.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterator
 
-from flask import Blueprint, jsonify, request
+from flask import Blueprint, g, jsonify, request
 
-from .app import engine_client, server_config
-from .errors import ApiError, error_body, error_response
-from .generation import Generation, all_events, collect
+from .error_shapes import TGI, error_body
+from .generation import Generation
 from .messages import FinishReason, TokenEvent, TokenLogprob
+from .serving import Serving
 from .sse import sse, sse_response
-from .streaming import first_event, session_events
-from .tgi_schema import DEFAULT_MAX_NEW_TOKENS, MAX_STOP_SEQUENCES, TgiRequest, parse_tgi
-from .validation import check_fits, json_body
-
-tgi = Blueprint("tgi", __name__)
+from .tgi_schema import DEFAULT_MAX_NEW_TOKENS, TgiRequest, parse_tgi
+from .validation import json_body, reject_unknown, string
 
 FINISH = {FinishReason.EOS: "eos_token", FinishReason.STOP: "stop_sequence", FinishReason.LENGTH: "length"}
 
 
-@tgi.errorhandler(ApiError)
-def tgi_error(err: ApiError):
-    if err.status == 400:
-        err.status = 422  # TGI's status for invalid input
-    return error_response(err)
+def tgi_blueprint(serving: Serving) -> Blueprint:
+    tgi = Blueprint("tgi", __name__)
+
+    @tgi.before_request
+    def family() -> None:
+        g.api = TGI
+
+    @tgi.post("/")
+    def compat_generate():
+        return generate_tgi(serving, json_body(request), None)
+
+    @tgi.post("/generate_stream")
+    def generate_stream():
+        return generate_tgi(serving, json_body(request), True)
+
+    @tgi.get("/info")
+    def info():
+        config, ready = serving.config, serving.ready()
+        return jsonify(model_id=ready.model_name, model_sha=None, model_dtype=ready.dtype,
+                       model_device_type=ready.device, model_pipeline_tag="text-generation",
+                       max_concurrent_requests=config.max_open_sessions, max_best_of=1,
+                       max_stop_sequences=config.max_stop_sequences, max_input_tokens=ready.context_length - 1,
+                       max_input_length=ready.context_length - 1, max_total_tokens=ready.context_length,
+                       waiting_served_ratio=0.0, max_batch_total_tokens=config.rows * ready.context_length,
+                       max_waiting_tokens=0, max_batch_size=config.rows, validation_workers=1,
+                       max_client_batch_size=1, router="inference_api", version="0.1.0", sha=None, docker_label=None)
+
+    return tgi
 
 
-@tgi.post("/")
-def compat_generate():
-    req, first, events = _start()
-    if req.stream:
-        return sse_response(_stream(req, first, events))
-    return jsonify([_response(req, collect(first, events))])
-
-
-@tgi.post("/generate")
-def generate():
-    req, first, events = _start()
-    return jsonify(_response(req, collect(first, events)))
-
-
-@tgi.post("/generate_stream")
-def generate_stream():
-    req, first, events = _start()
-    return sse_response(_stream(req, first, events))
-
-
-@tgi.get("/info")
-def info():
-    client, config = engine_client(), server_config()
-    ready = client.ready
-    if ready is None:
-        raise ApiError(503, "model is loading, try again shortly", retry_after=5)
-    return jsonify(model_id=ready.model_name, model_sha=None, model_dtype=ready.dtype,
-                   model_device_type=ready.device, model_pipeline_tag="text-generation",
-                   max_concurrent_requests=config.max_open_sessions, max_best_of=1,
-                   max_stop_sequences=MAX_STOP_SEQUENCES, max_input_tokens=ready.context_length - 1,
-                   max_input_length=ready.context_length - 1, max_total_tokens=ready.context_length,
-                   waiting_served_ratio=0.0, max_batch_total_tokens=config.rows * ready.context_length,
-                   max_waiting_tokens=0, max_batch_size=config.rows, validation_workers=1, max_client_batch_size=1,
-                   router="inference_api", version="0.1.0", sha=None, docker_label=None)
-
-
-def _start() -> tuple[TgiRequest, TokenEvent | None, Iterator[TokenEvent]]:
-    """Parse, tokenize, submit; wait for the first event (so early failures get a proper status)."""
-    client = engine_client()
-    if client.ready is None:
-        raise ApiError(503, "model is loading, try again shortly", retry_after=5)
-    context = client.ready.context_length
-    req = parse_tgi(json_body(request), context)
-    prompt_ids = client.tokenizer.encode(req.inputs)
+def generate_tgi(serving: Serving, body: dict, stream: bool | None):
+    """TGI's /generate (stream False), /generate_stream (True) and / (None: the body's ``stream`` decides)."""
+    g.api = TGI
+    ready = serving.ready()
+    req = parse_tgi(body, ready.context_length, serving.config.max_stop_sequences)
+    prompt_ids = serving.tokenizer.encode(req.inputs)
     if req.truncate is not None:
         prompt_ids = prompt_ids[-req.truncate:]
-    max_new = req.max_new_tokens or max(1, min(DEFAULT_MAX_NEW_TOKENS, context - len(prompt_ids)))
-    check_fits(len(prompt_ids), max_new, context, "max_new_tokens")
-    session = client.submit(prompt_ids, dataclasses.replace(req.params, max_tokens=max_new))
-    events = session_events(client, session, request.environ)
-    return req, first_event(events), events
+    run = serving.start(prompt_ids, req.params, req.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, "max_new_tokens")
+    if stream is True or (stream is None and req.stream):
+        return sse_response(_stream(req, run.events()))
+    answer = _response(req, run.collect())
+    return jsonify([answer] if stream is None else answer)
+
+
+def tokenize_tgi(serving: Serving, body: dict):
+    """TGI's POST /tokenize: ``{"inputs"}`` into ``[{id, text, start, stop}]`` (character offsets)."""
+    g.api = TGI
+    reject_unknown(body, {"inputs", "parameters", "stream"})
+    text = string(body, "inputs", required=True)
+    return jsonify([{"id": t, "text": text[a:b], "start": a, "stop": b} for t, a, b in serving.tokenizer.offsets(text)])
 
 
 def _token(token_id: int, text: str, logprob: float | None, special: bool) -> dict:
@@ -101,12 +92,12 @@ def _response(req: TgiRequest, gen: Generation) -> dict:
                         "tokens": tokens}}
 
 
-def _stream(req: TgiRequest, first: TokenEvent | None, events: Iterator[TokenEvent]) -> Iterator[bytes]:
+def _stream(req: TgiRequest, events: Iterator[TokenEvent]) -> Iterator[bytes]:
     """One SSE event per engine event (its text, its last token); the last one carries the full text."""
     parts = [req.inputs] if req.return_full_text else []
-    for event in all_events(first, events):
+    for event in events:
         if event.finish_reason is FinishReason.ERROR:
-            yield sse(error_body("/generate_stream", ApiError(500, event.error or "generation failed")))
+            yield sse(error_body(TGI, 500, event.error or "generation failed"))
             return
         if event.finished and event.finish_reason not in FINISH:
             return  # cancelled: nobody is listening

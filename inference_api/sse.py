@@ -1,4 +1,4 @@
-"""Server-sent events for the OpenAI and TGI streaming endpoints."""
+"""Streaming responses: server-sent events (OpenAI, TGI, llama-stack, shortfin) and other chunked bodies."""
 from __future__ import annotations
 
 import json
@@ -13,7 +13,8 @@ def sse(data: dict | str) -> bytes:
     return f"data: {payload}\n\n".encode()
 
 
-def sse_response(chunks: Iterator[bytes]) -> Response:
-    """A streaming text/event-stream response; call inside the request (it keeps the request context)."""
-    return Response(stream_with_context(chunks), mimetype="text/event-stream",
+def sse_response(chunks: Iterator[bytes], mimetype: str = "text/event-stream") -> Response:
+    """A streaming response, sent piece by piece (no proxy buffering); call inside the request (it keeps the
+    request context)."""
+    return Response(stream_with_context(chunks), mimetype=mimetype,
                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -4,6 +4,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from .config import DEFAULT_MAX_STOP_SEQUENCES
 from .errors import ApiError
 from .messages import SamplingParams
 from .validation import boolean, number, only_default, reject_unknown, stop_list, string
@@ -14,7 +15,6 @@ TGI_PARAMETERS = {"do_sample", "max_new_tokens", "repetition_penalty", "frequenc
                   "seed", "temperature", "top_k", "top_p", "truncate", "typical_p", "best_of", "watermark", "details",
                   "decoder_input_details", "top_n_tokens", "grammar"}
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's default when max_new_tokens is absent
-MAX_STOP_SEQUENCES = 4
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,7 @@ class TgiRequest:
         return self.params.seed if self.params.temperature > 0 else None
 
 
-def parse_tgi(body: dict, context_length: int) -> TgiRequest:
+def parse_tgi(body: dict, context_length: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> TgiRequest:
     reject_unknown(body, TGI_FIELDS)
     inputs = string(body, "inputs", required=True)
     p = body.get("parameters")
@@ -61,7 +61,7 @@ def parse_tgi(body: dict, context_length: int) -> TgiRequest:
         temperature=(temperature or 1.0) if sampling else 0.0,
         top_k=top_k or 0,
         top_p=top_p or 1.0,
-        stop=stop_list(p, "stop", MAX_STOP_SEQUENCES),
+        stop=stop_list(p, "stop", max_stop),
         seed=seed,
         frequency_penalty=number(p, "frequency_penalty", 0.0, -2, 2),
         repetition_penalty=number(p, "repetition_penalty", 1.0, 0, 100, lo_open=True),

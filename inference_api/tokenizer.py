@@ -6,11 +6,13 @@ from typing import Protocol, Sequence
 
 
 class Tokenizer(Protocol):
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def encode_chat(self, messages: Sequence[dict]) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+    def offsets(self, text: str) -> list[tuple[int, int, int]]: ...
 
 
 class HFTokenizer:
@@ -19,8 +21,13 @@ class HFTokenizer:
 
         self.tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text)
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=add_special_tokens)
+
+    def offsets(self, text: str) -> list[tuple[int, int, int]]:
+        """(token id, start, stop) for each token of ``text``, character offsets (TGI's /tokenize)."""
+        enc = self.tok(text, return_offsets_mapping=True)
+        return [(t, a, b) for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
 
     def encode_chat(self, messages: Sequence[dict]) -> list[int]:
         if not self.tok.chat_template:

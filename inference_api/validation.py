@@ -8,6 +8,7 @@ from typing import Any
 
 from flask import Request
 
+from .config import DEFAULT_MAX_STOP_SEQUENCES
 from .errors import ApiError
 from .messages import SamplingParams
 
@@ -93,6 +94,18 @@ def stop_list(body: dict, name: str, max_items: int = 4) -> tuple[str, ...]:
     return tuple(items)
 
 
+def token_ids(body: dict, name: str, vocab_size: int, *, required: bool = False) -> tuple[int, ...]:
+    """A list of token ids, each in [0, vocab_size)."""
+    value = body.get(name)
+    if value is None and not required:
+        return ()
+    if (not isinstance(value, list) or (required and not value)
+            or not all(type(t) is int and 0 <= t < vocab_size for t in value)):
+        raise ApiError(400, f"{name} must be a {'non-empty ' if required else ''}list of token ids in "
+                            f"[0, {vocab_size})", param=name)
+    return tuple(value)
+
+
 def only_default(body: dict, name: str, *neutral: Any) -> None:
     """A field the server does not implement: accepted when null or at a value that changes nothing."""
     value = body.get(name)
@@ -103,8 +116,17 @@ def only_default(body: dict, name: str, *neutral: Any) -> None:
 
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
+
+def penalties(body: dict, presence: str = "presence_penalty", frequency: str = "frequency_penalty",
+              repetition: str = "repetition_penalty") -> dict:
+    """The engine's penalties with OpenAI's ranges (repetition: HF's multiplicative penalty, 1 is off)."""
+    return {"presence_penalty": number(body, presence, 0.0, -2, 2),
+            "frequency_penalty": number(body, frequency, 0.0, -2, 2),
+            "repetition_penalty": number(body, repetition, 1.0, 0, 10, lo_open=True)}
+
+
 NATIVE_FIELDS = {"text", "temperature", "top_k", "top_p", "max_tokens", "stop_sequence", "return_prompt", "seed",
-                 "stream", "session_id"}
+                 "stream", "session_id", "presence_penalty", "frequency_penalty", "repetition_penalty"}
 
 
 @dataclass(frozen=True)
@@ -115,15 +137,16 @@ class NativeRequest:
     stream: bool
 
 
-def parse_native(body: dict) -> NativeRequest:
+def parse_native(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> NativeRequest:
     reject_unknown(body, NATIVE_FIELDS)
     params = SamplingParams(
         temperature=number(body, "temperature", 1.0, 0, 100),
         top_k=number(body, "top_k", 10, 1, 1000, integer=True),
         top_p=number(body, "top_p", 0.9, 0, 1, lo_open=True),
         max_tokens=number(body, "max_tokens", 128, 1, 2048, integer=True),
-        stop=stop_list(body, "stop_sequence"),
+        stop=stop_list(body, "stop_sequence", max_stop),
         seed=number(body, "seed", None, *SEED_RANGE, integer=True),
+        **penalties(body),
     )
     return NativeRequest(text=string(body, "text", required=True), params=params,
                          return_prompt=boolean(body, "return_prompt", False), stream=boolean(body, "stream", True))

@@ -40,7 +40,7 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
     limiter = TeamLimiter(config.max_concurrent_per_team)
     upstream = Upstream(config)
     access_log = access_log or AccessLog()
-    watchdog = Watchdog()
+    app.extensions["watchdog"] = watchdog = Watchdog()  # read deadlines, also for the error shape's body peek
     active: set[object] = set()  # requests being forwarded or streamed back: what a drain waits for
     streams: set[StreamBody] = set()  # answers being streamed back: what the drain deadline cuts
 
@@ -80,10 +80,9 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
                 body = watchdog.read_body(request.environ, lambda: request.get_data(cache=False), config.body_timeout)
             except BodyTimeout as exc:
                 raise ProxyError(408, str(exc), {"Connection": "close"}) from None
-            headers = upstream_request_headers(request.headers.items(), upstream_host=config.upstream_host,
-                                               client_addr=request.remote_addr, scheme=request.scheme,
-                                               request_id=g.request_id, identity=identity)
-            answer = upstream.send(request.method, _target(), headers, body)
+            headers = upstream_request_headers(request.headers.items(), client_addr=request.remote_addr,
+                                               scheme=request.scheme, request_id=g.request_id, identity=identity)
+            forwarded = upstream.send(request.method, _target(), headers, body)
         except BaseException:
             active.discard(forwarding)
             slot.release()
@@ -92,8 +91,11 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         def closed() -> None:
             streams.discard(stream)
             active.discard(forwarding)
+            forwarded.release()
             slot.release()
 
+        g.upstream = forwarded
+        answer = forwarded.response
         g.stream = stream = StreamBody(answer, on_close=closed)
         streams.add(stream)
         upstream_headers = list(answer.raw.headers.items())
@@ -114,6 +116,11 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
                   "method": request.method, "path": request.path, "status": response.status_code,
                   "client": request.remote_addr}
         error = g.get("error")
+        forwarded = g.get("upstream")
+        if forwarded is not None:
+            fields["upstream"] = forwarded.upstream
+            if forwarded.attempts > 1:
+                fields["attempts"] = forwarded.attempts
 
         def write() -> None:
             outcome = {}

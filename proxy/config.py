@@ -22,7 +22,10 @@ class ProxyConfig:
     jwt_secret: str | None = field(default=None, repr=False)  # HMAC key; required when an HS* algorithm is accepted
     host: str = "0.0.0.0"
     port: int = 1223
-    upstream: str = "http://127.0.0.1:8000"
+    # inference servers' base URLs; a host name may resolve to several addresses, each one an upstream
+    upstreams: tuple[str, ...] = ("http://127.0.0.1:8000",)
+    upstream_cooldown: float = 5.0  # seconds an upstream that refused a connection or answered 503 is skipped
+    upstream_resolve_interval: float = 10.0  # seconds between DNS look-ups of upstream host names
     threads: int = 128  # upstream connections kept alive in the pool
     max_connections: int = 4096  # client connections held at once (gevent greenlets: idle ones cost a few kB)
     header_timeout: float = 10.0  # seconds a client has to send its request headers (and to idle between requests)
@@ -43,11 +46,6 @@ class ProxyConfig:
     max_body_bytes: int = 16 << 20  # larger request bodies get 413
     log_level: str = "info"
 
-    @property
-    def upstream_host(self) -> str:
-        """host[:port] of the upstream, sent as the forwarded request's Host header."""
-        return urlsplit(self.upstream).netloc
-
     def warnings(self) -> list[str]:
         """Problems that do not stop the proxy but that an operator must see."""
         found = []
@@ -59,7 +57,8 @@ class ProxyConfig:
     @classmethod
     def from_args(cls, argv: Sequence[str], env: Mapping[str, str]) -> "ProxyConfig":
         args = build_parser(env).parse_args(list(argv))
-        return cls.build(secret=env.get("JWT_SECRET") or None, **vars(args))
+        values = {k: v for k, v in vars(args).items() if not k.startswith("_given_")}
+        return cls.build(secret=env.get("JWT_SECRET") or None, **values)
 
     @classmethod
     def build(cls, *, secret: str | None, jwt_public_key_file: Path | None = None, **values) -> "ProxyConfig":
@@ -82,21 +81,31 @@ class ProxyConfig:
                 public_key = Path(jwt_public_key_file).read_text()
             except OSError as exc:
                 raise ConfigError(f"cannot read the public key file: {exc}") from exc
-        upstream = values.pop("upstream", cls.upstream).rstrip("/")
-        parts = urlsplit(upstream)
-        if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-            raise ConfigError(f"upstream must be an http(s) URL like http://127.0.0.1:8000, not {upstream!r}")
+        upstreams = tuple(dict.fromkeys(_upstream_url(u) for u in values.pop("upstreams", None) or cls.upstreams))
         claims = tuple(dict.fromkeys(c.strip() for c in values.pop("jwt_required_claims", ()) if c.strip()))
-        config = cls(jwt_secret=secret, jwt_algorithms=algorithms, jwt_public_key=public_key, upstream=upstream,
+        config = cls(jwt_secret=secret, jwt_algorithms=algorithms, jwt_public_key=public_key, upstreams=upstreams,
                      jwt_required_claims=claims, **values)
         for name in ("port", "threads", "connect_timeout", "first_byte_timeout", "max_body_bytes", "max_connections",
-                     "header_timeout", "body_timeout"):
+                     "header_timeout", "body_timeout", "upstream_resolve_interval"):
             if getattr(config, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
-        for name in ("stream_idle_timeout", "max_concurrent_per_team", "retry_after", "jwt_leeway", "drain_timeout"):
+        for name in ("stream_idle_timeout", "max_concurrent_per_team", "retry_after", "jwt_leeway", "drain_timeout",
+                     "upstream_cooldown"):
             if getattr(config, name) < 0:
                 raise ConfigError(f"{name} must not be negative")
         return config
+
+
+def _upstream_url(value: str) -> str:
+    url = value.strip().rstrip("/")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError on a bad port
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise ConfigError(f"upstream must be an http(s) URL like http://127.0.0.1:8000, not {value!r}")
+    return url
 
 
 def _bool(value: str | bool) -> bool:
@@ -115,7 +124,13 @@ def _names(value: str | Sequence[str]) -> tuple[str, ...]:
 _OPTIONS = [
     ("--host", "host", "PROXY_HOST", str, "listen address"),
     ("--port", "port", "PROXY_PORT", int, "listen port"),
-    ("--upstream", "upstream", "UPSTREAM_URL", str, "inference server base URL"),
+    ("--upstream", "upstreams", "UPSTREAM_URL", _names,
+     "inference server base URL; repeat the flag (or separate by commas) for several servers; a host name that "
+     "resolves to several addresses gives one upstream per address"),
+    ("--upstream-cooldown", "upstream_cooldown", "UPSTREAM_COOLDOWN", float,
+     "seconds an upstream that refused a connection or answered 503 is skipped before it is tried again"),
+    ("--upstream-resolve-interval", "upstream_resolve_interval", "UPSTREAM_RESOLVE_INTERVAL", float,
+     "seconds between DNS look-ups of upstream host names"),
     ("--threads", "threads", "PROXY_THREADS", int, "upstream connections kept alive"),
     ("--max-connections", "max_connections", "PROXY_MAX_CONNECTIONS", int, "client connections held at once"),
     ("--header-timeout", "header_timeout", "PROXY_HEADER_TIMEOUT", float,
@@ -147,6 +162,16 @@ _OPTIONS = [
 ]
 
 
+class _Extend(argparse.Action):
+    """Each use of the flag adds its (comma-separated) values; the first use drops the default."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        given = getattr(namespace, "_given_" + self.dest, False)
+        current = tuple(getattr(namespace, self.dest)) if given else ()
+        setattr(namespace, self.dest, current + tuple(values))
+        setattr(namespace, "_given_" + self.dest, True)
+
+
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m proxy",
@@ -161,6 +186,11 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                                 default=_bool(raw) if raw else default, help=f"{help_text} (env {var})")
             continue
         shown = ",".join(default) if isinstance(default, tuple) else default
+        if name == "upstreams":  # repeatable: the flags' URLs together replace the environment's
+            parser.add_argument(flag, dest=name, type=kind, action=_Extend, metavar="URL",
+                                default=kind(raw) if raw else default,
+                                help=f"{help_text} (env {var}, comma-separated, default {shown})")
+            continue
         parser.add_argument(flag, dest=name, type=kind, default=kind(raw) if raw else default,
                             help=f"{help_text} (env {var}, default {shown})")
     return parser

@@ -1,14 +1,20 @@
-"""Errors the proxy answers itself, always as JSON ``{"status_code": N, "message": "..."}``, never HTML.
+"""Errors the proxy answers itself, always JSON, never HTML, in the shape of the API the request was for.
 
-Under ``/v1/`` and on TGI's routes the body also carries the ``error`` field that the openai and
-text-generation clients read, so each client raises its own error type with the proxy's reason.
+The shapes are the server's own (``inference_api.error_shapes``, pure Python: no torch, no Flask), so each
+client raises the same exception type for a proxy error as for the server's (a 429 here and the server's
+503 both make the text-generation client raise ``OverloadedError``). Paths shared by two dialects
+(``/generate``, ``/tokenize``) are told apart by the body, as the server does.
 """
 from __future__ import annotations
 
+import json
 import logging
 
-from flask import Flask, g, jsonify, request
+from flask import Flask, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException
+
+from inference_api.error_shapes import api_of, error_body, status_for
+from lifecycle.deadlines import BodyTimeout, Watchdog
 
 from .auth import AuthError
 
@@ -24,24 +30,30 @@ class ProxyError(Exception):
         self.fields = fields or {}  # extra top-level body fields, e.g. the draining /health's "status"
 
 
-_TGI_PATHS = frozenset({"/", "/generate", "/generate_stream", "/info"})
-_OPENAI_TYPES = {401: "authentication_error", 404: "not_found_error", 429: "rate_limit_error"}
+SHAPE_BODY_BYTES = 65536  # a shared path's body is read for its error shape only up to this size...
+SHAPE_BODY_SECONDS = 2.0  # ...and only if it arrives within this time: a slow or huge body costs nothing more
 
 
-def error_body(path: str, status: int, message: str) -> dict:
-    body = {"status_code": status, "message": message}
-    if path.startswith("/v1/"):
-        kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
-        body["error"] = {"message": message, "type": kind, "param": None, "code": None}
-    elif path in _TGI_PATHS:
-        body["error"] = message
-    return body
+def request_api() -> str:
+    """The API family of the current request. Only on the shared paths is the body read (and kept), and only a
+    small one that arrives at once; otherwise the path decides (every other error is answered unread)."""
+    body = None
+    if (request.path in ("/generate", "/tokenize") and request.mimetype == "application/json"
+            and (request.content_length or 0) <= SHAPE_BODY_BYTES):
+        watchdog: Watchdog = current_app.extensions["watchdog"]
+        try:
+            data = watchdog.read_body(request.environ, lambda: request.get_data(cache=True), SHAPE_BODY_SECONDS)
+            body = json.loads(data) if data else None
+        except (BodyTimeout, ValueError):
+            body = None
+    return api_of(request.path, body)
 
 
 def error_response(status: int, message: str, headers: dict[str, str] | None = None, fields: dict | None = None):
     g.error = message  # for the access log
-    response = jsonify({**error_body(request.path, status, message), **(fields or {})})
-    response.status_code = status
+    api = request_api()
+    response = jsonify({**error_body(api, status, message), **(fields or {})})
+    response.status_code = status_for(api, status)
     response.headers.update(headers or {})
     return response
 
@@ -53,8 +65,9 @@ def register_error_handlers(app: Flask) -> None:
         challenge = 'Bearer realm="inference"'
         if request.headers.get("Authorization"):
             challenge += ', error="invalid_token"'
-        # answered without reading the body, and the connection closed: a client that sends a large body (or
-        # sends it slowly) with a bad token costs nothing more
+        # answered without reading the body (but for a small one on /generate or /tokenize that arrives at once,
+        # read for its error shape), and the connection closed: a client that sends a large body (or sends it
+        # slowly) with a bad token costs nothing more
         return error_response(401, exc.message, {"WWW-Authenticate": challenge, "Connection": "close"})
 
     @app.errorhandler(ProxyError)

@@ -9,9 +9,11 @@ server (llama.cpp's llama-server, say) with the same prompts, interleaved, and p
 every concurrency; --api openai streams /v1/completions from both (the default with a peer), native
 streams /predictions. With --proxy-url it runs the same load through the
 JWT proxy too and prints the overhead. With --repeat N every load runs N times, server and generate runs
-interleaved, and the medians are reported (a shared 2-core machine is noisy).
+interleaved, and the medians are reported (a shared 2-core machine is noisy). With --offline it also runs the
+same prompts through the offline Python API (``LLM.chat``) on an engine of its own with the server's model and
+rows, and prints its throughput next to the HTTP figure.
 
-    python scripts/bench.py --url http://127.0.0.1:8000 --baseline --repeat 3
+    python scripts/bench.py --url http://127.0.0.1:8000 --baseline --offline --repeat 3
 """
 from __future__ import annotations
 
@@ -154,6 +156,43 @@ class Baseline:
         return tokens / elapsed
 
 
+class Offline:
+    """The offline Python API in this process: its own engine, with the server's model, rows, context and
+    precision (the embedded default model when the server serves it, else the server's model folder)."""
+
+    def __init__(self, health: dict, max_tokens: int, chat: bool):
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from inference_api import LLM, SamplingParams
+        from inference_api.config import DEFAULT_MODEL_NAME
+
+        options = dict(rows=health["rows_total"], context_length=health["context_length"])
+        if health.get("mock"):
+            options["mock"] = True  # at the mock's default rate
+        else:
+            options.update(model=None if health["model"] == DEFAULT_MODEL_NAME else health["model_dir"],
+                           dtype=health["dtype"], quantize=health["quantize"], kv_dtype=health["kv_dtype"])
+        self.llm = LLM(**options)
+        self.params = SamplingParams(temperature=0, max_tokens=max_tokens)
+        self.chat = chat
+
+    def run(self, concurrency: int) -> dict:
+        """The load's prompts all at once, through the chat template when the HTTP load uses /predictions."""
+        started = time.perf_counter()
+        if self.chat:
+            results = self.llm.chat([[{"role": "user", "content": p}] for p in prompts(concurrency)], self.params,
+                                    use_tqdm=False)
+        else:
+            results = self.llm.generate(prompts(concurrency), self.params, use_tqdm=False)
+        elapsed = time.perf_counter() - started
+        tokens = sum(r.completion_tokens for r in results)
+        return dict(concurrency=concurrency, tokens=tokens, seconds=elapsed, tps=tokens / elapsed, errors=0)
+
+
+def print_offline(r: dict) -> None:
+    print(f"{'offline (Python API)':<22} c={r['concurrency']:<3} {r['tokens']:>6} tok {r['seconds']:7.2f}s "
+          f"{r['tps']:8.1f} tok/s")
+
+
 def token_counter(health: dict, max_tokens: int):
     """Output tokens of one streamed answer: the mock's tokens are bytes; for a model, the re-encoded text
     plus the end token, never more than were asked for (an answer cut by max_tokens has no end token)."""
@@ -171,6 +210,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--baseline", action="store_true", help="also time transformers generate in-process")
+    ap.add_argument("--offline", action="store_true", help="also run the prompts through the offline Python API")
     ap.add_argument("--proxy-url", help="also run the load through this JWT proxy")
     ap.add_argument("--jwt-secret", help="secret to sign the proxy's token (default: JWT_SECRET)")
     ap.add_argument("--repeat", type=int, default=1, help="run every load this many times; report medians")
@@ -192,11 +232,15 @@ def main() -> None:
 
     headers = proxy_headers(args.jwt_secret) if args.proxy_url else {}
     base = Baseline(health["model_dir"], args.max_tokens, chat=api == "native") if args.baseline else None
+    offline = Offline(health, args.max_tokens, chat=api == "native") if args.offline else None
     pairs = {1: 1, 32: 32}  # server concurrency -> generate batch it is compared with
     run_load(args.url, model, 2, 4, count, api=api)  # warm-up
     if args.peer_url:
         run_load(args.peer_url, model, 2, 4, count, api="openai")
+    if offline:
+        offline.run(2)
     direct, proxied, generated, peer = defaultdict(list), defaultdict(list), defaultdict(list), defaultdict(list)
+    embedded = defaultdict(list)
     for _ in range(args.repeat):  # interleaved, so a noisy machine slows both sides of a ratio alike
         for c in args.concurrency:
             direct[c].append(run_load(args.url, model, c, args.max_tokens, count, api=api))
@@ -207,6 +251,9 @@ def main() -> None:
             if args.proxy_url:
                 proxied[c].append(run_load(args.proxy_url, model, c, args.max_tokens, count, headers, api=api))
                 print_row("through proxy", proxied[c][-1])
+            if offline:
+                embedded[c].append(offline.run(c))
+                print_offline(embedded[c][-1])
             if base and c in pairs:
                 generated[pairs[c]].append(base.run(pairs[c]))
 
@@ -223,6 +270,10 @@ def main() -> None:
             p = median_row(peer[c])
             print_row("peer", p)
             print(f"ratio: server c={c} / peer c={c} = {d['tps']:.1f} / {p['tps']:.1f} = {d['tps'] / p['tps']:.2f}")
+        if offline:
+            o = median_row(embedded[c])
+            print_offline(o)
+            print(f"ratio: offline c={c} / server c={c} = {o['tps']:.1f} / {d['tps']:.1f} = {o['tps'] / d['tps']:.2f}")
         if c in pairs and generated[pairs[c]]:
             g = statistics.median(generated[pairs[c]])
             print(f"ratio: server c={c} / generate b={pairs[c]} = {d['tps']:.1f} / {g:.1f} = {d['tps'] / g:.2f}")
@@ -230,6 +281,8 @@ def main() -> None:
         memory = process_memory(pid)
         if memory:
             print(f"{label} memory: {memory}")
+    if offline:
+        offline.llm.close()
 
 
 def process_memory(pid: int | None) -> str | None:

@@ -5,6 +5,10 @@ On a first run it writes a random JWT_SECRET into a git-ignored .env (unless JWT
 prints a ready-to-paste curl command with a valid token and the address of the chat page. Ctrl-C drains
 and stops both (a second Ctrl-C stops them at once). Flags after the script name go to the inference
 server (for example --mock, or --model PATH).
+
+With --require-secret (the container images' command) JWT_SECRET must come from the environment: without it
+the stack refuses to start, nothing is written and no token is printed. The ports and the proxy's address
+also come from the environment there (PORT, PROXY_PORT, PROXY_HOST), as the server and the proxy read them.
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from urllib.parse import quote
 
 import jwt
 import requests
@@ -59,17 +64,33 @@ def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float) -> dict:
     raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
 
 
+MISSING_SECRET = ("JWT_SECRET is not set: refusing to start an open model server. Pass a secret of at least 32 "
+                  "random bytes, e.g. docker run -e JWT_SECRET=\"$(openssl rand -base64 48)\" -p 1223:1223 IMAGE")
+
+
 def main() -> int:
+    env_in = os.environ
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--server-port", type=int, default=8000)
-    ap.add_argument("--proxy-port", type=int, default=1223)
-    ap.add_argument("--proxy-host", default="0.0.0.0", help="the proxy's listen address (the stack's public side)")
+    ap.add_argument("--server-port", type=int, default=int(env_in.get("PORT") or 8000),
+                    help="the server's port on 127.0.0.1 (env PORT)")
+    ap.add_argument("--proxy-port", type=int, default=int(env_in.get("PROXY_PORT") or 1223),
+                    help="the proxy's port (env PROXY_PORT)")
+    ap.add_argument("--proxy-host", default=env_in.get("PROXY_HOST") or "0.0.0.0",
+                    help="the proxy's listen address, the stack's public side (env PROXY_HOST)")
     ap.add_argument("--env-file", type=Path, default=ROOT / ".env", help="where JWT_SECRET is kept")
+    ap.add_argument("--require-secret", action="store_true",
+                    help="JWT_SECRET must be in the environment: never generated, never printed in a token")
     ap.add_argument("--ready-timeout", type=float, default=600)
     args, server_flags = ap.parse_known_args()
 
-    env = {**load_env_file(args.env_file), **os.environ}
-    env["JWT_SECRET"] = ensure_secret(env, args.env_file)
+    if args.require_secret:
+        if not env_in.get("JWT_SECRET"):
+            print(f"error: {MISSING_SECRET}", file=sys.stderr)
+            return 2
+        env = dict(env_in)
+    else:
+        env = {**load_env_file(args.env_file), **env_in}
+        env["JWT_SECRET"] = ensure_secret(env, args.env_file)
     env.setdefault("PYTHONUNBUFFERED", "1")
     server_url = f"http://127.0.0.1:{args.server_port}"
     procs = [
@@ -96,20 +117,22 @@ def main() -> int:
     try:
         health = wait_ready(server_url, procs, args.ready_timeout)
         wait_ready(f"http://127.0.0.1:{args.proxy_port}", procs, 60)
+        if args.require_secret:
+            print(f"\nReady: {health['model']} behind the JWT proxy on port {args.proxy_port} (the server listens "
+                  f"on 127.0.0.1:{args.server_port} only). Make a token with scripts/jwt_util.py and your "
+                  f"JWT_SECRET; the chat page is at / on the same port.\n", flush=True)
+            return _wait(procs)
         token = jwt.encode({"team_id": "local", "token_id": "readme", "exp": int(time.time()) + 30 * 86400},
                            env["JWT_SECRET"], algorithm="HS256")
         print(f"\nReady: {health['model']} behind the JWT proxy on port {args.proxy_port}. Try:\n\n"
-              f"curl -N http://127.0.0.1:{args.proxy_port}/predictions/{health['model']} \\\n"
+              f"curl -N http://127.0.0.1:{args.proxy_port}/predictions/{quote(health['model'], safe='/')} \\\n"
               f"  -H 'Authorization: Bearer {token}' \\\n"
               f"  -H 'Content-Type: application/json' \\\n"
               f"  -d '{{\"text\": \"What is the capital of France?\", \"max_tokens\": 64}}'\n\n"
               f"Or chat in a browser: http://127.0.0.1:{args.proxy_port}/ (paste the token after 'Bearer' "
               f"when the page asks).\n\n"
               f"Ctrl-C drains and stops both processes.\n", flush=True)
-        while all(p.poll() is None for p in procs):
-            time.sleep(0.5)
-        print("a process exited; stopping the stack", file=sys.stderr)
-        return 1
+        return _wait(procs)
     except KeyboardInterrupt:
         return 0
     except RuntimeError as exc:
@@ -117,6 +140,14 @@ def main() -> int:
         return 1
     finally:
         stop()
+
+
+def _wait(procs: list[subprocess.Popen]) -> int:
+    """Until one process exits (the other is then stopped): the stack lives and dies as one."""
+    while all(p.poll() is None for p in procs):
+        time.sleep(0.5)
+    print("a process exited; stopping the stack", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Start the real server (gunicorn, real processes) on a free loopback port, for end-to-end tests."""
+"""Start real servers (gunicorn, real processes) on free loopback ports, for end-to-end tests."""
 from __future__ import annotations
 
 import os
@@ -24,55 +24,85 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class ServerProcess:
-    """``python -m inference_api`` with the given flags; waits for /health to say ready."""
+class Process:
+    """A server subprocess on a free loopback port; ready once GET /health answers (any status unless told)."""
 
-    def __init__(self, *flags: str, env: dict | None = None, ready_timeout: float = 300):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="server-", suffix=".log", delete=False)
-        # free memory varies with whatever else the machine runs: a pre-flight refusal must not fail unrelated
-        # tests (tests/test_preflight.py and test_lifecycle.py test the refusal itself)
-        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", "SKIP_PREFLIGHT": "1", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "inference_api", "--port", str(self.port), *flags],
-                                     cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+    def __init__(self, argv: list[str], port: int, env: dict[str, str] | None = None, ready_timeout: float = 60,
+                 ready_status: int | None = None, stop_signal: int = signal.SIGTERM):
+        self.port = port
+        self.stop_signal = stop_signal
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="test-server-", suffix=".log", delete=False)
+        full_env = {k: v for k, v in os.environ.items() if k != "JWT_SECRET"}
+        full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
+        self.proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
-        self._wait_ready(ready_timeout)
+        try:
+            self._wait_ready(ready_timeout, ready_status)
+        except BaseException:
+            self.stop()
+            raise
 
-    def _wait_ready(self, timeout: float) -> None:
+    def _wait_ready(self, timeout: float, status: int | None) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited early:\n{self.output()}")
+                raise RuntimeError(f"{self.proc.args} exited early ({self.proc.returncode}):\n{self.output()[-5000:]}")
             try:
-                if requests.get(self.url + "/health", timeout=2).status_code == 200:
+                code = requests.get(self.url + "/health", timeout=2).status_code
+                if status is None or code == status:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(0.3)
-        self.stop()
-        raise RuntimeError(f"server not ready after {timeout}s:\n{self.output()}")
-
-    def health(self) -> dict:
-        return requests.get(self.url + "/health", timeout=5).json()
-
-    def wait_idle(self, timeout: float = 30) -> dict:
-        """Wait until no session and no row is in use; return the last health body."""
-        deadline = time.monotonic() + timeout
-        while True:
-            body = self.health()
-            if (body["open_sessions"] == 0 and body["rows_in_use"] == 0) or time.monotonic() > deadline:
-                return body
-            time.sleep(0.1)
+            time.sleep(0.2)
+        raise RuntimeError(f"{self.proc.args} not ready after {timeout} s:\n{self.output()[-5000:]}")
 
     def output(self) -> str:
-        return Path(self.log.name).read_text(errors="replace")[-5000:]
+        return Path(self.log.name).read_text(errors="replace")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            os.killpg(self.proc.pid, self.stop_signal)
             try:
                 self.proc.wait(20)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
+        self.log.close()
+
+
+class ServerProcess(Process):
+    """``python -m inference_api`` with the given flags on a free loopback port; waits for /health to say ready."""
+
+    def __init__(self, *flags: str, env: dict | None = None, ready_timeout: float = 300):
+        port = free_port()
+        # free memory varies with whatever else the machine runs: a pre-flight refusal must not fail unrelated
+        # tests (tests/test_preflight.py and test_lifecycle.py test the refusal itself)
+        super().__init__([sys.executable, "-m", "inference_api", "--port", str(port), *flags], port,
+                         env={"SKIP_PREFLIGHT": "1", **(env or {})}, ready_timeout=ready_timeout, ready_status=200)
+
+    def health(self) -> dict:
+        return requests.get(self.url + "/health", timeout=5).json()
+
+    def wait_idle(self, timeout: float = 30) -> dict:
+        return wait_idle(self, timeout)
+
+
+def wait_idle(server: Process, timeout: float = 30) -> dict:
+    """Wait until the inference server holds no session and no row; return its last /health body."""
+    deadline = time.monotonic() + timeout
+    while True:
+        body = requests.get(server.url + "/health", timeout=10).json()
+        if (body["open_sessions"] == 0 and body["rows_in_use"] == 0) or time.monotonic() > deadline:
+            return body
+        time.sleep(0.1)
+
+
+def wait_for(predicate, timeout: float) -> bool:
+    """Poll until predicate() is true or the time is up; its last value."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.05)
+    return predicate()

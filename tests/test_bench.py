@@ -43,3 +43,10 @@ def test_real_server_with_baseline_counts_model_tokens(real_server):
 def test_refuses_non_loopback_addresses():
     result = bench("--url", "http://192.0.2.1:8000")
     assert result.returncode != 0 and "refusing" in result.stderr
+
+
+def test_offline_throughput_next_to_http(mock_server):
+    result = bench("--url", mock_server.url, "--concurrency", "4", "--max-tokens", "8", "--offline")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"offline \(Python API\)\s+c=4\s+32 tok", result.stdout), result.stdout  # 4 x 8 tokens
+    assert re.search(r"ratio: offline c=4 / server c=4 = [\d.]+ / [\d.]+ = [\d.]+", result.stdout)

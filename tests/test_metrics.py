@@ -6,7 +6,7 @@ import time
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from inference_api.errors import api_of
+from inference_api.error_shapes import api_of
 from inference_api.messages import EngineStats, FinishReason
 from inference_api.metrics import Metrics
 
@@ -18,8 +18,10 @@ def samples(text: str) -> dict[tuple, float]:
 
 def test_api_labels_never_carry_the_raw_path():
     assert [api_of(p) for p in ("/v1/chat/completions", "/generate", "/", "/inference/m", "/predictions/x",
-                                "/health", "/no/such/path")] == ["openai", "tgi", "tgi", "native", "native",
-                                                                 "other", "other"]
+                                "/inference/completion", "/health", "/no/such/path")] == [
+        "openai", "tgi", "tgi", "native", "native", "llama_stack", "other", "other"]
+    assert api_of("/generate", {"text": "x"}) == "shortfin" and api_of("/generate", {"inputs": "x"}) == "tgi"
+    assert api_of("/tokenize", {"prompt": "x"}) == "openai" and api_of("/tokenize", {"inputs": "x"}) == "tgi"
 
 
 def test_counters_histograms_and_gauges():
@@ -29,8 +31,8 @@ def test_counters_histograms_and_gauges():
     metrics.tokens(1, started)
     metrics.tokens(4)
     metrics.ended(FinishReason.LENGTH, started)
-    metrics.answered("/v1/completions", 200)
-    metrics.answered("/inference/m", 400)
+    metrics.answered("openai", 200)
+    metrics.answered("native", 400)
     got = samples(metrics.exposition().decode())
     assert got[("inference_prompt_tokens_total", ())] == 12
     assert got[("inference_generated_tokens_total", ())] == 5

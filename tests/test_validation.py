@@ -52,7 +52,7 @@ BAD = [
     ({"text": "hi", "max_tokens": 0}, "max_tokens"),
     ({"text": "hi", "max_tokens": 2049}, "max_tokens"),
     ({"text": "hi", "stop_sequence": ""}, "stop_sequence"),
-    ({"text": "hi", "stop_sequence": ["a", "b", "c", "d", "e"]}, "stop_sequence"),
+    ({"text": "hi", "stop_sequence": list("abcdefghi")}, "stop_sequence"),  # over the default 8
     ({"text": "hi", "stop_sequence": ["a", ""]}, "stop_sequence"),
     ({"text": "hi", "stop_sequence": 3}, "stop_sequence"),
     ({"text": "hi", "stop_sequence": ["ok", "x" * 513]}, "stop_sequence"),

@@ -10,7 +10,7 @@ import torch
 
 from ..messages import EngineStats, FinishReason, GenerateRequest, TokenEvent, TokenLogprob
 from .rows import RowTable
-from .sampling import RowParams, apply_penalties, sample
+from .sampling import RowParams, apply_penalties, mask_tokens, sample
 from .sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -146,8 +146,14 @@ class Engine:
         if any(s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1.0
                for s in seqs):
             logits = apply_penalties(logits, rows, p)
+        early = [s for s in seqs if s.num_output < s.params.min_tokens]
+        if early:  # no end or stop token before min_tokens
+            blocked = sorted(self.eos_ids.union(*(s.params.stop_token_ids for s in early)))
+            masked = torch.tensor([s.num_output < s.params.min_tokens for s in seqs], device=logits.device)
+            logits = mask_tokens(logits, masked, torch.tensor(blocked, device=logits.device))
         steps = torch.tensor([s.num_output for s in seqs], device=logits.device)
-        tokens = sample(logits, p.temperature[rows], p.top_k[rows], p.top_p[rows], p.seed[rows], steps)
+        min_p = p.min_p[rows] if any(s.params.min_p for s in seqs) else None
+        tokens = sample(logits, p.temperature[rows], p.top_k[rows], p.top_p[rows], p.seed[rows], steps, min_p)
         p.record(rows, tokens)
         return tokens.tolist()
 

@@ -46,6 +46,7 @@ class RowParams:
     temperature: torch.Tensor
     top_k: torch.Tensor
     top_p: torch.Tensor
+    min_p: torch.Tensor
     seed: torch.Tensor
     presence: torch.Tensor
     frequency: torch.Tensor
@@ -58,7 +59,7 @@ class RowParams:
         f = dict(dtype=torch.float32, device=device)
         return cls(
             temperature=torch.ones(rows, **f), top_k=torch.full((rows,), vocab, dtype=torch.int64, device=device),
-            top_p=torch.ones(rows, **f), seed=torch.zeros(rows, dtype=torch.int64, device=device),
+            top_p=torch.ones(rows, **f), min_p=torch.zeros(rows, **f), seed=torch.zeros(rows, dtype=torch.int64, device=device),
             presence=torch.zeros(rows, **f), frequency=torch.zeros(rows, **f), repetition=torch.ones(rows, **f),
             output_counts=torch.zeros(rows, vocab, **f), seen=torch.zeros(rows, vocab, dtype=torch.bool, device=device),
         )
@@ -68,6 +69,7 @@ class RowParams:
         self.temperature[row] = params.temperature
         self.top_k[row] = params.top_k if 0 < params.top_k < vocab else vocab
         self.top_p[row] = params.top_p
+        self.min_p[row] = params.min_p
         self.seed[row] = _i64(seed)
         self.presence[row] = params.presence_penalty
         self.frequency[row] = params.frequency_penalty
@@ -91,9 +93,17 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, p: RowParams) -> t
     return torch.where(p.seen[rows], penalised, logits)
 
 
+def mask_tokens(logits: torch.Tensor, masked: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """Rows where ``masked`` is true cannot pick ``token_ids`` (the end and stop tokens before min_tokens)."""
+    blocked = torch.zeros_like(logits, dtype=torch.bool)
+    blocked[:, token_ids] = True
+    return logits.masked_fill(blocked & masked[:, None], float("-inf"))
+
+
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """Pick one token per row. temperature <= 0 is greedy; top_k holds the vocabulary size when disabled."""
+           seeds: torch.Tensor, steps: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+    """Pick one token per row. temperature <= 0 is greedy; top_k holds the vocabulary size when disabled;
+    min_p (0: off) drops tokens less likely than min_p times the row's most likely token."""
     greedy_tokens = logits.argmax(dim=-1)
     greedy = temperature <= 0
     if bool(greedy.all()):
@@ -106,6 +116,8 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
     probs = torch.softmax(values, dim=-1)
     # nucleus: drop a token once the mass before it already reaches top_p (the first token always stays)
     probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], 0.0)
+    if min_p is not None:
+        probs = probs.masked_fill(probs < min_p[:, None] * probs[:, :1], 0.0)  # column 0 is the most likely
     # exponential race: argmax(p / E) with E ~ Exp(1) draws from p (normalisation not needed)
     race = probs.double() / -torch.log(hash_uniform(seeds, steps, kmax))
     choice = race.argmax(dim=-1, keepdim=True)

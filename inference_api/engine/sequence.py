@@ -65,10 +65,13 @@ class Sequence:
     def append(self, token_id: int, eos_ids: frozenset[int], context_length: int) -> str:
         """Add a sampled token; update status; return the text now safe to stream."""
         self.output_ids.append(token_id)
-        if token_id in eos_ids and not self.params.ignore_eos:
+        early = self.num_output <= self.params.min_tokens  # the engine masks end and stop tokens until then
+        if token_id in eos_ids and not self.params.ignore_eos and not early:
             return self.finish(FinishReason.EOS)
+        if token_id in self.params.stop_token_ids and not early:
+            return self.finish(FinishReason.STOP)
         self._text += self._detok.add(token_id)
-        stop = check_stop(self._text, self.params.stop, self._checked)
+        stop = check_stop(self._text, self.params.stop if not early else (), self._checked)  # as vLLM: none early
         self._checked = len(self._text)
         if stop.stopped:
             self._text = self._text[:stop.safe_len]

@@ -8,8 +8,15 @@ VOCAB = 257
 
 
 class ByteTokenizer:
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def offsets(self, text: str) -> list[tuple[int, int, int]]:
+        """Each byte's token with the offsets of the character it belongs to."""
+        out = []
+        for i, ch in enumerate(text):
+            out.extend((b, i, i + 1) for b in ch.encode("utf-8"))
+        return out
 
     def encode_chat(self, messages: Sequence[dict]) -> list[int]:
         turns = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)

@@ -22,7 +22,7 @@ def rejects(parse, body: dict, param: str) -> str:
 
 
 def test_chat_defaults():
-    req = parse_chat(dict(CHAT))
+    req = parse_chat(dict(CHAT), 100)
     assert req.params.temperature == 1.0 and req.params.top_p == 1.0 and req.params.logprobs is None
     assert req.max_tokens is None and not req.stream and not req.include_usage
     assert req.messages == ({"role": "user", "content": "hi"},)
@@ -32,7 +32,7 @@ def test_chat_maps_parameters():
     req = parse_chat({**CHAT, "temperature": 0, "stop": "\n", "seed": 3, "logprobs": True, "top_logprobs": 2,
                       "max_completion_tokens": 7, "stream": True, "stream_options": {"include_usage": True},
                       "messages": [{"role": "developer", "content": [{"type": "text", "text": "a"},
-                                                                     {"type": "text", "text": "b"}]}]})
+                                                                     {"type": "text", "text": "b"}]}]}, 100)
     assert (req.params.temperature, req.params.stop, req.params.seed, req.params.logprobs) == (0, ("\n",), 3, 2)
     assert req.max_tokens == 7 and req.max_tokens_field == "max_completion_tokens" and req.include_usage
     assert req.messages == ({"role": "system", "content": "a\nb"},)
@@ -49,7 +49,7 @@ def test_chat_maps_parameters():
     ({"reasoning_effort": "high"}, "reasoning_effort"), ({"frobnicate": 1}, "frobnicate"),
 ])
 def test_chat_rejections_name_the_field(extra, param):
-    rejects(parse_chat, {**CHAT, **extra}, param)
+    rejects(lambda b: parse_chat(b, 100), {**CHAT, **extra}, param)
 
 
 def test_completion_prompts():
@@ -72,7 +72,7 @@ def test_tgi_greedy_unless_sampling():
 @pytest.mark.parametrize("params, param", [
     ({"watermark": True}, "watermark"), ({"best_of": 2}, "best_of"), ({"typical_p": 0.9}, "typical_p"),
     ({"temperature": 0}, "temperature"), ({"top_p": 0}, "top_p"), ({"truncate": 65}, "truncate"),
-    ({"seed": -1}, "seed"), ({"stop": ["a"] * 5}, "stop"), ({"grammar": {"type": "regex"}}, "grammar"),
+    ({"seed": -1}, "seed"), ({"stop": ["a"] * 9}, "stop"), ({"grammar": {"type": "regex"}}, "grammar"),
     ({"max_new_tokens": 0}, "max_new_tokens"), ({"adapter": 1}, "adapter"),
 ])
 def test_tgi_rejections_name_the_field(params, param):

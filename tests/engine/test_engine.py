@@ -127,3 +127,38 @@ def test_stop_sequences_cut_the_stream(stop, expected):
     events = run(engine)["s"]
     assert text(events) == expected
     assert events[-1].finish_reason is (FinishReason.STOP if stop == ("mber",) else FinishReason.LENGTH)
+
+
+class EagerEndRunner(SpyRunner):
+    """A model that always wants to end: the end token has the highest logit at every step."""
+
+    def _logits(self, rows, next_positions):
+        logits = super()._logits(rows, next_positions)
+        logits[:, EOS] = 100.0
+        return logits
+
+
+def test_min_tokens_hold_the_end_token_off_and_ignore_eos_runs_to_max_tokens():
+    runner = EagerEndRunner(2)
+    engine = Engine(runner, ByteTokenizer(), 2, 4096, 64, frozenset([EOS]))
+    engine.add(GenerateRequest("plain", tuple(b"abc"), SamplingParams(temperature=0, max_tokens=10)))
+    engine.add(GenerateRequest("min", tuple(b"abc"), SamplingParams(temperature=0, max_tokens=10, min_tokens=5)))
+    events = run(engine)
+    assert events["plain"][-1].finish_reason is FinishReason.EOS and events["plain"][-1].completion_tokens == 1
+    assert text(events["min"]) == "Echo:" and events["min"][-1].finish_reason is FinishReason.EOS
+    assert events["min"][-1].completion_tokens == 6
+    engine.add(GenerateRequest("all", tuple(b"abc"), SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)))
+    assert run(engine)["all"][-1].finish_reason is FinishReason.LENGTH
+
+
+def test_stop_token_ids_end_the_output_without_showing_the_token():
+    engine, _ = make_engine()
+    engine.add(GenerateRequest("s", tuple(b"number"), SamplingParams(temperature=0, max_tokens=12,
+                                                                     stop_token_ids=(ord("o"),))))
+    engine.add(GenerateRequest("m", tuple(b"number"), SamplingParams(temperature=0, max_tokens=12, min_tokens=4,
+                                                                     stop_token_ids=(ord("o"),))))
+    events = run(engine)
+    assert text(events["s"]) == "Ech" and events["s"][-1].finish_reason is FinishReason.STOP
+    assert events["s"][-1].completion_tokens == 4
+    # before min_tokens the stop token is masked: the mock's next-best logit is 0 for every token (byte 0)
+    assert events["m"][-1].completion_tokens > 4

@@ -1,6 +1,6 @@
 import torch
 
-from inference_api.engine.sampling import RowParams, apply_penalties, hash_uniform, sample
+from inference_api.engine.sampling import RowParams, apply_penalties, hash_uniform, mask_tokens, sample
 from inference_api.messages import SamplingParams
 
 
@@ -79,3 +79,18 @@ def test_penalties():
     out = apply_penalties(logits, torch.tensor([0, 1]), params)
     assert out[0].tolist() == [1, 1, 1 - 1.0 - 2 * 0.5, 1, 1]
     assert out[1].tolist() == [1, 1, 1, 0.5, 1]  # the prompt token is penalised
+
+
+def test_min_p_drops_tokens_below_a_share_of_the_best():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
+    t, k, p, _, st = rows(400)
+    assert set(sample(logits, t, k, p, torch.arange(400), st, torch.full((400,), 0.25)).tolist()) == {0, 1, 2}
+    assert set(sample(logits, t, k, p, torch.arange(400), st, torch.full((400,), 0.5)).tolist()) == {0, 1}
+    assert set(sample(logits, t, k, p, torch.arange(400), st, torch.zeros(400)).tolist()) == {0, 1, 2, 3}
+
+
+def test_mask_tokens_only_in_masked_rows():
+    logits = torch.zeros(2, 5)
+    logits[:, 4] = 10.0
+    out = mask_tokens(logits, torch.tensor([True, False]), torch.tensor([4]))
+    assert out.argmax(-1).tolist() == [0, 4]

@@ -10,6 +10,7 @@ Paths (any method):
   /gzip                    a gzip-encoded body with Content-Encoding: gzip
   /slow-headers?delay=     waits before sending any response
   /status/<code>           that status with a JSON body and a Retry-After header
+  (everything)             503 with Retry-After: 2 while `overloaded` is set
   anything else            JSON echo of the method, raw target, headers and body (base64)
 """
 from __future__ import annotations
@@ -22,6 +23,8 @@ import time
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
+
+from servers import wait_for
 
 UTF8_TEXT = "héllo 日本 ✓ — done"
 GZIP_TEXT = b"compressed " * 200
@@ -50,6 +53,7 @@ class StubUpstream:
     def __init__(self):
         self.streams: dict[str, StreamRecord] = {}
         self.seen: list[str] = []  # every request target received, in order
+        self.overloaded = False  # when set, every request is answered 503 with Retry-After (a full queue)
         self.lock = threading.Lock()
         self.server = _Server(("127.0.0.1", 0), _make_handler(self))
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
@@ -72,12 +76,7 @@ class StubUpstream:
             return sum(1 for r in self.streams.values() if r.sent and not r.done and not r.reader_gone)
 
     def wait_for(self, predicate, timeout: float) -> bool:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if predicate():
-                return True
-            time.sleep(0.05)
-        return predicate()
+        return wait_for(predicate, timeout)
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -100,7 +99,9 @@ def _make_handler(stub: StubUpstream):
             url = urlsplit(self.path)
             query = {k: v[-1] for k, v in parse_qs(url.query).items()}
             try:
-                if url.path == "/health" and self.command == "GET":
+                if stub.overloaded:
+                    self._json(503, {"status_code": 503, "message": "overloaded"}, {"Retry-After": "2"})
+                elif url.path == "/health" and self.command == "GET":
                     self._json(200, {"status": "ready", "model": "stub-model", "rows_in_use": 0,
                                      "queue_length": 0, "open_sessions": stub.open_streams()})
                 elif url.path == "/stream":

@@ -13,8 +13,7 @@ from proxy_helpers import SECRET, make_token
 def test_defaults():
     config = ProxyConfig.from_args([], {"JWT_SECRET": SECRET})
     assert config.port == 1223
-    assert config.upstream == "http://127.0.0.1:8000"
-    assert config.upstream_host == "127.0.0.1:8000"
+    assert config.upstreams == ("http://127.0.0.1:8000",)
     assert config.jwt_algorithms == ("HS256",)
     assert config.jwt_required_claims == ("team_id", "token_id")
     assert config.jwt_require_exp is False
@@ -27,12 +26,20 @@ def test_flags_win_over_environment():
     env = {"JWT_SECRET": SECRET, "PROXY_PORT": "2000", "UPSTREAM_URL": "http://10.0.0.1:9000/", "JWT_REQUIRE_EXP": "1",
            "JWT_REQUIRED_CLAIMS": "team_id", "MAX_CONCURRENT_PER_TEAM": "3"}
     config = ProxyConfig.from_args([], env)
-    assert (config.port, config.upstream, config.jwt_require_exp, config.jwt_required_claims,
-            config.max_concurrent_per_team) == (2000, "http://10.0.0.1:9000", True, ("team_id",), 3)
+    assert (config.port, config.upstreams, config.jwt_require_exp, config.jwt_required_claims,
+            config.max_concurrent_per_team) == (2000, ("http://10.0.0.1:9000",), True, ("team_id",), 3)
     config = ProxyConfig.from_args(["--port", "3000", "--no-jwt-require-exp", "--jwt-required-claims", "a,b",
                                     "--max-concurrent-per-team", "0"], env)
     assert (config.port, config.jwt_require_exp, config.jwt_required_claims, config.max_concurrent_per_team) == \
         (3000, False, ("a", "b"), 0)
+
+
+def test_upstream_flag_repeats_and_replaces_the_environment():
+    env = {"JWT_SECRET": SECRET, "UPSTREAM_URL": "http://a:8000/, http://b:8000"}
+    assert ProxyConfig.from_args([], env).upstreams == ("http://a:8000", "http://b:8000")
+    config = ProxyConfig.from_args(["--upstream", "http://c:1", "--upstream", "http://d:2,http://[::1]:3",
+                                    "--upstream", "http://c:1/"], env)
+    assert config.upstreams == ("http://c:1", "http://d:2", "http://[::1]:3")
 
 
 @pytest.mark.parametrize("argv, env, fragment", [
@@ -41,6 +48,8 @@ def test_flags_win_over_environment():
     (["--jwt-algorithms", "none"], {"JWT_SECRET": SECRET}, "unsupported"),
     (["--jwt-algorithms", "RS256"], {"JWT_SECRET": SECRET}, "public-key-file"),
     (["--upstream", "ftp://x"], {"JWT_SECRET": SECRET}, "upstream"),
+    (["--upstream", "http://a:1", "--upstream", "http://b:port"], {"JWT_SECRET": SECRET}, "upstream"),
+    (["--upstream-cooldown", "-1"], {"JWT_SECRET": SECRET}, "upstream_cooldown"),
     (["--threads", "0"], {"JWT_SECRET": SECRET}, "threads"),
 ])
 def test_refuses_bad_configuration(argv, env, fragment):

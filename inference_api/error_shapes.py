@@ -1,0 +1,75 @@
+"""The one definition of each API family's error body, shared by the server and the proxy.
+
+Pure Python (no Flask, no torch), so the proxy can import it without the server's dependencies. Each
+client raises its own exception type from these shapes: ``openai`` reads ``error.type``/status,
+``text-generation`` reads ``error_type``, llama-stack-client reads the status and ``detail``, shortfin's
+clients read ``error`` and ``code``, and the original API's clients read ``status_code``/``message``.
+"""
+from __future__ import annotations
+
+OPENAI, TGI, NATIVE, LLAMA_STACK, SHORTFIN, OTHER = "openai", "tgi", "native", "llama_stack", "shortfin", "other"
+FAMILIES = (OPENAI, TGI, NATIVE, LLAMA_STACK, SHORTFIN, OTHER)
+
+_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
+                 429: "rate_limit_error"}
+_TGI_PATHS = frozenset({"/", "/generate", "/generate_stream", "/info"})
+# paths whose family depends on the body: TGI sends ``inputs``; shortfin ``text``/``input_ids``; vLLM ``prompt``
+_BY_BODY = frozenset({"/generate", "/tokenize"})
+
+
+def api_of(path: str, body: object = None) -> str:
+    """The API family a request belongs to, from its path (and, for shared paths, its JSON body)."""
+    if path.startswith("/v1/") or path == "/detokenize":
+        return OPENAI
+    if path in ("/inference/completion", "/inference/chat_completion"):
+        return LLAMA_STACK
+    if path.startswith(("/inference/", "/predictions/")):
+        return NATIVE
+    if path in _BY_BODY and isinstance(body, dict) and "inputs" not in body:
+        if path == "/tokenize" and ("prompt" in body or "messages" in body):
+            return OPENAI  # vLLM's /tokenize answers errors as its OpenAI server does
+        if path == "/generate" and ({"text", "input_ids", "sampling_params"} & body.keys()):
+            return SHORTFIN
+    if path in _TGI_PATHS or path in _BY_BODY:
+        return TGI
+    return OTHER
+
+
+def status_for(api: str, status: int) -> int:
+    """TGI answers invalid input with 422 where the other APIs use 400."""
+    return 422 if api == TGI and status == 400 else status
+
+
+def tgi_error_type(status: int) -> str | None:
+    """TGI's error_type; None where the text-generation client should choose by status (404: NotFoundError,
+    504: ShardTimeoutError)."""
+    if status in (400, 413, 422):
+        return "validation"
+    if status in (429, 503):
+        return "overloaded"
+    return "generation" if status == 500 else None
+
+
+def shortfin_code(status: int) -> str | None:
+    """shortfin's ResponderErrorCodes: INVALID_REQUEST_ARGS (400), QUEUE_FULL (503)."""
+    if status in (400, 413, 422):
+        return "INVALID_REQUEST_ARGS"
+    if status in (429, 503):
+        return "QUEUE_FULL"
+    return None
+
+
+def error_body(api: str, status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+    """The error object that API family's clients expect."""
+    if api == OPENAI:
+        kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+        return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    if api == TGI:
+        kind = tgi_error_type(status)
+        return {"error": message, "error_type": kind} if kind else {"error": message}
+    if api == LLAMA_STACK:
+        return {"detail": message}  # FastAPI's HTTPException body, as llama-stack's server sends it
+    if api == SHORTFIN:
+        return {"error": message, "code": shortfin_code(status)}
+    return {"status_code": status, "message": message}

@@ -1,0 +1,195 @@
+"""llama-stack's inference API as it was when the boilerplate seed served it (llama-stack 0.0.x,
+llama-stack-client up to 0.0.50): POST /inference/completion and /inference/chat_completion.
+
+Shapes from llama-stack's ``apis/inference`` and ``llama_models`` datatypes of that time:
+``SamplingParams`` (``strategy`` greedy | top_p | top_k, default greedy; ``temperature`` 0.0, ``top_p`` 0.95,
+``top_k`` 0, ``max_tokens`` 0 (as many as fit), ``repetition_penalty`` 1.0), ``logprobs: {"top_k"}``;
+answers ``CompletionResponse`` ``{content, stop_reason, logprobs}``, ``ChatCompletionResponse``
+``{completion_message: {role, content, stop_reason, tool_calls}, logprobs}``, stream chunks
+``{delta, stop_reason, logprobs}`` and ``{event: {event_type, delta, stop_reason, logprobs}}``.
+Streams are server-sent events when the client accepts ``text/event-stream`` (llama-stack-client does),
+otherwise one JSON object per line (what the boilerplate sent, for ``requests``' ``iter_lines()``).
+Errors are ``{"detail": message}``, FastAPI's shape.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Iterator
+
+from flask import Blueprint, g, jsonify, request
+
+from .error_shapes import LLAMA_STACK
+from .errors import ApiError
+from .messages import FinishReason, SamplingParams, TokenEvent, TokenLogprob
+from .openai_responses import visible
+from .serving import Serving, is_error
+from .sse import sse, sse_response
+from .validation import boolean, json_body, number, only_default, reject_unknown, string
+
+STOP_REASON = {FinishReason.EOS: "end_of_turn", FinishReason.STOP: "end_of_turn", FinishReason.LENGTH: "out_of_tokens"}
+STRATEGIES = ("greedy", "top_p", "top_k")
+SAMPLING_FIELDS = {"strategy", "temperature", "top_p", "top_k", "max_tokens", "repetition_penalty"}
+COMPLETION_FIELDS = {"model", "content", "sampling_params", "stream", "logprobs", "response_format"}
+CHAT_FIELDS = {"model", "messages", "sampling_params", "stream", "logprobs", "response_format", "tools",
+               "tool_choice", "tool_prompt_format"}
+MESSAGE_FIELDS = {"role", "content", "context", "stop_reason", "tool_calls"}
+DEFAULT_MAX_TOKENS = 1024  # max_tokens 0 (the default): as many as fit, at most this many
+
+
+@dataclass(frozen=True)
+class LlamaStackRequest:
+    params: SamplingParams
+    max_tokens: int | None
+    stream: bool
+    content: str | None = None
+    messages: tuple[dict, ...] | None = None
+
+
+def _text(content, where: str) -> str:
+    """InterleavedTextMedia: a string or a list of strings (images are not supported)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(isinstance(c, str) for c in content):
+        return "".join(content)
+    raise ApiError(400, f"{where} must be a string or a list of strings (images are not supported)", param=where)
+
+
+def _sampling(body: dict) -> tuple[SamplingParams, int | None]:
+    sp = body.get("sampling_params")
+    sp = {} if sp is None else sp
+    if not isinstance(sp, dict):
+        raise ApiError(400, "sampling_params must be an object", param="sampling_params")
+    reject_unknown(sp, SAMPLING_FIELDS)
+    strategy = sp.get("strategy", "greedy")
+    if strategy not in STRATEGIES:
+        raise ApiError(400, f"sampling_params.strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}",
+                       param="sampling_params.strategy")
+    temperature = number(sp, "temperature", 0.0, 0, 100)
+    top_p = number(sp, "top_p", 0.95, 0, 1)
+    top_k = number(sp, "top_k", 0, 0, 1_000_000, integer=True)
+    max_tokens = number(sp, "max_tokens", 0, 0, 1 << 31, integer=True)
+    repetition = number(sp, "repetition_penalty", 1.0, 0, 10, lo_open=True)
+    greedy = strategy == "greedy" or temperature == 0 or (strategy == "top_p" and top_p == 0)
+    params = SamplingParams(temperature=0.0 if greedy else temperature,
+                            top_p=top_p if strategy == "top_p" else 1.0,
+                            top_k=top_k if strategy == "top_k" else 0, repetition_penalty=repetition)
+    return params, max_tokens or None
+
+
+def _logprobs(body: dict) -> int | None:
+    lp = body.get("logprobs")
+    if lp is None:
+        return None
+    if not isinstance(lp, dict):
+        raise ApiError(400, "logprobs must be an object {\"top_k\": int}", param="logprobs")
+    reject_unknown(lp, {"top_k"})
+    return number(lp, "top_k", 0, 0, 20, integer=True)
+
+
+def _common(body: dict, serving: Serving, **prompt) -> LlamaStackRequest:
+    serving.check_model(string(body, "model", required=True))
+    only_default(body, "response_format")
+    params, max_tokens = _sampling(body)
+    logprobs = _logprobs(body)
+    if logprobs is not None:
+        params = dataclasses.replace(params, logprobs=logprobs)
+    return LlamaStackRequest(params=params, max_tokens=max_tokens, stream=boolean(body, "stream", False), **prompt)
+
+
+def parse_completion(body: dict, serving: Serving) -> LlamaStackRequest:
+    reject_unknown(body, COMPLETION_FIELDS)
+    if body.get("content") is None:
+        raise ApiError(400, "content is required", param="content")
+    return _common(body, serving, content=_text(body["content"], "content"))
+
+
+def parse_chat(body: dict, serving: Serving) -> LlamaStackRequest:
+    reject_unknown(body, CHAT_FIELDS)
+    only_default(body, "tools", [])
+    if body.get("tool_choice") not in (None, "auto", "required"):
+        raise ApiError(400, "tool_choice must be auto or required", param="tool_choice")
+    if body.get("tool_prompt_format") not in (None, "json", "function_tag", "python_list"):
+        raise ApiError(400, "tool_prompt_format must be json, function_tag or python_list", param="tool_prompt_format")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "messages is required: a non-empty list of {role, content}", param="messages")
+    out = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict) or msg.get("role") not in ("user", "system", "assistant"):
+            role = msg.get("role") if isinstance(msg, dict) else None
+            raise ApiError(400, f"{where}.role must be user, system or assistant, got {role!r}"
+                           + (" (tool responses are not supported)" if role == "ipython" else ""), param=where)
+        reject_unknown(msg, MESSAGE_FIELDS)
+        if msg.get("tool_calls"):
+            raise ApiError(400, f"{where}.tool_calls are not supported", param=f"{where}.tool_calls")
+        text = _text(msg.get("content"), f"{where}.content")
+        if msg.get("context") is not None:  # UserMessage.context: retrieved text shown with the question
+            text = f"{text}\n\n{_text(msg['context'], f'{where}.context')}"
+        out.append({"role": msg["role"], "content": text})
+    return _common(body, serving, messages=tuple(out))
+
+
+def _logprobs_out(lps: tuple[TokenLogprob, ...]) -> list[dict]:
+    return [{"logprobs_by_token": {lp.token: lp.logprob, **dict(lp.top)}} for lp in lps]
+
+
+def llama_stack_blueprint(serving: Serving) -> Blueprint:
+    bp = Blueprint("llama_stack", __name__)
+
+    @bp.before_request
+    def family() -> None:
+        g.api = LLAMA_STACK
+
+    @bp.post("/inference/completion")
+    def completion():
+        req = parse_completion(json_body(request), serving)
+        return respond(req, serving.tokenizer.encode(req.content), chat=False)
+
+    @bp.post("/inference/chat_completion")
+    def chat_completion():
+        req = parse_chat(json_body(request), serving)
+        return respond(req, serving.encode_chat(list(req.messages)), chat=True)
+
+    def respond(req: LlamaStackRequest, prompt_ids: list[int], chat: bool):
+        run = serving.start(prompt_ids, req.params, req.max_tokens, DEFAULT_MAX_TOKENS, "sampling_params.max_tokens")
+        want = req.params.logprobs is not None
+        if not req.stream:
+            gen = run.collect()
+            lps = _logprobs_out(visible(gen.logprobs, gen.finish_reason)) if want else None
+            reason = STOP_REASON.get(gen.finish_reason, "out_of_tokens")
+            if chat:
+                return jsonify(completion_message={"role": "assistant", "content": gen.text, "stop_reason": reason,
+                                                   "tool_calls": []}, logprobs=lps)
+            return jsonify(content=gen.text, stop_reason=reason, logprobs=lps)
+        event_stream = "text/event-stream" in request.headers.get("Accept", "")
+        frame = sse if event_stream else (lambda obj: (json.dumps(obj, separators=(",", ":")) + "\n").encode())
+        chunks = _stream(run.events(), chat, want)
+        return sse_response((frame(c) for c in chunks), "text/event-stream" if event_stream else "application/x-ndjson")
+
+    return bp
+
+
+def _stream(events: Iterator[TokenEvent], chat: bool, want_logprobs: bool) -> Iterator[dict]:
+    def chunk(event_type: str, delta: str, lps, reason: str | None) -> dict:
+        lps = _logprobs_out(lps) if want_logprobs and lps else None
+        if chat:
+            return {"event": {"event_type": event_type, "delta": delta, "logprobs": lps, "stop_reason": reason}}
+        return {"delta": delta, "logprobs": lps, "stop_reason": reason}
+
+    if chat:
+        yield chunk("start", "", (), None)
+    for event in events:
+        if is_error(event):
+            yield {"error": {"message": event.error or "generation failed"}}
+            return
+        lps = visible(event.logprobs, event.finish_reason)
+        if event.text:
+            yield chunk("progress", event.text, lps, None)
+            lps = ()
+        if event.finished:
+            if event.finish_reason not in STOP_REASON:
+                return  # cancelled: nobody is listening
+            yield chunk("complete", "", lps, STOP_REASON[event.finish_reason])

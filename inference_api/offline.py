@@ -1,0 +1,559 @@
+"""The Python API for offline and embedded use: the server's engine process, flags and validation, no HTTP.
+
+    from inference_api import LLM, SamplingParams
+
+    with LLM(mock=True) as llm:                       # the server's flags as keyword arguments
+        handle = llm.start_request("Hello", SamplingParams(max_tokens=16))
+        while (out := handle.queue.get()) is not None:  # new tokens and text as they come
+            print(out.text, end="")
+        print(llm.generate(["a", "b"], SamplingParams(temperature=0))[0].text)
+
+Requests go through the same ``EngineClient`` as the HTTP app; sampling parameters are checked by the
+same parser as ``/v1/completions`` (one validation), and a bad one raises ``ParameterError`` naming it.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+import threading
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from queue import Empty
+from typing import Any, Iterable, Iterator, Sequence
+
+from .config import ServerConfig
+from .engine_client import EngineClient, Session
+from .errors import ApiError
+from .messages import FinishReason, SamplingParams as EngineParams, TokenEvent, TokenLogprob
+from .openai_schema import COMPLETION_FIELDS, _messages, parse_completion
+from .routes_openai import DEFAULT_MAX_TOKENS
+from .validation import check_fits
+
+# OpenAI completion fields that are about the HTTP request, not about sampling
+_NOT_SAMPLING = {"model", "prompt", "stream", "stream_options", "echo", "suffix", "user", "metadata", "store",
+                 "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
+                 "parallel_tool_calls"}
+SAMPLING_FIELDS = frozenset(COMPLETION_FIELDS - _NOT_SAMPLING)
+_ANY_VOCAB = 1 << 31  # token-id checks need the model's vocabulary; they are made again at submission
+_MODEL = "offline"  # the OpenAI parser wants a model name; offline there is only one model
+
+
+class ParameterError(ValueError):
+    """A bad parameter, prompt or option; ``field`` names it (the same message the HTTP APIs send)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class EngineError(RuntimeError):
+    """The engine cannot take or finish the request: closed, failed, or every row and queue place taken."""
+
+
+def _translate(err: ApiError) -> Exception:
+    if err.status in (400, 404, 413, 422):
+        return ParameterError(err.message, err.param)
+    return EngineError(err.message)
+
+
+class SamplingParams:
+    """Sampling parameters with the OpenAI/vLLM names and ranges of ``/v1/completions``, checked when built.
+
+    temperature (0: greedy), top_p, top_k, max_tokens (None: as many as fit, at most 1024), stop (a string or up
+    to 4), seed, presence_penalty, frequency_penalty, repetition_penalty, logprobs (None, or the chosen token's
+    log-prob plus the top N, N <= 5), and any other sampling field /v1/completions accepts.
+    """
+
+    def __init__(self, **params: Any):
+        unknown = sorted(set(params) - SAMPLING_FIELDS)
+        if unknown:
+            raise ParameterError(f"unknown sampling parameter {unknown[0]!r}; accepted: "
+                                 f"{', '.join(sorted(SAMPLING_FIELDS))}", unknown[0])
+        self.params = dict(params)
+        self.resolve(_ANY_VOCAB)
+
+    def resolve(self, vocab_size: int, prompt: Any = None) -> tuple[EngineParams, int | None, Any]:
+        """(engine parameters, max_tokens or None, the prompt as parsed): the OpenAI parser, errors translated."""
+        try:
+            req = parse_completion({**self.params, "model": _MODEL, "prompt": [0] if prompt is None else prompt},
+                                   vocab_size)
+        except ApiError as err:
+            raise _translate(err) from None
+        return req.params, req.max_tokens, req.prompt_ids if req.prompt_ids is not None else req.prompt
+
+    def __repr__(self) -> str:
+        return f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in self.params.items())})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SamplingParams) and other.params == self.params
+
+
+class RequestStatus(str, enum.Enum):
+    WAITING = "waiting"  # queued for a free row
+    PREFILLING = "prefilling"  # in a row, its prompt going into the KV cache
+    GENERATING = "generating"  # output tokens arriving
+    INTERRUPTED = "interrupted"  # stopped by stop_request, release_request or close, or failed by the engine
+    FINISHED = "finished"  # ended by the end token, a stop string or max_tokens
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one ``get`` returns: every token and its text produced since the previous ``get``."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] | None  # None unless SamplingParams(logprobs=...) asked for them
+    finish_reason: str | None  # set on the last output of a request
+    completion_tokens: int  # tokens generated so far
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One prompt's whole result from ``generate`` or ``chat``."""
+
+    index: int  # position in the input
+    prompt: Any  # as given: text, token ids or a conversation
+    prompt_token_ids: tuple[int, ...]
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # stop, length, eos; cancelled or error only with errors="return"
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    error: str | None = None
+
+
+class ResultQueue:
+    """One request's output queue and status. ``get`` never blocks on a request that has ended: it returns None."""
+
+    def __init__(self, llm: "LLM", session: Session, want_logprobs: bool):
+        self._llm = llm
+        self._session = session
+        self._want_logprobs = want_logprobs
+        self._read = threading.Lock()  # its holder alone takes events off the session queue (keeps their order)
+        self._state = threading.Lock()
+        self._buffer: collections.deque[TokenEvent] = collections.deque()
+        self._end: RequestStatus | None = None
+        self._generating = False
+        self._released = False
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.prompt_tokens = session.prompt_tokens
+        self.generated_length = 0  # tokens generated so far (received from the engine)
+
+    # reading
+    def get(self, timeout: float | None = None) -> Output | None:
+        """New output, waiting up to ``timeout`` seconds (None: until some arrives); None on timeout or when the
+        request has ended and everything has been read."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._read.acquire(timeout=-1 if deadline is None else max(0.0, timeout)):
+            return self._pop()
+        try:
+            while True:
+                self._drain()
+                if self._buffer or self._end is not None:
+                    return self._pop()
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
+                    return None
+                try:
+                    self._take(self._session.events.get(timeout=wait))
+                except Empty:
+                    return None
+        finally:
+            self._read.release()
+
+    def get_nowait(self) -> Output | None:
+        """New output if any has arrived, else None at once."""
+        self._poll()
+        return self._pop()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the request ends (its output stays queued); False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._read.acquire(timeout=-1 if deadline is None else max(0.0, timeout)):
+            return False
+        try:
+            self._drain()
+            while self._end is None:
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
+                    return False
+                try:
+                    self._take(self._session.events.get(timeout=wait))
+                except Empty:
+                    return False
+            return True
+        finally:
+            self._read.release()
+
+    # status
+    @property
+    def status(self) -> RequestStatus:
+        self._poll()
+        if self._end is not None:
+            return self._end
+        if self._generating:
+            return RequestStatus.GENERATING
+        return self._llm._queued_status(self)
+
+    @property
+    def ended(self) -> bool:
+        self._poll()
+        return self._end is not None
+
+    # internals
+    def _poll(self) -> None:
+        """Take what has arrived, unless another thread is reading (it takes it as it arrives)."""
+        if self._read.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._read.release()
+
+    def _drain(self) -> None:
+        while self._end is None:
+            try:
+                event = self._session.events.get_nowait()
+            except Empty:
+                return
+            self._take(event)
+
+    def _take(self, event: TokenEvent) -> None:
+        with self._state:
+            if self._end is not None:
+                return  # output after a stop: nobody asked for it
+            if not self._released:
+                self._buffer.append(event)
+            self.generated_length += len(event.token_ids)
+            self._generating = self._generating or bool(event.token_ids)
+            if not event.finished:
+                return
+            self.finish_reason = event.finish_reason.value
+            self.error = event.error
+            ok = event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.EOS)
+            self._end = RequestStatus.FINISHED if ok else RequestStatus.INTERRUPTED
+        self._llm._ended(self)
+
+    def _pop(self) -> Output | None:
+        with self._state:
+            events = list(self._buffer)
+            self._buffer.clear()
+        if not events:
+            return None
+        last = events[-1]
+        return Output(token_ids=tuple(t for e in events for t in e.token_ids), text="".join(e.text for e in events),
+                      logprobs=tuple(lp for e in events for lp in e.logprobs) if self._want_logprobs else None,
+                      finish_reason=last.finish_reason.value if last.finished else None,
+                      completion_tokens=self.generated_length, error=last.error)
+
+    def _interrupt(self, message: str | None) -> None:
+        """End the request here: the events before this marker are kept, anything after it is dropped."""
+        self._session.events.put(TokenEvent(self._session.id, "", finish_reason=FinishReason.CANCELLED,
+                                            error=message))
+        self._poll()
+
+    def _release(self) -> None:
+        with self._state:
+            self._released = True
+            self._buffer.clear()
+
+
+class RequestHandle:
+    """What ``start_request`` returns: the request's id, prompt tokens and result queue."""
+
+    def __init__(self, request_id: str, prompt_token_ids: tuple[int, ...], params: SamplingParams,
+                 queue: ResultQueue):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.queue = queue
+
+    @property
+    def status(self) -> RequestStatus:
+        return self.queue.status
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.queue.finish_reason
+
+    def __repr__(self) -> str:
+        return f"<RequestHandle {self.request_id[:8]} {self.status.value}>"
+
+
+def build_config(model: str | Path | None, options: dict[str, Any]) -> ServerConfig:
+    """The server's configuration from keyword arguments named like its flags (``rows=8``, ``mock=True``)."""
+    names = {f.name for f in fields(ServerConfig)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ParameterError(f"unknown option {unknown[0]!r}; accepted: model, {', '.join(sorted(names - {'model'}))}",
+                             unknown[0])
+    if "model_cache_dir" in options:
+        options = {**options, "model_cache_dir": Path(options["model_cache_dir"])}
+    return ServerConfig(model=None if model is None else str(model), **options)
+
+
+class LLM:
+    """The engine in a child process, as the server runs it, driven from Python.
+
+    ``LLM(model=None, **options)``: the model the server would load for ``--model`` (None: the embedded
+    default), and any server flag as a keyword argument (``rows``, ``context_length``, ``mock``, ``device``...).
+    Use it as a context manager, or call ``close()``. Programs that create one must guard their entry point
+    with ``if __name__ == "__main__":`` (the engine process is started with ``spawn``).
+    """
+
+    def __init__(self, model: str | Path | None = None, *, ready_timeout: float = 600.0, **options: Any):
+        self.config = build_config(model, options)
+        # past the restart bound the client is marked failed (its failure is set) and open requests end with
+        # that error; the user's process is never signalled
+        self._client = EngineClient(self.config, on_give_up=lambda: None).start()
+        self._lock = threading.Lock()
+        self._live: dict[str, ResultQueue] = {}  # requests not yet ended, in submission (= admission) order
+        self._closed = False
+        deadline = time.monotonic() + ready_timeout
+        while self._client.ready is None:
+            if self._client.failure is not None or time.monotonic() > deadline:
+                why = self._client.failure or f"not ready after {ready_timeout:.0f} s"
+                self._client.shutdown()
+                raise EngineError(f"the engine did not start: {why}")
+            time.sleep(0.05)
+        self.model_name = self._client.ready.model_name
+        self.context_length = self._client.ready.context_length
+        self.vocab_size = self._client.ready.vocab_size
+
+    @property
+    def tokenizer(self):
+        """The model's tokenizer: ``encode(text)``, ``encode_chat(messages)``, ``decode(ids)``."""
+        return self._client.tokenizer
+
+    # life cycle
+    def close(self) -> None:
+        """Interrupt every open request and stop the engine process."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            queues = list(self._live.values())
+        for q in queues:
+            self._stop(q, "the LLM was closed")
+        self._client.shutdown()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # one request at a time
+    def start_request(self, prompt: str | Sequence[int] | Sequence[dict],
+                      params: SamplingParams | None = None) -> RequestHandle:
+        """Submit a prompt (text, token ids, or a conversation of {role, content} messages for the chat template)
+        and return its handle at once. Raises ParameterError for a bad prompt or parameter, EngineError when the
+        engine is closed or failed, or every row and queue place is taken (see ``max_waiting``)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ParameterError("params must be a SamplingParams", "params")
+        prompt_ids, engine_params = self._prepare(prompt, params)
+        with self._lock:
+            if self._closed:
+                raise EngineError("the LLM is closed")
+            try:
+                session = self._client.submit(prompt_ids, engine_params)
+            except ApiError as err:
+                raise _translate(err) from None
+            queue = ResultQueue(self, session, engine_params.logprobs is not None)
+            self._live[session.id] = queue
+        return RequestHandle(session.id, tuple(prompt_ids), params, queue)
+
+    def stop_request(self, handle: RequestHandle) -> RequestStatus:
+        """Interrupt the request (its row is freed); output already produced stays in its queue."""
+        self._stop(handle.queue, None)
+        return handle.queue.status
+
+    def release_request(self, handle: RequestHandle) -> None:
+        """Free everything the request holds: stop it if it runs, and drop its unread output."""
+        self._stop(handle.queue, None)
+        handle.queue._release()
+
+    def sync_request(self, handle: RequestHandle, timeout: float | None = None) -> RequestStatus:
+        """Wait until the request ends (or ``timeout`` seconds pass); return its status."""
+        handle.queue.wait(timeout)
+        return handle.queue.status
+
+    def _prepare(self, prompt: Any, params: SamplingParams) -> tuple[list[int], EngineParams]:
+        tokenizer = self._client.tokenizer
+        if _is_conversation(prompt):
+            prompt = Conversation(prompt)
+        conversation = isinstance(prompt, Conversation)
+        engine_params, max_tokens, parsed = params.resolve(
+            self.vocab_size, [0] if conversation else list(prompt) if isinstance(prompt, tuple) else prompt)
+        if conversation:
+            from jinja2 import TemplateError
+
+            try:
+                prompt_ids = tokenizer.encode_chat(list(_messages(prompt.messages)))
+            except ApiError as err:
+                raise _translate(err) from None
+            except TemplateError as err:
+                raise ParameterError(f"messages do not fit the model's chat template: {err}", "messages") from None
+        else:
+            prompt_ids = list(parsed) if isinstance(parsed, tuple) else tokenizer.encode(parsed)
+        if not prompt_ids:
+            raise ParameterError("the prompt is empty (no tokens)", "prompt")
+        if max_tokens is None:
+            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, self.context_length - len(prompt_ids)))
+        try:
+            check_fits(len(prompt_ids), max_tokens, self.context_length)
+        except ApiError as err:
+            raise _translate(err) from None
+        return prompt_ids, dataclasses.replace(engine_params, max_tokens=max_tokens)
+
+    def _stop(self, queue: ResultQueue, message: str | None) -> None:
+        if queue.ended:
+            return
+        self._client.release(queue._session)  # the engine frees the row; later output is dropped
+        queue._interrupt(message)
+
+    def _ended(self, queue: ResultQueue) -> None:
+        with self._lock:
+            self._live.pop(queue._session.id, None)
+        self._client.release(queue._session)
+
+    def _queued_status(self, queue: ResultQueue) -> RequestStatus:
+        """Waiting or prefilling: the engine admits requests in order, so the open requests ahead of this one
+        that the engine's latest step counted in rows tell which it is."""
+        rows_in_use = self._client.stats.rows_in_use
+        with self._lock:
+            ahead = 0
+            for q in self._live.values():
+                if q is queue:
+                    break
+                if not q._session.done:
+                    ahead += 1
+            else:
+                return RequestStatus.WAITING  # no longer tracked: ended meanwhile
+        return RequestStatus.PREFILLING if ahead < rows_in_use else RequestStatus.WAITING
+
+    # many requests
+    def generate(self, prompts: str | Iterable, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Run every prompt through the rows; the results in input order. ``prompts``: one prompt or an iterable
+        (text, token ids, or ``(prompt, SamplingParams)`` pairs); ``params``: one for all or one per prompt."""
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            prompts = [prompts]
+        return list(self.generate_iter(prompts, params, use_tqdm=use_tqdm))
+
+    def chat(self, conversations: Sequence[dict] | Iterable[Sequence[dict]],
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """``generate`` over conversations ({role, content} messages) through the model's chat template."""
+        if _is_conversation(conversations):
+            conversations = [conversations]
+        items = (Conversation(c) for c in conversations)
+        if hasattr(conversations, "__len__"):
+            items = [Conversation(c) for c in conversations]
+        return self.generate(items, params, use_tqdm=use_tqdm)
+
+    def generate_iter(self, prompts: Iterable, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+                      use_tqdm: bool = True, errors: str = "raise") -> Iterator[RequestOutput]:
+        """Like ``generate``, yielding each result in input order as soon as it and those before it are done,
+        reading the prompts lazily (a file of any size). ``errors="return"``: a prompt the engine rejects, or a
+        request it fails, gives a result with ``finish_reason="error"`` instead of raising."""
+        from tqdm.auto import tqdm
+
+        jobs = _jobs(prompts, params)
+        total = len(prompts) if hasattr(prompts, "__len__") else None
+        bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        started, out_tokens = time.monotonic(), 0
+        running: dict[int, tuple[Any, RequestHandle]] = {}
+        done: dict[int, RequestOutput] = {}
+        next_out, exhausted = 0, False
+        try:
+            while True:
+                while not exhausted and self._free_places() > 0:
+                    job = next(jobs, None)
+                    if job is None:
+                        exhausted = True
+                        break
+                    index, prompt, job_params = job
+                    shown = prompt.messages if isinstance(prompt, Conversation) else prompt
+                    try:
+                        running[index] = (shown, self.start_request(prompt, job_params))
+                    except ParameterError as err:
+                        if errors != "return":
+                            raise ParameterError(f"prompt {index}: {err}", err.field) from None
+                        done[index] = RequestOutput(index, shown, (), "", (), "error", 0, 0, error=str(err))
+                        bar.update(1)
+                finished = [i for i, (_, h) in running.items() if h.queue.ended]
+                for i in finished:
+                    result = _result(i, *running.pop(i))
+                    if result.finish_reason == "error" and errors != "return":
+                        raise EngineError(f"prompt {i} failed: {result.error}")
+                    done[i] = result
+                    out_tokens += result.completion_tokens
+                    bar.update(1)
+                if finished:
+                    bar.set_postfix_str(f"{out_tokens / max(time.monotonic() - started, 1e-9):.1f} tok/s",
+                                        refresh=False)
+                while next_out in done:
+                    yield done.pop(next_out)
+                    next_out += 1
+                if exhausted and not running:
+                    return
+                if running and not finished:
+                    oldest = min(running)
+                    running[oldest][1].queue.wait(0.02)  # wakes when the oldest ends; others are swept above
+                elif not running and not finished:
+                    time.sleep(0.01)  # every place is taken by requests started elsewhere
+        finally:
+            for _, handle in running.values():
+                self.release_request(handle)
+            bar.close()
+
+    def _free_places(self) -> int:
+        """Requests that may still be submitted: rows plus queue places not taken by open requests."""
+        return self.config.max_open_sessions - self._client.open_sessions
+
+
+class Conversation:
+    """Marks a prompt as chat messages ({role, content}) for the chat template, even a malformed one (so its
+    error names ``messages``). Lists of dicts are recognised without it."""
+
+    def __init__(self, messages: Any):
+        self.messages = messages.messages if isinstance(messages, Conversation) else messages
+
+
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], dict)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(type(t) is int for t in value)
+
+
+def _jobs(prompts: Iterable, params) -> Iterator[tuple[int, Any, SamplingParams | None]]:
+    """(index, prompt, params) for each prompt; a ``(prompt, SamplingParams)`` pair brings its own."""
+    per_prompt = itertools.repeat(params) if params is None or isinstance(params, SamplingParams) else iter(params)
+    for index, item in enumerate(prompts):
+        own = next(per_prompt, _MISSING)
+        if own is _MISSING:
+            raise ParameterError(f"params has fewer entries than there are prompts ({index})", "params")
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], SamplingParams):
+            item, own = item
+        yield index, item, own
+
+
+_MISSING = object()
+
+
+def _result(index: int, prompt: Any, handle: RequestHandle) -> RequestOutput:
+    q = handle.queue
+    out = q.get_nowait()
+    text, ids, lps = (out.text, out.token_ids, out.logprobs) if out else ("", (), None)
+    return RequestOutput(index=index, prompt=prompt, prompt_token_ids=handle.prompt_token_ids, text=text,
+                         token_ids=ids, finish_reason=q.finish_reason or "error", prompt_tokens=q.prompt_tokens,
+                         completion_tokens=q.generated_length, logprobs=lps, error=q.error)

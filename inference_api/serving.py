@@ -1,0 +1,104 @@
+"""The serving layer under every API (after vLLM's ``OpenAIServing``): readiness and the model check,
+the drain refusal, max-token defaults, the context-fit check, submission, and the event stream of one request.
+
+Each API module is a parser (request body into the engine's ``SamplingParams``) and a formatter (events
+into its wire format); everything between the two lives here, once.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Iterator
+
+from flask import request
+
+from lifecycle.drain import RETRY_AFTER, Drain
+
+from .config import ServerConfig
+from .engine_client import EngineClient
+from .errors import ApiError
+from .generation import Generation, all_events, collect
+from .messages import EngineReady, FinishReason, SamplingParams, TokenEvent
+from .preflight import Estimate
+from .streaming import first_event, session_events
+from .tokenizer import Tokenizer
+from .validation import check_fits
+
+
+@dataclass
+class Run:
+    """One submitted request whose first event has arrived (so early failures still get a status code)."""
+
+    prompt_tokens: int
+    first: TokenEvent | None
+    rest: Iterator[TokenEvent]
+
+    def events(self) -> Iterator[TokenEvent]:
+        """Every event, the first included; an ``ERROR`` event is left to the formatter to render."""
+        return all_events(self.first, self.rest)
+
+    def collect(self) -> Generation:
+        """The whole generation (a 503 ApiError if the engine fails on the way)."""
+        return collect(self.first, self.rest)
+
+
+class Serving:
+    def __init__(self, client: EngineClient, config: ServerConfig, drain: Drain | None = None,
+                 preflight: Estimate | None = None):
+        self.client = client
+        self.config = config
+        self.drain = drain  # while it is active, new generation requests get a 503 in their API's shape
+        self.preflight = preflight  # the pre-flight memory estimate, shown by /health
+
+    @property
+    def draining(self) -> bool:
+        return self.drain is not None and self.drain.active
+
+    # readiness and the model
+    def ready(self) -> EngineReady:
+        return self.client.check_ready()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        self.ready()
+        return self.client.tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.ready().model_name
+
+    def check_model(self, name: str, code: str | None = None) -> None:
+        """404 unless ``name`` is the served model (``code``: OpenAI's machine-readable error code)."""
+        served = self.model_name
+        if name != served:
+            raise ApiError(404, f"unknown model {name!r}; this server serves {served!r}", param="model", code=code)
+
+    def encode_chat(self, messages: list[dict], field: str = "messages") -> list[int]:
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.encode_chat(messages)
+        except TemplateError as err:  # e.g. a template that insists on alternating user/assistant turns
+            raise ApiError(400, f"messages do not fit the model's chat template: {err}", param=field) from None
+
+    # submission
+    def start(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None, default_max: int,
+              field: str = "max_tokens") -> Run:
+        """Fill in max_tokens (``None``: as many as fit, at most ``default_max``), check that prompt and output
+        fit the context, submit, and wait for the first event."""
+        if self.draining:
+            raise ApiError(503, "server is shutting down; retry shortly (another instance takes over)",
+                           retry_after=RETRY_AFTER)
+        context = self.ready().context_length
+        if not prompt_ids:
+            raise ApiError(400, "the prompt is empty (no tokens)")
+        if max_tokens is None:
+            max_tokens = max(1, min(default_max, context - len(prompt_ids)))
+        check_fits(len(prompt_ids), max_tokens, context, field)
+        session = self.client.submit(prompt_ids, dataclasses.replace(params, max_tokens=max_tokens))
+        events = session_events(self.client, session, request.environ)
+        return Run(len(prompt_ids), first_event(events), events)
+
+
+def is_error(event: TokenEvent) -> bool:
+    return event.finish_reason is FinishReason.ERROR

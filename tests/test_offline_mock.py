@@ -1,0 +1,215 @@
+"""The offline Python API over the mock backend: handle life cycle, statuses, stop/release/sync, timeouts, many
+handles, generate order, and one validation with the HTTP API."""
+from __future__ import annotations
+
+import time
+
+import pytest
+import requests
+
+from inference_api import LLM, EngineError, ParameterError, RequestStatus, SamplingParams
+
+ROWS = 2
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # a small prefill chunk makes a long prompt's prefill last many (mock) steps, so it can be watched
+    with LLM(mock=True, rows=ROWS, max_waiting=30, mock_tokens_per_second=100, prefill_chunk=8) as llm:
+        yield llm
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.002):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError("condition not reached in time")
+
+
+def read_all(handle, timeout: float = 30.0) -> str:
+    pieces = []
+    while (out := handle.queue.get(timeout=timeout)) is not None:
+        pieces.append(out.text)
+    return "".join(pieces)
+
+
+def echo(prompt: str, tokens: int) -> str:
+    """The mock's greedy answer: the echo cut at a token count (its tokens are bytes; a cut character is held)."""
+    return (f"Echo: {prompt} — " * 4).encode()[:tokens].decode(errors="ignore")
+
+
+def idle(llm) -> bool:
+    return llm._client.stats.rows_in_use == 0 and llm._client.open_sessions == 0
+
+
+def test_every_status_stop_sync_and_release(llm):
+    wait_for(lambda: idle(llm))
+    params = SamplingParams(max_tokens=2000, temperature=0)
+    first = llm.start_request("a", params)
+    assert first.status in (RequestStatus.WAITING, RequestStatus.PREFILLING, RequestStatus.GENERATING)
+    wait_for(lambda: first.status is RequestStatus.GENERATING)
+    long_prompt = llm.start_request("x" * 800, SamplingParams(max_tokens=30, temperature=0))  # 100 prefill steps
+    queued = llm.start_request("q", SamplingParams(max_tokens=12, temperature=0))
+    wait_for(lambda: long_prompt.status is RequestStatus.PREFILLING)
+    assert queued.status is RequestStatus.WAITING  # both rows are taken
+    assert queued.queue.get(timeout=0.2) is None and queued.queue.get_nowait() is None  # nothing yet: timeouts
+    wait_for(lambda: long_prompt.status is RequestStatus.GENERATING)
+
+    # stop: the output so far stays readable, then the queue ends; the row goes to the waiting request
+    got = first.queue.get(timeout=5)
+    assert got.text and got.finish_reason is None and got.completion_tokens >= 1
+    assert llm.stop_request(first) is RequestStatus.INTERRUPTED
+    assert first.finish_reason == "cancelled"
+    rest = read_all(first)
+    assert (got.text + rest).startswith("Echo: a")
+    assert first.queue.get(timeout=0.1) is None  # ended: never blocks
+    wait_for(lambda: queued.status in (RequestStatus.PREFILLING, RequestStatus.GENERATING))
+
+    # sync: a timeout returns the current status; without one it waits for the end, keeping the output queued
+    assert llm.sync_request(long_prompt, timeout=0.05) is RequestStatus.GENERATING
+    assert llm.sync_request(queued) is RequestStatus.FINISHED
+    assert queued.finish_reason == "length" and queued.queue.generated_length == 12
+    assert read_all(queued) == "Echo: q — "  # 12 tokens: the mock's tokens are bytes, "—" is three
+
+    # release a running request: its row is freed and its unread output dropped
+    assert long_prompt.status is RequestStatus.GENERATING
+    llm.release_request(long_prompt)
+    assert long_prompt.status is RequestStatus.INTERRUPTED and long_prompt.queue.get(timeout=0.1) is None
+    wait_for(lambda: idle(llm))
+
+
+def test_outputs_carry_tokens_text_counts_and_logprobs(llm):
+    handle = llm.start_request([104, 105], SamplingParams(max_tokens=8, temperature=0, logprobs=2))  # "hi"
+    assert handle.prompt_token_ids == (104, 105)
+    outs = []
+    while (out := handle.queue.get(timeout=10)) is not None:
+        outs.append(out)
+    tokens = [t for o in outs for t in o.token_ids]
+    logprobs = [lp for o in outs for lp in o.logprobs]
+    assert bytes(tokens).decode() == "".join(o.text for o in outs) == "Echo: hi"
+    assert [o.completion_tokens for o in outs] == list(range(1, 9))
+    assert outs[-1].finish_reason == "length" and all(o.finish_reason is None for o in outs[:-1])
+    assert len(logprobs) == 8 and all(len(lp.top) == 2 and lp.top[0][0] == lp.token for lp in logprobs)
+    assert handle.queue.prompt_tokens == 2
+    plain = llm.start_request("hi", SamplingParams(max_tokens=3))
+    assert llm.sync_request(plain) is RequestStatus.FINISHED and plain.queue.get_nowait().logprobs is None
+
+
+def test_many_handles_beyond_the_rows_each_get_their_own_text(llm):
+    wait_for(lambda: idle(llm))
+    handles = [llm.start_request(f"p{i:02d}", SamplingParams(max_tokens=9 + i % 3, temperature=0))
+               for i in range(24)]  # 12 times the rows; most wait
+    assert sum(h.status is RequestStatus.WAITING for h in handles) >= 24 - ROWS - 1
+    for i, h in enumerate(reversed(handles)):  # read in another order than they run
+        i = 23 - i
+        assert read_all(h) == echo(f"p{i:02d}", 9 + i % 3) and h.status is RequestStatus.FINISHED
+    wait_for(lambda: idle(llm))
+
+
+def test_queue_bound_is_a_clear_error(llm):
+    wait_for(lambda: idle(llm))
+    limit = llm.config.max_open_sessions
+    handles = [llm.start_request("b", SamplingParams(max_tokens=500)) for _ in range(limit)]
+    with pytest.raises(EngineError, match="busy"):
+        llm.start_request("one too many")
+    for h in handles:
+        llm.release_request(h)
+    wait_for(lambda: idle(llm))
+    assert llm.generate(["after"], SamplingParams(max_tokens=5), use_tqdm=False)[0].text == "Echo:"
+
+
+def test_generate_keeps_input_order_over_an_iterable(llm, capsys):
+    wait_for(lambda: idle(llm))
+    lengths = [30, 3, 17, 6, 25, 9, 12, 4, 20, 7]  # finish out of order
+    prompts = (f"n{i}" for i in range(len(lengths)))  # a generator: read lazily
+    results = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths], use_tqdm=False)
+    assert [r.index for r in results] == list(range(len(lengths)))
+    for i, (r, n) in enumerate(zip(results, lengths)):
+        assert r.text == echo(f"n{i}", n) and r.completion_tokens == n and r.finish_reason == "length"
+    assert capsys.readouterr().err == ""  # use_tqdm=False: no bar
+
+    results = llm.generate([f"m{i}" for i in range(6)], SamplingParams(max_tokens=8))
+    assert [r.text for r in results] == [f"Echo: m{i}" for i in range(6)]
+    bar = capsys.readouterr().err
+    assert "6/6" in bar and "tok/s" in bar  # finished/total and the token rate
+
+    chats = llm.chat([[{"role": "user", "content": f"c{i}"}] for i in range(3)], SamplingParams(max_tokens=20),
+                     use_tqdm=False)
+    assert [r.text for r in chats] == [echo(f"<|user|>c{i}\n<|assistant|>", 20) for i in range(3)]  # the template
+    one = llm.chat([{"role": "user", "content": "one"}], use_tqdm=False)  # one conversation, not a list of them
+    assert len(one) == 1 and one[0].prompt_tokens == len("<|user|>one\n<|assistant|>")
+
+
+@pytest.mark.parametrize("params,field,http_body", [
+    (dict(temperature=5), "temperature", {"temperature": 5}),
+    (dict(top_p=1.5), "top_p", {"top_p": 1.5}),
+    (dict(max_tokens=0), "max_tokens", {"max_tokens": 0}),
+    (dict(stop=list("abcdefghi")), "stop", {"stop": list("abcdefghi")}),  # over the default 8 stop sequences
+    (dict(logprobs=9), "logprobs", {"logprobs": 9}),
+    (dict(top_k="many"), "top_k", {"top_k": "many"}),
+    (dict(n=2), "n", {"n": 2}),
+])
+def test_bad_parameters_fail_as_the_http_api_does(mock_server, params, field, http_body):
+    with pytest.raises(ParameterError) as err:
+        SamplingParams(**params)
+    assert err.value.field == field
+    r = requests.post(f"{mock_server.url}/v1/completions", timeout=30,
+                      json={"model": mock_server.health()["model"], "prompt": "x", **http_body})
+    assert r.status_code == 400 and r.json()["error"]["message"] == str(err.value)  # one validation
+
+
+def test_bad_prompts_and_options_name_the_field(llm):
+    with pytest.raises(ParameterError, match="unknown sampling parameter 'temprature'") as err:
+        SamplingParams(temprature=0)
+    assert err.value.field == "temprature"
+    with pytest.raises(ParameterError) as err:
+        llm.start_request([5, 99999])
+    assert err.value.field == "prompt" and "[0, 257)" in str(err.value)
+    with pytest.raises(ParameterError) as err:
+        llm.start_request("")
+    assert err.value.field == "prompt"
+    with pytest.raises(ParameterError) as err:
+        llm.start_request("x" * 2000, SamplingParams(max_tokens=100))
+    assert err.value.field == "max_tokens" and "context length of 2048" in str(err.value)
+    with pytest.raises(ParameterError) as err:
+        llm.start_request([{"role": "robot", "content": "hi"}])
+    assert err.value.field == "messages[0].role"
+    with pytest.raises(ParameterError, match="prompt 1:"):
+        llm.generate(["ok", ""], use_tqdm=False)
+    results = llm.generate_iter(["ok", "", "fine"], SamplingParams(max_tokens=4), use_tqdm=False, errors="return")
+    assert [(r.text, r.finish_reason) for r in results] == [("Echo", "length"), ("", "error"), ("Echo", "length")]
+    with pytest.raises(ParameterError, match="unknown option 'max_users'"):
+        LLM(mock=True, max_users=4)
+    wait_for(lambda: idle(llm))
+
+
+def test_close_interrupts_open_requests_and_stops_the_engine():
+    llm = LLM(mock=True, rows=1, mock_tokens_per_second=50)
+    running = llm.start_request("r", SamplingParams(max_tokens=1000))
+    waiting = llm.start_request("w", SamplingParams(max_tokens=1000))
+    wait_for(lambda: running.status is RequestStatus.GENERATING)
+    process = llm._client.process
+    with llm:
+        pass  # the context manager closes it
+    assert running.status is RequestStatus.INTERRUPTED and waiting.status is RequestStatus.INTERRUPTED
+    assert waiting.queue.get().error == "the LLM was closed"
+    assert not process.is_alive()
+    with pytest.raises(EngineError, match="closed"):
+        llm.start_request("again")
+
+
+def test_engine_death_interrupts_open_requests_with_the_error():
+    import os
+    import signal
+
+    with LLM(mock=True, rows=1, mock_tokens_per_second=50) as llm:
+        running = llm.start_request("r", SamplingParams(max_tokens=1000))
+        waiting = llm.start_request("w", SamplingParams(max_tokens=1000))
+        wait_for(lambda: running.status is RequestStatus.GENERATING)
+        os.kill(llm._client.process.pid, signal.SIGKILL)
+        for handle in (running, waiting):
+            assert llm.sync_request(handle, timeout=30) is RequestStatus.INTERRUPTED
+            assert handle.finish_reason == "error" and "exited" in handle.queue.error

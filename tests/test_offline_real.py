@@ -1,0 +1,61 @@
+"""The offline API with the real default model: greedy ``generate`` and ``chat`` over the native tests' prompt
+list give the server's greedy answers for the same prompts."""
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from inference_api import LLM, SamplingParams
+from servers import MODEL_CACHE
+from test_native_real import MAX_TOKENS, PROMPTS, assert_greedy_equivalent, reference  # noqa: F401 (fixture)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    # the real_server fixture's flags (the exact mode)
+    with LLM(model_cache_dir=MODEL_CACHE, context_length=1024, quantize="none", dtype="float32") as llm:
+        yield llm
+
+
+def server_answers(server, model_name: str, prompts: list[str], chat: bool) -> list[str]:
+    route = "predictions" if chat else "inference"
+
+    def one(prompt: str) -> str:
+        r = requests.post(f"{server.url}/{route}/{model_name}", timeout=300,
+                          json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": False})
+        assert r.status_code == 200, r.text
+        return r.json()["text"]
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(one, prompts))
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["generate", "chat"])
+def test_greedy_offline_answers_equal_the_servers(llm, real_server, model_name, chat, request):
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    prompts = PROMPTS[::4] if chat else PROMPTS  # all 40 through generate; the template on a quarter of them
+    started = time.monotonic()
+    if chat:
+        results = llm.chat([[{"role": "user", "content": p}] for p in prompts], params, use_tqdm=False)
+    else:
+        results = llm.generate(prompts, params, use_tqdm=False)
+    offline_s = time.monotonic() - started
+    served = server_answers(real_server, model_name, prompts, chat)
+    server_s = time.monotonic() - started - offline_s
+    print(f"offline {offline_s:.1f} s, server {server_s:.1f} s for {len(prompts)} prompts")
+    assert [r.index for r in results] == list(range(len(prompts)))
+    assert len({r.text for r in results}) > len(prompts) * 3 // 4  # distinct prompts, distinct answers
+    differ = [(p, r.text, s) for p, r, s in zip(prompts, results, served) if r.text != s]
+    print(f"{len(differ)} of {len(prompts)} answers differ")
+    for prompt, offline_text, server_text in differ:  # only a near-tie in the model may part them
+        ref = request.getfixturevalue("reference")
+        assert_greedy_equivalent(offline_text, prompt, chat, ref)
+        assert_greedy_equivalent(server_text, prompt, chat, ref)
+    assert len(differ) <= 2, differ
+    for r in results:
+        assert r.finish_reason in ("length", "eos") and 0 < r.completion_tokens <= MAX_TOKENS
+        assert r.prompt_tokens == len(r.prompt_token_ids) == len(llm.tokenizer.encode_chat(
+            [{"role": "user", "content": r.prompt[0]["content"]}]) if chat else llm.tokenizer.encode(r.prompt))

@@ -100,7 +100,10 @@ def test_sigterm_drains_streams_longer_than_the_old_graceful_timeout():
         assert oai.status_code == 503 and oai.json()["error"]["type"] == "server_error"
         tgi = requests.post(f"{server.url}/generate", json={"inputs": "new"}, timeout=5)
         assert tgi.status_code == 503 and tgi.json()["error_type"] == "overloaded"
-        assert all(int(r.headers["Retry-After"]) > 0 for r in (native, oai, tgi))
+        # the same path, told apart by the body: shortfin's shape
+        shortfin = requests.post(f"{server.url}/generate", json={"text": "new"}, timeout=5)
+        assert shortfin.status_code == 503 and shortfin.json()["code"] == "QUEUE_FULL"
+        assert all(int(r.headers["Retry-After"]) > 0 for r in (native, oai, tgi, shortfin))
         for t in threads:
             t.join(120)
         assert time.monotonic() - started > 10  # they ran past gunicorn's old fixed 10 s

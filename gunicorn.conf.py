@@ -2,16 +2,37 @@
 
     gunicorn --config gunicorn.conf.py            # the model and every other setting come from the environment
     MOCK_MODEL=1 gunicorn --config gunicorn.conf.py
+
+SIGTERM drains (see docs/operations.md); under plain gunicorn SIGINT stops at once, as gunicorn's own.
 """
 import os
+import sys
+
+from inference_api.config import ServerConfig
+from inference_api.preflight import PreflightError, preflight
+from lifecycle.drain import drain_on_signals, gunicorn_timeouts
+
+_server = ServerConfig.from_env(os.environ)
 
 wsgi_app = "inference_api.app:create_app()"
-bind = f"{os.environ.get('HOST', '127.0.0.1')}:{os.environ.get('PORT', '8000')}"
+bind = f"{_server.host}:{_server.port}"
 workers = 1
-worker_class = "gthread"
-threads = int(os.environ.get("THREADS", "128"))
+worker_class = "inference_api.worker.ServerWorker"  # gthread with a header deadline
+threads = _server.threads
 timeout = 120
-graceful_timeout = 10
+graceful_timeout = gunicorn_timeouts(_server.drain_timeout)["graceful_timeout"]
 keepalive = 5
-loglevel = os.environ.get("LOG_LEVEL", "info")
+loglevel = _server.log_level
 control_socket_disable = True  # its default path is shared by every gunicorn of the same user
+
+
+def on_starting(server):
+    try:
+        preflight(_server)
+    except PreflightError as exc:
+        print(exc, file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def post_worker_init(worker):
+    drain_on_signals(worker, worker.wsgi.extensions["drain"])

@@ -1,4 +1,4 @@
-"""``python -m inference_api [flags]``: serve with gunicorn (gthread, one worker)."""
+"""``python -m inference_api [flags]``: check that the model fits, then serve with gunicorn (one gthread worker)."""
 from __future__ import annotations
 
 import os
@@ -6,19 +6,25 @@ import sys
 
 from gunicorn.app.base import BaseApplication
 
+from lifecycle.drain import DrainingArbiter, drain_on_signals, gunicorn_timeouts
+
 from .config import ServerConfig
+from .preflight import PreflightError, Estimate, preflight
 
 
 class Server(BaseApplication):
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, estimate: Estimate | None = None):
         self.server_config = config
+        self.estimate = estimate
         super().__init__()
 
     def load_config(self) -> None:
         c = self.server_config
-        options = {"bind": f"{c.host}:{c.port}", "workers": 1, "worker_class": "gthread", "threads": c.threads,
-                   "timeout": 120, "graceful_timeout": 10, "keepalive": 5, "loglevel": c.log_level,
-                   "accesslog": "-" if c.log_level == "debug" else None,
+        options = {"bind": f"{c.host}:{c.port}", "workers": 1, "worker_class": "inference_api.worker.ServerWorker",
+                   "threads": c.threads, "timeout": 120, "keepalive": 5, "loglevel": c.log_level,
+                   "accesslog": None,  # the app writes one structured line per request
+                   **gunicorn_timeouts(c.drain_timeout),
+                   "post_worker_init": lambda worker: drain_on_signals(worker, worker.wsgi.extensions["drain"]),
                    # the control socket has one default path per user: two servers (or the proxy) would share it
                    "control_socket_disable": True}
         for key, value in options.items():
@@ -27,12 +33,20 @@ class Server(BaseApplication):
     def load(self):
         from .app import create_app  # imported in the worker: the engine process belongs to it
 
-        return create_app(self.server_config)
+        return create_app(self.server_config, self.estimate)
+
+    def run(self) -> None:
+        DrainingArbiter(self).run()
 
 
 def main(argv: list[str] | None = None) -> None:
     config = ServerConfig.from_args(sys.argv[1:] if argv is None else argv, os.environ)
-    Server(config).run()
+    try:
+        estimate = preflight(config)
+    except PreflightError as exc:
+        print(f"python -m inference_api: {exc}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    Server(config, estimate).run()
 
 
 if __name__ == "__main__":

@@ -4,36 +4,90 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import time
 
-from flask import Flask
+from flask import Flask, g, has_request_context, request
+
+from lifecycle.access_log import AccessLog, request_id
+from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked
+from lifecycle.drain import Drain
 
 from .config import ServerConfig
-from .engine_client import EngineClient
-from .errors import register_error_handlers, request_api
+from .engine_client import EngineClient, Session
+from .errors import ApiError, error_response, register_error_handlers, request_api
 from .llama_stack import llama_stack_blueprint
+from .preflight import Estimate
 from .routes_native import native_blueprint
 from .routes_openai import openai_blueprint
 from .routes_shared import shared_blueprint
 from .routes_tgi import tgi_blueprint
 from .serving import Serving
+from .streaming import SESSION_KEY
 
 
-def create_app(config: ServerConfig | None = None) -> Flask:
+class _RequestIdFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = g.get("request_id", "-") if has_request_context() else "-"
+        return True
+
+
+def create_app(config: ServerConfig | None = None, estimate: Estimate | None = None) -> Flask:
     config = config or ServerConfig.from_env(os.environ)
-    logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.basicConfig(level=config.log_level.upper(),
+                        format="%(asctime)s %(name)s %(levelname)s [%(request_id)s] %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_RequestIdFilter())
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.json.sort_keys = False
     client = EngineClient(config).start()
     atexit.register(client.shutdown)
+    app.extensions["server_config"] = config
+    drain = Drain(config.drain_timeout, lambda: client.open_sessions, client.abort_all, client.shutdown)
+    app.extensions["drain"] = drain  # gunicorn's post_worker_init starts it on SIGTERM/SIGINT
+    access_log = AccessLog()
+    watchdog = Watchdog()
+    app.wsgi_app = close_when_asked(app.wsgi_app)
     register_error_handlers(app)
+
+    @app.before_request
+    def admit():
+        g.started = time.monotonic()
+        g.request_id = request_id(request.headers.get("X-Request-Id"))
+        if request.method == "POST":  # the whole body within its deadline (cached for the route)
+            try:
+                watchdog.read_body(request.environ, lambda: request.get_data(cache=True), config.body_timeout)
+            except BodyTimeout as exc:
+                response = error_response(ApiError(408, str(exc)))
+                response.headers["Connection"] = "close"
+                return response
 
     @app.after_request
     def count_answer(response):
-        client.metrics.answered(request_api(), response.status_code)
+        api = request_api()  # the route's family (g.api); the path's for unrouted requests
+        client.metrics.answered(api, response.status_code)
+        response.headers["X-Request-Id"] = g.get("request_id") or request_id(None)
+        fields = {"request_id": response.headers["X-Request-Id"], "team_id": request.headers.get("X-Team-Id"),
+                  "method": request.method, "path": request.path, "api": api,
+                  "status": response.status_code, "client": request.headers.get("X-Forwarded-For",
+                                                                                   request.remote_addr)}
+        started, environ = g.get("started", time.monotonic()), request.environ
+
+        def write() -> None:
+            session: Session | None = environ.get(SESSION_KEY)
+            outcome = {}
+            if session is not None:
+                outcome = {"prompt_tokens": session.prompt_tokens, "tokens_out": session.completion_tokens,
+                           "ttft_ms": None if session.first_token_at is None
+                           else round((session.first_token_at - session.started) * 1000, 1),
+                           "finish_reason": (session.finish_reason.value if session.finish_reason
+                                             else "cancelled")}
+            access_log.write(**fields, **outcome, duration_ms=round((time.monotonic() - started) * 1000, 1))
+
+        response.call_on_close(write)
         return response
 
-    serving = Serving(client, config)
+    serving = Serving(client, config, drain, estimate)
     # /inference/completion and /inference/chat_completion (llama-stack) are fixed paths: they win over the
     # native API's /inference/<path:model>
     for blueprint in (llama_stack_blueprint, native_blueprint, openai_blueprint, tgi_blueprint, shared_blueprint):

@@ -34,6 +34,12 @@ class ServerConfig:
     allow_download: bool = False  # let transformers fetch a hub model (off: no network at run time)
     torch_threads: int = 0  # 0: torch's default
     log_level: str = "info"
+    drain_timeout: float = 60.0  # on SIGTERM/SIGINT: seconds running streams may take to finish
+    skip_preflight: bool = False  # start even when the memory/disk estimate says the model will not fit
+    engine_max_restarts: int = 5  # engine crashes restarted within ENGINE_RESTART_WINDOW before the worker exits
+    header_timeout: float = 10.0  # seconds a client has to send its request headers
+    body_timeout: float = 30.0  # seconds a client has to send its request body
+    test_fault_text: str | None = None  # TESTS ONLY: fail post-processing of requests whose prompt contains this
 
     @property
     def max_open_sessions(self) -> int:
@@ -78,8 +84,14 @@ _ENV = {
     "allow_download": ("ALLOW_DOWNLOAD", "allow fetching hub models at start-up"),
     "torch_threads": ("TORCH_THREADS", "torch intra-op threads in the engine (0: default)"),
     "log_level": ("LOG_LEVEL", "gunicorn and app log level"),
+    "drain_timeout": ("DRAIN_TIMEOUT", "seconds running streams get to finish after SIGTERM/SIGINT"),
+    "skip_preflight": ("SKIP_PREFLIGHT", "start even if the memory/disk pre-flight check fails"),
+    "engine_max_restarts": ("ENGINE_MAX_RESTARTS", "engine restarts allowed within 10 minutes before the worker "
+                                                   "exits (and gunicorn replaces it)"),
+    "header_timeout": ("HEADER_TIMEOUT", "seconds a client has to send its request headers"),
+    "body_timeout": ("BODY_TIMEOUT", "seconds a client has to send its request body"),
+    "test_fault_text": ("TEST_FAULT_TEXT", "for tests only: fail post-processing of prompts containing this text"),
 }
-
 
 _CHOICES = {
     "dtype": ("auto", "float32", "float16", "bfloat16"),

@@ -1,14 +1,18 @@
 """The app's side of the engine: starts the backend process, submits requests, demultiplexes its output.
 
-One thread reads the engine's output queue and hands each event to its session's own queue, keyed by
-session id, so no request ever sees another's tokens. Sessions are removed when they finish, fail or
-are abandoned.
+One supervisor thread starts the engine process and reads its output queue, handing each event to its
+session's own queue, keyed by session id, so no request ever sees another's tokens. Sessions are removed
+when they finish, fail or are abandoned. When a running engine dies, every open session fails at once and
+the same thread starts a new engine (bounded restarts with backoff); past the bound the worker process
+ends so gunicorn replaces it.
 """
 from __future__ import annotations
 
 import logging
 import multiprocessing as mp
+import os
 import queue
+import signal
 import threading
 import time
 import uuid
@@ -24,6 +28,9 @@ from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
+RESTART_WINDOW = 600.0  # seconds: engine_max_restarts counts the restarts within this window
+RESTART_BACKOFF = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # seconds before the 1st, 2nd, ... restart in the window
+
 
 @dataclass(eq=False)
 class Session:
@@ -32,7 +39,8 @@ class Session:
     events: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     finish_reason: FinishReason | None = None  # set by the demultiplexer when the last event arrives
     started: float = field(default_factory=time.monotonic)
-    has_output: bool = False
+    first_token_at: float | None = None  # monotonic time of the first generated token
+    completion_tokens: int = 0
 
     @property
     def done(self) -> bool:
@@ -40,42 +48,79 @@ class Session:
 
 
 class EngineClient:
-    def __init__(self, config: ServerConfig):
+    def __init__(self, config: ServerConfig, on_give_up=None):
         self.config = config
-        ctx = mp.get_context("spawn")  # a clean interpreter: no threads or locks inherited from the web worker
-        self._inbox = ctx.Queue()
-        self._outbox = ctx.Queue()
-        self.process = ctx.Process(target=run_engine, args=(config, self._inbox, self._outbox),
-                                   name="inference-engine", daemon=True)
+        self._ctx = mp.get_context("spawn")  # a clean interpreter: no threads or locks inherited from the worker
+        self._inbox = self._outbox = None
+        self.process = None
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
-        self._stopping = False
+        self._stopping = threading.Event()
+        self._started = threading.Event()
+        self._on_give_up = on_give_up or (lambda: os.kill(os.getpid(), signal.SIGQUIT))
         self.ready: EngineReady | None = None
         self.failure: str | None = None
+        self.restarting = False
+        self.restarts: list[float] = []  # monotonic times of the restarts within RESTART_WINDOW
+        self.restart_count = 0  # engine restarts since the worker started
         self.tokenizer: Tokenizer | None = None
         self.stats = EngineStats(rows_total=config.rows)
         self.metrics = Metrics(lambda: self.stats, lambda: self.open_sessions)
 
     # life cycle
     def start(self) -> "EngineClient":
-        self.process.start()
-        threading.Thread(target=self._demux, name="engine-demux", daemon=True).start()
+        # The engine is started from this long-lived thread: its parent-death signal follows the thread that
+        # started it, and the thread lives as long as the worker.
+        threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True).start()
+        self._started.wait()
         return self
 
     def shutdown(self, timeout: float = 5.0) -> None:
-        self._stopping = True
-        if self.process.is_alive():
+        self._stopping.set()
+        process = self.process
+        if process is not None and process.is_alive():
             self._inbox.put(Shutdown())
-            self.process.join(timeout)
-            if self.process.is_alive():
-                self.process.terminate()
-                self.process.join(timeout)
+            process.join(timeout)
+            if process.is_alive():
+                process.kill()
+                process.join(timeout)
 
     @property
     def state(self) -> str:
         if self.failure is not None:
             return "failed"
-        return "ready" if self.ready is not None else "loading"
+        if self.ready is not None:
+            return "ready"
+        return "restarting" if self.restarting else "loading"
+
+    def _spawn(self) -> None:
+        self._inbox, self._outbox = self._ctx.Queue(), self._ctx.Queue()
+        self.process = self._ctx.Process(target=run_engine, args=(self.config, self._inbox, self._outbox),
+                                         name="inference-engine", daemon=True)
+        self.process.start()
+
+    def _supervise(self) -> None:
+        while not self._stopping.is_set():
+            self._spawn()
+            self._started.set()
+            served = self._demux()
+            if self._stopping.is_set() or not served:
+                return  # shutting down, or the engine failed to load: a restart would fail the same way
+            now = time.monotonic()
+            self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW]
+            if len(self.restarts) >= self.config.engine_max_restarts:
+                self.failure = f"engine crashed {len(self.restarts) + 1} times within {RESTART_WINDOW:.0f} s"
+                log.error("%s; giving up, the worker exits so that gunicorn starts a fresh one", self.failure)
+                self._on_give_up()
+                return
+            delay = RESTART_BACKOFF[min(len(self.restarts), len(RESTART_BACKOFF) - 1)]
+            self.restarts.append(now)
+            self.restart_count += 1
+            self.metrics.engine_restarts.inc()
+            log.warning("restarting the engine in %.1f s (restart %d within %.0f s)", delay, len(self.restarts),
+                        RESTART_WINDOW)
+            if self._stopping.wait(delay):
+                return
 
     @property
     def open_sessions(self) -> int:
@@ -83,11 +128,14 @@ class EngineClient:
 
     # requests
     def check_ready(self) -> EngineReady:
-        """The engine's description, or a 503 while it loads or after it failed."""
+        """The engine's description, or a 503 while stopping, restarting, loading or after it failed."""
+        if self._stopping.is_set():
+            raise ApiError(503, "server is shutting down; retry shortly", retry_after=5)
         if self.failure is not None:
             raise ApiError(503, f"backend unavailable: {self.failure}", retry_after=30)
         if self.ready is None:
-            raise ApiError(503, "model is loading, try again shortly", retry_after=5)
+            what = "the engine is restarting" if self.restarting else "model is loading"
+            raise ApiError(503, f"{what}, try again shortly", retry_after=5)
         return self.ready
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Session:
@@ -109,22 +157,29 @@ class EngineClient:
         if not known:
             return
         self.metrics.ended(session.finish_reason or FinishReason.CANCELLED, session.started)
-        if not session.done and self.failure is None:
+        if not session.done and self.ready is not None:
             self._inbox.put(CancelRequest(session.id))
 
+    def abort_all(self, message: str) -> int:
+        """End every open session with an error now (the drain deadline); the engine frees their rows."""
+        sessions = self._fail_all(message)
+        if self.ready is not None:
+            for session in sessions:
+                self._inbox.put(CancelRequest(session.id))
+        return len(sessions)
+
     # output
-    def _demux(self) -> None:
-        while not self._stopping:
+    def _demux(self) -> bool:
+        """Read the engine's output until it stops; True if it had been serving (so a restart makes sense)."""
+        while not self._stopping.is_set():
             try:
-                msg = self._outbox.get(timeout=1.0)
+                msg = self._outbox.get(timeout=0.2)
             except queue.Empty:
-                if not self.process.is_alive() and not self._stopping:
-                    self._fail_all(f"engine process exited (code {self.process.exitcode})")
-                    return
+                if not self.process.is_alive():
+                    return self._engine_lost(f"engine process exited (code {self.process.exitcode})")
                 continue
             except (EOFError, OSError):
-                self._fail_all("engine connection lost")
-                return
+                return self._engine_lost("engine connection lost")
             if isinstance(msg, StepOutput):
                 self.stats = msg.stats
                 for event in msg.events:
@@ -132,18 +187,33 @@ class EngineClient:
             elif isinstance(msg, EngineReady):
                 self.tokenizer = self._load_tokenizer(msg)
                 self.ready = msg
-                log.warning("engine ready: %s on %s", msg.model_name, msg.device)
+                self.restarting = False
+                log.warning("engine ready: %s on %s (pid %d)", msg.model_name, msg.device, self.process.pid)
             elif isinstance(msg, EngineFailed):
+                self.failure = msg.message
                 self._fail_all(msg.message)
-                return
+                return False
+        return False
+
+    def _engine_lost(self, message: str) -> bool:
+        served = self.ready is not None
+        self.ready = None
+        self.restarting = served
+        if not served:
+            self.failure = message
+        self.stats = EngineStats(rows_total=self.config.rows)
+        self._fail_all(message)
+        return served
 
     def _deliver(self, event: TokenEvent) -> None:
         session = self._sessions.get(event.session_id)
         if session is None:
             self.metrics.tokens(len(event.token_ids))
             return  # abandoned: the client has gone
-        self.metrics.tokens(len(event.token_ids), None if session.has_output else session.started)
-        session.has_output = session.has_output or bool(event.token_ids)
+        self.metrics.tokens(len(event.token_ids), None if session.first_token_at is not None else session.started)
+        if event.token_ids and session.first_token_at is None:
+            session.first_token_at = time.monotonic()
+        session.completion_tokens = max(session.completion_tokens, event.completion_tokens)
         if event.finished:
             session.finish_reason = event.finish_reason
         session.events.put(event)
@@ -157,11 +227,11 @@ class EngineClient:
 
         return HFTokenizer(ready.model_dir)
 
-    def _fail_all(self, message: str) -> None:
-        log.error("backend failed: %s", message)
-        self.failure = message
+    def _fail_all(self, message: str) -> list[Session]:
+        log.error("ending open requests: %s", message)
         with self._lock:
-            sessions = list(self._sessions.values())
+            sessions = [s for s in self._sessions.values() if not s.done]
         for session in sessions:
             session.finish_reason = FinishReason.ERROR
             session.events.put(TokenEvent(session.id, "", finish_reason=FinishReason.ERROR, error=message))
+        return sessions

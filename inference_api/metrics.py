@@ -31,6 +31,8 @@ class Metrics:
                               buckets=_LATENCY_BUCKETS, registry=r)
         self.duration = Histogram("inference_request_duration_seconds",
                                   "from submission until the request is released", buckets=_LATENCY_BUCKETS, registry=r)
+        self.engine_restarts = Counter("inference_engine_restarts", "engine processes restarted after a crash",
+                                       registry=r)
         gauges = {"inference_rows_in_use": ("user rows decoding or prefilling", lambda: stats().rows_in_use),
                   "inference_rows_total": ("user rows", lambda: stats().rows_total),
                   "inference_queue_length": ("requests waiting for a row", lambda: stats().waiting),

@@ -308,7 +308,9 @@ class LLM:
 
     def __init__(self, model: str | Path | None = None, *, ready_timeout: float = 600.0, **options: Any):
         self.config = build_config(model, options)
-        self._client = EngineClient(self.config).start()
+        # past the restart bound the client is marked failed (its failure is set) and open requests end with
+        # that error; the user's process is never signalled
+        self._client = EngineClient(self.config, on_give_up=lambda: None).start()
         self._lock = threading.Lock()
         self._live: dict[str, ResultQueue] = {}  # requests not yet ended, in submission (= admission) order
         self._closed = False

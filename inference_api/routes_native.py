@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from flask import Blueprint, Response, g, jsonify, request
 
+from lifecycle.drain import RETRY_AFTER
+
 from .error_shapes import NATIVE
 from .metrics import CONTENT_TYPE
 from .serving import Serving, is_error
@@ -53,19 +55,28 @@ def native_blueprint(serving: Serving) -> Blueprint:
 
     @native.get("/health")
     def health():
+        """200 only while serving; 503 while loading, restarting the engine, draining or failed."""
         client = serving.client
         ready = client.ready
-        body = {"status": client.state, "model": ready.model_name if ready else None,
+        state = "draining" if serving.draining else client.state
+        estimate = serving.preflight
+        body = {"status": state, "model": ready.model_name if ready else None,
                 "rows_in_use": client.stats.rows_in_use, "rows_total": config.rows,
                 "queue_length": client.stats.waiting, "open_sessions": client.open_sessions,
                 "mock": config.mock, "model_dir": ready.model_dir if ready else None,
                 "device": ready.device if ready else None, "dtype": ready.dtype if ready else None,
                 "context_length": ready.context_length if ready else None,
                 "quantize": ready.quantize if ready else None, "kv_dtype": ready.kv_dtype if ready else None,
-                "backend_pid": client.process.pid}
+                "backend_pid": client.process.pid if client.process else None,
+                "engine_restarts": client.restart_count,
+                "memory": estimate.as_dict() if estimate else None}
         if client.failure is not None:
             body["message"] = client.failure
-        return jsonify(body), 200 if client.state == "ready" else 503
+        response = jsonify(body)
+        response.status_code = 200 if state == "ready" else 503
+        if state != "ready":
+            response.headers["Retry-After"] = str(RETRY_AFTER)
+        return response
 
     @native.get("/metrics")
     def metrics():

@@ -1,5 +1,5 @@
 """The serving layer under every API (after vLLM's ``OpenAIServing``): readiness and the model check,
-max-token defaults, the context-fit check, submission, and the event stream of one request.
+the drain refusal, max-token defaults, the context-fit check, submission, and the event stream of one request.
 
 Each API module is a parser (request body into the engine's ``SamplingParams``) and a formatter (events
 into its wire format); everything between the two lives here, once.
@@ -12,11 +12,14 @@ from typing import Iterator
 
 from flask import request
 
+from lifecycle.drain import RETRY_AFTER, Drain
+
 from .config import ServerConfig
 from .engine_client import EngineClient
 from .errors import ApiError
 from .generation import Generation, all_events, collect
 from .messages import EngineReady, FinishReason, SamplingParams, TokenEvent
+from .preflight import Estimate
 from .streaming import first_event, session_events
 from .tokenizer import Tokenizer
 from .validation import check_fits
@@ -40,9 +43,16 @@ class Run:
 
 
 class Serving:
-    def __init__(self, client: EngineClient, config: ServerConfig):
+    def __init__(self, client: EngineClient, config: ServerConfig, drain: Drain | None = None,
+                 preflight: Estimate | None = None):
         self.client = client
         self.config = config
+        self.drain = drain  # while it is active, new generation requests get a 503 in their API's shape
+        self.preflight = preflight  # the pre-flight memory estimate, shown by /health
+
+    @property
+    def draining(self) -> bool:
+        return self.drain is not None and self.drain.active
 
     # readiness and the model
     def ready(self) -> EngineReady:
@@ -76,6 +86,9 @@ class Serving:
               field: str = "max_tokens") -> Run:
         """Fill in max_tokens (``None``: as many as fit, at most ``default_max``), check that prompt and output
         fit the context, submit, and wait for the first event."""
+        if self.draining:
+            raise ApiError(503, "server is shutting down; retry shortly (another instance takes over)",
+                           retry_after=RETRY_AFTER)
         context = self.ready().context_length
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty (no tokens)")

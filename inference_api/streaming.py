@@ -10,6 +10,8 @@ from .engine_client import EngineClient, Session
 from .errors import ApiError
 from .messages import FinishReason, TokenEvent
 
+SESSION_KEY = "inference_api.session"  # environ key: the request's engine session, read by the access log
+
 
 def client_disconnected(environ: dict) -> bool:
     """True when the client has closed its connection (gunicorn exposes the socket; EOF shows as readable)."""
@@ -26,6 +28,7 @@ def client_disconnected(environ: dict) -> bool:
 def session_events(client: EngineClient, session: Session, environ: dict,
                    poll_seconds: float = 0.5) -> Iterator[TokenEvent]:
     """Yield the session's events until it finishes; cancel it if the client leaves or the stream is closed."""
+    environ[SESSION_KEY] = session
     try:
         while True:
             try:

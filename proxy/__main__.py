@@ -1,10 +1,12 @@
-"""``python -m proxy [flags]``: serve the proxy with gunicorn (gthread, one worker, many threads)."""
+"""``python -m proxy [flags]``: serve the proxy with gunicorn (one gevent worker: a greenlet per connection)."""
 from __future__ import annotations
 
 import os
 import sys
 
 from gunicorn.app.base import BaseApplication
+
+from lifecycle.drain import DrainingArbiter, drain_on_signals, gunicorn_timeouts
 
 from .config import ConfigError, ProxyConfig
 
@@ -17,9 +19,12 @@ class ProxyServer(BaseApplication):
     def load_config(self) -> None:
         c = self.proxy_config
         host = f"[{c.host}]" if ":" in c.host else c.host
-        # one worker: the per-team limit is counted in-process; threads carry the open streams
-        options = {"bind": f"{host}:{c.port}", "workers": 1, "worker_class": "gthread", "threads": c.threads,
-                   "timeout": 30, "graceful_timeout": 10, "keepalive": 5, "loglevel": c.log_level,
+        # one worker: the per-team limit is counted in-process; greenlets carry the connections, so a thousand
+        # idle or trickling clients cost little and never starve a legitimate request
+        options = {"bind": f"{host}:{c.port}", "workers": 1, "worker_class": "proxy.worker.ProxyWorker",
+                   "worker_connections": c.max_connections, "timeout": 30, "keepalive": 5,
+                   **gunicorn_timeouts(c.drain_timeout), "loglevel": c.log_level,
+                   "post_worker_init": lambda worker: drain_on_signals(worker, worker.wsgi.extensions["drain"]),
                    "accesslog": None,  # the app writes its own JSON access log
                    # gunicorn's control socket has one default path per user: a second gunicorn (the inference
                    # server, another proxy) would take it over
@@ -31,6 +36,9 @@ class ProxyServer(BaseApplication):
         from .app import create_app
 
         return create_app(self.proxy_config)
+
+    def run(self) -> None:
+        DrainingArbiter(self).run()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -1,7 +1,6 @@
 """The Flask app factory: one catch-all route that authenticates, applies the team limit and forwards."""
 from __future__ import annotations
 
-import re
 import time
 import uuid
 from urllib.parse import quote, urlsplit
@@ -9,7 +8,10 @@ from urllib.parse import quote, urlsplit
 from flask import Flask, Response, g, request
 from werkzeug.routing import BaseConverter
 
-from .access_log import AccessLog
+from lifecycle.access_log import AccessLog, request_id
+from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked
+from lifecycle.drain import RETRY_AFTER, Drain
+
 from .auth import Identity, TokenVerifier, bearer_token
 from .config import ProxyConfig
 from .errors import ProxyError, register_error_handlers
@@ -19,7 +21,6 @@ from .upstream import StreamBody, Upstream, client_response_headers, upstream_re
 
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 PUBLIC = {("GET", "/health"), ("HEAD", "/health")}
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:+/=@-]{1,128}")
 
 
 class _AnyPath(BaseConverter):
@@ -39,14 +40,28 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
     limiter = TeamLimiter(config.max_concurrent_per_team)
     upstream = Upstream(config)
     access_log = access_log or AccessLog()
+    app.extensions["watchdog"] = watchdog = Watchdog()  # read deadlines, also for the error shape's body peek
+    active: set[object] = set()  # requests being forwarded or streamed back: what a drain waits for
+    streams: set[StreamBody] = set()  # answers being streamed back: what the drain deadline cuts
+
+    def cut(message: str) -> int:
+        for stream in list(streams):
+            stream.abort()
+        return len(streams)
+
+    app.extensions["drain"] = drain = Drain(config.drain_timeout, lambda: len(active), cut)
+    app.wsgi_app = close_when_asked(app.wsgi_app)
     register_error_handlers(app)
     register_playground(app)  # GET / and /playground: the chat page, no token needed to load it
 
     @app.before_request
     def start() -> None:
         g.started = time.monotonic()
-        given = request.headers.get("X-Request-Id", "")
-        g.request_id = given if _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
+        g.request_id = request_id(request.headers.get("X-Request-Id"))
+        if drain.active:
+            if (request.method, request.path) in PUBLIC:
+                raise ProxyError(503, "draining", {"Retry-After": str(RETRY_AFTER)}, {"status": "draining"})
+            raise ProxyError(503, "the proxy is shutting down; retry shortly", {"Retry-After": str(RETRY_AFTER)})
 
     @app.route("/<anypath:path>", methods=METHODS)
     def forward(path: str):
@@ -58,17 +73,31 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         if slot is None:
             raise ProxyError(429, f"team {identity.team_id!r} already has {limiter.max_per_team} requests in "
                                   "progress; retry when one finishes", {"Retry-After": str(config.retry_after)})
+        forwarding = object()
+        active.add(forwarding)
         try:
-            body = request.get_data(cache=False)
+            try:
+                body = watchdog.read_body(request.environ, lambda: request.get_data(cache=False), config.body_timeout)
+            except BodyTimeout as exc:
+                raise ProxyError(408, str(exc), {"Connection": "close"}) from None
             headers = upstream_request_headers(request.headers.items(), client_addr=request.remote_addr,
                                                scheme=request.scheme, request_id=g.request_id, identity=identity)
             forwarded = upstream.send(request.method, _target(), headers, body)
         except BaseException:
+            active.discard(forwarding)
             slot.release()
             raise
+
+        def closed() -> None:
+            streams.discard(stream)
+            active.discard(forwarding)
+            forwarded.release()
+            slot.release()
+
         g.upstream = forwarded
         answer = forwarded.response
-        g.stream = stream = StreamBody(answer, on_close=lambda: (forwarded.release(), slot.release()))
+        g.stream = stream = StreamBody(answer, on_close=closed)
+        streams.add(stream)
         upstream_headers = list(answer.raw.headers.items())
         response = Response(stream, status=answer.status_code, headers=client_response_headers(upstream_headers))
         if not any(name.lower() == "content-type" for name, _ in upstream_headers):

@@ -26,7 +26,11 @@ class ProxyConfig:
     upstreams: tuple[str, ...] = ("http://127.0.0.1:8000",)
     upstream_cooldown: float = 5.0  # seconds an upstream that refused a connection or answered 503 is skipped
     upstream_resolve_interval: float = 10.0  # seconds between DNS look-ups of upstream host names
-    threads: int = 128  # gunicorn gthread threads: one per open stream
+    threads: int = 128  # upstream connections kept alive in the pool
+    max_connections: int = 4096  # client connections held at once (gevent greenlets: idle ones cost a few kB)
+    header_timeout: float = 10.0  # seconds a client has to send its request headers (and to idle between requests)
+    body_timeout: float = 30.0  # seconds a client has to send its whole request body; then 408
+    drain_timeout: float = 90.0  # on SIGTERM/SIGINT: seconds open streams get to finish (above the server's 60)
     jwt_algorithms: tuple[str, ...] = ("HS256",)
     jwt_public_key: str | None = field(default=None, repr=False)  # PEM text, for RS*/PS*/ES*/EdDSA
     jwt_required_claims: tuple[str, ...] = ("team_id", "token_id")
@@ -81,11 +85,11 @@ class ProxyConfig:
         claims = tuple(dict.fromkeys(c.strip() for c in values.pop("jwt_required_claims", ()) if c.strip()))
         config = cls(jwt_secret=secret, jwt_algorithms=algorithms, jwt_public_key=public_key, upstreams=upstreams,
                      jwt_required_claims=claims, **values)
-        for name in ("port", "threads", "connect_timeout", "first_byte_timeout", "max_body_bytes",
-                     "upstream_resolve_interval"):
+        for name in ("port", "threads", "connect_timeout", "first_byte_timeout", "max_body_bytes", "max_connections",
+                     "header_timeout", "body_timeout", "upstream_resolve_interval"):
             if getattr(config, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
-        for name in ("stream_idle_timeout", "max_concurrent_per_team", "retry_after", "jwt_leeway",
+        for name in ("stream_idle_timeout", "max_concurrent_per_team", "retry_after", "jwt_leeway", "drain_timeout",
                      "upstream_cooldown"):
             if getattr(config, name) < 0:
                 raise ConfigError(f"{name} must not be negative")
@@ -127,7 +131,14 @@ _OPTIONS = [
      "seconds an upstream that refused a connection or answered 503 is skipped before it is tried again"),
     ("--upstream-resolve-interval", "upstream_resolve_interval", "UPSTREAM_RESOLVE_INTERVAL", float,
      "seconds between DNS look-ups of upstream host names"),
-    ("--threads", "threads", "PROXY_THREADS", int, "gunicorn threads (concurrent requests)"),
+    ("--threads", "threads", "PROXY_THREADS", int, "upstream connections kept alive"),
+    ("--max-connections", "max_connections", "PROXY_MAX_CONNECTIONS", int, "client connections held at once"),
+    ("--header-timeout", "header_timeout", "PROXY_HEADER_TIMEOUT", float,
+     "seconds a client has to send its request headers"),
+    ("--body-timeout", "body_timeout", "PROXY_BODY_TIMEOUT", float,
+     "seconds a client has to send its request body before 408"),
+    ("--drain-timeout", "drain_timeout", "PROXY_DRAIN_TIMEOUT", float,
+     "seconds open streams get to finish after SIGTERM/SIGINT"),
     ("--jwt-algorithms", "jwt_algorithms", "JWT_ALGORITHMS", _names, "accepted JWT algorithms, comma-separated"),
     ("--jwt-public-key-file", "jwt_public_key_file", "JWT_PUBLIC_KEY_FILE", Path,
      "PEM public key for RS*/PS*/ES*/EdDSA tokens"),

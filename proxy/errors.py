@@ -7,12 +7,14 @@ client raises the same exception type for a proxy error as for the server's (a 4
 """
 from __future__ import annotations
 
+import json
 import logging
 
-from flask import Flask, g, jsonify, request
+from flask import Flask, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from inference_api.error_shapes import api_of, error_body, status_for
+from lifecycle.deadlines import BodyTimeout, Watchdog
 
 from .auth import AuthError
 
@@ -20,25 +22,37 @@ log = logging.getLogger("proxy")
 
 
 class ProxyError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, fields: dict | None = None):
         super().__init__(message)
         self.status = status
         self.message = message
         self.headers = headers or {}
+        self.fields = fields or {}  # extra top-level body fields, e.g. the draining /health's "status"
+
+
+SHAPE_BODY_BYTES = 65536  # a shared path's body is read for its error shape only up to this size...
+SHAPE_BODY_SECONDS = 2.0  # ...and only if it arrives within this time: a slow or huge body costs nothing more
 
 
 def request_api() -> str:
-    """The API family of the current request; the body is read (and kept) only on the shared paths."""
+    """The API family of the current request. Only on the shared paths is the body read (and kept), and only a
+    small one that arrives at once; otherwise the path decides (every other error is answered unread)."""
     body = None
-    if request.path in ("/generate", "/tokenize") and request.mimetype == "application/json":
-        body = request.get_json(silent=True, cache=True)
+    if (request.path in ("/generate", "/tokenize") and request.mimetype == "application/json"
+            and (request.content_length or 0) <= SHAPE_BODY_BYTES):
+        watchdog: Watchdog = current_app.extensions["watchdog"]
+        try:
+            data = watchdog.read_body(request.environ, lambda: request.get_data(cache=True), SHAPE_BODY_SECONDS)
+            body = json.loads(data) if data else None
+        except (BodyTimeout, ValueError):
+            body = None
     return api_of(request.path, body)
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None):
+def error_response(status: int, message: str, headers: dict[str, str] | None = None, fields: dict | None = None):
     g.error = message  # for the access log
     api = request_api()
-    response = jsonify(error_body(api, status, message))
+    response = jsonify({**error_body(api, status, message), **(fields or {})})
     response.status_code = status_for(api, status)
     response.headers.update(headers or {})
     return response
@@ -51,11 +65,14 @@ def register_error_handlers(app: Flask) -> None:
         challenge = 'Bearer realm="inference"'
         if request.headers.get("Authorization"):
             challenge += ', error="invalid_token"'
-        return error_response(401, exc.message, {"WWW-Authenticate": challenge})
+        # answered without reading the body (but for a small one on /generate or /tokenize that arrives at once,
+        # read for its error shape), and the connection closed: a client that sends a large body (or sends it
+        # slowly) with a bad token costs nothing more
+        return error_response(401, exc.message, {"WWW-Authenticate": challenge, "Connection": "close"})
 
     @app.errorhandler(ProxyError)
     def proxy_error(exc: ProxyError):
-        return error_response(exc.status, exc.message, exc.headers)
+        return error_response(exc.status, exc.message, exc.headers, exc.fields)
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):

@@ -365,6 +365,10 @@ class StreamBody:
             self.error = f"upstream stream broken: {type(exc).__name__}"
             raise ConnectionResetError(errno.ECONNRESET, self.error) from exc
 
+    def abort(self) -> None:
+        """Cut the stream now (the drain deadline): the client sees an incomplete response."""
+        self._upstream.close()
+
     def close(self) -> None:
         if self._closed:
             return

@@ -2,8 +2,9 @@
 """Run the whole stack: the inference server on loopback and the JWT proxy in front of it.
 
 On a first run it writes a random JWT_SECRET into a git-ignored .env (unless JWT_SECRET is set), then
-prints a ready-to-paste curl command with a valid token and the address of the chat page. Ctrl-C stops
-both. Flags after the script name go to the inference server (for example --mock, or --model PATH).
+prints a ready-to-paste curl command with a valid token and the address of the chat page. Ctrl-C drains
+and stops both (a second Ctrl-C stops them at once). Flags after the script name go to the inference
+server (for example --mock, or --model PATH).
 
 With --require-secret (the container images' command) JWT_SECRET must come from the environment: without it
 the stack refuses to start, nothing is written and no token is printed. The ports and the proxy's address
@@ -25,6 +26,7 @@ import jwt
 import requests
 
 ROOT = Path(__file__).resolve().parent.parent
+DRAIN_WAIT = 110  # seconds: the proxy's default drain (90 s) and its exit margin
 
 
 def load_env_file(path: Path) -> dict[str, str]:
@@ -99,14 +101,17 @@ def main() -> int:
     ]
 
     def stop(*_):
+        """Drain both (running streams finish, up to the proxy's 90 s drain); a second Ctrl-C stops at once."""
         for p in procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(90)  # longer than the server's drain: open streams finish
-            except subprocess.TimeoutExpired:
-                p.kill()
+        try:
+            for p in procs:
+                p.wait(DRAIN_WAIT)
+        except (subprocess.TimeoutExpired, KeyboardInterrupt):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
 
     signal.signal(signal.SIGTERM, lambda *_: (stop(), sys.exit(0)))
     try:
@@ -126,7 +131,7 @@ def main() -> int:
               f"  -d '{{\"text\": \"What is the capital of France?\", \"max_tokens\": 64}}'\n\n"
               f"Or chat in a browser: http://127.0.0.1:{args.proxy_port}/ (paste the token after 'Bearer' "
               f"when the page asks).\n\n"
-              f"Ctrl-C stops both processes.\n", flush=True)
+              f"Ctrl-C drains and stops both processes.\n", flush=True)
         return _wait(procs)
     except KeyboardInterrupt:
         return 0

@@ -213,3 +213,16 @@ def test_engine_death_interrupts_open_requests_with_the_error():
         for handle in (running, waiting):
             assert llm.sync_request(handle, timeout=30) is RequestStatus.INTERRUPTED
             assert handle.finish_reason == "error" and "exited" in handle.queue.error
+
+
+def test_past_the_restart_bound_the_llm_fails_and_the_program_lives_on():
+    import os
+    import signal
+
+    # the server's worker exits past the bound (gunicorn replaces it); a user's program must not be signalled
+    with LLM(mock=True, rows=1, engine_max_restarts=0) as llm:
+        os.kill(llm._client.process.pid, signal.SIGKILL)
+        wait_for(lambda: llm._client.failure is not None)
+        assert "crashed" in llm._client.failure
+        with pytest.raises(EngineError, match="crashed"):
+            llm.start_request("after")

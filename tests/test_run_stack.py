@@ -33,7 +33,7 @@ def stack(tmp_path):
         if not line:
             break
         lines.append(line)
-        if line.startswith("Ctrl-C stops"):
+        if line.startswith("Ctrl-C drains and stops"):
             break
     yield proc, "".join(lines), env_file, server_port, proxy_port
     if proc.poll() is None:

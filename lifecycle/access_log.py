@@ -1,11 +1,24 @@
-"""One JSON line per request, written when the response (stream included) has ended. Never the token."""
+"""One JSON line per request, written when the response (stream included) has ended. Never the token.
+
+Shared by the proxy and the inference server, with the request id both put in it: the client's
+``X-Request-Id`` when it is sane, else a fresh one.
+"""
 from __future__ import annotations
 
 import json
+import re
 import sys
 import threading
+import uuid
 from datetime import datetime, timezone
 from typing import Any, TextIO
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:+/=@-]{1,128}")
+
+
+def request_id(given: str | None) -> str:
+    """The incoming X-Request-Id if it is a plain token of at most 128 characters, else a new random id."""
+    return given if given and _REQUEST_ID.fullmatch(given) else uuid.uuid4().hex
 
 
 class AccessLog:

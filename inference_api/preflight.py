@@ -1,0 +1,292 @@
+"""Pre-flight: before loading, check that the weights and the KV cache fit in what is free.
+
+``estimate_bytes`` is the pure arithmetic (parameter count x bytes per weight, KV cache for rows x context);
+``preflight`` gathers the model's shape (config.json, safetensors headers or GGUF metadata, never the
+weights), the free memory of the chosen device and the free disk for a first GGUF conversion, and raises
+``PreflightError`` naming the numbers and the flags that shrink them when something does not fit.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import shutil
+import struct
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .config import DEFAULT_MODEL_NAME, ServerConfig
+
+log = logging.getLogger(__name__)
+
+GiB = 1 << 30
+RUNTIME_OVERHEAD = 1 * GiB  # torch, allocator slack, activations and logits, the web worker
+DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
+# bytes per weight of the quantized layouts (engine/quant.py): int4 packs two weights a byte (q uint8 [N, K/2])
+# with a float32 scale d and a float32 minimum m per block of 32; int8 is a byte per weight and one float32 scale
+# per group: 32 weights from a GGUF (as Q8_0), one output channel (K weights) from a folder
+QUANT_BYTES = {"int4": 0.5 + 8 / 32, "int8": 1.0 + 4 / 32}
+HEAD_BYTES = 1.0 + 4 / 32  # a quantized model's output head: int8 groups of 32 (llama family)
+SHRINK_FLAGS = "--rows, --context-length, --dtype, --kv-dtype or --quantize"
+
+
+class PreflightError(RuntimeError):
+    """The model will not fit; the server must not start."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    num_params: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_params: int = 0  # vocabulary x hidden: the token embedding, and the output head again unless tied
+    tied: bool = True  # the output head is the token embedding
+    hidden: int = 0
+
+
+@dataclass(frozen=True)
+class Estimate:
+    device: str  # "cpu" or "cuda[:N]"
+    weights_bytes: int
+    kv_cache_bytes: int
+    overhead_bytes: int
+    free_bytes: int | None  # RAM (cpu) or GPU memory (cuda); None: unknown
+    disk_needed_bytes: int  # for a first conversion into the model cache; 0 when already converted
+    disk_free_bytes: int | None
+
+    @property
+    def needed_bytes(self) -> int:
+        return self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
+
+    @property
+    def memory_kind(self) -> str:
+        return "GPU memory" if self.device.startswith("cuda") else "RAM"
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "needed_bytes": self.needed_bytes}
+
+    def summary(self) -> str:
+        free = "unknown" if self.free_bytes is None else f"{_gib(self.free_bytes)} free"
+        text = (f"needs {_gib(self.needed_bytes)} of {self.memory_kind} on {self.device} (weights "
+                f"{_gib(self.weights_bytes)}, KV cache {_gib(self.kv_cache_bytes)} if every row fills its context, runtime "
+                f"{_gib(self.overhead_bytes)}), {free}")
+        if self.disk_needed_bytes:
+            text += f"; conversion needs {_gib(self.disk_needed_bytes)} of disk, {_gib(self.disk_free_bytes or 0)} free"
+        return text
+
+
+def _gib(n: float) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+def estimate_bytes(num_params: int, bytes_per_weight: float, bytes_per_kv: float, num_layers: int,
+                   num_kv_heads: int, head_dim: int, rows: int, context_length: int,
+                   dense_params: int = 0, bytes_per_dense: float = 0.0, head_params: int = 0,
+                   bytes_per_head: float = 0.0) -> tuple[int, int]:
+    """(weights, KV cache) in bytes: ``dense_params`` of the parameters (an untied token embedding, which
+    quantization leaves alone) at ``bytes_per_dense``, ``head_params`` (a quantized model's output head) at
+    ``bytes_per_head``, the others at ``bytes_per_weight``; keys and values for every layer, row and position
+    (plus the cache's one scratch position) at ``bytes_per_kv``. The KV cache is the worst case: on CPU it is
+    lazily resident (anonymous memory), so a server whose rows never fill their context uses less."""
+    weights = math.ceil((num_params - dense_params - head_params) * bytes_per_weight + dense_params * bytes_per_dense
+                        + head_params * bytes_per_head)
+    kv = math.ceil(2 * num_layers * rows * num_kv_heads * (context_length + 1) * head_dim * bytes_per_kv)
+    return weights, kv
+
+
+def quantize_mode(config: ServerConfig) -> str:
+    """The weight quantization the loader will pick (model_loader.pick_precision): auto keeps a GGUF's own."""
+    if config.quantize != "auto":
+        return config.quantize
+    from .model_loader import gguf_quantization, gguf_source
+
+    gguf = gguf_source(config)
+    return gguf_quantization(gguf) if gguf is not None and config.dtype in ("auto", "float32") else "none"
+
+
+def bytes_per_weight(config: ServerConfig, device: str, quantize: str = "none", in_features: int | None = None) -> float:
+    """``in_features``: for int8 from a folder, the K weights that share an output channel's scale (None: a GGUF's
+    groups of 32)."""
+    if quantize == "int8" and in_features:
+        return 1.0 + 4 / in_features
+    if quantize in QUANT_BYTES:
+        return QUANT_BYTES[quantize]
+    return DTYPE_BYTES[_dtype(config.dtype, device)]
+
+
+def bytes_per_kv(config: ServerConfig, device: str, quantize: str = "none") -> float:
+    if config.kv_dtype != "auto":
+        return DTYPE_BYTES[config.kv_dtype]
+    if quantize != "none" and device == "cpu":
+        return DTYPE_BYTES["bfloat16"]  # as pick_precision: a 16-bit cache next to quantized weights
+    return DTYPE_BYTES[_dtype(config.dtype, device)]
+
+
+def _dtype(name: str, device: str) -> str:
+    if name != "auto":
+        return name
+    return "bfloat16" if device.startswith("cuda") else "float32"  # as model_loader.pick_dtype chooses
+
+
+# model shapes, from metadata only
+def shape_from_config(cfg: dict, num_params: int | None = None) -> ModelShape:
+    hidden, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    heads = cfg["num_attention_heads"]
+    kv_heads = cfg.get("num_key_value_heads") or heads
+    head_dim = cfg.get("head_dim") or hidden // heads
+    if num_params is None:  # a llama-style decoder, counted from its dimensions
+        vocab, inter = cfg["vocab_size"], cfg["intermediate_size"]
+        per_layer = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter + 2 * hidden
+        num_params = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2) + layers * per_layer + hidden
+    return ModelShape(num_params, layers, kv_heads, head_dim, cfg["vocab_size"] * hidden,
+                      bool(cfg.get("tie_word_embeddings")), hidden)
+
+
+def safetensors_params(folder: Path) -> int | None:
+    """Parameter count from the safetensors headers (a few kB read per file), or None without safetensors."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for path in files:
+        with path.open("rb") as f:
+            (size,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(size))
+        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
+    return total
+
+
+def shape_from_gguf(path: Path) -> ModelShape:
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+
+    def field(key: str):
+        f = reader.fields.get(key)
+        return None if f is None else f.contents()
+
+    arch = field("general.architecture")
+    heads = field(f"{arch}.attention.head_count")
+    head_dim = field(f"{arch}.attention.key_length") or field(f"{arch}.embedding_length") // heads
+    names = {t.name: int(t.n_elements) for t in reader.tensors}
+    return ModelShape(sum(names.values()), field(f"{arch}.block_count"),
+                      field(f"{arch}.attention.head_count_kv") or heads, head_dim, names["token_embd.weight"],
+                      "output.weight" not in names, field(f"{arch}.embedding_length"))
+
+
+def model_shape(config: ServerConfig) -> tuple[ModelShape, int]:
+    """The model's shape and the disk bytes a first conversion into the model cache will write (0: none)."""
+    from .model_loader import embedded_gguf
+
+    spec = config.model
+    gguf_file = embedded_gguf() if spec is None else Path(spec) if spec.endswith(".gguf") else None
+    if gguf_file is not None:
+        target = config.model_cache_dir / (DEFAULT_MODEL_NAME if spec is None else gguf_file.stem)
+        if (target / "config.json").is_file():
+            folder = target
+        else:
+            shape = shape_from_gguf(gguf_file)
+            return shape, shape.num_params * 4 + 64 * 2**20  # float32 safetensors plus tokenizer files
+    elif Path(spec).is_dir():
+        folder = Path(spec)
+    else:
+        from huggingface_hub import snapshot_download
+
+        folder = Path(snapshot_download(spec, local_files_only=True, allow_patterns=["*.json"]))
+    cfg = json.loads((folder / "config.json").read_text())
+    return shape_from_config(cfg.get("text_config", cfg), safetensors_params(folder)), 0
+
+
+# what is free
+def pick_device(requested: str) -> str:
+    """``auto`` without importing torch where no NVIDIA driver is present."""
+    if requested != "auto":
+        return requested
+    if not Path("/proc/driver/nvidia/version").exists() and not shutil.which("nvidia-smi"):
+        return "cpu"
+    from .model_loader import pick_device as torch_pick
+
+    return torch_pick("auto")
+
+
+def free_memory(device: str) -> int | None:
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    free = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                free = int(line.split()[1]) * 1024
+    except OSError:
+        try:
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError, AttributeError):
+            return None
+    try:  # a container's memory limit (cgroup v2) can be lower than the machine's
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+            free = min(free if free is not None else 1 << 62, int(limit) - used)
+    except (OSError, ValueError):
+        pass
+    return free
+
+
+def free_disk(path: Path) -> int | None:
+    path = path.resolve()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return None
+
+
+def estimate(config: ServerConfig) -> Estimate:
+    shape, disk_needed = model_shape(config)
+    device = pick_device(config.device)
+    quantize = quantize_mode(config)
+    from .model_loader import gguf_source
+
+    per_channel = None if gguf_source(config) is not None else shape.hidden or None
+    quantized = quantize != "none"
+    weights, kv = estimate_bytes(shape.num_params, bytes_per_weight(config, device, quantize, per_channel),
+                                 bytes_per_kv(config, device, quantize), shape.num_layers, shape.num_kv_heads,
+                                 shape.head_dim, config.rows, config.context_length,
+                                 dense_params=shape.vocab_params if quantized and not shape.tied else 0,
+                                 bytes_per_dense=bytes_per_weight(config, device),
+                                 head_params=shape.vocab_params if quantized else 0, bytes_per_head=HEAD_BYTES)
+    return Estimate(device, weights, kv, RUNTIME_OVERHEAD, free_memory(device), disk_needed,
+                    free_disk(config.model_cache_dir) if disk_needed else None)
+
+
+def preflight(config: ServerConfig) -> Estimate | None:
+    """The estimate (logged); PreflightError when it does not fit, unless --skip-preflight."""
+    if config.mock:
+        return None
+    try:
+        est = estimate(config)
+    except Exception as exc:  # the loader will report a missing or broken model properly
+        log.warning("pre-flight skipped: cannot read the model's shape (%s)", exc)
+        return None
+    problems = []
+    if est.free_bytes is not None and est.needed_bytes > est.free_bytes:
+        problems.append(f"{_gib(est.needed_bytes)} of {est.memory_kind} needed, {_gib(est.free_bytes)} free")
+    if est.disk_free_bytes is not None and est.disk_needed_bytes > est.disk_free_bytes:
+        problems.append(f"{_gib(est.disk_needed_bytes)} of disk needed in {config.model_cache_dir} for the "
+                        f"conversion, {_gib(est.disk_free_bytes)} free")
+    if not problems:
+        print(f"pre-flight: {est.summary()}", file=sys.stderr, flush=True)
+        return est
+    message = (f"pre-flight: the model does not fit: {'; '.join(problems)} ({est.summary()}; "
+               f"{config.rows} rows x {config.context_length} tokens). Shrink it with {SHRINK_FLAGS}, "
+               f"or pass --skip-preflight to start anyway.")
+    if config.skip_preflight:
+        print(f"WARNING: {message} Starting anyway (--skip-preflight).", file=sys.stderr, flush=True)
+        return est
+    raise PreflightError(message)

@@ -1,0 +1,105 @@
+"""Read deadlines for slow clients, and closing a connection whose request body is never going to be read.
+
+A request body must arrive whole within its deadline: one watchdog thread (a greenlet under gevent) shuts the
+socket's read side when a deadline passes, so the blocked read returns at once and the request is answered
+408, whatever the server's worker class. A response carrying ``Connection: close`` (a 401 sent without reading
+the body, a 408) makes gunicorn close the connection instead of reading the rest of the body first.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+
+class BodyTimeout(Exception):
+    """The client did not send its request body within the deadline."""
+
+
+class Watchdog:
+    def __init__(self):
+        self._heap: list[tuple[float, int, Callable[[], None]]] = []
+        self._pending: set[int] = set()
+        self._ids = itertools.count()
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+
+    def call_at(self, when: float, action: Callable[[], None]) -> int:
+        with self._cond:
+            if self._thread is None:  # started lazily: in the worker, after gevent has patched threading
+                self._thread = threading.Thread(target=self._run, name="read-deadlines", daemon=True)
+                self._thread.start()
+            key = next(self._ids)
+            self._pending.add(key)
+            heapq.heappush(self._heap, (when, key, action))
+            self._cond.notify()
+            return key
+
+    def cancel(self, key: int) -> None:
+        with self._cond:
+            self._pending.discard(key)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._heap or self._heap[0][0] > time.monotonic():
+                    self._cond.wait(None if not self._heap else max(self._heap[0][0] - time.monotonic(), 0.001))
+                _, key, action = heapq.heappop(self._heap)
+                if key not in self._pending:
+                    continue
+                self._pending.discard(key)
+            try:
+                action()
+            except OSError:
+                pass
+
+    @contextmanager
+    def deadline(self, environ: dict, seconds: float) -> Iterator[threading.Event]:
+        """Within the block, reads from the request's socket end (EOF) once ``seconds`` have passed."""
+        sock = environ.get("gunicorn.socket")
+        expired = threading.Event()
+
+        def expire() -> None:
+            expired.set()
+            if sock is not None:
+                sock.shutdown(socket.SHUT_RD)
+
+        key = self.call_at(time.monotonic() + seconds, expire)
+        try:
+            yield expired
+        finally:
+            self.cancel(key)
+
+    def read_body(self, environ: dict, read: Callable[[], bytes], seconds: float) -> bytes:
+        """``read()`` the whole body, or raise BodyTimeout when it takes longer than ``seconds``."""
+        with self.deadline(environ, seconds) as expired:
+            try:
+                body = read()
+            except Exception:
+                if expired.is_set():
+                    raise BodyTimeout(f"request body not received within {seconds:g} s") from None
+                raise
+        if expired.is_set():
+            raise BodyTimeout(f"request body not received within {seconds:g} s")
+        return body
+
+
+def close_when_asked(wsgi_app):
+    """WSGI middleware: a response with ``Connection: close`` closes the connection (gunicorn otherwise drops that
+    header and, to keep the connection alive, first reads whatever body the client is still sending)."""
+
+    def app(environ, start_response):
+        def start(status, headers, exc_info=None):
+            if any(n.lower() == "connection" and v.lower() == "close" for n, v in headers):
+                force_close = getattr(getattr(start_response, "__self__", None), "force_close", None)
+                if force_close is not None:
+                    force_close()
+            return start_response(status, headers, exc_info)
+
+        return wsgi_app(environ, start)
+
+    return app

@@ -29,6 +29,8 @@ DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
 # per group: 32 weights from a GGUF (as Q8_0), one output channel (K weights) from a folder
 QUANT_BYTES = {"int4": 0.5 + 8 / 32, "int8": 1.0 + 4 / 32}
 HEAD_BYTES = 1.0 + 4 / 32  # a quantized model's output head: int8 groups of 32 (llama family)
+# on CPU a quantized layer also keeps its weight dequantized for oneDNN, which runs the batches (SplitLinear)
+BATCH_COPY_BYTES = 4.0
 SHRINK_FLAGS = "--rows, --context-length, --dtype, --kv-dtype or --quantize"
 
 
@@ -110,10 +112,11 @@ def quantize_mode(config: ServerConfig) -> str:
 def bytes_per_weight(config: ServerConfig, device: str, quantize: str = "none", in_features: int | None = None) -> float:
     """``in_features``: for int8 from a folder, the K weights that share an output channel's scale (None: a GGUF's
     groups of 32)."""
+    copy = BATCH_COPY_BYTES if device == "cpu" else 0.0
     if quantize == "int8" and in_features:
-        return 1.0 + 4 / in_features
+        return 1.0 + 4 / in_features + copy
     if quantize in QUANT_BYTES:
-        return QUANT_BYTES[quantize]
+        return QUANT_BYTES[quantize] + copy
     return DTYPE_BYTES[_dtype(config.dtype, device)]
 
 
@@ -260,7 +263,8 @@ def estimate(config: ServerConfig) -> Estimate:
                                  shape.head_dim, config.rows, config.context_length,
                                  dense_params=shape.vocab_params if quantized and not shape.tied else 0,
                                  bytes_per_dense=bytes_per_weight(config, device),
-                                 head_params=shape.vocab_params if quantized else 0, bytes_per_head=HEAD_BYTES)
+                                 head_params=shape.vocab_params if quantized else 0,
+                                 bytes_per_head=HEAD_BYTES + (BATCH_COPY_BYTES if device == "cpu" else 0.0))
     return Estimate(device, weights, kv, RUNTIME_OVERHEAD, free_memory(device), disk_needed,
                     free_disk(config.model_cache_dir) if disk_needed else None)
 

@@ -32,9 +32,11 @@ def test_bytes_follow_dtype_quantization_and_kv_dtype():
     c = ServerConfig()
     assert bytes_per_weight(c, "cpu") == 4 and bytes_per_weight(c, "cuda") == 2
     # engine/quant.py's layouts: int4 half a byte plus float32 scale and minimum per 32; int8 a byte plus a
-    # float32 scale per 32 (GGUF) or per output channel of K inputs (folder)
-    assert bytes_per_weight(c, "cpu", "int4") == 0.5 + 8 / 32 and bytes_per_weight(c, "cpu", "int8") == 1 + 4 / 32
-    assert bytes_per_weight(c, "cpu", "int8", in_features=576) == 1 + 4 / 576
+    # float32 scale per 32 (GGUF) or per output channel of K inputs (folder); on CPU also the dequantized
+    # float32 copy that oneDNN runs batches on (linear.SplitLinear)
+    assert bytes_per_weight(c, "cuda", "int4") == 0.5 + 8 / 32 and bytes_per_weight(c, "cuda", "int8") == 1 + 4 / 32
+    assert bytes_per_weight(c, "cpu", "int4") == 0.5 + 8 / 32 + 4 and bytes_per_weight(c, "cpu", "int8") == 1 + 4 / 32 + 4
+    assert bytes_per_weight(c, "cpu", "int8", in_features=576) == 1 + 4 / 576 + 4
     assert bytes_per_kv(ServerConfig(kv_dtype="bfloat16"), "cpu") == 2
     assert bytes_per_kv(ServerConfig(dtype="float16"), "cpu") == 2
     assert bytes_per_kv(c, "cpu", "int4") == 2 and bytes_per_kv(c, "cpu") == 4  # 16-bit cache next to quantized
@@ -51,7 +53,7 @@ def test_too_large_refuses_unless_skipped(model_dir):
     dense = preflight(ServerConfig(model_cache_dir=Path(MODEL_CACHE), quantize="none", skip_preflight=True))
     assert dense.weights_bytes == 4 * 134_515_008 and dense.disk_needed_bytes == 0
     default = preflight(ServerConfig(model_cache_dir=Path(MODEL_CACHE), skip_preflight=True))  # the GGUF's 4-bit
-    head = 49152 * 576  # tied: the int8 head's rows are the embeddings
-    assert default.weights_bytes == math.ceil((134_515_008 - head) * (0.5 + 8 / 32) + head * (1 + 4 / 32))
+    head = 49152 * 576  # tied: the int8 head's rows are the embeddings; each also has its float32 batch copy
+    assert default.weights_bytes == math.ceil((134_515_008 - head) * (0.5 + 8 / 32 + 4) + head * (1 + 4 / 32 + 4))
     assert default.kv_cache_bytes * 2 == dense.kv_cache_bytes  # bfloat16 instead of float32
     assert preflight(ServerConfig(mock=True, context_length=10**8)) is None  # the mock loads nothing

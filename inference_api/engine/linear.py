@@ -28,7 +28,6 @@ class DenseLinear:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.weight, self.bias = weight, bias
-        self.nbytes = weight.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -40,7 +39,6 @@ class OneDNNLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
         self.bias = bias
-        self.nbytes = weight.numel() * 4
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -52,7 +50,6 @@ class SplitLinear:
     def __init__(self, quantized: QuantLinear, dense: OneDNNLinear):
         self.quantized, self.dense = quantized, dense
         self.weight = quantized.weight  # the quantized form: embedding lookups of a tied head read its rows
-        self.nbytes = quantized.nbytes + dense.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.quantized(x) if x.numel() == x.shape[-1] else self.dense(x)

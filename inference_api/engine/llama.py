@@ -56,7 +56,6 @@ class CompactLM:
 
     def __init__(self, config, embed: Callable[[torch.Tensor], torch.Tensor], layers: list[Layer],
                  norm: torch.Tensor, head: Linear, length: int, device, dtype: torch.dtype, kernels=None):
-        self.config = config
         self.kernels = kernels if torch.device(device).type == "cpu" and dtype == torch.float32 else None
         self.embed, self.layers, self.norm, self.head = embed, layers, norm, head
         self.heads = config.num_attention_heads

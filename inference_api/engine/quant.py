@@ -23,10 +23,6 @@ class Int8Weight:
     q: torch.Tensor  # [N, K] int8
     s: torch.Tensor  # [N, K / G] float32
 
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.s.nbytes
-
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
         return (self.q.view(n, self.s.shape[1], -1).float() * self.s[..., None]).view(n, k)
@@ -42,10 +38,6 @@ class Int4Weight:
     q: torch.Tensor  # [N, K / 2] uint8
     d: torch.Tensor  # [N, K / 32] float32
     m: torch.Tensor  # [N, K / 32] float32
-
-    @property
-    def nbytes(self) -> int:
-        return self.q.nbytes + self.d.nbytes + self.m.nbytes
 
     def dequantize(self) -> torch.Tensor:
         n = self.q.shape[0]
@@ -88,14 +80,9 @@ class QuantLinear:
 
     def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, kernels):
         self.weight, self.bias, self.kernels = weight, bias, kernels
-        self.out_features = weight.q.shape[0]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if isinstance(w, Int8Weight):
             return self.kernels.linear_int8(x, w.q, w.s, self.bias)
         return self.kernels.linear_int4(x, w.q, w.d, w.m, self.bias)
-
-    @property
-    def nbytes(self) -> int:
-        return self.weight.nbytes

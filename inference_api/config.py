@@ -22,7 +22,7 @@ class ServerConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     quantize: str = "auto"  # auto (a GGUF's own quantization, else none) | none | int8 | int4
-    kv_dtype: str = "auto"  # auto (bfloat16 with quantized weights, else the model's) | float32 | bfloat16 | float16
+    kv_dtype: str = "auto"  # auto (int8 with quantized weights on CPU, else the model's) | float32 | bfloat16 | float16 | int8
     rows: int = 32  # fixed user rows, each with its own KV cache
     context_length: int = 2048  # KV positions per row (prompt + output)
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step, so long prompts never stall streams
@@ -72,7 +72,7 @@ _ENV = {
     "device": ("DEVICE", "auto, cpu, cuda or cuda:N"),
     "dtype": ("DTYPE", "auto, float32, float16 or bfloat16"),
     "quantize": ("QUANTIZE", "weights: auto (a GGUF keeps its own quantization), none, int8 or int4"),
-    "kv_dtype": ("KV_DTYPE", "KV cache: auto, float32, bfloat16 or float16"),
+    "kv_dtype": ("KV_DTYPE", "KV cache: auto, float32, bfloat16, float16 or int8"),
     "rows": ("MAX_USERS", "user rows decoded together"),
     "context_length": ("CONTEXT_LENGTH", "tokens per row (prompt + output)"),
     "prefill_chunk": ("PREFILL_CHUNK", "prompt tokens prefilled per step"),
@@ -96,7 +96,7 @@ _ENV = {
 _CHOICES = {
     "dtype": ("auto", "float32", "float16", "bfloat16"),
     "quantize": ("auto", "none", "int8", "int4"),
-    "kv_dtype": ("auto", "float32", "float16", "bfloat16"),
+    "kv_dtype": ("auto", "float32", "float16", "bfloat16", "int8"),
 }
 
 

@@ -98,6 +98,7 @@ class EngineReady:
     dtype: str
     quantize: str = "none"  # none | int8 | int4: how the weights are held
     kv_dtype: str = ""
+    matmul_dtype: str = ""  # the dtype of multi-row matmuls (batched decode and prefill)
 
 
 @dataclass(frozen=True)

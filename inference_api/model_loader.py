@@ -152,18 +152,41 @@ def gguf_quantization(gguf: Path) -> str:
     return "int4" if kind in _GGUF_INT4 else "int8" if kind in _GGUF_INT8 else "none"
 
 
-def pick_precision(config: ServerConfig, device: str, dtype) -> tuple[str, object, int | None]:
-    """(quantize, KV cache dtype, int8 group) for the configured flags: auto keeps a GGUF file's own
-    quantization (with int8 groups of 32, as its Q8_0 blocks) and holds the cache in bfloat16 when the
-    weights are quantized; a folder is served as it is unless --quantize says otherwise."""
+def quantize_mode(config: ServerConfig) -> str:
+    """The weight quantization for the flags: auto keeps a GGUF file's own, a folder is served as it is."""
+    if config.quantize != "auto":
+        return config.quantize
+    gguf = gguf_source(config)
+    return gguf_quantization(gguf) if gguf is not None and config.dtype in ("auto", "float32") else "none"
+
+
+def precision_names(config: ServerConfig, device: str, quantize: str) -> tuple[str | None, str | None]:
+    """(KV cache dtype, multi-row matmul dtype) for the flags; None: the model's dtype. Next to quantized
+    weights on CPU, auto holds the KV cache in int8 and, with --dtype auto on a CPU with bfloat16
+    arithmetic, runs several rows' matmuls in bfloat16: half the memory of a float32 copy of the weights,
+    and on the 2-core machines a third of its time (docs/performance.md). Pure: pre-flight uses it too."""
+    quantized_cpu = quantize != "none" and device == "cpu"
+    kv = config.kv_dtype if config.kv_dtype != "auto" else "int8" if quantized_cpu else None
+    batch = "bfloat16" if quantized_cpu and config.dtype == "auto" and native_bfloat16() else None
+    return kv, batch
+
+
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX-BF16)."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return False
+    return bool({"avx512_bf16", "amx_bf16"} & set(flags.split()))
+
+
+def pick_precision(config: ServerConfig, device: str, dtype):
+    """The engine's Precision for the configured flags (GGUF int8 weights keep groups of 32, as Q8_0)."""
     import torch
 
-    gguf = gguf_source(config)
-    quantize = config.quantize
-    if quantize == "auto":
-        quantize = gguf_quantization(gguf) if gguf is not None and config.dtype in ("auto", "float32") else "none"
-    if config.kv_dtype != "auto":
-        kv = getattr(torch, config.kv_dtype)
-    else:
-        kv = torch.bfloat16 if quantize != "none" and device == "cpu" else dtype
-    return quantize, kv, 32 if gguf is not None else None
+    from .engine.model_runner import Precision
+
+    quantize = quantize_mode(config)
+    kv, batch = precision_names(config, device, quantize)
+    group = 32 if gguf_source(config) is not None else None
+    return Precision(quantize, getattr(torch, kv) if kv else dtype, group, getattr(torch, batch) if batch else None)

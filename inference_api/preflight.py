@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .config import DEFAULT_MODEL_NAME, ServerConfig
+from .model_loader import embedded_gguf, gguf_source, precision_names, quantize_mode
 
 log = logging.getLogger(__name__)
 
@@ -25,12 +26,10 @@ GiB = 1 << 30
 RUNTIME_OVERHEAD = 1 * GiB  # torch, allocator slack, activations and logits, the web worker
 DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
 # bytes per weight of the quantized layouts (engine/quant.py): int4 packs two weights a byte (q uint8 [N, K/2])
-# with a float32 scale d and a float32 minimum m per block of 32; int8 is a byte per weight and one float32 scale
+# with a float16 scale d and a float16 minimum m per block of 32; int8 is a byte per weight and one float32 scale
 # per group: 32 weights from a GGUF (as Q8_0), one output channel (K weights) from a folder
-QUANT_BYTES = {"int4": 0.5 + 8 / 32, "int8": 1.0 + 4 / 32}
+QUANT_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 4 / 32}
 HEAD_BYTES = 1.0 + 4 / 32  # a quantized model's output head: int8 groups of 32 (llama family)
-# on CPU a quantized layer also keeps its weight dequantized for oneDNN, which runs the batches (SplitLinear)
-BATCH_COPY_BYTES = 4.0
 SHRINK_FLAGS = "--rows, --context-length, --dtype, --kv-dtype or --quantize"
 
 
@@ -99,20 +98,18 @@ def estimate_bytes(num_params: int, bytes_per_weight: float, bytes_per_kv: float
     return weights, kv
 
 
-def quantize_mode(config: ServerConfig) -> str:
-    """The weight quantization the loader will pick (model_loader.pick_precision): auto keeps a GGUF's own."""
-    if config.quantize != "auto":
-        return config.quantize
-    from .model_loader import gguf_quantization, gguf_source
-
-    gguf = gguf_source(config)
-    return gguf_quantization(gguf) if gguf is not None and config.dtype in ("auto", "float32") else "none"
+def batch_copy_bytes(config: ServerConfig, device: str, quantize: str) -> float:
+    """Bytes per weight of the dequantized copy a quantized CPU layer runs several rows on (linear.SplitLinear)."""
+    if device != "cpu" or quantize == "none":
+        return 0.0
+    batch = precision_names(config, device, quantize)[1]
+    return DTYPE_BYTES[batch or _dtype(config.dtype, device)]
 
 
 def bytes_per_weight(config: ServerConfig, device: str, quantize: str = "none", in_features: int | None = None) -> float:
     """``in_features``: for int8 from a folder, the K weights that share an output channel's scale (None: a GGUF's
     groups of 32)."""
-    copy = BATCH_COPY_BYTES if device == "cpu" else 0.0
+    copy = batch_copy_bytes(config, device, quantize)
     if quantize == "int8" and in_features:
         return 1.0 + 4 / in_features + copy
     if quantize in QUANT_BYTES:
@@ -120,12 +117,10 @@ def bytes_per_weight(config: ServerConfig, device: str, quantize: str = "none", 
     return DTYPE_BYTES[_dtype(config.dtype, device)]
 
 
-def bytes_per_kv(config: ServerConfig, device: str, quantize: str = "none") -> float:
-    if config.kv_dtype != "auto":
-        return DTYPE_BYTES[config.kv_dtype]
-    if quantize != "none" and device == "cpu":
-        return DTYPE_BYTES["bfloat16"]  # as pick_precision: a 16-bit cache next to quantized weights
-    return DTYPE_BYTES[_dtype(config.dtype, device)]
+def bytes_per_kv(config: ServerConfig, device: str, quantize: str = "none", head_dim: int = 64) -> float:
+    """Per cached value: an int8 cache adds a float16 scale per head vector of head_dim values."""
+    kv = precision_names(config, device, quantize)[0] or _dtype(config.dtype, device)
+    return 1.0 + 2 / head_dim if kv == "int8" else DTYPE_BYTES[kv]
 
 
 def _dtype(name: str, device: str) -> str:
@@ -182,8 +177,6 @@ def shape_from_gguf(path: Path) -> ModelShape:
 
 def model_shape(config: ServerConfig) -> tuple[ModelShape, int]:
     """The model's shape and the disk bytes a first conversion into the model cache will write (0: none)."""
-    from .model_loader import embedded_gguf
-
     spec = config.model
     gguf_file = embedded_gguf() if spec is None else Path(spec) if spec.endswith(".gguf") else None
     if gguf_file is not None:
@@ -254,17 +247,15 @@ def estimate(config: ServerConfig) -> Estimate:
     shape, disk_needed = model_shape(config)
     device = pick_device(config.device)
     quantize = quantize_mode(config)
-    from .model_loader import gguf_source
-
     per_channel = None if gguf_source(config) is not None else shape.hidden or None
     quantized = quantize != "none"
     weights, kv = estimate_bytes(shape.num_params, bytes_per_weight(config, device, quantize, per_channel),
-                                 bytes_per_kv(config, device, quantize), shape.num_layers, shape.num_kv_heads,
+                                 bytes_per_kv(config, device, quantize, shape.head_dim), shape.num_layers, shape.num_kv_heads,
                                  shape.head_dim, config.rows, config.context_length,
                                  dense_params=shape.vocab_params if quantized and not shape.tied else 0,
                                  bytes_per_dense=bytes_per_weight(config, device),
                                  head_params=shape.vocab_params if quantized else 0,
-                                 bytes_per_head=HEAD_BYTES + (BATCH_COPY_BYTES if device == "cpu" else 0.0))
+                                 bytes_per_head=HEAD_BYTES + batch_copy_bytes(config, device, quantize))
     return Estimate(device, weights, kv, RUNTIME_OVERHEAD, free_memory(device), disk_needed,
                     free_disk(config.model_cache_dir) if disk_needed else None)
 

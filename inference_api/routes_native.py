@@ -67,6 +67,7 @@ def native_blueprint(serving: Serving) -> Blueprint:
                 "device": ready.device if ready else None, "dtype": ready.dtype if ready else None,
                 "context_length": ready.context_length if ready else None,
                 "quantize": ready.quantize if ready else None, "kv_dtype": ready.kv_dtype if ready else None,
+                "matmul_dtype": ready.matmul_dtype if ready else None,
                 "backend_pid": client.process.pid if client.process else None,
                 "engine_restarts": client.restart_count,
                 "memory": estimate.as_dict() if estimate else None}

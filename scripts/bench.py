@@ -170,7 +170,9 @@ class Offline:
             options["mock"] = True  # at the mock's default rate
         else:
             options.update(model=None if health["model"] == DEFAULT_MODEL_NAME else health["model_dir"],
-                           dtype=health["dtype"], quantize=health["quantize"], kv_dtype=health["kv_dtype"])
+                           quantize=health["quantize"], kv_dtype=health["kv_dtype"],
+                           # bfloat16 batch matmuls come from --dtype auto next to float32 activations
+                           dtype=health["dtype"] if health.get("matmul_dtype") in (None, "", health["dtype"]) else "auto")
         self.llm = LLM(**options)
         self.params = SamplingParams(temperature=0, max_tokens=max_tokens)
         self.chat = chat

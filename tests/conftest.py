@@ -19,9 +19,11 @@ def real_server():
 
 @pytest.fixture(scope="session")
 def quantized_server():
-    """The default 4-bit weights, with a float32 KV cache so outputs compare with generate exactly."""
+    """The default 4-bit weights, with a float32 KV cache and float32 matmuls for several rows (the default
+    is an int8 cache and, on CPUs that multiply bfloat16, bfloat16 batches), so outputs compare with
+    generate exactly."""
     server = ServerProcess("--model-cache-dir", MODEL_CACHE, "--context-length", "1024", "--max-waiting", "64",
-                           "--kv-dtype", "float32")
+                           "--kv-dtype", "float32", "--dtype", "float32")
     yield server
     server.stop()
 

@@ -43,11 +43,13 @@ def text_ids(hf_tokenizer) -> list[int]:
 
 
 def test_quantized_default_perplexity_is_within_two_percent_of_exact(model_dir, text_ids):
-    quantize, kv_dtype, group = pick_precision(ServerConfig(), "cpu", torch.float32)
-    assert (quantize, kv_dtype) == ("int4", torch.bfloat16)  # the embedded Q4_1 GGUF keeps its 4-bit blocks
+    precision = pick_precision(ServerConfig(), "cpu", torch.float32)
+    # the embedded Q4_1 GGUF keeps its 4-bit blocks; the cache is int8
+    assert (precision.quantize, precision.kv_dtype) == ("int4", torch.int8)
     exact = perplexity(model_dir, Precision(), text_ids)
-    default = perplexity(model_dir, Precision(quantize, kv_dtype, group), text_ids)
-    print(f"\nperplexity on {len(text_ids)} tokens: exact {exact:.3f}, default ({quantize} weights, "
-          f"{str(kv_dtype).removeprefix('torch.')} KV cache) {default:.3f} ({(default / exact - 1) * 100:+.2f} %)")
+    default = perplexity(model_dir, precision, text_ids)
+    matmuls = str(precision.batch_dtype or torch.float32).removeprefix("torch.")
+    print(f"\nperplexity on {len(text_ids)} tokens: exact {exact:.3f}, default ({precision.quantize} weights, "
+          f"int8 KV cache, {matmuls} multi-row matmuls) {default:.3f} ({(default / exact - 1) * 100:+.2f} %)")
     assert exact < 40  # the model reads English: a broken forward gives hundreds or thousands
     assert default <= exact * 1.02

@@ -1,6 +1,8 @@
 """One preallocated KV cache for all user rows, plugged into transformers through its Cache interface.
 
-Storage per layer is [rows, kv_heads, length, head_dim], allocated once at start-up. Before each forward
+Storage per layer is [rows, kv_heads, length, head_dim], allocated once at start-up. An int8 cache also
+holds one float16 scale per row, head and position ([rows, kv_heads, length], for keys and for values):
+each head vector is stored as round(x / s) with s = max |x| / 127, and read back as q * s. Before each forward
 the runner binds a contiguous slice of rows, the position each new token is written to, and how many
 positions attention reads. The last position is a scratch slot: rows in a decode batch that have no
 token this step write there, and no row ever attends to it.
@@ -33,6 +35,9 @@ class RowKVCache(Cache):
         shape = (rows, kv_heads, length + 1, head_dim)  # +1: the scratch slot
         self.keys = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.values = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+        scaled = dtype == torch.int8
+        self.key_scales = [_zeros(shape[:3], torch.float16, device) for _ in range(num_layers if scaled else 0)]
+        self.value_scales = [_zeros(shape[:3], torch.float16, device) for _ in range(num_layers if scaled else 0)]
         self.length = length
         self.dtype = dtype
         self._rows = slice(0, rows)
@@ -50,7 +55,14 @@ class RowKVCache(Cache):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+        tensors = self.keys + self.values + self.key_scales + self.value_scales
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The key and value scales of an int8 cache's layer; (None, None) for other caches."""
+        if not self.key_scales:
+            return None, None
+        return self.key_scales[layer_idx], self.value_scales[layer_idx]
 
     def bind(self, rows: slice | torch.Tensor, write_pos: torch.Tensor, attend_len: int) -> None:
         """Set the rows of the next forward (a slice: views, for decode; an index tensor: any rows, for
@@ -59,17 +71,28 @@ class RowKVCache(Cache):
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        return (self._update(self.keys[layer_idx], key_states), self._update(self.values[layer_idx], value_states))
+        """Write the bound positions' keys and values [B, kv_heads, T, head_dim]; return the bound rows'
+        first attend_len positions, read back in the states' dtype."""
+        ks, vs = self.scales(layer_idx)
+        return (self._update(self.keys[layer_idx], ks, key_states),
+                self._update(self.values[layer_idx], vs, value_states))
 
-    def _update(self, store: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    def _update(self, store: torch.Tensor, scales: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
         rows, heads, length, dim = store.shape
         first = self._rows.start if isinstance(self._rows, slice) else None
         row_ids = (torch.arange(first, first + new.shape[0], device=store.device) if first is not None
                    else self._rows)
         heads_ids = torch.arange(heads, device=store.device)
-        flat = (row_ids[:, None, None] * heads + heads_ids[None, :, None]) * length + self._write[:, None, :]
-        store.view(-1, dim).index_copy_(0, flat.reshape(-1), new.reshape(-1, dim).to(store.dtype))
-        return store[self._rows, :, :self._attend]
+        flat = ((row_ids[:, None, None] * heads + heads_ids[None, :, None]) * length + self._write[:, None, :]).reshape(-1)
+        new = new.reshape(-1, dim)
+        if scales is None:
+            store.view(-1, dim).index_copy_(0, flat, new.to(store.dtype))
+            return store[self._rows, :, :self._attend]
+        q, s = quantize_heads(new)
+        store.view(-1, dim).index_copy_(0, flat, q)
+        scales.view(-1).index_copy_(0, flat, s)
+        read = store[self._rows, :, :self._attend].to(new.dtype)
+        return read * scales[self._rows, :, :self._attend, None].to(new.dtype)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._attend
@@ -79,3 +102,10 @@ class RowKVCache(Cache):
 
     def __len__(self) -> int:
         return len(self.keys)
+
+
+def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 values and float16 scales of head vectors x [..., head_dim], as the CPU kernel stores them."""
+    s = (x.float().abs().amax(-1) / 127).to(torch.float16)
+    inv = torch.where(s > 0, 1 / s.float(), 0)
+    return (x.float() * inv[..., None]).round().clamp(-127, 127).to(torch.int8), s

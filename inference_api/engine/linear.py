@@ -5,8 +5,9 @@
 - CPU, ``--quantize int8|int4``: the weight-only kernels of quant.py (float32 math on 8-bit or 4-bit
   weights) for one row, the decode step of one stream, which is bound by the bytes of weight it reads;
   the same weights dequantized on oneDNN for several rows, where compute bounds the step and oneDNN's
-  packed float32 GEMM is the faster (measured on the 2-core machines: docs/performance.md). Both compute
-  float32 math on the same values. Without a compiler for the kernels, oneDNN alone.
+  packed GEMM is the faster (measured on the 2-core machines: docs/performance.md). That copy is float32
+  (the same math as the kernel), or bfloat16 where the CPU multiplies bfloat16 and --dtype is auto
+  (half the memory, a third of the time). Without a compiler for the kernels, oneDNN alone.
 - Other devices: F.linear in the model's dtype, on the (dequantized) weights.
 """
 from __future__ import annotations
@@ -34,14 +35,19 @@ class DenseLinear:
 
 
 class OneDNNLinear:
-    """A float32 CPU linear whose weight was reordered once into oneDNN's blocked layout."""
+    """A CPU linear whose weight was reordered once into oneDNN's blocked layout: float32, or bfloat16
+    (inputs rounded to bfloat16, float32 accumulation, the sums rounded to bfloat16 and handed back as
+    float32) on CPUs that multiply bfloat16."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().float().contiguous(), None)
-        self.bias = bias
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32):
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), None)
+        self.bias, self.dtype = bias, dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if self.dtype == torch.float32:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        y = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, None, "none", [], "").float()
+        return y if self.bias is None else y.add_(self.bias)
 
 
 class SplitLinear:
@@ -61,8 +67,10 @@ def quantize(weight: torch.Tensor, mode: str, group: int | None = None) -> Int8W
     return quantize_int8(weight, group) if mode == "int8" else quantize_int4(weight)
 
 
-def linear_factory(device: torch.device, dtype: torch.dtype, mode: str, kernels) -> Callable:
-    """make_linear(weight [N, K], bias) -> a callable layer, for this device, dtype and quantization."""
+def linear_factory(device: torch.device, dtype: torch.dtype, mode: str, kernels,
+                   batch_dtype: torch.dtype | None = None) -> Callable:
+    """make_linear(weight [N, K], bias) -> a callable layer, for this device, dtype and quantization;
+    batch_dtype: the dtype of the oneDNN copy that quantized layers run several rows on (None: dtype)."""
     onednn = device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
     def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, group: int | None = None,
@@ -71,7 +79,8 @@ def linear_factory(device: torch.device, dtype: torch.dtype, mode: str, kernels)
         packed = quantize(weight, as_mode or mode, group)
         if packed is not None and kernels is not None and device.type == "cpu" and dtype == torch.float32:
             if onednn:
-                return SplitLinear(QuantLinear(packed, bias, kernels), OneDNNLinear(packed.dequantize(), bias))
+                dense = OneDNNLinear(packed.dequantize(), bias, batch_dtype or dtype)
+                return SplitLinear(QuantLinear(packed, bias, kernels), dense)
             return QuantLinear(packed, bias, kernels)
         if packed is not None:
             weight = packed.dequantize()

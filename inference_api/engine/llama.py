@@ -103,22 +103,32 @@ class CompactLM:
         x = self.embed(ids).to(self.dtype)
         for i, layer in enumerate(self.layers):
             keys, values = cache.keys[i], cache.values[i]
-            q = k.rope_store(layer.qkv(k.rms_norm(x, layer.attn_norm, self.eps)), cos, sin, keys, values, write,
-                             self.heads)
-            x = x + layer.o(k.decode_attention(q, keys, values, lengths, d ** -0.5).view(x.shape[0], -1))
+            key_scales, value_scales = cache.scales(i)
+            q = k.rope_store(layer.qkv(k.rms_norm(x, layer.attn_norm, self.eps)), cos, sin, keys, values,
+                             key_scales, value_scales, write, self.heads)
+            a = k.decode_attention(q, keys, values, key_scales, value_scales, lengths, d ** -0.5)
+            x = x + layer.o(a.view(x.shape[0], -1))
             x = x + layer.down(k.silu_mul(layer.gate_up(k.rms_norm(x, layer.mlp_norm, self.eps))))
         return self.head(k.rms_norm(x, self.norm, self.eps))[:, None]
 
 
 def build_compact(model, make_linear: Callable, embed_fn: Callable, length: int, kernels=None) -> CompactLM:
-    """Take a loaded transformers llama-family model apart into a CompactLM (its tensors are copied or
-    quantized, so the transformers model can be dropped afterwards)."""
+    """Take a loaded transformers llama-family model apart into a CompactLM: its tensors are copied or
+    quantized, and each decoder layer leaves the model once packed (the model is used up)."""
     config = model.config
     sd = {k: v.detach() for k, v in model.state_dict().items()}
+    # the head first, while little else is resident: its quantization passes hold a few float32 copies
+    embed_w = sd["model.embed_tokens.weight"]
+    head_w = embed_w if config.tie_word_embeddings or "lm_head.weight" not in sd else sd["lm_head.weight"]
+    embed, head = embed_fn(embed_w, head_w)
     layers = []
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         att = p + "self_attn."
+        if i:  # the previous layer is packed: its dense weights go now, which keeps the start-up peak low
+            model.model.layers[i - 1] = torch.nn.Identity()
+            for name in [k for k in sd if k.startswith(f"model.layers.{i - 1}.")]:
+                del sd[name]
         qkv_bias = None
         if att + "q_proj.bias" in sd:
             qkv_bias = torch.cat([sd[att + n + "_proj.bias"] for n in "qkv"]).float()
@@ -129,8 +139,5 @@ def build_compact(model, make_linear: Callable, embed_fn: Callable, length: int,
             mlp_norm=sd[p + "post_attention_layernorm.weight"].clone(),
             gate_up=make_linear(torch.cat([sd[p + "mlp.gate_proj.weight"], sd[p + "mlp.up_proj.weight"]]), None),
             down=make_linear(sd[p + "mlp.down_proj.weight"], None)))
-    embed_w = sd["model.embed_tokens.weight"]
-    head_w = embed_w if config.tie_word_embeddings or "lm_head.weight" not in sd else sd["lm_head.weight"]
-    embed, head = embed_fn(embed_w, head_w)
     return CompactLM(config, embed, layers, sd["model.norm.weight"].clone(), head, length, model.device,
                      model.dtype, kernels)

@@ -35,28 +35,30 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     from ..model_loader import eos_ids, load_model, pick_device, pick_dtype, pick_precision, resolve_model_dir
     from ..tokenizer import HFTokenizer
     from .kernels import load_kernels
-    from .model_runner import ModelRunner, Precision
+    from .model_runner import ModelRunner
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
     model_dir = resolve_model_dir(config)
     device = pick_device(config.device)
     model = load_model(model_dir, device, pick_dtype(config.dtype, device))
-    quantize, kv_dtype, group = pick_precision(config, device, model.dtype)
+    precision = pick_precision(config, device, model.dtype)
     kernels = load_kernels(config.model_cache_dir) if device == "cpu" else None
     tokenizer = HFTokenizer(model_dir)
     eos = eos_ids(model, tokenizer.tok)
-    runner = ModelRunner(model, config.rows, config.context_length, Precision(quantize, kv_dtype, group), kernels)
-    dtype = str(model.dtype).removeprefix("torch.")
+    runner = ModelRunner(model, config.rows, config.context_length, precision, kernels)
+    model_dtype = model.dtype
+    dtype = str(model_dtype).removeprefix("torch.")
     del model  # the runner holds its own (packed or quantized) copies of the weights
     kv = str(runner.cache.dtype).removeprefix("torch.")
-    log.warning("model %s on %s (%s, weights %s, %s layers); KV cache %s, %.0f MiB for %d rows x %d tokens",
-                model_dir, device, dtype, quantize, runner.kind, kv, runner.cache.nbytes / 2**20, config.rows,
-                config.context_length)
+    batch = str(precision.batch_dtype or model_dtype).removeprefix("torch.")
+    log.warning("model %s on %s (%s, weights %s, %s layers, multi-row matmuls %s); KV cache %s, %.0f MiB for "
+                "%d rows x %d tokens", model_dir, device, dtype, precision.quantize, runner.kind, batch, kv,
+                runner.cache.nbytes / 2**20, config.rows, config.context_length)
     engine = Engine(runner, tokenizer, config.rows, config.context_length, config.prefill_chunk, eos,
                     config.test_fault_text)
     ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, device,
-                        dtype, quantize, kv)
+                        dtype, precision.quantize, kv, batch)
     return engine, ready
 
 

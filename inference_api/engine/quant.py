@@ -4,7 +4,7 @@ Layouts follow GGUF's blocks, so a GGUF model keeps the weights it was quantized
 - int8: ``q`` [N, K] int8 and one float scale per group of G inputs (G = 32 as in Q8_0, or K: per
   output channel); w = q * s.
 - int4: ``q`` [N, K/2] uint8 in blocks of 32 weights (low nibbles are weights 0..15, high nibbles
-  16..31, as in Q4_1) with a scale d and a minimum m per block; w = d * nibble + m.
+  16..31, as in Q4_1) with a float16 scale d and minimum m per block; w = d * nibble + m.
 
 The kernels (``csrc/woq.cpp``) compute float32 ``F.linear`` on the dequantized weight, up to summation
 order, while reading a quarter or an eighth of the float32 bytes.
@@ -36,14 +36,14 @@ class Int8Weight:
 @dataclass
 class Int4Weight:
     q: torch.Tensor  # [N, K / 2] uint8
-    d: torch.Tensor  # [N, K / 32] float32
-    m: torch.Tensor  # [N, K / 32] float32
+    d: torch.Tensor  # [N, K / 32] float16
+    m: torch.Tensor  # [N, K / 32] float16
 
     def dequantize(self) -> torch.Tensor:
         n = self.q.shape[0]
         q = self.q.view(n, -1, 16)
         nib = torch.cat([q & 15, q >> 4], dim=-1).float()  # [N, K/32, 32]
-        return (nib * self.d[..., None] + self.m[..., None]).view(n, -1)
+        return (nib * self.d.float()[..., None] + self.m.float()[..., None]).view(n, -1)
 
 
 def quantize_int8(w: torch.Tensor, group: int | None = None) -> Int8Weight:
@@ -58,17 +58,18 @@ def quantize_int8(w: torch.Tensor, group: int | None = None) -> Int8Weight:
 
 
 def quantize_int4(w: torch.Tensor) -> Int4Weight:
-    """Asymmetric 4-bit blocks of 32 (the block minimum and (max - min) / 15 as in Q4_1). A weight that
-    came from a Q4_1 block gets its original nibbles back, and the same value up to float rounding."""
+    """Asymmetric 4-bit blocks of 32 (the block minimum and (max - min) / 15 as in Q4_1, both float16). A
+    weight that came from a Q4_1 block gets its original nibbles, scale and minimum back."""
     w = w.detach().float()
     n, k = w.shape
     g = w.view(n, k // 32, 32)
     lo, hi = g.amin(-1), g.amax(-1)
-    d = (hi - lo) / 15
-    nib = torch.where(d[..., None] > 0, (g - lo[..., None]) / d[..., None].clamp(min=1e-30), 0)
+    d, m = ((hi - lo) / 15).half(), lo.half()
+    step = d.float()[..., None]
+    nib = torch.where(step > 0, (g - m.float()[..., None]) / step.clamp(min=torch.finfo(torch.float16).tiny), 0)
     nib = nib.round().clamp(0, 15).to(torch.uint8)
     q = nib[..., :16] | (nib[..., 16:] << 4)
-    return Int4Weight(q.reshape(n, k // 2).contiguous(), d.contiguous(), lo.contiguous())
+    return Int4Weight(q.reshape(n, k // 2).contiguous(), d.contiguous(), m.contiguous())
 
 
 def can_quantize(w: torch.Tensor, mode: str) -> bool:

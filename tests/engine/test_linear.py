@@ -25,6 +25,21 @@ def test_onednn_linear_equals_linear(bias, shape):
         torch.testing.assert_close(OneDNNLinear(linear.weight, linear.bias)(x), linear(x), rtol=1e-4, atol=1e-4)
 
 
+@onednn
+@pytest.mark.parametrize("bias", [True, False])
+def test_bfloat16_onednn_linear_is_linear_on_bfloat16_rounded_inputs(bias):
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 80, bias=bias)
+    x = torch.randn(5, 3, 64)
+    with torch.inference_mode():
+        y = OneDNNLinear(linear.weight, linear.bias, torch.bfloat16)(x)
+        rounded = F.linear(x.bfloat16().float(), linear.weight.bfloat16().float(), linear.bias)
+    assert y.dtype == torch.float32 and y.shape == (5, 3, 80)
+    # float32 accumulation of the rounded values; the sum itself is rounded to bfloat16 (2 ** -8 relative)
+    torch.testing.assert_close(y, rounded, rtol=2 ** -8, atol=1e-3)
+    assert not torch.allclose(y, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)  # not float32
+
+
 def test_factory_picks_by_device_dtype_and_quantization():
     w = torch.randn(64, 96)
     cpu = torch.device("cpu")
@@ -54,6 +69,8 @@ def test_quantized_layers_take_the_kernel_for_one_row_and_onednn_for_more(mode, 
         expected = F.linear(x, layer.quantized.weight.dequantize(), layer.quantized.bias)
         torch.testing.assert_close(layer(x), expected, rtol=1e-4, atol=1e-4)  # the same numbers either way
     assert calls == ["QuantLinear", "OneDNNLinear", "OneDNNLinear"]
+    half = linear_factory(torch.device("cpu"), torch.float32, mode, kernels, torch.bfloat16)(torch.randn(64, 96), None)
+    assert half.dense.dtype == torch.bfloat16 and half.dense.packed.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("model", ["llama", "gpt2"])

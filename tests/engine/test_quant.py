@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from inference_api.engine.kernels import load_kernels
+from inference_api.engine.kv_cache import quantize_heads
 from inference_api.engine.llama import _rope
 from inference_api.engine.quant import Int4Weight, quantize_int4, quantize_int8
 from servers import MODEL_CACHE
@@ -50,21 +51,42 @@ def test_quantization_error_is_small_and_int4_keeps_q4_1_blocks():
     torch.testing.assert_close(again.dequantize(), blocks.dequantize(), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def _cache_form(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(stored values, scales or None, what they read back as) of x in a cache of this dtype."""
+    if dtype != torch.int8:
+        return x.to(dtype), None, x.to(dtype).float()
+    q, s = quantize_heads(x)
+    return q, s, q.float() * s.float()[..., None]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_decode_attention_equals_sdpa_over_each_rows_length(kernels, dtype):
     torch.manual_seed(0)
     rows, hk, hq, length, dim = 6, 2, 6, 40, 16
-    keys, values = torch.randn(rows, hk, length, dim).to(dtype), torch.randn(rows, hk, length, dim).to(dtype)
+    keys, key_scales, key_ref = _cache_form(torch.randn(rows, hk, length, dim), dtype)
+    values, value_scales, value_ref = _cache_form(torch.randn(rows, hk, length, dim), dtype)
     q = torch.randn(4, hq, dim)
     lengths = torch.tensor([1, 7, 40, 23])
-    out = kernels.decode_attention(q, keys, values, lengths, dim ** -0.5)
+    out = kernels.decode_attention(q, keys, values, key_scales, value_scales, lengths, dim ** -0.5)
     mask = (torch.arange(length)[None, :] < lengths[:, None])[:, None, None, :]
-    ref = F.scaled_dot_product_attention(q[:, :, None], keys[:4].float(), values[:4].float(), attn_mask=mask,
+    ref = F.scaled_dot_product_attention(q[:, :, None], key_ref[:4], value_ref[:4], attn_mask=mask,
                                          enable_gqa=True)[:, :, 0]
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_norm_activation_and_rotary_store(kernels):
+def test_int8_cache_rounds_each_head_to_its_own_scale():
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 64) * torch.tensor([0.01, 1.0, 30.0])[None, :, None]
+    x[0, 0] = 0  # an all-zero head keeps scale 0 and reads back as zeros
+    q, s = quantize_heads(x)
+    back = q.float() * s.float()[..., None]
+    assert s.dtype == torch.float16 and q.dtype == torch.int8 and q.abs().max() == 127
+    assert ((back - x).abs() <= s.float()[..., None] / 2 + 1e-7).all()  # half a step of its own scale
+    assert torch.equal(back[0, 0], torch.zeros(64))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_norm_activation_and_rotary_store(kernels, dtype):
     torch.manual_seed(0)
     x, w = torch.randn(3, 48), torch.randn(48)
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (48,), w, 1e-5))
@@ -74,13 +96,20 @@ def test_norm_activation_and_rotary_store(kernels):
     hq, hk, dim, b = 4, 2, 8, 3
     qkv = torch.randn(b, (hq + 2 * hk) * dim)
     cos, sin = torch.randn(b, dim), torch.randn(b, dim)
-    kc, vc = torch.zeros(5, hk, 10, dim), torch.zeros(5, hk, 10, dim)
+    kc, vc = torch.zeros(5, hk, 10, dim, dtype=dtype), torch.zeros(5, hk, 10, dim, dtype=dtype)
+    scaled = dtype == torch.int8
+    ks, vs = (torch.zeros(5, hk, 10, dtype=torch.float16) if scaled else None for _ in range(2))
     pos = torch.tensor([0, 9, 4])
-    q = kernels.rope_store(qkv, cos, sin, kc, vc, pos, hq)
+    q = kernels.rope_store(qkv, cos, sin, kc, vc, ks, vs, pos, hq)
     heads = qkv.view(b, hq + 2 * hk, dim)
     c, s = cos[:, None], sin[:, None]
     torch.testing.assert_close(q, _rope(heads[:, :hq], c, s))
     for i, p in enumerate(pos.tolist()):
-        torch.testing.assert_close(kc[i, :, p], _rope(heads[i:i + 1, hq:hq + hk], c[i:i + 1], s[i:i + 1])[0])
-        torch.testing.assert_close(vc[i, :, p], heads[i, hq + hk:])
-    assert kc[3:].abs().sum() == 0  # rows beyond the batch untouched
+        for stored, scales, want in ((kc, ks, _rope(heads[i:i + 1, hq:hq + hk], c[i:i + 1], s[i:i + 1])[0]),
+                                     (vc, vs, heads[i, hq + hk:])):
+            values, want_scales, _ = _cache_form(want, dtype)
+            if scaled:  # the same rounding as the prefill path's quantize_heads
+                assert torch.equal(stored[i, :, p], values) and torch.equal(scales[i, :, p], want_scales)
+            else:
+                torch.testing.assert_close(stored[i, :, p], values)
+    assert kc[3:].float().abs().sum() == 0  # rows beyond the batch untouched

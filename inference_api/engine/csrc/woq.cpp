@@ -137,6 +137,49 @@ inline void dot_rows_i4(const float* x, const float* xsum, const uint8_t* q, con
   }
   for (int r = 0; r < rows; ++r) y[r] = _mm512_reduce_add_ps(acc[r]) + dot_half(m + r * S, xsum, S);
 }
+
+// The same for int8 groups of G (a multiple of 16): sum over groups of s[n, g] * (x_g . q[n, g]).
+inline void dot_rows_i8(const float* x, const int8_t* q, const float* sc, int64_t K, int64_t G, int64_t rows,
+                        float* y) {
+  const int64_t S = K / G;
+  __m512 acc[R];
+  const int8_t* qr[R];
+  const float* sr[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm512_setzero_ps();
+    qr[r] = q + (r < rows ? r : 0) * K;
+    sr[r] = sc + (r < rows ? r : 0) * S;
+  }
+  const char* ahead = reinterpret_cast<const char*>(q + AHEAD * R * K);  // R * K contiguous bytes
+  for (int64_t i = 0; i < R * S * 4; i += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(sc + AHEAD * R * S) + i, _MM_HINT_T0);
+  for (int64_t g = 0; g < S; ++g) {
+    for (int64_t i = g * R * G; i < (g + 1) * R * G; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+    __m512 part[R];
+    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
+    for (int64_t j = g * G; j < (g + 1) * G; j += 16) {
+      const __m512 xv = _mm512_loadu_ps(x + j);
+      for (int r = 0; r < R; ++r) {
+        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr[r] + j))));
+        part[r] = _mm512_fmadd_ps(w, xv, part[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(sr[r][g]), acc[r]);
+  }
+  for (int r = 0; r < rows; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+}
+
+// One input row over R-row passes of the weight, split between the threads.
+template <typename Pass>
+torch::Tensor one_row(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias, Pass pass) {
+  auto y = torch::empty({1, N}, x2.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + R - 1) / R, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) pass(blk * R, std::min<int64_t>(R, N - blk * R), yp + blk * R);
+  });
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
 #endif
 
 // 4 input rows x 4 weight rows of dot products from float buffers
@@ -244,6 +287,12 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
   const float* sp = s.data_ptr<float>();
   const float* xp = x2.data_ptr<float>();
   const int64_t S = s.size(1);
+#ifdef __AVX512F__
+  if (x2.size(0) == 1 && G % 16 == 0)  // one row: memory-bound, each weight byte read once
+    return one_row(x2, N, bias, [&](int64_t n, int64_t rows, float* out) {
+             dot_rows_i8(xp, qp + n * K, sp + n * S, K, G, rows, out);
+           }).reshape(out_shape(x, N));
+#endif
   auto y = run(x2, N, bias,
                [&](int64_t i, int64_t n) { return dot_row_i8(xp + i * K, qp + n * K, sp + n * S, K, G); },
                [&](int64_t n, float* out) { deq_row_i8(qp + n * K, sp + n * S, K, G, out); });
@@ -270,18 +319,10 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
   const c10::Half *dp = d.data_ptr<c10::Half>(), *mp = m.data_ptr<c10::Half>();
   const float* xs = xsum.data();
 #ifdef __AVX512F__
-  if (M == 1) {  // one row: memory-bound, each weight byte read once
-    auto y = torch::empty({1, N}, x2.options());
-    float* yp = y.data_ptr<float>();
-    at::parallel_for(0, (N + R - 1) / R, 8, [&](int64_t b0, int64_t b1) {
-      for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t n = blk * R;
-        dot_rows_i4(xp, xs, qp + n * K / 2, dp + n * S, mp + n * S, K, std::min<int64_t>(R, N - n), yp + n);
-      }
-    });
-    if (bias.has_value()) y.add_(*bias);
-    return y.reshape(out_shape(x, N));
-  }
+  if (M == 1)  // one row: memory-bound, each weight byte read once
+    return one_row(x2, N, bias, [&](int64_t n, int64_t rows, float* out) {
+             dot_rows_i4(xp, xs, qp + n * K / 2, dp + n * S, mp + n * S, K, rows, out);
+           }).reshape(out_shape(x, N));
 #endif
   auto y = run(x2, N, bias,
                [&](int64_t i, int64_t n) {

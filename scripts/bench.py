@@ -11,7 +11,9 @@ streams /predictions. With --proxy-url it runs the same load through the
 JWT proxy too and prints the overhead. With --repeat N every load runs N times, server and generate runs
 interleaved, and the medians are reported (a shared 2-core machine is noisy). With --offline it also runs the
 same prompts through the offline Python API (``LLM.chat``) on an engine of its own with the server's model and
-rows, and prints its throughput next to the HTTP figure.
+rows, and prints its throughput next to the HTTP figure. With --fill-context it ends by filling every row's
+whole context at once (one long prompt per row) and prints the engine's memory then: the worst case of the
+lazily resident KV cache.
 
     python scripts/bench.py --url http://127.0.0.1:8000 --baseline --offline --repeat 3
 """
@@ -98,11 +100,11 @@ def pct(values: list[float], q: float) -> float:
 
 
 def run_load(url: str, model: str, concurrency: int, max_tokens: int, count_tokens, headers=None,
-             api: str = "native") -> dict:
+             api: str = "native", texts: list[str] | None = None) -> dict:
     streams = [Stream() for _ in range(concurrency)]
     one_stream = openai_stream if api == "openai" else native_stream
     threads = [threading.Thread(target=one_stream, args=(url, model, p, max_tokens, headers or {}, s))
-               for p, s in zip(prompts(concurrency), streams)]
+               for p, s in zip(texts or prompts(concurrency), streams)]
     started = time.perf_counter()
     for t in threads:
         t.start()
@@ -206,6 +208,18 @@ def token_counter(health: dict, max_tokens: int):
     return lambda text: min(len(tokenizer.encode(text, add_special_tokens=False)) + 1, max_tokens)
 
 
+def long_prompt(model_dir: str, length: int) -> str:
+    """A raw prompt of at most ``length`` tokens of the model's tokenizer: the essay prompts, repeated."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    unit = tokenizer.encode(" ".join(prompts(len(SUBJECTS))) + " ", add_special_tokens=False)
+    ids = (unit * (length // len(unit) + 1))[:length]
+    while len(tokenizer.encode(text := tokenizer.decode(ids), add_special_tokens=False)) > length:
+        ids = ids[:-8]  # decoding and encoding again may merge differently
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -218,6 +232,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="run every load this many times; report medians")
     ap.add_argument("--peer-url", help="also drive this OpenAI-compatible server (e.g. llama-server) the same way")
     ap.add_argument("--peer-pid", type=int, help="the peer's process id, to print its resident memory")
+    ap.add_argument("--fill-context", action="store_true",
+                    help="finally fill every row's context at once and print the engine's memory then")
     ap.add_argument("--api", choices=["native", "openai"], help="native: /predictions; openai: /v1/completions "
                     "(default: openai with --peer-url, else native)")
     args = ap.parse_args()
@@ -283,6 +299,11 @@ def main() -> None:
         memory = process_memory(pid)
         if memory:
             print(f"{label} memory: {memory}")
+    if args.fill_context and not health.get("mock"):
+        rows, length = health["rows_total"], health["context_length"]
+        text = long_prompt(health["model_dir"], length - 40)  # with 8 new tokens, each row ends near its length
+        print_row("every row's context", run_load(args.url, model, rows, 8, count, api="openai", texts=[text] * rows))
+        print(f"engine memory, every row's context filled: {process_memory(health.get('backend_pid'))}")
     if offline:
         offline.llm.close()
 

@@ -50,3 +50,12 @@ def test_offline_throughput_next_to_http(mock_server):
     assert result.returncode == 0, result.stderr
     assert re.search(r"offline \(Python API\)\s+c=4\s+32 tok", result.stdout), result.stdout  # 4 x 8 tokens
     assert re.search(r"ratio: offline c=4 / server c=4 = [\d.]+ / [\d.]+ = [\d.]+", result.stdout)
+
+
+def test_fill_context_fills_every_row_and_reports_the_engines_memory(quantized_server):
+    result = bench("--url", quantized_server.url, "--concurrency", "1", "--max-tokens", "4", "--fill-context")
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"every row's context\s+c=32\s+\d+ tok", result.stdout), result.stdout
+    assert "ERRORS" not in result.stdout
+    before, filled = re.findall(r"engine memory(?:, every row's context filled)?: ([\d.]+) GiB resident", result.stdout)
+    assert float(filled) > float(before)  # the lazily resident cache took its pages

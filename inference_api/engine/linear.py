@@ -34,20 +34,36 @@ class DenseLinear:
         return F.linear(x, self.weight, self.bias)
 
 
+def row_bucket(rows: int) -> int:
+    """The row count a oneDNN call is padded to: 1, 8, 16, 32, then multiples of 64. oneDNN caches a
+    primitive (about 0.75 MB here) for every input shape it meets, up to 1024 of them; without buckets,
+    the varying batch and prompt-chunk sizes of a long-running server grew the engine by hundreds of MB."""
+    if rows <= 1:
+        return rows
+    if rows <= 32:
+        return 8 if rows <= 8 else 16 if rows <= 16 else 32
+    return -(-rows // 64) * 64
+
+
 class OneDNNLinear:
     """A CPU linear whose weight was reordered once into oneDNN's blocked layout: float32, or bfloat16
     (inputs rounded to bfloat16, float32 accumulation, the sums rounded to bfloat16 and handed back as
-    float32) on CPUs that multiply bfloat16."""
+    float32) on CPUs that multiply bfloat16. Inputs are padded to a few row counts (row_bucket)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(dtype).contiguous(), None)
         self.bias, self.dtype = bias, dtype
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dtype == torch.float32:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        y = torch.ops.mkldnn._linear_pointwise(x.to(self.dtype), self.packed, None, "none", [], "").float()
-        return y if self.bias is None else y.add_(self.bias)
+        x2 = x.reshape(-1, x.shape[-1]).to(self.dtype)
+        rows = x2.shape[0]
+        if row_bucket(rows) != rows:
+            x2 = F.pad(x2, (0, 0, 0, row_bucket(rows) - rows))
+        bias = self.bias if self.dtype == torch.float32 else None
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")[:rows].float()
+        if bias is None and self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], y.shape[-1])
 
 
 class SplitLinear:

@@ -51,6 +51,17 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+QUERY_BLOCK = 128  # prefill attention runs this many queries at a time
+
+
+def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gqa: bool) -> torch.Tensor:
+    """SDPA over blocks of queries: the same result, but its temporaries (about 75 MB for 512 queries over
+    2048 positions) stay a quarter of that, at the same speed."""
+    return torch.cat([F.scaled_dot_product_attention(q[:, :, i:i + QUERY_BLOCK], keys, values,
+                                                     attn_mask=mask[:, :, i:i + QUERY_BLOCK], enable_gqa=gqa)
+                      for i in range(0, q.shape[2], QUERY_BLOCK)], dim=2)
+
+
 class CompactLM:
     """forward(ids, positions, visible, cache, last_only) -> float32 logits; the cache is bound by the caller."""
 
@@ -86,7 +97,7 @@ class CompactLM:
             q = _rope(q, cos, sin)
             if keys.dtype != q.dtype:  # a 16-bit cache: attention itself in the model's dtype
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
-            a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=hk != hq)
+            a = _attention(q, keys, values, mask, hk != hq)
             x = x + layer.o(a.transpose(1, 2).reshape(b, t, hq * d))
             gate, up = layer.gate_up(self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
             x = x + layer.down(F.silu(gate) * up)

@@ -93,6 +93,19 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+def release_free_memory() -> None:
+    """Hand memory the process no longer uses back to the system: start-up's temporaries, and the buffers of
+    past steps that the C allocator keeps (glibc's malloc_trim; elsewhere a no-op). Called when idle."""
+    import gc
+
+    gc.collect()
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).malloc_trim(0)
+        except (OSError, AttributeError):  # not glibc
+            pass
+
+
 def run_engine(config: ServerConfig, inbox, outbox) -> None:
     """Process entry point. Blocks on the inbox while idle; drains it between steps while busy."""
     die_with_parent()
@@ -106,6 +119,8 @@ def run_engine(config: ServerConfig, inbox, outbox) -> None:
     outbox.put(ready)
     last_stats = None
     while True:
+        if not engine.has_work:
+            release_free_memory()
         messages = [] if engine.has_work else [inbox.get()]
         try:
             while True:

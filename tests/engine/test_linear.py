@@ -7,7 +7,8 @@ from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from inference_api.engine.kernels import load_kernels
-from inference_api.engine.linear import DenseLinear, OneDNNLinear, SplitLinear, linear_factory, use_linears
+from inference_api.engine.linear import (DenseLinear, OneDNNLinear, SplitLinear, linear_factory, row_bucket,
+                                         use_linears)
 from inference_api.engine.quant import QuantLinear, quantize_int4
 from servers import MODEL_CACHE
 
@@ -23,6 +24,12 @@ def test_onednn_linear_equals_linear(bias, shape):
     x = torch.randn(*shape)
     with torch.inference_mode():
         torch.testing.assert_close(OneDNNLinear(linear.weight, linear.bias)(x), linear(x), rtol=1e-4, atol=1e-4)
+
+
+def test_onednn_calls_are_padded_to_few_row_counts():
+    buckets = {row_bucket(m) for m in range(1, 513)}
+    assert buckets == {1, 8, 16, 32} | {64 * i for i in range(1, 9)}  # 12 shapes, not 512
+    assert all(row_bucket(m) >= m for m in range(1, 2000))
 
 
 @onednn

@@ -93,12 +93,12 @@ def die_with_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
+IDLE_TRIM_AFTER = 0.5  # seconds without work before the engine returns freed memory
+
+
 def release_free_memory() -> None:
     """Hand memory the process no longer uses back to the system: start-up's temporaries, and the buffers of
-    past steps that the C allocator keeps (glibc's malloc_trim; elsewhere a no-op). Called when idle."""
-    import gc
-
-    gc.collect()
+    past steps that the C allocator keeps (glibc's malloc_trim, which runs without the GIL; elsewhere a no-op)."""
     if sys.platform.startswith("linux"):
         try:
             ctypes.CDLL(None).malloc_trim(0)
@@ -119,9 +119,13 @@ def run_engine(config: ServerConfig, inbox, outbox) -> None:
     outbox.put(ready)
     last_stats = None
     while True:
+        messages = []
         if not engine.has_work:
-            release_free_memory()
-        messages = [] if engine.has_work else [inbox.get()]
+            try:
+                messages.append(inbox.get(timeout=IDLE_TRIM_AFTER))
+            except queue.Empty:  # idle for a while: give freed memory back, then wait
+                release_free_memory()
+                messages.append(inbox.get())
         try:
             while True:
                 messages.append(inbox.get_nowait())

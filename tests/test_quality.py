@@ -53,3 +53,25 @@ def test_quantized_default_perplexity_is_within_two_percent_of_exact(model_dir, 
           f"int8 KV cache, {matmuls} multi-row matmuls) {default:.3f} ({(default / exact - 1) * 100:+.2f} %)")
     assert exact < 40  # the model reads English: a broken forward gives hundreds or thousands
     assert default <= exact * 1.02
+
+
+@pytest.mark.parametrize("matmuls", ["float32", "default"])
+def test_decode_kernels_over_the_int8_cache_match_the_prefill_path(model_dir, text_ids, matmuls):
+    """The next token's logits through the decode kernels (int8 cache written by rope_store, read by
+    decode_attention; one row and two rows at once) against the whole sequence through the prefill path,
+    which rounds keys and values the same way. float32 matmuls: equal up to summation order; the default
+    (bfloat16 for several rows where the CPU has it): within bfloat16 noise on logits of about 26."""
+    default = pick_precision(ServerConfig(), "cpu", torch.float32)
+    precision = default if matmuls == "default" else Precision(default.quantize, torch.int8, default.group)
+    runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 256, precision,
+                         load_kernels(Path(MODEL_CACHE)))
+    ids = text_ids[:40]
+    with torch.inference_mode():
+        runner.prefill([0, 1], [ids[:39], ids[:39]], [0, 0])
+        one = runner.decode(torch.tensor([ids[39]]), torch.tensor([39]), torch.tensor([True]))[0]
+        two = runner.decode(torch.tensor([ids[39]] * 2), torch.tensor([39, 39]), torch.tensor([True, True]))
+        whole = runner.prefill([2], [ids], [0])[0]
+    tolerance = 1e-3 if matmuls == "float32" or precision.batch_dtype is None else 1.0
+    for logits in (whole, two[0], two[1]):
+        assert (logits - one).abs().max() < tolerance
+    assert int(one.argmax()) == int(whole.argmax())

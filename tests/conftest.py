@@ -8,13 +8,18 @@ import pytest
 from servers import MODEL_CACHE, MODEL_NAME, ServerProcess
 
 
+def _real_model_server(*precision: str):
+    """The embedded model with the tests' context and queue, and these precision flags."""
+    server = ServerProcess("--model-cache-dir", MODEL_CACHE, "--context-length", "1024", "--max-waiting", "64",
+                           *precision)
+    yield server
+    server.stop()
+
+
 @pytest.fixture(scope="session")
 def real_server():
     """The exact mode: the embedded model's weights dequantized to float32, a float32 KV cache."""
-    server = ServerProcess("--model-cache-dir", MODEL_CACHE, "--context-length", "1024", "--max-waiting", "64",
-                           "--quantize", "none", "--dtype", "float32")
-    yield server
-    server.stop()
+    yield from _real_model_server("--quantize", "none", "--dtype", "float32")
 
 
 @pytest.fixture(scope="session")
@@ -22,10 +27,7 @@ def quantized_server():
     """The default 4-bit weights, with a float32 KV cache and float32 matmuls for several rows (the default
     is an int8 cache and, on CPUs that multiply bfloat16, bfloat16 batches), so outputs compare with
     generate exactly."""
-    server = ServerProcess("--model-cache-dir", MODEL_CACHE, "--context-length", "1024", "--max-waiting", "64",
-                           "--kv-dtype", "float32", "--dtype", "float32")
-    yield server
-    server.stop()
+    yield from _real_model_server("--kv-dtype", "float32", "--dtype", "float32")
 
 
 @pytest.fixture(scope="session")

@@ -43,6 +43,7 @@ class RowKVCache(Cache):
         self._rows = slice(0, rows)
         self._write = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self._attend = 1
+        self._flat: torch.Tensor | None = None  # the bound writes' rows of a [-1, head_dim] view, for update()
 
     @property
     def scratch(self) -> int:
@@ -68,6 +69,19 @@ class RowKVCache(Cache):
         """Set the rows of the next forward (a slice: views, for decode; an index tensor: any rows, for
         prefill), where each new token is written ([B, T] positions) and how many positions it attends."""
         self._rows, self._write, self._attend = rows, write_pos, attend_len
+        self._flat = None  # computed by the first update() of this forward, shared by every layer, K and V
+
+    def _flat_index(self) -> torch.Tensor:
+        """For each bound row, head and new position, its row in a [-1, head_dim] view of a layer's store."""
+        if self._flat is None:
+            _, heads, length, _ = self.keys[0].shape
+            device = self._write.device
+            row_ids = (torch.arange(self._rows.start, self._rows.start + self._write.shape[0], device=device)
+                       if isinstance(self._rows, slice) else self._rows)
+            heads_ids = torch.arange(heads, device=device)
+            flat = (row_ids[:, None, None] * heads + heads_ids[None, :, None]) * length + self._write[:, None, :]
+            self._flat = flat.reshape(-1)
+        return self._flat
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,12 +92,8 @@ class RowKVCache(Cache):
                 self._update(self.values[layer_idx], vs, value_states))
 
     def _update(self, store: torch.Tensor, scales: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-        rows, heads, length, dim = store.shape
-        first = self._rows.start if isinstance(self._rows, slice) else None
-        row_ids = (torch.arange(first, first + new.shape[0], device=store.device) if first is not None
-                   else self._rows)
-        heads_ids = torch.arange(heads, device=store.device)
-        flat = ((row_ids[:, None, None] * heads + heads_ids[None, :, None]) * length + self._write[:, None, :]).reshape(-1)
+        dim = store.shape[-1]
+        flat = self._flat_index()
         new = new.reshape(-1, dim)
         if scales is None:
             store.view(-1, dim).index_copy_(0, flat, new.to(store.dtype))
@@ -106,6 +116,7 @@ class RowKVCache(Cache):
 
 def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 values and float16 scales of head vectors x [..., head_dim], as the CPU kernel stores them."""
-    s = (x.float().abs().amax(-1) / 127).to(torch.float16)
+    x = x.float()
+    s = (x.abs().amax(-1) / 127).to(torch.float16)
     inv = torch.where(s > 0, 1 / s.float(), 0)
-    return (x.float() * inv[..., None]).round().clamp(-127, 127).to(torch.int8), s
+    return (x * inv[..., None]).round().clamp(-127, 127).to(torch.int8), s

@@ -56,12 +56,11 @@ class OneDNNLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(self.dtype)
-        rows = x2.shape[0]
-        if row_bucket(rows) != rows:
-            x2 = F.pad(x2, (0, 0, 0, row_bucket(rows) - rows))
-        bias = self.bias if self.dtype == torch.float32 else None
-        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, bias, "none", [], "")[:rows].float()
-        if bias is None and self.bias is not None:
+        rows, padded = x2.shape[0], row_bucket(x2.shape[0])
+        if padded != rows:
+            x2 = F.pad(x2, (0, 0, 0, padded - rows))
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")[:rows].float()
+        if self.bias is not None:  # added in float32, after the cast back
             y = y + self.bias
         return y.view(*x.shape[:-1], y.shape[-1])
 

@@ -189,4 +189,6 @@ def pick_precision(config: ServerConfig, device: str, dtype):
     quantize = quantize_mode(config)
     kv, batch = precision_names(config, device, quantize)
     group = 32 if gguf_source(config) is not None else None
-    return Precision(quantize, getattr(torch, kv) if kv else dtype, group, getattr(torch, batch) if batch else None)
+    int8_inputs = quantize != "none" and device == "cpu" and config.dtype == "auto"  # --dtype float32: exact inputs
+    return Precision(quantize, getattr(torch, kv) if kv else dtype, group, getattr(torch, batch) if batch else None,
+                     int8_inputs)

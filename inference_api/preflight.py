@@ -99,11 +99,12 @@ def estimate_bytes(num_params: int, bytes_per_weight: float, bytes_per_kv: float
 
 
 def batch_copy_bytes(config: ServerConfig, device: str, quantize: str) -> float:
-    """Bytes per weight of the dequantized copy a quantized CPU layer runs several rows on (linear.SplitLinear)."""
+    """Bytes per weight of the bfloat16 copy a quantized CPU layer runs several rows on where the CPU multiplies
+    bfloat16 (linear.SplitLinear); elsewhere the kernels run them on the quantized weights alone."""
     if device != "cpu" or quantize == "none":
         return 0.0
     batch = precision_names(config, device, quantize)[1]
-    return DTYPE_BYTES[batch or _dtype(config.dtype, device)]
+    return DTYPE_BYTES[batch] if batch else 0.0
 
 
 def bytes_per_weight(config: ServerConfig, device: str, quantize: str = "none", in_features: int | None = None) -> float:

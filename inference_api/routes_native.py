@@ -68,6 +68,7 @@ def native_blueprint(serving: Serving) -> Blueprint:
                 "context_length": ready.context_length if ready else None,
                 "quantize": ready.quantize if ready else None, "kv_dtype": ready.kv_dtype if ready else None,
                 "matmul_dtype": ready.matmul_dtype if ready else None,
+                "int8_inputs": ready.int8_inputs if ready else None,
                 "backend_pid": client.process.pid if client.process else None,
                 "engine_restarts": client.restart_count,
                 "memory": estimate.as_dict() if estimate else None}

@@ -173,8 +173,9 @@ class Offline:
         else:
             options.update(model=None if health["model"] == DEFAULT_MODEL_NAME else health["model_dir"],
                            quantize=health["quantize"], kv_dtype=health["kv_dtype"],
-                           # bfloat16 batch matmuls come from --dtype auto next to float32 activations
-                           dtype=health["dtype"] if health.get("matmul_dtype") in (None, "", health["dtype"]) else "auto")
+                           # bfloat16 batch matmuls and int8 one-row inputs come from --dtype auto
+                           dtype="auto" if health.get("int8_inputs") or health.get("matmul_dtype") not in
+                           (None, "", health["dtype"]) else health["dtype"])
         self.llm = LLM(**options)
         self.params = SamplingParams(temperature=0, max_tokens=max_tokens)
         self.chat = chat

@@ -137,7 +137,7 @@ def test_quantized_rows_match_generate_on_the_dequantized_weights(arch, mode, tm
     folder = save_tiny_model(arch, tmp_path / arch, model_dir)
     engine, ready = build_engine(ServerConfig(model=str(folder), rows=4, context_length=256, prefill_chunk=8,
                                               quantize=mode, kv_dtype="float32", dtype="float32"))
-    assert (ready.quantize, ready.kv_dtype, ready.matmul_dtype) == (mode, "float32", "float32")
+    assert (ready.quantize, ready.kv_dtype, ready.matmul_dtype, ready.int8_inputs) == (mode, "float32", "float32", False)
     prompt_ids, out = _greedy_rows(engine, T.AutoTokenizer.from_pretrained(folder), 12)
 
     model = T.AutoModelForCausalLM.from_pretrained(folder).eval()

@@ -33,16 +33,16 @@ def test_bytes_follow_dtype_quantization_and_kv_dtype():
     c = ServerConfig()
     assert bytes_per_weight(c, "cpu") == 4 and bytes_per_weight(c, "cuda") == 2
     # engine/quant.py's layouts: int4 half a byte plus float16 scale and minimum per 32; int8 a byte plus a
-    # float32 scale per 32 (GGUF) or per output channel of K inputs (folder); on CPU also the dequantized
-    # copy that oneDNN runs several rows on (linear.SplitLinear): bfloat16 where the CPU multiplies
-    # bfloat16 and --dtype is auto, else float32
-    copy = 2 if native_bfloat16() else 4
+    # float32 scale per 32 (GGUF) or per output channel of K inputs (folder); on CPU also the bfloat16 copy
+    # that oneDNN runs several rows on (linear.SplitLinear) where the CPU multiplies bfloat16 and --dtype is
+    # auto; elsewhere the kernels run several rows on the quantized weights alone
+    copy = 2 if native_bfloat16() else 0
     exact = ServerConfig(dtype="float32")
     assert bytes_per_weight(c, "cuda", "int4") == 0.5 + 4 / 32 and bytes_per_weight(c, "cuda", "int8") == 1 + 4 / 32
     assert bytes_per_weight(c, "cpu", "int4") == 0.5 + 4 / 32 + copy
-    assert bytes_per_weight(exact, "cpu", "int4") == 0.5 + 4 / 32 + 4
-    assert bytes_per_weight(exact, "cpu", "int8") == 1 + 4 / 32 + 4
-    assert bytes_per_weight(exact, "cpu", "int8", in_features=576) == 1 + 4 / 576 + 4
+    assert bytes_per_weight(exact, "cpu", "int4") == 0.5 + 4 / 32
+    assert bytes_per_weight(exact, "cpu", "int8") == 1 + 4 / 32
+    assert bytes_per_weight(exact, "cpu", "int8", in_features=576) == 1 + 4 / 576
     assert bytes_per_kv(ServerConfig(kv_dtype="bfloat16"), "cpu") == 2
     assert bytes_per_kv(ServerConfig(dtype="float16"), "cpu") == 2
     # int8 next to quantized weights on CPU: a byte per value and a float16 scale per head vector
@@ -61,8 +61,8 @@ def test_too_large_refuses_unless_skipped(model_dir):
     dense = preflight(ServerConfig(model_cache_dir=Path(MODEL_CACHE), quantize="none", skip_preflight=True))
     assert dense.weights_bytes == 4 * 134_515_008 and dense.disk_needed_bytes == 0
     default = preflight(ServerConfig(model_cache_dir=Path(MODEL_CACHE), skip_preflight=True))  # the GGUF's 4-bit
-    head = 49152 * 576  # tied: the int8 head's rows are the embeddings; each also has its batch copy
-    copy = 2 if native_bfloat16() else 4
+    head = 49152 * 576  # tied: the int8 head's rows are the embeddings; each has its bfloat16 copy where used
+    copy = 2 if native_bfloat16() else 0
     assert default.weights_bytes == math.ceil((134_515_008 - head) * (0.5 + 4 / 32 + copy) + head * (1 + 4 / 32 + copy))
     assert default.kv_cache_bytes == math.ceil(dense.kv_cache_bytes / 4 * (1 + 2 / 64))  # int8 instead of float32
     assert preflight(ServerConfig(mock=True, context_length=10**8)) is None  # the mock loads nothing

@@ -3,11 +3,12 @@
 - CPU, float32 weights: oneDNN with each weight reordered once into its blocked layout (faster than
   torch's default sgemm path for decode shapes; the math is the same up to summation order).
 - CPU, ``--quantize int8|int4``: the weight-only kernels of quant.py (float32 math on 8-bit or 4-bit
-  weights) for one row, the decode step of one stream, which is bound by the bytes of weight it reads;
-  the same weights dequantized on oneDNN for several rows, where compute bounds the step and oneDNN's
-  packed GEMM is the faster (measured on the 2-core machines: docs/performance.md). That copy is float32
-  (the same math as the kernel), or bfloat16 where the CPU multiplies bfloat16 and --dtype is auto
-  (half the memory, a third of the time). Without a compiler for the kernels, oneDNN alone.
+  weights): for one row, the decode step of one stream, bound by the bytes of weight it reads; for several
+  rows, chunks of the weight dequantized in cache for the BLAS sgemm, as fast as oneDNN on a float32 copy
+  of the weights without holding one (measured on the 2-core machines: docs/performance.md). Where the CPU
+  multiplies bfloat16 (AMX, AVX512-BF16) and --dtype is auto, several rows run on a bfloat16 oneDNN copy
+  instead: a third of float32's time there, for half a float32 copy's memory. Without a compiler for the
+  kernels, oneDNN alone.
 - Other devices: F.linear in the model's dtype, on the (dequantized) weights.
 """
 from __future__ import annotations
@@ -66,7 +67,7 @@ class OneDNNLinear:
 
 
 class SplitLinear:
-    """The quantized kernel for one row, oneDNN on the dequantized weight for more: picked per call."""
+    """The quantized kernel for one row, oneDNN on a bfloat16 copy of the weight for more: picked per call."""
 
     def __init__(self, quantized: QuantLinear, dense: OneDNNLinear):
         self.quantized, self.dense = quantized, dense
@@ -83,9 +84,10 @@ def quantize(weight: torch.Tensor, mode: str, group: int | None = None) -> Int8W
 
 
 def linear_factory(device: torch.device, dtype: torch.dtype, mode: str, kernels,
-                   batch_dtype: torch.dtype | None = None) -> Callable:
+                   batch_dtype: torch.dtype | None = None, int8_inputs: bool = False) -> Callable:
     """make_linear(weight [N, K], bias) -> a callable layer, for this device, dtype and quantization;
-    batch_dtype: the dtype of the oneDNN copy that quantized layers run several rows on (None: dtype)."""
+    batch_dtype: the dtype of a oneDNN copy that quantized layers run several rows on (None: no copy, the
+    kernels run them); int8_inputs: the kernels round one row's inputs to int8 blocks (QuantLinear)."""
     onednn = device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
     def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, group: int | None = None,
@@ -93,10 +95,10 @@ def linear_factory(device: torch.device, dtype: torch.dtype, mode: str, kernels,
         bias = None if bias is None else bias.detach().to(dtype).clone()
         packed = quantize(weight, as_mode or mode, group)
         if packed is not None and kernels is not None and device.type == "cpu" and dtype == torch.float32:
-            if onednn:
-                dense = OneDNNLinear(packed.dequantize(), bias, batch_dtype or dtype)
-                return SplitLinear(QuantLinear(packed, bias, kernels), dense)
-            return QuantLinear(packed, bias, kernels)
+            if onednn and batch_dtype is not None:
+                dense = OneDNNLinear(packed.dequantize(), bias, batch_dtype)
+                return SplitLinear(QuantLinear(packed, bias, kernels, int8_inputs), dense)
+            return QuantLinear(packed, bias, kernels, int8_inputs)
         if packed is not None:
             weight = packed.dequantize()
         if onednn:

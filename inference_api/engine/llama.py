@@ -51,6 +51,12 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for the fused projection's output [..., 2F] = [gate | up]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate).mul_(up)
+
+
 QUERY_BLOCK = 128  # prefill attention runs this many queries at a time
 
 
@@ -99,8 +105,7 @@ class CompactLM:
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
             a = _attention(q, keys, values, mask, hk != hq)
             x = x + layer.o(a.transpose(1, 2).reshape(b, t, hq * d))
-            gate, up = layer.gate_up(self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.down(_silu_mul(layer.gate_up(self._norm(x, layer.mlp_norm))))
         if last_only:
             x = x[:, -1:]
         return self.head(self._norm(x, self.norm)).float()
@@ -119,7 +124,7 @@ class CompactLM:
                              key_scales, value_scales, write, self.heads)
             a = k.decode_attention(q, keys, values, key_scales, value_scales, lengths, d ** -0.5)
             x = x + layer.o(a.view(x.shape[0], -1))
-            x = x + layer.down(k.silu_mul(layer.gate_up(k.rms_norm(x, layer.mlp_norm, self.eps))))
+            x = x + layer.down(_silu_mul(layer.gate_up(k.rms_norm(x, layer.mlp_norm, self.eps))))
         return self.head(k.rms_norm(x, self.norm, self.eps))[:, None]
 
 

@@ -19,13 +19,16 @@ from .linear import linear_factory, use_linears
 @dataclass(frozen=True)
 class Precision:
     """How the weights and the cache are held: quantize is none, int8 or int4; group is the int8 scale
-    group (None: one scale per output channel; 32 for GGUF's Q8_0 blocks); batch_dtype is the dtype the
-    CPU's quantized layers run several rows in (None: the model's)."""
+    group (None: one scale per output channel; 32 for GGUF's Q8_0 blocks); batch_dtype is the dtype of a
+    oneDNN copy the CPU's quantized layers run several rows on (None: no copy, the kernels run them);
+    int8_inputs: the CPU kernels round one row's inputs to int8 blocks (as llama.cpp does) instead of
+    reading them in float32."""
 
     quantize: str = "none"
     kv_dtype: torch.dtype | None = None  # None: the model's dtype
     group: int | None = None
     batch_dtype: torch.dtype | None = None
+    int8_inputs: bool = False
 
 
 def kv_geometry(config) -> tuple[int, int, int]:
@@ -53,7 +56,8 @@ class _HFModel:
 
 def build_model(model, precision: Precision, kernels, length: int):
     """The callable model for the runner, and a word for the log on how it runs."""
-    make_linear = linear_factory(model.device, model.dtype, precision.quantize, kernels, precision.batch_dtype)
+    make_linear = linear_factory(model.device, model.dtype, precision.quantize, kernels, precision.batch_dtype,
+                                 precision.int8_inputs)
     if llama.supports(model.config):
         def embed_fn(embed_w, head_w):
             head_mode = "int8" if precision.quantize != "none" else None

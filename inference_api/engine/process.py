@@ -52,13 +52,14 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     del model  # the runner holds its own (packed or quantized) copies of the weights
     kv = str(runner.cache.dtype).removeprefix("torch.")
     batch = str(precision.batch_dtype or model_dtype).removeprefix("torch.")
-    log.warning("model %s on %s (%s, weights %s, %s layers, multi-row matmuls %s); KV cache %s, %.0f MiB for "
-                "%d rows x %d tokens", model_dir, device, dtype, precision.quantize, runner.kind, batch, kv,
-                runner.cache.nbytes / 2**20, config.rows, config.context_length)
+    log.warning("model %s on %s (%s, weights %s, %s layers, multi-row matmuls %s, one-row inputs %s); KV cache %s, "
+                "%.0f MiB for %d rows x %d tokens", model_dir, device, dtype, precision.quantize, runner.kind, batch,
+                "int8" if precision.int8_inputs else dtype, kv, runner.cache.nbytes / 2**20, config.rows,
+                config.context_length)
     engine = Engine(runner, tokenizer, config.rows, config.context_length, config.prefill_chunk, eos,
                     config.test_fault_text)
     ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, device,
-                        dtype, precision.quantize, kv, batch)
+                        dtype, precision.quantize, kv, batch, precision.int8_inputs)
     return engine, ready
 
 

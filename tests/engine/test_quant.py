@@ -42,6 +42,35 @@ def test_quantized_linear_is_float32_linear_on_the_dequantized_weight(kernels, r
     torch.testing.assert_close(y, F.linear(x, packed.dequantize(), b), rtol=1e-5, atol=1e-5)
 
 
+def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    """x rounded per block of 32 to 127 steps of the block's own scale, as the kernels round one row."""
+    blocks = x.view(*x.shape[:-1], -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / torch.where(step > 0, step, 1)) * step).view(x.shape)
+
+
+AVX2 = "avx2" in Path("/proc/cpuinfo").read_text()
+
+
+@pytest.mark.skipif(not AVX2, reason="the int8-input kernels need AVX2; elsewhere the inputs stay float32")
+@pytest.mark.parametrize("form", ["int8-channel", "int8-group32", "int4"])
+def test_one_row_with_int8_inputs_is_linear_on_the_rounded_inputs(kernels, form):
+    w = _weight(70, 128)
+    packed = {"int8-channel": lambda: quantize_int8(w), "int8-group32": lambda: quantize_int8(w, 32),
+              "int4": lambda: quantize_int4(w)}[form]()
+    b, x = torch.randn(70), torch.randn(1, 128)
+    if isinstance(packed, Int4Weight):
+        y = kernels.linear_int4(x, packed.q, packed.d, packed.m, b, True)
+    else:
+        y = kernels.linear_int8(x, packed.q, packed.s, b, True)
+    # the minimums of int4 blocks multiply the exact block sums; everything else the rounded inputs
+    rounded = F.linear(_int8_blocks(x), packed.dequantize(), b)
+    if isinstance(packed, Int4Weight):
+        rounded += F.linear(x - _int8_blocks(x), packed.m.float().repeat_interleave(32, dim=1))
+    torch.testing.assert_close(y, rounded, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(y, F.linear(x, packed.dequantize(), b), rtol=1e-5, atol=1e-5)
+
+
 def test_quantization_error_is_small_and_int4_keeps_q4_1_blocks():
     w = _weight(64, 128)
     assert (quantize_int8(w).dequantize() - w).abs().max() <= w.abs().max() / 127
@@ -86,12 +115,10 @@ def test_int8_cache_rounds_each_head_to_its_own_scale():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_norm_activation_and_rotary_store(kernels, dtype):
+def test_norm_and_rotary_store(kernels, dtype):
     torch.manual_seed(0)
     x, w = torch.randn(3, 48), torch.randn(48)
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (48,), w, 1e-5))
-    gu = torch.randn(3, 20)
-    torch.testing.assert_close(kernels.silu_mul(gu), F.silu(gu[:, :10]) * gu[:, 10:])
 
     hq, hk, dim, b = 4, 2, 8, 3
     qkv = torch.randn(b, (hq + 2 * hk) * dim)

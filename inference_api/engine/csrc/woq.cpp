@@ -2,22 +2,25 @@
 // accumulation, weights read as 8-bit or 4-bit groups (the layouts of GGUF's Q8_0 and Q4_1 blocks).
 // The math is that of float32 F.linear on the dequantized weight, up to summation order.
 //
-// One row (decode of one stream): each weight row is read once, straight from its packed bytes. Up to
-// MANY rows (decode of many streams): a block of weight rows is dequantized once into a small float buffer
-// that stays in cache, and 4x4 tiles of (input row, weight row) dot products are computed from it. More
-// rows (prefill): the whole weight is dequantized once and multiplied by the BLAS matmul.
+// One row (decode of one stream): each weight row is read once, straight from its packed bytes, with
+// AVX-512 or AVX2 (FMA, F16C) where the CPU has them. Several rows (decode of many streams, prefill): each
+// thread dequantizes chunks of weight rows into a buffer that stays in its cache and multiplies them with
+// the BLAS sgemm; compute bounds these, and no float copy of the weights is held.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <vector>
-#ifdef __AVX512F__
+
+// the BLAS that torch links (MKL in the x86 wheels): Fortran sgemm, column-major
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && defined(__F16C__))
 #include <immintrin.h>
+#define WOQ_SIMD
 #endif
 
 namespace {
 
-constexpr int64_t NB = 16;  // weight rows per parallel task
-constexpr int64_t FEW = 1;  // up to this many input rows: the direct path
-constexpr int64_t MANY = 64;  // from this many: a dequantized copy and the BLAS matmul
 
 // int8: q [N, K] int8, s [N, K / G] float; w[n, k] = q[n, k] * s[n, k / G]
 inline void deq_row_i8(const int8_t* q, const float* s, int64_t K, int64_t G, float* out) {
@@ -29,20 +32,6 @@ inline void deq_row_i8(const int8_t* q, const float* s, int64_t K, int64_t G, fl
 }
 
 inline float dot_row_i8(const float* x, const int8_t* q, const float* s, int64_t K, int64_t G) {
-#ifdef __AVX512F__
-  if (G % 16 == 0) {
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t g = 0; g < K / G; ++g) {
-      __m512 part = _mm512_setzero_ps();
-      for (int64_t j = g * G; j < (g + 1) * G; j += 16) {
-        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(q + j))));
-        part = _mm512_fmadd_ps(w, _mm512_loadu_ps(x + j), part);
-      }
-      acc = _mm512_fmadd_ps(part, _mm512_set1_ps(s[g]), acc);
-    }
-    return _mm512_reduce_add_ps(acc);
-  }
-#endif
   float acc = 0.f;
   for (int64_t g = 0; g < K / G; ++g) {
     float part = 0.f;
@@ -86,7 +75,53 @@ inline float dot_row_i4(const float* x, const float* xsum, const uint8_t* q, con
   return acc + macc;
 }
 
+#ifdef WOQ_SIMD
+// The few vector operations the kernels need, over W floats: AVX-512 or AVX2 (with FMA and F16C).
 #ifdef __AVX512F__
+struct Vec {
+  using T = __m512;
+  static constexpr int W = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(T v) { return _mm512_reduce_add_ps(v); }
+  static T halves(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static T int8s(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+  // W nibbles: the low (shift 0) or high (shift 4) halves of the W bytes at p
+  static T nibbles(const uint8_t* p, int shift) {
+    const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i*)p), shift), _mm_set1_epi8(15));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+  }
+};
+#else
+struct Vec {
+  using T = __m256;
+  static constexpr int W = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(T v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+  static T halves(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static T int8s(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+  static T nibbles(const uint8_t* p, int shift) {
+    const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadl_epi64((const __m128i*)p), shift), _mm_set1_epi8(15));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  }
+};
+#endif
+constexpr int W = Vec::W;
 constexpr int R = 4;  // weight rows per pass of the one-row kernel: independent accumulators, x loaded once
 constexpr int AHEAD = 4;  // passes of R rows prefetched ahead
 
@@ -94,26 +129,26 @@ inline float half_to_float(c10::Half h) { return _cvtsh_ss(h.x); }
 
 // sum over g of v[g] * w[g] for float16 v
 inline float dot_half(const c10::Half* v, const float* w, int64_t n) {
-  __m512 acc = _mm512_setzero_ps();
+  Vec::T acc = Vec::zero();
   int64_t g = 0;
-  for (; g + 16 <= n; g += 16)
-    acc = _mm512_fmadd_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(v + g))), _mm512_loadu_ps(w + g), acc);
-  float sum = _mm512_reduce_add_ps(acc);
+  for (; g + W <= n; g += W) acc = Vec::fma(Vec::halves(v + g), Vec::load(w + g), acc);
+  float sum = Vec::sum(acc);
   for (; g < n; ++g) sum += half_to_float(v[g]) * w[g];
   return sum;
 }
 
 // y[n0 .. n0 + rows) for one input row: sum over blocks g of d[n, g] * (x_g . nibbles) + m[n, g] * sum(x_g),
-// R weight rows at a time so each block of x is loaded once and the rows' chains overlap.
+// R weight rows at a time so each block of x is loaded once and the rows' chains overlap. Weight j of a
+// block is the low nibble of byte j for j < 16, the high nibble of byte j - 16 above.
 inline void dot_rows_i4(const float* x, const float* xsum, const uint8_t* q, const c10::Half* d, const c10::Half* m,
                         int64_t K, int64_t rows, float* y) {
+  constexpr int V = 32 / W;  // vectors per block
   const int64_t S = K / 32, half = K / 2;
-  const __m128i low = _mm_set1_epi8(15);
-  __m512 acc[R];
+  Vec::T acc[R];
   const uint8_t* qr[R];
   const c10::Half* dr[R];
   for (int r = 0; r < R; ++r) {
-    acc[r] = _mm512_setzero_ps();
+    acc[r] = Vec::zero();
     qr[r] = q + (r < rows ? r : 0) * half;
     dr[r] = d + (r < rows ? r : 0) * S;
   }
@@ -126,27 +161,27 @@ inline void dot_rows_i4(const float* x, const float* xsum, const uint8_t* q, con
   }
   for (int64_t g = 0; g < S; ++g) {
     _mm_prefetch(ahead + g * 64, _MM_HINT_T0);
-    const __m512 xl = _mm512_loadu_ps(x + g * 32), xh = _mm512_loadu_ps(x + g * 32 + 16);
+    Vec::T xv[V];
+    for (int v = 0; v < V; ++v) xv[v] = Vec::load(x + g * 32 + v * W);
     for (int r = 0; r < R; ++r) {
-      const __m128i b = _mm_loadu_si128((const __m128i*)(qr[r] + g * 16));
-      const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low)));
-      const __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low)));
-      const __m512 part = _mm512_fmadd_ps(hi, xh, _mm512_mul_ps(lo, xl));
-      acc[r] = _mm512_fmadd_ps(part, _mm512_set1_ps(half_to_float(dr[r][g])), acc[r]);
+      const uint8_t* b = qr[r] + g * 16;
+      Vec::T part = Vec::mul(Vec::nibbles(b, 0), xv[0]);
+      for (int v = 1; v < V; ++v) part = Vec::fma(Vec::nibbles(b + v * W % 16, v * W / 16 * 4), xv[v], part);
+      acc[r] = Vec::fma(part, Vec::set1(half_to_float(dr[r][g])), acc[r]);
     }
   }
-  for (int r = 0; r < rows; ++r) y[r] = _mm512_reduce_add_ps(acc[r]) + dot_half(m + r * S, xsum, S);
+  for (int r = 0; r < rows; ++r) y[r] = Vec::sum(acc[r]) + dot_half(m + r * S, xsum, S);
 }
 
-// The same for int8 groups of G (a multiple of 16): sum over groups of s[n, g] * (x_g . q[n, g]).
+// The same for int8 groups of G (a multiple of W): sum over groups of s[n, g] * (x_g . q[n, g]).
 inline void dot_rows_i8(const float* x, const int8_t* q, const float* sc, int64_t K, int64_t G, int64_t rows,
                         float* y) {
   const int64_t S = K / G;
-  __m512 acc[R];
+  Vec::T acc[R];
   const int8_t* qr[R];
   const float* sr[R];
   for (int r = 0; r < R; ++r) {
-    acc[r] = _mm512_setzero_ps();
+    acc[r] = Vec::zero();
     qr[r] = q + (r < rows ? r : 0) * K;
     sr[r] = sc + (r < rows ? r : 0) * S;
   }
@@ -155,19 +190,99 @@ inline void dot_rows_i8(const float* x, const int8_t* q, const float* sc, int64_
     _mm_prefetch(reinterpret_cast<const char*>(sc + AHEAD * R * S) + i, _MM_HINT_T0);
   for (int64_t g = 0; g < S; ++g) {
     for (int64_t i = g * R * G; i < (g + 1) * R * G; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-    __m512 part[R];
-    for (int r = 0; r < R; ++r) part[r] = _mm512_setzero_ps();
-    for (int64_t j = g * G; j < (g + 1) * G; j += 16) {
-      const __m512 xv = _mm512_loadu_ps(x + j);
-      for (int r = 0; r < R; ++r) {
-        const __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(qr[r] + j))));
-        part[r] = _mm512_fmadd_ps(w, xv, part[r]);
-      }
+    Vec::T part[R];
+    for (int r = 0; r < R; ++r) part[r] = Vec::zero();
+    for (int64_t j = g * G; j < (g + 1) * G; j += W) {
+      const Vec::T xv = Vec::load(x + j);
+      for (int r = 0; r < R; ++r) part[r] = Vec::fma(Vec::int8s(qr[r] + j), xv, part[r]);
     }
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(part[r], _mm512_set1_ps(sr[r][g]), acc[r]);
+    for (int r = 0; r < R; ++r) acc[r] = Vec::fma(part[r], Vec::set1(sr[r][g]), acc[r]);
   }
-  for (int r = 0; r < rows; ++r) y[r] = _mm512_reduce_add_ps(acc[r]);
+  for (int r = 0; r < rows; ++r) y[r] = Vec::sum(acc[r]);
 }
+
+#ifdef __AVX2__
+// One row with int8 inputs (--dtype auto): x rounded per block of 32 to 127 steps of its own scale, as
+// llama.cpp's Q8 activations, so a block's dot product is two integer instructions (u8 x s8 pairs, then
+// pairs of those) instead of float conversions of every weight. 256-bit AVX2, on AVX-512 CPUs too.
+inline void quantize_blocks(const float* x, int64_t K, int8_t* xq, float* dx) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    float mx = 0.f;
+    for (int j = 0; j < 32; ++j) mx = std::max(mx, std::fabs(x[g * 32 + j]));
+    const float step = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
+    for (int j = 0; j < 32; ++j) xq[g * 32 + j] = static_cast<int8_t>(std::nearbyint(x[g * 32 + j] * inv));
+    dx[g] = step;
+  }
+}
+
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// sum of the 32 products of u8 a and s8 b, as 8 int32 lanes, in float
+inline __m256 dot_u8s8(__m256i a, __m256i b) {
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+}
+
+// dot_rows_i4 on int8 inputs: sum over blocks of d * dx * (nibbles . xq) + m * sum(x)
+inline void dot_rows_i4_q8(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* q, const c10::Half* d,
+                           const c10::Half* m, int64_t K, int64_t rows, float* y) {
+  const int64_t S = K / 32, half = K / 2;
+  const __m128i low = _mm_set1_epi8(15);
+  __m256 acc[R];
+  const uint8_t* qr[R];
+  const c10::Half* dr[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    qr[r] = q + (r < rows ? r : 0) * half;
+    dr[r] = d + (r < rows ? r : 0) * S;
+  }
+  const char* ahead = reinterpret_cast<const char*>(q + AHEAD * R * half);
+  for (int64_t i = 0; i < R * S * 2; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(d + AHEAD * R * S) + i, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(m + AHEAD * R * S) + i, _MM_HINT_T0);
+  }
+  for (int64_t g = 0; g < S; ++g) {
+    _mm_prefetch(ahead + g * 64, _MM_HINT_T0);
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + g * 32));  // weights 0..15 low, 16..31 high
+    for (int r = 0; r < R; ++r) {
+      const __m128i b = _mm_loadu_si128((const __m128i*)(qr[r] + g * 16));
+      const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+      acc[r] = _mm256_fmadd_ps(dot_u8s8(w, xv), _mm256_set1_ps(half_to_float(dr[r][g]) * dx[g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) y[r] = sum8(acc[r]) + dot_half(m + r * S, xsum, S);
+}
+
+// dot_rows_i8 on int8 inputs, weight groups G a multiple of 32: sum over blocks of s * dx * (q . xq)
+inline void dot_rows_i8_q8(const int8_t* xq, const float* dx, const int8_t* q, const float* sc, int64_t K, int64_t G,
+                           int64_t rows, float* y) {
+  const int64_t S = K / G;
+  __m256 acc[R];
+  const int8_t* qr[R];
+  const float* sr[R];
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    qr[r] = q + (r < rows ? r : 0) * K;
+    sr[r] = sc + (r < rows ? r : 0) * S;
+  }
+  const char* ahead = reinterpret_cast<const char*>(q + AHEAD * R * K);
+  for (int64_t i = 0; i < R * S * 4; i += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(sc + AHEAD * R * S) + i, _MM_HINT_T0);
+  for (int64_t j = 0; j < K; j += 32) {
+    for (int64_t i = j * R; i < (j + 32) * R; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + j));
+    for (int r = 0; r < R; ++r) {
+      const __m256i w = _mm256_loadu_si256((const __m256i*)(qr[r] + j));
+      const __m256 dot = dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));  // |w| * (x * sign w)
+      acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(sr[r][j / G] * dx[j / 32]), acc[r]);
+    }
+  }
+  for (int r = 0; r < rows; ++r) y[r] = sum8(acc[r]);
+}
+#endif
 
 // One input row over R-row passes of the weight, split between the threads.
 template <typename Pass>
@@ -182,86 +297,40 @@ torch::Tensor one_row(const torch::Tensor& x2, int64_t N, const c10::optional<to
 }
 #endif
 
-// 4 input rows x 4 weight rows of dot products from float buffers
-inline void tile4x4(const float* x, int64_t ldx, int64_t mr, const float* w, int64_t K, float* y, int64_t ldy,
-                    int64_t nr) {
-  const float* xs[4];
-  const float* ws[4];
-  for (int i = 0; i < 4; ++i) xs[i] = x + (i < mr ? i : 0) * ldx;
-  for (int j = 0; j < 4; ++j) ws[j] = w + (j < nr ? j : 0) * K;
-  float a[4][4];
-#ifdef __AVX512F__
-  if (K % 16 == 0) {
-    __m512 c[4][4];
-    for (int i = 0; i < 4; ++i)
-      for (int j = 0; j < 4; ++j) c[i][j] = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      const __m512 w0 = _mm512_loadu_ps(ws[0] + k), w1 = _mm512_loadu_ps(ws[1] + k);
-      const __m512 w2 = _mm512_loadu_ps(ws[2] + k), w3 = _mm512_loadu_ps(ws[3] + k);
-      for (int i = 0; i < 4; ++i) {
-        const __m512 xv = _mm512_loadu_ps(xs[i] + k);
-        c[i][0] = _mm512_fmadd_ps(xv, w0, c[i][0]);
-        c[i][1] = _mm512_fmadd_ps(xv, w1, c[i][1]);
-        c[i][2] = _mm512_fmadd_ps(xv, w2, c[i][2]);
-        c[i][3] = _mm512_fmadd_ps(xv, w3, c[i][3]);
-      }
-    }
-    for (int i = 0; i < 4; ++i)
-      for (int j = 0; j < 4; ++j) a[i][j] = _mm512_reduce_add_ps(c[i][j]);
-    for (int64_t i = 0; i < mr; ++i)
-      for (int64_t j = 0; j < nr; ++j) y[i * ldy + j] = a[i][j];
-    return;
-  }
-#endif
-  float a00 = 0, a01 = 0, a02 = 0, a03 = 0, a10 = 0, a11 = 0, a12 = 0, a13 = 0;
-  float a20 = 0, a21 = 0, a22 = 0, a23 = 0, a30 = 0, a31 = 0, a32 = 0, a33 = 0;
-#pragma omp simd reduction(+ : a00, a01, a02, a03, a10, a11, a12, a13, a20, a21, a22, a23, a30, a31, a32, a33)
-  for (int64_t k = 0; k < K; ++k) {
-    const float x0 = xs[0][k], x1 = xs[1][k], x2 = xs[2][k], x3 = xs[3][k];
-    const float w0 = ws[0][k], w1 = ws[1][k], w2 = ws[2][k], w3 = ws[3][k];
-    a00 += x0 * w0; a01 += x0 * w1; a02 += x0 * w2; a03 += x0 * w3;
-    a10 += x1 * w0; a11 += x1 * w1; a12 += x1 * w2; a13 += x1 * w3;
-    a20 += x2 * w0; a21 += x2 * w1; a22 += x2 * w2; a23 += x2 * w3;
-    a30 += x3 * w0; a31 += x3 * w1; a32 += x3 * w2; a33 += x3 * w3;
-  }
-  a[0][0] = a00; a[0][1] = a01; a[0][2] = a02; a[0][3] = a03;
-  a[1][0] = a10; a[1][1] = a11; a[1][2] = a12; a[1][3] = a13;
-  a[2][0] = a20; a[2][1] = a21; a[2][2] = a22; a[2][3] = a23;
-  a[3][0] = a30; a[3][1] = a31; a[3][2] = a32; a[3][3] = a33;
-  for (int64_t i = 0; i < mr; ++i)
-    for (int64_t j = 0; j < nr; ++j) y[i * ldy + j] = a[i][j];
-}
-
-template <typename DotRow, typename DeqRow>
-torch::Tensor run(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias, DotRow dot_row,
-                  DeqRow deq_row) {
-  const int64_t M = x2.size(0), K = x2.size(1);
-  if (M >= MANY) {  // prefill: dequantize once, then the BLAS matmul, which is compute-bound here
-    auto w = torch::empty({N, K}, x2.options());
-    float* wp = w.data_ptr<float>();
-    at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
-      for (int64_t n = n0; n < n1; ++n) deq_row(n, wp + n * K);
-    });
-    return bias.has_value() ? at::addmm(*bias, x2, w.t()) : at::mm(x2, w.t());
-  }
+// Several input rows: each thread dequantizes a chunk of weight rows into a float buffer that stays in its
+// cache and multiplies it with the BLAS sgemm (single-threaded inside the parallel region), so no float
+// copy of the whole weight is ever held. Chunks of about 256 KB: the buffer and the inputs fit in L2.
+template <typename DeqRow>
+torch::Tensor many_rows(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias,
+                        DeqRow deq_row) {
+  const int M = static_cast<int>(x2.size(0)), K = static_cast<int>(x2.size(1));
+  const int64_t NC = std::max<int64_t>(16, std::min<int64_t>(256, 65536 / K / 16 * 16));
   auto y = torch::empty({M, N}, x2.options());
   const float* x = x2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + NB - 1) / NB, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> buf(M > FEW ? NB * K : 0);
-    for (int64_t blk = b0; blk < b1; ++blk) {
-      const int64_t n0 = blk * NB, n1 = std::min(N, n0 + NB);
-      if (M <= FEW) {
-        for (int64_t n = n0; n < n1; ++n)
-          for (int64_t i = 0; i < M; ++i) yp[i * N + n] = dot_row(i, n);
-        continue;
-      }
-      for (int64_t n = n0; n < n1; ++n) deq_row(n, buf.data() + (n - n0) * K);
-      for (int64_t i = 0; i < M; i += 4)
-        for (int64_t n = n0; n < n1; n += 4)
-          tile4x4(x + i * K, K, std::min<int64_t>(4, M - i), buf.data() + (n - n0) * K, K, yp + i * N + n, N,
-                  std::min<int64_t>(4, n1 - n));
+  at::parallel_for(0, (N + NC - 1) / NC, 1, [&](int64_t c0, int64_t c1) {
+    thread_local std::vector<float> buf;  // reused by the pool's threads: no page faults per call
+    buf.resize(NC * K);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * NC;
+      const int nc = static_cast<int>(std::min(NC, N - n0)), ldc = static_cast<int>(N);
+      for (int64_t n = n0; n < n0 + nc; ++n) deq_row(n, buf.data() + (n - n0) * K);
+      // column-major: y^T[n0 : n0 + nc, :] = chunk (stored [nc, K], read transposed) @ x^T (stored [M, K])
+      const float one = 1.f, zero = 0.f;
+      sgemm_("T", "N", &nc, &M, &K, &one, buf.data(), &K, x, &K, &zero, yp + n0, &ldc);
     }
+  });
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+// Rows one at a time without the vector kernels (a CPU with neither AVX-512 nor AVX2).
+template <typename DotRow>
+torch::Tensor each_row(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias, DotRow dot_row) {
+  auto y = torch::empty({1, N}, x2.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
+    for (int64_t n = n0; n < n1; ++n) yp[n] = dot_row(n);
   });
   if (bias.has_value()) y.add_(*bias);
   return y;
@@ -278,7 +347,7 @@ std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {
 }  // namespace
 
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
-                          const c10::optional<torch::Tensor>& bias) {
+                          const c10::optional<torch::Tensor>& bias, bool int8_inputs) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kChar && s.scalar_type() == at::kFloat);
   auto x2 = flat(x);
   const int64_t N = q.size(0), K = q.size(1), G = K / s.size(1);
@@ -287,49 +356,70 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
   const float* sp = s.data_ptr<float>();
   const float* xp = x2.data_ptr<float>();
   const int64_t S = s.size(1);
-#ifdef __AVX512F__
-  if (x2.size(0) == 1 && G % 16 == 0)  // one row: memory-bound, each weight byte read once
+  auto deq = [&](int64_t n, float* out) { deq_row_i8(qp + n * K, sp + n * S, K, G, out); };
+  if (x2.size(0) > 1) return many_rows(x2, N, bias, deq).reshape(out_shape(x, N));
+#if defined(WOQ_SIMD) && defined(__AVX2__)
+  if (int8_inputs && G % 32 == 0) {
+    std::vector<int8_t> xq(K);
+    std::vector<float> dx(K / 32);
+    quantize_blocks(xp, K, xq.data(), dx.data());
+    return one_row(x2, N, bias, [&](int64_t n, int64_t rows, float* out) {
+             dot_rows_i8_q8(xq.data(), dx.data(), qp + n * K, sp + n * S, K, G, rows, out);
+           }).reshape(out_shape(x, N));
+  }
+#endif
+#ifdef WOQ_SIMD
+  if (G % W == 0)  // one row: memory-bound, each weight byte read once
     return one_row(x2, N, bias, [&](int64_t n, int64_t rows, float* out) {
              dot_rows_i8(xp, qp + n * K, sp + n * S, K, G, rows, out);
            }).reshape(out_shape(x, N));
 #endif
-  auto y = run(x2, N, bias,
-               [&](int64_t i, int64_t n) { return dot_row_i8(xp + i * K, qp + n * K, sp + n * S, K, G); },
-               [&](int64_t n, float* out) { deq_row_i8(qp + n * K, sp + n * S, K, G, out); });
-  return y.reshape(out_shape(x, N));
+  return each_row(x2, N, bias, [&](int64_t n) { return dot_row_i8(xp, qp + n * K, sp + n * S, K, G); })
+      .reshape(out_shape(x, N));
 }
 
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
-                          const torch::Tensor& m, const c10::optional<torch::Tensor>& bias) {
+                          const torch::Tensor& m, const c10::optional<torch::Tensor>& bias, bool int8_inputs) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kByte);
   TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "int4 scales and minimums are float16");
   auto x2 = flat(x);
   const int64_t N = q.size(0), K = q.size(1) * 2, S = K / 32;
   TORCH_CHECK(x2.size(1) == K && K % 32 == 0 && d.size(1) == S && m.size(1) == S);
-  const int64_t M = x2.size(0);
-  std::vector<float> xsum(M * S);  // each block's sum of inputs, for the minimums
-  const float* xp = x2.data_ptr<float>();
-  for (int64_t i = 0; i < M * S; ++i) {
-    float t = 0.f;
-#pragma omp simd reduction(+ : t)
-    for (int j = 0; j < 32; ++j) t += xp[i * 32 + j];
-    xsum[i] = t;
-  }
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const c10::Half *dp = d.data_ptr<c10::Half>(), *mp = m.data_ptr<c10::Half>();
-  const float* xs = xsum.data();
-#ifdef __AVX512F__
-  if (M == 1)  // one row: memory-bound, each weight byte read once
-    return one_row(x2, N, bias, [&](int64_t n, int64_t rows, float* out) {
-             dot_rows_i4(xp, xs, qp + n * K / 2, dp + n * S, mp + n * S, K, rows, out);
+  const float* xp = x2.data_ptr<float>();
+  if (x2.size(0) > 1)
+    return many_rows(x2, N, bias, [&](int64_t n, float* out) {
+             deq_row_i4(qp + n * K / 2, dp + n * S, mp + n * S, K, out);
            }).reshape(out_shape(x, N));
+  std::vector<float> xsum(S);  // each block's sum of inputs, for the minimums
+  for (int64_t g = 0; g < S; ++g) {
+    float t = 0.f;
+#pragma omp simd reduction(+ : t)
+    for (int j = 0; j < 32; ++j) t += xp[g * 32 + j];
+    xsum[g] = t;
+  }
+  const float* xs = xsum.data();
+#if defined(WOQ_SIMD) && defined(__AVX2__)
+  if (int8_inputs) {
+    std::vector<int8_t> xq(K);
+    std::vector<float> dx(S);
+    quantize_blocks(xp, K, xq.data(), dx.data());
+    return one_row(x2, N, bias, [&](int64_t n, int64_t rows, float* out) {
+             dot_rows_i4_q8(xq.data(), dx.data(), xs, qp + n * K / 2, dp + n * S, mp + n * S, K, rows, out);
+           }).reshape(out_shape(x, N));
+  }
 #endif
-  auto y = run(x2, N, bias,
-               [&](int64_t i, int64_t n) {
-                 return dot_row_i4(xp + i * K, xs + i * S, qp + n * K / 2, dp + n * S, mp + n * S, K);
-               },
-               [&](int64_t n, float* out) { deq_row_i4(qp + n * K / 2, dp + n * S, mp + n * S, K, out); });
-  return y.reshape(out_shape(x, N));
+#ifdef WOQ_SIMD
+  // one row: memory-bound, each weight byte read once
+  return one_row(x2, N, bias, [&](int64_t n, int64_t rows, float* out) {
+           dot_rows_i4(xp, xs, qp + n * K / 2, dp + n * S, mp + n * S, K, rows, out);
+         }).reshape(out_shape(x, N));
+#else
+  return each_row(x2, N, bias, [&](int64_t n) {
+           return dot_row_i4(xp, xs, qp + n * K / 2, dp + n * S, mp + n * S, K);
+         }).reshape(out_shape(x, N));
+#endif
 }
 
 namespace {
@@ -338,6 +428,92 @@ inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(c10::Half x) { return static_cast<float>(x); }
 inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum): Cephes' expf, 2 ** n times a degree-6
+// polynomial on [-ln 2 / 2, ln 2 / 2], about 1e-7 relative; plain code the compiler vectorizes.
+inline float fast_exp(float x) {
+  x = std::max(x, -87.f);
+  const float n = std::floor(x * 1.44269504f + 0.5f);
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+// the caches the vector paths of decode attention read: float32 and int8
+template <typename T>
+constexpr bool vector_cache = std::is_same_v<T, float> || std::is_same_v<T, int8_t>;
+
+inline bool vector_rows(int64_t D) {
+#ifdef WOQ_SIMD
+  return D % W == 0;
+#else
+  return false;
+#endif
+}
+
+// rows [n, D] of a float32 or int8 cache into float out [n, D], each row times its float16 scale (none: 1)
+template <typename T>
+inline void rows_to_float(const T* p, const c10::Half* scales, int64_t n, int64_t D, float* out) {
+#ifdef WOQ_SIMD
+  if constexpr (vector_cache<T>) {
+    for (int64_t l = 0; l < n; ++l) {
+      const Vec::T sc = Vec::set1(scales ? half_to_float(scales[l]) : 1.f);
+      for (int64_t j = l * D; j < (l + 1) * D; j += W) {
+        if constexpr (std::is_same_v<T, float>) Vec::store(out + j, Vec::mul(Vec::load(p + j), sc));
+        else Vec::store(out + j, Vec::mul(Vec::int8s(p + j), sc));
+      }
+    }
+  }
+#endif
+}
+
+// scores[g * n + l] = (q_g . k_l) * scale for the group's query heads q [group, D] and float keys kf [n, D]
+inline void vector_scores(const float* q, const float* kf, int64_t n, int64_t D, int64_t group, float scale,
+                          float* scores) {
+#ifdef WOQ_SIMD
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t l = 0; l < n; ++l) {
+      Vec::T acc = Vec::mul(Vec::load(kf + l * D), Vec::load(q + g * D));
+      for (int64_t j = W; j < D; j += W) acc = Vec::fma(Vec::load(kf + l * D + j), Vec::load(q + g * D + j), acc);
+      scores[g * n + l] = Vec::sum(acc) * scale;
+    }
+#endif
+}
+
+// out[j .. j + NB W) += sum over l of p[l] * vf[l][j .. j + NB W): NB accumulators held over the positions,
+// each row of vf read once, in order
+template <int NB>
+inline void accumulate_values(const float* p, const float* vf, int64_t n, int64_t D, int64_t j, float* out) {
+#ifdef WOQ_SIMD
+  Vec::T acc[NB];
+  for (int u = 0; u < NB; ++u) acc[u] = Vec::zero();
+  for (int64_t l = 0; l < n; ++l) {
+    const Vec::T pl = Vec::set1(p[l]);
+    for (int u = 0; u < NB; ++u) acc[u] = Vec::fma(pl, Vec::load(vf + l * D + j + u * W), acc[u]);
+  }
+  for (int u = 0; u < NB; ++u) Vec::store(out + j + u * W, acc[u]);
+#endif
+}
+
+// out[g] = sum over l of p[g * n + l] * vf[l] for the group's heads and float values vf [n, D]
+inline void vector_values(const float* p, const float* vf, int64_t n, int64_t D, int64_t group, float* out) {
+#ifdef WOQ_SIMD
+  for (int64_t g = 0; g < group; ++g)
+    for (int64_t j = 0; j < D;) {
+      const int64_t left = (D - j) / W;
+      if (left >= 8) accumulate_values<8>(p + g * n, vf, n, D, j, out + g * D), j += 8 * W;
+      else if (left >= 4) accumulate_values<4>(p + g * n, vf, n, D, j, out + g * D), j += 4 * W;
+      else accumulate_values<1>(p + g * n, vf, n, D, j, out + g * D), j += W;
+    }
+#endif
+}
 
 // One query token per row against that row's first lengths[b] cached positions; each kv head's keys
 // and values are read once for all the query heads that share it (grouped-query attention). An int8 cache
@@ -348,7 +524,7 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
                            int64_t D, float scale) {
   const int64_t group = Hq / Hk;
   at::parallel_for(0, B * Hk, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> scores;
+    std::vector<float> scores, vf;
     std::vector<float> kf(D), acc(D);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hk, kh = t % Hk, n = std::max<int64_t>(1, std::min(lengths[b], S));
@@ -357,11 +533,18 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
       const c10::Half* ksp = ks ? ks + (b * Hk + kh) * S : nullptr;
       const c10::Half* vsp = vs ? vs + (b * Hk + kh) * S : nullptr;
       scores.assign(group * n, 0.f);
-      for (int64_t l = 0; l < n; ++l) {
-        for (int64_t d = 0; d < D; ++d) kf[d] = to_float(kp[l * D + d]);
+      const bool fast = vector_cache<T> && vector_rows(D);
+      const float* qb = q + (b * Hq + kh * group) * D;  // the group's query heads, one after another
+      if (fast) {
+        vf.resize(n * D);
+        rows_to_float<T>(kp, ksp, n, D, vf.data());
+        vector_scores(qb, vf.data(), n, D, group, scale, scores.data());
+      }
+      for (int64_t l = 0; l < n && !fast; ++l) {
         const float ksc = ksp ? static_cast<float>(ksp[l]) * scale : scale;
+        for (int64_t d = 0; d < D; ++d) kf[d] = to_float(kp[l * D + d]);
         for (int64_t g = 0; g < group; ++g) {
-          const float* qh = q + (b * Hq + kh * group + g) * D;
+          const float* qh = qb + g * D;
           float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < D; ++d) dot += qh[d] * kf[d];
@@ -373,12 +556,19 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
         float mx = sc[0];
         for (int64_t l = 1; l < n; ++l) mx = std::max(mx, sc[l]);
         float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
         for (int64_t l = 0; l < n; ++l) {
-          sc[l] = std::exp(sc[l] - mx);
+          sc[l] = fast_exp(sc[l] - mx);
           sum += sc[l];
         }
         const float inv = 1.f / sum;
+#pragma omp simd
         for (int64_t l = 0; l < n; ++l) sc[l] *= inv;
+      }
+      if (fast) {
+        rows_to_float<T>(vp, vsp, n, D, vf.data());
+        vector_values(scores.data(), vf.data(), n, D, group, out + (b * Hq + kh * group) * D);
+        continue;
       }
       for (int64_t g = 0; g < group; ++g) {
         std::fill(acc.begin(), acc.end(), 0.f);
@@ -460,23 +650,6 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   return y.view(x.sizes());
 }
 
-// silu(gate) * up for gu [M, 2F] = [gate | up] -> [M, F]
-torch::Tensor silu_mul(const torch::Tensor& gu) {
-  TORCH_CHECK(gu.scalar_type() == at::kFloat);
-  auto g2 = flat(gu);
-  const int64_t M = g2.size(0), F = g2.size(1) / 2;
-  auto y = torch::empty({M, F}, g2.options());
-  const float* gp = g2.data_ptr<float>();
-  float* yp = y.data_ptr<float>();
-  for (int64_t i = 0; i < M; ++i)
-#pragma omp simd
-    for (int64_t j = 0; j < F; ++j) {
-      const float g = gp[i * 2 * F + j];
-      yp[i * F + j] = g / (1.f + std::exp(-g)) * gp[i * 2 * F + F + j];
-    }
-  return y;
-}
-
 namespace {
 
 inline void rope_row(const float* x, const float* c, const float* s, int64_t D, float* out) {
@@ -551,10 +724,11 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear_int8", &linear_int8, "x @ (q * s)^T, 8-bit weight groups");
-  m.def("linear_int4", &linear_int4, "x @ (d * q + m)^T, 4-bit weight groups of 32");
+  m.def("linear_int8", &linear_int8, "x @ (q * s)^T, 8-bit weight groups", py::arg("x"), py::arg("q"), py::arg("s"),
+        py::arg("bias"), py::arg("int8_inputs") = false);
+  m.def("linear_int4", &linear_int4, "x @ (d * q + m)^T, 4-bit weight groups of 32", py::arg("x"), py::arg("q"),
+        py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_inputs") = false);
   m.def("decode_attention", &decode_attention, "one query token per row over its cached positions");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
   m.def("rope_store", &rope_store, "rotary embedding for a decode step, keys and values into the cache");
 }

@@ -284,6 +284,22 @@ inline void dot_rows_i8_q8(const int8_t* xq, const float* dx, const int8_t* q, c
 }
 #endif
 
+// Dequantized rows with the vector unit (several rows' chunks are dequantized before sgemm multiplies them).
+inline void deq_row_i4_vec(const uint8_t* q, const c10::Half* d, const c10::Half* m, int64_t K, float* out) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    const Vec::T dv = Vec::set1(half_to_float(d[g])), mv = Vec::set1(half_to_float(m[g]));
+    for (int v = 0; v < 32 / W; ++v)
+      Vec::store(out + g * 32 + v * W, Vec::fma(Vec::nibbles(q + g * 16 + v * W % 16, v * W / 16 * 4), dv, mv));
+  }
+}
+
+inline void deq_row_i8_vec(const int8_t* q, const float* s, int64_t K, int64_t G, float* out) {
+  for (int64_t g = 0; g < K / G; ++g) {
+    const Vec::T sv = Vec::set1(s[g]);
+    for (int64_t j = g * G; j < (g + 1) * G; j += W) Vec::store(out + j, Vec::mul(Vec::int8s(q + j), sv));
+  }
+}
+
 // One input row over R-row passes of the weight, split between the threads.
 template <typename Pass>
 torch::Tensor one_row(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias, Pass pass) {
@@ -356,7 +372,12 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
   const float* sp = s.data_ptr<float>();
   const float* xp = x2.data_ptr<float>();
   const int64_t S = s.size(1);
-  auto deq = [&](int64_t n, float* out) { deq_row_i8(qp + n * K, sp + n * S, K, G, out); };
+  auto deq = [&](int64_t n, float* out) {
+#ifdef WOQ_SIMD
+    if (G % W == 0) return deq_row_i8_vec(qp + n * K, sp + n * S, K, G, out);
+#endif
+    deq_row_i8(qp + n * K, sp + n * S, K, G, out);
+  };
   if (x2.size(0) > 1) return many_rows(x2, N, bias, deq).reshape(out_shape(x, N));
 #if defined(WOQ_SIMD) && defined(__AVX2__)
   if (int8_inputs && G % 32 == 0) {
@@ -390,7 +411,11 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
   const float* xp = x2.data_ptr<float>();
   if (x2.size(0) > 1)
     return many_rows(x2, N, bias, [&](int64_t n, float* out) {
+#ifdef WOQ_SIMD
+             deq_row_i4_vec(qp + n * K / 2, dp + n * S, mp + n * S, K, out);
+#else
              deq_row_i4(qp + n * K / 2, dp + n * S, mp + n * S, K, out);
+#endif
            }).reshape(out_shape(x, N));
   std::vector<float> xsum(S);  // each block's sum of inputs, for the minimums
   for (int64_t g = 0; g < S; ++g) {

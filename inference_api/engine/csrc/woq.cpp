@@ -76,6 +76,13 @@ inline float dot_row_i4(const float* x, const float* xsum, const uint8_t* q, con
 }
 
 #ifdef WOQ_SIMD
+// the sum of 8 floats (AVX2, so on AVX-512 CPUs as well)
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 // The few vector operations the kernels need, over W floats: AVX-512 or AVX2 (with FMA and F16C).
 #ifdef __AVX512F__
 struct Vec {
@@ -108,11 +115,7 @@ struct Vec {
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(T v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-  }
+  static float sum(T v) { return sum8(v); }
   static T halves(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
   static T int8s(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
   static T nibbles(const uint8_t* p, int shift) {
@@ -213,12 +216,6 @@ inline void quantize_blocks(const float* x, int64_t K, int8_t* xq, float* dx) {
     for (int j = 0; j < 32; ++j) xq[g * 32 + j] = static_cast<int8_t>(std::nearbyint(x[g * 32 + j] * inv));
     dx[g] = step;
   }
-}
-
-inline float sum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
 // sum of the 32 products of u8 a and s8 b, as 8 int32 lanes, in float

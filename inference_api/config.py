@@ -26,6 +26,7 @@ class ServerConfig:
     rows: int = 32  # fixed user rows, each with its own KV cache
     context_length: int = 2048  # KV positions per row (prompt + output)
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step, so long prompts never stall streams
+    prefix_cache: bool = True  # start a prompt after the longest prefix some row's KV cache still holds
     max_waiting: int = 64  # requests allowed to wait for a free row; beyond it: 503
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES  # stop strings per request, every API (TGI's --max-stop-sequences; h2oGPT sends 6)
@@ -76,6 +77,7 @@ _ENV = {
     "rows": ("MAX_USERS", "user rows decoded together"),
     "context_length": ("CONTEXT_LENGTH", "tokens per row (prompt + output)"),
     "prefill_chunk": ("PREFILL_CHUNK", "prompt tokens prefilled per step"),
+    "prefix_cache": ("PREFIX_CACHE", "reuse the cached keys and values of a prompt's longest prefix found in any row"),
     "max_waiting": ("MAX_WAITING", "requests that may wait for a row before 503"),
     "max_body_bytes": ("MAX_BODY_BYTES", "largest accepted request body in bytes"),
     "max_stop_sequences": ("MAX_STOP_SEQUENCES", "stop sequences accepted per request"),

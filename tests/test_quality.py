@@ -91,3 +91,21 @@ def test_decode_kernels_over_the_int8_cache_match_the_prefill_path(model_dir, te
     for logits in (whole, two[0], two[1]):
         assert (logits - one).abs().max() < tolerance
     assert int(one.argmax()) == int(whole.argmax())
+
+
+def test_a_prefix_copied_from_another_row_gives_the_logits_of_computing_it_there(model_dir, text_ids):
+    """The prefix cache: row 1 takes row 0's first 24 positions (int8 keys, values and scales) and computes
+    only the rest of the prompt; its last logits match row 0's, which computed the whole prompt. Row 2 gets
+    the same rest without the copy: attention then reads an empty prefix, and the logits are far off."""
+    precision = pick_precision(ServerConfig(), "cpu", torch.float32)
+    runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 64, precision,
+                         load_kernels(Path(MODEL_CACHE)))
+    ids = text_ids[:40]
+    with torch.inference_mode():
+        whole = runner.prefill([0], [ids], [0])[0]
+        runner.copy_prefix(0, 1, 24)
+        rest = runner.prefill([1], [ids[24:]], [24])[0]
+        uncopied = runner.prefill([2], [ids[24:]], [24])[0]
+    print(f"\ncopied prefix: {float((rest - whole).abs().max()):.2e}; none: {float((uncopied - whole).abs().max()):.2f}")
+    assert (rest - whole).abs().max() < 0.15  # as the decode test: summation order vs int8 rounding steps
+    assert (uncopied - whole).abs().max() > 1.0

@@ -9,6 +9,7 @@ from typing import Protocol, Sequence as Seq
 import torch
 
 from ..messages import EngineStats, FinishReason, GenerateRequest, TokenEvent, TokenLogprob
+from .prefix import PrefixIndex
 from .rows import RowTable
 from .sampling import RowParams, apply_penalties, mask_tokens, sample
 from .sequence import Sequence, Status
@@ -24,6 +25,8 @@ class Runner(Protocol):
 
     def decode(self, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor: ...
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None: ...
+
 
 class Detokenizer(Protocol):
     def decode(self, ids: Seq[int]) -> str: ...
@@ -31,7 +34,8 @@ class Detokenizer(Protocol):
 
 class Engine:
     def __init__(self, runner: Runner, tokenizer: Detokenizer, rows: int, context_length: int,
-                 prefill_chunk: int, eos_ids: frozenset[int], fault_text: str | None = None):
+                 prefill_chunk: int, eos_ids: frozenset[int], fault_text: str | None = None,
+                 prefix_cache: bool = True):
         self.runner = runner
         self.tokenizer = tokenizer
         self.rows = RowTable(rows)
@@ -42,6 +46,7 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # row -> sequence
         self.sessions: dict[str, Sequence] = {}
+        self.prefixes = PrefixIndex(rows) if prefix_cache else None
         self._rng = random.Random()
         self.fault_text = fault_text  # tests only: prompts containing it fail in post-processing
         self._faulty: set[str] = set()
@@ -88,9 +93,27 @@ class Engine:
             seq = self.waiting.popleft()
             seq.row = self.rows.allocate()
             seq.status = Status.PREFILL
+            if self.prefixes is not None:
+                self._reuse_prefix(seq)
             seed = seq.params.seed if seq.params.seed is not None else self._rng.getrandbits(63)
             self.params.set_row(seq.row, seq.params, seed, seq.prompt_ids)
             self.running[seq.row] = seq
+
+    def _reuse_prefix(self, seq: Sequence) -> None:
+        """Start the prompt after the longest prefix any row's cache holds (copied into this row if it lies in
+        another), as llama.cpp's prompt cache and vLLM's prefix caching do. The last prompt token is always
+        computed: its logits give the first output token."""
+        held = {row: s.all_ids[:s.num_cached] for row, s in self.running.items() if s is not seq}
+        src, length = self.prefixes.longest(seq.prompt_ids, held, limit=seq.num_prompt - 1)
+        if length == 0:
+            return
+        if src != seq.row:
+            try:
+                self.runner.copy_prefix(src, seq.row, length)
+            except Exception:  # the prompt is then computed in full
+                log.exception("copying a cached prefix failed")
+                return
+        seq.num_cached = seq.num_reused = length
 
     def _forward(self) -> tuple[list[Sequence], torch.Tensor]:
         """Prefill up to one chunk of prompt tokens, then decode every row with a token to feed."""
@@ -212,18 +235,21 @@ class Engine:
             out[i] = TokenLogprob(self.tokenizer.decode([tokens[i]]), float(lp[j, tokens[i]]), top)
         return out
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, cache_valid: bool = True) -> None:
         if seq.row is not None and self.running.get(seq.row) is seq:
             del self.running[seq.row]
+            if self.prefixes is not None:
+                self.prefixes.hold(seq.row, seq.all_ids[:seq.num_cached] if cache_valid else [])
             self.rows.free(seq.row)
         seq.row = None
 
-    def _fail(self, seq: Sequence, message: str) -> TokenEvent:
+    def _fail(self, seq: Sequence, message: str, cache_valid: bool = True) -> TokenEvent:
         seq.finish(FinishReason.ERROR)
         self.sessions.pop(seq.session_id, None)
         self._faulty.discard(seq.session_id)
-        self._release(seq)
+        self._release(seq, cache_valid)
         return self._event(seq, "", error=message)
 
     def _fail_running(self, message: str) -> list[TokenEvent]:
-        return [self._fail(seq, message) for seq in list(self.running.values())]
+        """After a failed forward: no row's cache can be trusted past what it held before, so none is kept."""
+        return [self._fail(seq, message, cache_valid=False) for seq in list(self.running.values())]

@@ -71,6 +71,11 @@ class RowKVCache(Cache):
         self._rows, self._write, self._attend = rows, write_pos, attend_len
         self._flat = None  # computed by the first update() of this forward, shared by every layer, K and V
 
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Copy positions 0..length-1 of row src into row dst, every layer, keys, values and scales."""
+        for store in self.keys + self.values + self.key_scales + self.value_scales:
+            store[dst, :, :length] = store[src, :, :length]
+
     def _flat_index(self) -> torch.Tensor:
         """For each bound row, head and new position, its row in a [-1, head_dim] view of a layer's store."""
         if self._flat is None:

@@ -120,3 +120,8 @@ class ModelRunner:
         visible = torch.arange(attend, device=self.device)[None, :] <= torch.where(active, positions, 0)[:, None]
         self.cache.bind(slice(0, b), write, attend)
         return self._forward(tokens[:, None], write.clamp(max=attend - 1), visible[:, None])
+
+    @torch.inference_mode()
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Give row dst the first length cached positions of row src (a prompt prefix found there)."""
+        self.cache.copy_prefix(src, dst, length)

@@ -27,7 +27,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
 
         runner = MockRunner(config.rows, config.mock_tokens_per_second)
         engine = Engine(runner, ByteTokenizer(), config.rows, config.context_length, config.prefill_chunk,
-                        frozenset([EOS]), config.test_fault_text)
+                        frozenset([EOS]), config.test_fault_text, config.prefix_cache)
         return engine, EngineReady("", model_name(config), config.context_length, runner.vocab_size, "cpu", "none")
 
     import torch
@@ -57,7 +57,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
                 "int8" if precision.int8_inputs else dtype, kv, runner.cache.nbytes / 2**20, config.rows,
                 config.context_length)
     engine = Engine(runner, tokenizer, config.rows, config.context_length, config.prefill_chunk, eos,
-                    config.test_fault_text)
+                    config.test_fault_text, config.prefix_cache)
     ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, device,
                         dtype, precision.quantize, kv, batch, precision.int8_inputs)
     return engine, ready

@@ -25,6 +25,7 @@ class Sequence:
         self.status = Status.WAITING
         self.row: int | None = None
         self.num_cached = 0  # tokens already written to this row's KV cache
+        self.num_reused = 0  # prompt tokens found already cached (the prefix cache) and not computed again
         self.finish_reason: FinishReason | None = None
         self._detok = IncrementalDetokenizer(decode, self.prompt_ids)
         self._text = ""  # decoded output so far

@@ -13,15 +13,13 @@ class MockRunner:
         self.device = torch.device("cpu")
         self.vocab_size = VOCAB
         self.step_seconds = 1.0 / tokens_per_second if tokens_per_second > 0 else 0.0
-        self._scripts: list[bytes] = [b""] * rows
+        self._cached: list[list[int]] = [[] for _ in range(rows)]  # each row's tokens by position (its "KV cache")
         self._prompt_len = [0] * rows
         self._last_step = 0.0
 
     def prefill(self, rows: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
         for row, chunk, start in zip(rows, chunks, starts):
-            if start == 0:
-                self._scripts[row] = b""
-            self._scripts[row] += bytes(t for t in chunk if t < 256)
+            self._cached[row][start:] = chunk
             self._prompt_len[row] = start + len(chunk)
         return self._logits(rows, [self._prompt_len[r] for r in rows])
 
@@ -31,11 +29,19 @@ class MockRunner:
             time.sleep(wait)  # the mock's decode rate; a real model spends this time computing
         self._last_step = time.monotonic()
         rows = list(range(tokens.shape[0]))
-        return self._logits(rows, [int(p) + 1 for p in positions])
+        for row, token, pos, on in zip(rows, tokens.tolist(), positions.tolist(), active.tolist()):
+            if on:
+                self._cached[row][pos:] = [token]
+        return self._logits(rows, [p + 1 for p in positions.tolist()])
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        self._cached[dst] = self._cached[src][:length]
 
     def _logits(self, rows: list[int], next_positions: list[int]) -> torch.Tensor:
         logits = torch.zeros(len(rows), VOCAB)
         for i, (row, pos) in enumerate(zip(rows, next_positions)):
-            script = b"Echo: " + self._scripts[row][-64:].decode("utf-8", "ignore").encode() + " — ".encode()
-            logits[i, script[(pos - self._prompt_len[row]) % len(script)]] = 50.0
+            end = self._prompt_len[row]
+            prompt = bytes(t for t in self._cached[row][:end] if t < 256)
+            script = b"Echo: " + prompt[-64:].decode("utf-8", "ignore").encode() + " — ".encode()
+            logits[i, script[(pos - end) % len(script)]] = 50.0
         return logits

@@ -17,6 +17,7 @@ class SpyRunner(MockRunner):
     def __init__(self, rows: int):
         super().__init__(rows, tokens_per_second=0)
         self.prefills: list[list[int]] = []  # per prefill call: the chunk lengths
+        self.copies: list[tuple[int, int, int]] = []  # per prefix copy: (src, dst, length)
         self.fail_decode = False
 
     def prefill(self, rows, chunks, starts):
@@ -28,10 +29,16 @@ class SpyRunner(MockRunner):
             raise RuntimeError("device lost")
         return super().decode(tokens, positions, active)
 
+    def copy_prefix(self, src, dst, length):
+        self.copies.append((src, dst, length))
+        super().copy_prefix(src, dst, length)
 
-def make_engine(rows: int = 4, prefill_chunk: int = 64, context: int = 4096) -> tuple[Engine, SpyRunner]:
+
+def make_engine(rows: int = 4, prefill_chunk: int = 64, context: int = 4096,
+                prefix_cache: bool = True) -> tuple[Engine, SpyRunner]:
     runner = SpyRunner(rows)
-    return Engine(runner, ByteTokenizer(), rows, context, prefill_chunk, frozenset([EOS])), runner
+    engine = Engine(runner, ByteTokenizer(), rows, context, prefill_chunk, frozenset([EOS]), prefix_cache=prefix_cache)
+    return engine, runner
 
 
 def request(sid: str, prompt: str, max_tokens: int = 8) -> GenerateRequest:
@@ -162,3 +169,54 @@ def test_stop_token_ids_end_the_output_without_showing_the_token():
     assert events["s"][-1].completion_tokens == 4
     # before min_tokens the stop token is masked: the mock's next-best logit is 0 for every token (byte 0)
     assert events["m"][-1].completion_tokens > 4
+
+
+def test_a_repeated_prompt_computes_only_its_last_token_in_the_row_that_still_holds_it():
+    engine, runner = make_engine(rows=4)
+    prompt = "the same question, asked twice"
+    engine.add(request("first", prompt, max_tokens=10))
+    first = text(run(engine)["first"])
+    engine.add(request("again", prompt, max_tokens=10))
+    assert text(run(engine)["again"]) == first == ("Echo: " + prompt)[:10]
+    assert runner.prefills == [[len(prompt)], [1]] and runner.copies == []  # row 0 both times: nothing to copy
+
+
+def test_a_shared_prefix_is_copied_from_a_busy_row_and_each_stream_keeps_its_own_text():
+    engine, runner = make_engine(rows=4)
+    system = "You are a helpful assistant. Answer briefly. "
+    engine.add(request("a", system + "Question A?", max_tokens=60))
+    engine.step()  # "a" is prefilled in row 0 and decoding
+    engine.add(request("b", system + "What about B?", max_tokens=60))
+    events = run(engine)
+    assert runner.copies == [(0, 1, len(system))]
+    assert runner.prefills[-1] == [len("What about B?")]
+    assert text(events["b"]) == ("Echo: " + system + "What about B?")[:60]
+    assert engine.stats.rows_in_use == 0
+
+
+def test_the_next_chat_turn_reuses_the_previous_answer_too():
+    engine, runner = make_engine(rows=2)
+    engine.add(request("turn1", "hi", max_tokens=8))
+    answer = run(engine)["turn1"]
+    answered = list(b"hi") + [t for e in answer for t in e.token_ids]
+    turn2 = answered + list(b" and then?")
+    engine.add(GenerateRequest("turn2", tuple(turn2), SamplingParams(temperature=0, max_tokens=4)))
+    run(engine)
+    # the row holds the prompt and every answer token but the last (sampled, never fed back)
+    assert runner.prefills[-1] == [len(turn2) - (len(answered) - 1)]
+
+
+def test_without_the_prefix_cache_or_after_a_failed_forward_prompts_are_computed_in_full():
+    engine, runner = make_engine(rows=2, prefix_cache=False)
+    for sid in ("one", "two"):
+        engine.add(request(sid, "same prompt", max_tokens=3))
+        run(engine)
+    assert runner.prefills == [[11], [11]]
+    engine, runner = make_engine(rows=2)
+    engine.add(request("lost", "same prompt", max_tokens=30))
+    engine.step()
+    runner.fail_decode = True
+    engine.step()
+    runner.fail_decode = False
+    engine.add(request("after", "same prompt", max_tokens=3))
+    assert text(run(engine)["after"]) == "Ech" and runner.prefills[-1] == [11]

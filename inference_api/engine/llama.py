@@ -7,11 +7,14 @@ transformers' own modules stay the fallback for every other architecture.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
+
+from .quant import QuantLinear
 
 ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -81,6 +84,7 @@ class CompactLM:
         self.eps = config.rms_norm_eps
         self.dtype = dtype
         self.cos, self.sin = (t.to(dtype) for t in rotary_tables(config, length, device))  # as transformers casts
+        self.fused, self.fused_max_rows = fused_decoder(self.kernels, layers, self.heads, self.eps)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """RMSNorm as transformers computes it: in float32, the weight applied after the cast back."""
@@ -117,6 +121,10 @@ class CompactLM:
         write = cache.write_positions[:, 0]
         cos, sin = self.cos[positions], self.sin[positions]
         x = self.embed(ids).to(self.dtype)
+        if self.fused is not None and x.shape[0] <= self.fused_max_rows:
+            x = self.fused.forward(x, cos, sin, write, lengths, cache.keys, cache.values, cache.key_scales,
+                                   cache.value_scales)
+            return self.head(k.rms_norm(x, self.norm, self.eps))[:, None]
         for i, layer in enumerate(self.layers):
             keys, values = cache.keys[i], cache.values[i]
             key_scales, value_scales = cache.scales(i)
@@ -126,6 +134,21 @@ class CompactLM:
             x = x + layer.o(a.view(x.shape[0], -1))
             x = x + layer.down(_silu_mul(layer.gate_up(k.rms_norm(x, layer.mlp_norm, self.eps))))
         return self.head(k.rms_norm(x, self.norm, self.eps))[:, None]
+
+
+def fused_decoder(kernels, layers: list[Layer], heads: int, eps: float) -> tuple[object | None, float]:
+    """The kernels' Decoder (the decode step's layers in one C++ call) when every linear is quantized, and
+    the most rows it may take: one where layers run several rows on a oneDNN copy (SplitLinear), else any."""
+    if kernels is None:
+        return None, 0
+    one_row = [[getattr(lin, "quantized", lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+               for layer in layers]  # SplitLinear: its quantized half
+    if not all(isinstance(lin, QuantLinear) for four in one_row for lin in four):
+        return None, 0
+    decoder = kernels.Decoder([(layer.attn_norm, qkv.parts(), o.parts(), layer.mlp_norm, gu.parts(), down.parts())
+                               for layer, (qkv, o, gu, down) in zip(layers, one_row)], heads, eps)
+    split = any(lin is not layer.qkv for layer, (lin, *_) in zip(layers, one_row))
+    return decoder, 1 if split else math.inf
 
 
 def build_compact(model, make_linear: Callable, embed_fn: Callable, length: int, kernels=None) -> CompactLM:

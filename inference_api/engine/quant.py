@@ -85,6 +85,12 @@ class QuantLinear:
     def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, kernels, int8_inputs: bool = False):
         self.weight, self.bias, self.kernels, self.int8_inputs = weight, bias, kernels, int8_inputs
 
+    def parts(self) -> tuple:
+        """The layer as the kernels' Decoder takes it: (q, scales, minimums or None, bias, int8_inputs)."""
+        w = self.weight
+        scales, mins = (w.s, None) if isinstance(w, Int8Weight) else (w.d, w.m)
+        return w.q, scales, mins, self.bias, self.int8_inputs
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if isinstance(w, Int8Weight):

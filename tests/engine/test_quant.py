@@ -53,12 +53,13 @@ AVX2 = "avx2" in Path("/proc/cpuinfo").read_text()
 
 
 @pytest.mark.skipif(not AVX2, reason="the int8-input kernels need AVX2; elsewhere the inputs stay float32")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])  # groups of 4 input rows and every remainder
 @pytest.mark.parametrize("form", ["int8-channel", "int8-group32", "int4"])
-def test_one_row_with_int8_inputs_is_linear_on_the_rounded_inputs(kernels, form):
+def test_few_rows_with_int8_inputs_are_linear_on_the_rounded_inputs(kernels, form, rows):
     w = _weight(70, 128)
     packed = {"int8-channel": lambda: quantize_int8(w), "int8-group32": lambda: quantize_int8(w, 32),
               "int4": lambda: quantize_int4(w)}[form]()
-    b, x = torch.randn(70), torch.randn(1, 128)
+    b, x = torch.randn(70), torch.randn(rows, 128)
     if isinstance(packed, Int4Weight):
         y = kernels.linear_int4(x, packed.q, packed.d, packed.m, b, True)
     else:

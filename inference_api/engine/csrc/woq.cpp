@@ -8,6 +8,8 @@
 // the BLAS sgemm; compute bounds these, and no float copy of the weights is held.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cmath>
+#include <tuple>
 #include <vector>
 
 // the BLAS that torch links (MKL in the x86 wheels): Fortran sgemm, column-major
@@ -223,63 +225,109 @@ inline __m256 dot_u8s8(__m256i a, __m256i b) {
   return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
 }
 
-// dot_rows_i4 on int8 inputs: sum over blocks of d * dx * (nibbles . xq) + m * sum(x)
+// dot_rows_i4 on int8 inputs, for RW weight rows and MR input rows (xq [MR, K], dx and xsum [MR, K / 32]):
+// y[i * ldy + r] = sum over blocks of d * dx_i * (nibbles . xq_i) + m * sum(x_i). Each weight block is
+// unpacked once for the MR rows.
+template <int RW, int MR>
 inline void dot_rows_i4_q8(const int8_t* xq, const float* dx, const float* xsum, const uint8_t* q, const c10::Half* d,
-                           const c10::Half* m, int64_t K, int64_t rows, float* y) {
+                           const c10::Half* m, int64_t K, int64_t rows, float* y, int64_t ldy) {
   const int64_t S = K / 32, half = K / 2;
   const __m128i low = _mm_set1_epi8(15);
-  __m256 acc[R];
-  const uint8_t* qr[R];
-  const c10::Half* dr[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
+  __m256 acc[RW][MR];
+  const uint8_t* qr[RW];
+  const c10::Half* dr[RW];
+  for (int r = 0; r < RW; ++r) {
+    for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_setzero_ps();
     qr[r] = q + (r < rows ? r : 0) * half;
     dr[r] = d + (r < rows ? r : 0) * S;
   }
-  const char* ahead = reinterpret_cast<const char*>(q + AHEAD * R * half);
-  for (int64_t i = 0; i < R * S * 2; i += 64) {
-    _mm_prefetch(reinterpret_cast<const char*>(d + AHEAD * R * S) + i, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(m + AHEAD * R * S) + i, _MM_HINT_T0);
+  const char* ahead = reinterpret_cast<const char*>(q + AHEAD * RW * half);  // RW * K / 2 contiguous bytes
+  for (int64_t i = 0; i < RW * S * 2; i += 64) {
+    _mm_prefetch(reinterpret_cast<const char*>(d + AHEAD * RW * S) + i, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(m + AHEAD * RW * S) + i, _MM_HINT_T0);
   }
   for (int64_t g = 0; g < S; ++g) {
-    _mm_prefetch(ahead + g * 64, _MM_HINT_T0);
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + g * 32));  // weights 0..15 low, 16..31 high
-    for (int r = 0; r < R; ++r) {
-      const __m128i b = _mm_loadu_si128((const __m128i*)(qr[r] + g * 16));
+    if (g * RW * 16 % 64 == 0) _mm_prefetch(ahead + g * RW * 16, _MM_HINT_T0);
+    for (int r = 0; r < RW; ++r) {
+      const __m128i b = _mm_loadu_si128((const __m128i*)(qr[r] + g * 16));  // weights 0..15 low, 16..31 high
       const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
-      acc[r] = _mm256_fmadd_ps(dot_u8s8(w, xv), _mm256_set1_ps(half_to_float(dr[r][g]) * dx[g]), acc[r]);
+      const float dw = half_to_float(dr[r][g]);
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + i * K + g * 32));
+        acc[r][i] = _mm256_fmadd_ps(dot_u8s8(w, xv), _mm256_set1_ps(dw * dx[i * S + g]), acc[r][i]);
+      }
     }
   }
-  for (int r = 0; r < rows; ++r) y[r] = sum8(acc[r]) + dot_half(m + r * S, xsum, S);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < MR; ++i) y[i * ldy + r] = sum8(acc[r][i]) + dot_half(m + r * S, xsum + i * S, S);
 }
 
-// dot_rows_i8 on int8 inputs, weight groups G a multiple of 32: sum over blocks of s * dx * (q . xq)
+// dot_rows_i8 on int8 inputs, weight groups G a multiple of 32, RW weight rows and MR input rows (dx
+// [MR, K / 32]): sum over blocks of s * dx_i * (q . xq_i)
+template <int RW, int MR>
 inline void dot_rows_i8_q8(const int8_t* xq, const float* dx, const int8_t* q, const float* sc, int64_t K, int64_t G,
-                           int64_t rows, float* y) {
-  const int64_t S = K / G;
-  __m256 acc[R];
-  const int8_t* qr[R];
-  const float* sr[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
+                           int64_t rows, float* y, int64_t ldy) {
+  const int64_t S = K / G, B = K / 32;
+  __m256 acc[RW][MR];
+  const int8_t* qr[RW];
+  const float* sr[RW];
+  for (int r = 0; r < RW; ++r) {
+    for (int i = 0; i < MR; ++i) acc[r][i] = _mm256_setzero_ps();
     qr[r] = q + (r < rows ? r : 0) * K;
     sr[r] = sc + (r < rows ? r : 0) * S;
   }
-  const char* ahead = reinterpret_cast<const char*>(q + AHEAD * R * K);
-  for (int64_t i = 0; i < R * S * 4; i += 64)
-    _mm_prefetch(reinterpret_cast<const char*>(sc + AHEAD * R * S) + i, _MM_HINT_T0);
+  const char* ahead = reinterpret_cast<const char*>(q + AHEAD * RW * K);  // RW * K contiguous bytes
+  for (int64_t i = 0; i < RW * S * 4; i += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(sc + AHEAD * RW * S) + i, _MM_HINT_T0);
   for (int64_t j = 0; j < K; j += 32) {
-    for (int64_t i = j * R; i < (j + 32) * R; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
-    const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + j));
-    for (int r = 0; r < R; ++r) {
+    for (int64_t i = j * RW; i < (j + 32) * RW; i += 64) _mm_prefetch(ahead + i, _MM_HINT_T0);
+    for (int r = 0; r < RW; ++r) {
       const __m256i w = _mm256_loadu_si256((const __m256i*)(qr[r] + j));
-      const __m256 dot = dot_u8s8(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w));  // |w| * (x * sign w)
-      acc[r] = _mm256_fmadd_ps(dot, _mm256_set1_ps(sr[r][j / G] * dx[j / 32]), acc[r]);
+      const __m256i aw = _mm256_abs_epi8(w);
+      const float sw = sr[r][j / G];
+      for (int i = 0; i < MR; ++i) {
+        const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq + i * K + j));
+        const __m256 dot = dot_u8s8(aw, _mm256_sign_epi8(xv, w));  // |w| * (x * sign w)
+        acc[r][i] = _mm256_fmadd_ps(dot, _mm256_set1_ps(sw * dx[i * B + j / 32]), acc[r][i]);
+      }
     }
   }
-  for (int r = 0; r < rows; ++r) y[r] = sum8(acc[r]);
+  for (int r = 0; r < rows; ++r)
+    for (int i = 0; i < MR; ++i) y[i * ldy + r] = sum8(acc[r][i]);
 }
+
+// Rows of inputs rounded to int8 blocks of 32: q [M, K], each block's step d and float sum [M, K / 32].
+struct Q8Rows {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum;
+  Q8Rows(const float* x, int64_t M, int64_t K) : q(M * K), d(M * K / 32), sum(M * K / 32) {
+    for (int64_t i = 0; i < M; ++i) quantize_blocks(x + i * K, K, q.data() + i * K, d.data() + i * K / 32);
+    for (int64_t g = 0; g < M * K / 32; ++g) {
+      float t = 0.f;
+#pragma omp simd reduction(+ : t)
+      for (int j = 0; j < 32; ++j) t += x[g * 32 + j];
+      sum[g] = t;
+    }
+  }
+};
 #endif
+
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// Up to FEW_ROWS input rows with int8 inputs: each pass of weight rows is read from memory once and serves
+// the input rows, 4 at a time, from L1. More rows go to sgemm on dequantized chunks (many_rows).
+constexpr int64_t FEW_ROWS = 16;
+
+// group(Int<MR>, i) for the input rows i .. i + MR, in groups of up to 4
+template <typename Group>
+inline void row_groups(int64_t M, Group group) {
+  int64_t i = 0;
+  for (; i + 4 <= M; i += 4) group(Int<4>{}, i);
+  if (M - i == 3) group(Int<3>{}, i);
+  else if (M - i == 2) group(Int<2>{}, i);
+  else if (M - i == 1) group(Int<1>{}, i);
+}
 
 // Dequantized rows with the vector unit (several rows' chunks are dequantized before sgemm multiplies them).
 inline void deq_row_i4_vec(const uint8_t* q, const c10::Half* d, const c10::Half* m, int64_t K, float* out) {
@@ -297,13 +345,15 @@ inline void deq_row_i8_vec(const int8_t* q, const float* s, int64_t K, int64_t G
   }
 }
 
-// One input row over R-row passes of the weight, split between the threads.
-template <typename Pass>
-torch::Tensor one_row(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias, Pass pass) {
-  auto y = torch::empty({1, N}, x2.options());
+// M input rows (y [M, N]) over passes of RW weight rows, split between the threads: pass(Int<RW>, n, rows, y + n)
+// computes y[i, n .. n + rows) for every input row i (row stride N).
+template <int RW, typename Pass>
+torch::Tensor few_rows(int64_t M, const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias,
+                       Pass pass) {
+  auto y = torch::empty({M, N}, x2.options());
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + R - 1) / R, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) pass(blk * R, std::min<int64_t>(R, N - blk * R), yp + blk * R);
+  at::parallel_for(0, (N + RW - 1) / RW, 8, [&](int64_t b0, int64_t b1) {
+    for (int64_t blk = b0; blk < b1; ++blk) pass(Int<RW>{}, blk * RW, std::min<int64_t>(RW, N - blk * RW), yp + blk * RW);
   });
   if (bias.has_value()) y.add_(*bias);
   return y;
@@ -375,20 +425,23 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
 #endif
     deq_row_i8(qp + n * K, sp + n * S, K, G, out);
   };
-  if (x2.size(0) > 1) return many_rows(x2, N, bias, deq).reshape(out_shape(x, N));
+  const int64_t M = x2.size(0);
 #if defined(WOQ_SIMD) && defined(__AVX2__)
-  if (int8_inputs && G % 32 == 0) {
-    std::vector<int8_t> xq(K);
-    std::vector<float> dx(K / 32);
-    quantize_blocks(xp, K, xq.data(), dx.data());
-    return one_row(x2, N, bias, [&](int64_t n, int64_t rows, float* out) {
-             dot_rows_i8_q8(xq.data(), dx.data(), qp + n * K, sp + n * S, K, G, rows, out);
-           }).reshape(out_shape(x, N));
+  if (int8_inputs && G % 32 == 0 && M <= FEW_ROWS) {
+    const Q8Rows xr(xp, M, K);
+    auto pass = [&](auto rw, int64_t n, int64_t rows, float* out) {
+      row_groups(M, [&](auto mr, int64_t i) {
+        dot_rows_i8_q8<decltype(rw)::value, decltype(mr)::value>(xr.q.data() + i * K, xr.d.data() + i * K / 32,
+                                                                 qp + n * K, sp + n * S, K, G, rows, out + i * N, N);
+      });
+    };
+    return (M == 1 ? few_rows<R>(M, x2, N, bias, pass) : few_rows<2>(M, x2, N, bias, pass)).reshape(out_shape(x, N));
   }
 #endif
+  if (M > 1) return many_rows(x2, N, bias, deq).reshape(out_shape(x, N));
 #ifdef WOQ_SIMD
   if (G % W == 0)  // one row: memory-bound, each weight byte read once
-    return one_row(x2, N, bias, [&](int64_t n, int64_t rows, float* out) {
+    return few_rows<R>(1, x2, N, bias, [&](auto, int64_t n, int64_t rows, float* out) {
              dot_rows_i8(xp, qp + n * K, sp + n * S, K, G, rows, out);
            }).reshape(out_shape(x, N));
 #endif
@@ -406,7 +459,21 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const c10::Half *dp = d.data_ptr<c10::Half>(), *mp = m.data_ptr<c10::Half>();
   const float* xp = x2.data_ptr<float>();
-  if (x2.size(0) > 1)
+  const int64_t M = x2.size(0);
+#if defined(WOQ_SIMD) && defined(__AVX2__)
+  if (int8_inputs && M <= FEW_ROWS) {
+    const Q8Rows xr(xp, M, K);
+    auto pass = [&](auto rw, int64_t n, int64_t rows, float* out) {
+      row_groups(M, [&](auto mr, int64_t i) {
+        dot_rows_i4_q8<decltype(rw)::value, decltype(mr)::value>(xr.q.data() + i * K, xr.d.data() + i * S,
+                                                                 xr.sum.data() + i * S, qp + n * K / 2, dp + n * S,
+                                                                 mp + n * S, K, rows, out + i * N, N);
+      });
+    };
+    return (M == 1 ? few_rows<R>(M, x2, N, bias, pass) : few_rows<2>(M, x2, N, bias, pass)).reshape(out_shape(x, N));
+  }
+#endif
+  if (M > 1)
     return many_rows(x2, N, bias, [&](int64_t n, float* out) {
 #ifdef WOQ_SIMD
              deq_row_i4_vec(qp + n * K / 2, dp + n * S, mp + n * S, K, out);
@@ -422,19 +489,9 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
     xsum[g] = t;
   }
   const float* xs = xsum.data();
-#if defined(WOQ_SIMD) && defined(__AVX2__)
-  if (int8_inputs) {
-    std::vector<int8_t> xq(K);
-    std::vector<float> dx(S);
-    quantize_blocks(xp, K, xq.data(), dx.data());
-    return one_row(x2, N, bias, [&](int64_t n, int64_t rows, float* out) {
-             dot_rows_i4_q8(xq.data(), dx.data(), xs, qp + n * K / 2, dp + n * S, mp + n * S, K, rows, out);
-           }).reshape(out_shape(x, N));
-  }
-#endif
 #ifdef WOQ_SIMD
   // one row: memory-bound, each weight byte read once
-  return one_row(x2, N, bias, [&](int64_t n, int64_t rows, float* out) {
+  return few_rows<R>(1, x2, N, bias, [&](auto, int64_t n, int64_t rows, float* out) {
            dot_rows_i4(xp, xs, qp + n * K / 2, dp + n * S, mp + n * S, K, rows, out);
          }).reshape(out_shape(x, N));
 #else
@@ -745,7 +802,75 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
   return q;
 }
 
+// A quantized linear layer as the kernels take it: 4-bit (q uint8, a = d, b = m) or 8-bit (q int8, a = s).
+struct QuantLinear {
+  torch::Tensor q, a;
+  c10::optional<torch::Tensor> b, bias;
+  bool int8_inputs;
+  torch::Tensor operator()(const torch::Tensor& x) const {
+    return q.scalar_type() == at::kByte ? linear_int4(x, q, a, *b, bias, int8_inputs)
+                                        : linear_int8(x, q, a, bias, int8_inputs);
+  }
+};
+using LinearParts = std::tuple<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
+                               c10::optional<torch::Tensor>, bool>;  // q, a, b, bias, int8_inputs
+using LayerParts = std::tuple<torch::Tensor, LinearParts, LinearParts, torch::Tensor, LinearParts, LinearParts>;
+
+// The decoder layers of a llama-family decode step in one call (llama.py's CompactLM._decode, same kernels,
+// same order): no Python between the dozen calls of each layer. The weights are held; the cache and the
+// step's positions are passed in.
+class Decoder {
+ public:
+  Decoder(const std::vector<LayerParts>& layers, int64_t heads, double eps) : heads_(heads), eps_(eps) {
+    auto linear = [](const LinearParts& p) {
+      auto [q, a, b, bias, int8_inputs] = p;
+      TORCH_CHECK(q.scalar_type() == at::kChar || b.has_value(), "a 4-bit linear needs its minimums");
+      return QuantLinear{q, a, b, bias, int8_inputs};
+    };
+    for (const auto& [attn_norm, qkv, o, mlp_norm, gate_up, down] : layers)
+      layers_.push_back({attn_norm, mlp_norm, linear(qkv), linear(o), linear(gate_up), linear(down)});
+  }
+
+  // x [B, H] embedded tokens; cos, sin [B, D]; write [B] cache positions; lengths [B] positions attended;
+  // keys, values: each layer's cache [rows, Hk, S, D], with float16 scales for an int8 cache (else empty
+  // lists) -> the last layer's output [B, H]
+  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                        const torch::Tensor& write, const torch::Tensor& lengths, std::vector<torch::Tensor> keys,
+                        std::vector<torch::Tensor> values, const std::vector<torch::Tensor>& key_scales,
+                        const std::vector<torch::Tensor>& value_scales) const {
+    TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size());
+    TORCH_CHECK(key_scales.size() == value_scales.size() && (key_scales.empty() || key_scales.size() == keys.size()));
+    auto h = x.contiguous().clone();
+    const int64_t B = h.size(0);
+    for (size_t i = 0; i < layers_.size(); ++i) {
+      const Layer& l = layers_[i];
+      const Scales ks = key_scales.empty() ? Scales() : Scales(key_scales[i]);
+      const Scales vs = value_scales.empty() ? Scales() : Scales(value_scales[i]);
+      auto q = rope_store(l.qkv(rms_norm(h, l.attn_norm, eps_)), cos, sin, keys[i], values[i], ks, vs, write, heads_);
+      auto a = decode_attention(q, keys[i], values[i], ks, vs, lengths, 1.0 / std::sqrt(double(keys[i].size(3))));
+      h.add_(l.o(a.view({B, -1})));
+      auto gu = l.gate_up(rms_norm(h, l.mlp_norm, eps_));
+      const int64_t F = gu.size(-1) / 2;
+      h.add_(l.down(at::silu(gu.narrow(-1, 0, F)).mul_(gu.narrow(-1, F, F))));
+    }
+    return h;
+  }
+
+ private:
+  struct Layer {
+    torch::Tensor attn_norm, mlp_norm;
+    QuantLinear qkv, o, gate_up, down;
+  };
+  std::vector<Layer> layers_;
+  int64_t heads_;
+  double eps_;
+};
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Decoder>(m, "Decoder", "a llama-family decode step's layers over quantized weights, in one call")
+      .def(py::init<const std::vector<LayerParts>&, int64_t, double>(), py::arg("layers"), py::arg("heads"),
+           py::arg("eps"))
+      .def("forward", &Decoder::forward);
   m.def("linear_int8", &linear_int8, "x @ (q * s)^T, 8-bit weight groups", py::arg("x"), py::arg("q"), py::arg("s"),
         py::arg("bias"), py::arg("int8_inputs") = false);
   m.def("linear_int4", &linear_int4, "x @ (d * q + m)^T, 4-bit weight groups of 32", py::arg("x"), py::arg("q"),

@@ -13,13 +13,16 @@ interleaved, and the medians are reported (a shared 2-core machine is noisy). Wi
 same prompts through the offline Python API (``LLM.chat``) on an engine of its own with the server's model and
 rows, and prints its throughput next to the HTTP figure. With --fill-context it ends by filling every row's
 whole context at once (one long prompt per row) and prints the engine's memory then: the worst case of the
-lazily resident KV cache.
+lazily resident KV cache. The same prompts go out in every run, which servers with a prompt cache (this one,
+llama-server) answer without computing them again; --fresh-prompts starts every prompt with a tag never
+sent before, so that no server finds any of it cached.
 
     python scripts/bench.py --url http://127.0.0.1:8000 --baseline --offline --repeat 3
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import statistics
@@ -38,8 +41,11 @@ SUBJECTS = ["the ocean", "a robot's first day", "ancient Rome", "how bread is ma
             "a curious cat", "summer rain", "steam trains", "the game of chess", "a rooftop garden", "desert life"]
 
 
-def prompts(n: int) -> list[str]:
-    return [f"Write a long, detailed essay about {SUBJECTS[i % len(SUBJECTS)]} (part {i})." for i in range(n)]
+def prompts(n: int, run: int | None = None) -> list[str]:
+    """The essay prompts; with a run number each starts with a tag of its own (a hash of run and index, so
+    tags part in their first characters), and no server finds any of it in a prompt cache (--fresh-prompts)."""
+    tags = [f"[{(run * 1000 + i) * 2654435761 % 2**32:08x}] " if run is not None else "" for i in range(n)]
+    return [f"{tags[i]}Write a long, detailed essay about {SUBJECTS[i % len(SUBJECTS)]} (part {i})." for i in range(n)]
 
 
 @dataclass
@@ -235,6 +241,8 @@ def main() -> None:
     ap.add_argument("--peer-pid", type=int, help="the peer's process id, to print its resident memory")
     ap.add_argument("--fill-context", action="store_true",
                     help="finally fill every row's context at once and print the engine's memory then")
+    ap.add_argument("--fresh-prompts", action="store_true",
+                    help="start every prompt with a tag never sent before, so no prompt cache holds any of it")
     ap.add_argument("--api", choices=["native", "openai"], help="native: /predictions; openai: /v1/completions "
                     "(default: openai with --peer-url, else native)")
     args = ap.parse_args()
@@ -260,15 +268,22 @@ def main() -> None:
         offline.run(2)
     direct, proxied, generated, peer = defaultdict(list), defaultdict(list), defaultdict(list), defaultdict(list)
     embedded = defaultdict(list)
+    runs = itertools.count()
+
+    def texts(n: int) -> list[str]:
+        return prompts(n, next(runs) if args.fresh_prompts else None)
+
     for _ in range(args.repeat):  # interleaved, so a noisy machine slows both sides of a ratio alike
         for c in args.concurrency:
-            direct[c].append(run_load(args.url, model, c, args.max_tokens, count, api=api))
+            direct[c].append(run_load(args.url, model, c, args.max_tokens, count, api=api, texts=texts(c)))
             print_row("server (HTTP stream)", direct[c][-1])
             if args.peer_url:
-                peer[c].append(run_load(args.peer_url, model, c, args.max_tokens, count, api="openai"))
+                peer[c].append(run_load(args.peer_url, model, c, args.max_tokens, count, api="openai",
+                                        texts=texts(c)))
                 print_row("peer", peer[c][-1])
             if args.proxy_url:
-                proxied[c].append(run_load(args.proxy_url, model, c, args.max_tokens, count, headers, api=api))
+                proxied[c].append(run_load(args.proxy_url, model, c, args.max_tokens, count, headers, api=api,
+                                           texts=texts(c)))
                 print_row("through proxy", proxied[c][-1])
             if offline:
                 embedded[c].append(offline.run(c))

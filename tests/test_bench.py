@@ -1,6 +1,7 @@
 """scripts/bench.py against real servers on loopback, with tiny loads."""
 from __future__ import annotations
 
+import importlib.util
 import re
 import subprocess
 import sys
@@ -32,6 +33,18 @@ def test_mock_server_figures(mock_server):
     assert "medians of 2 run(s)" in result.stdout
     assert "TTFT p50" in result.stdout and "ITL p50" in result.stdout
     assert re.search(r"engine memory: [\d.]+ GiB resident, peak [\d.]+ GiB", result.stdout)
+
+
+def test_fresh_prompts_start_with_a_tag_of_their_own_in_every_run(mock_server, monkeypatch):
+    result = bench("--url", mock_server.url, "--concurrency", "2", "--max-tokens", "40", "--fresh-prompts")
+    assert result.returncode == 0, result.stderr
+    assert len(rows(result.stdout)) == 2
+    spec = importlib.util.spec_from_file_location("bench", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench", module)  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    tagged = module.prompts(32, 0) + module.prompts(32, 1)
+    assert len({p[:10] for p in tagged}) == 64 and all(p.endswith(q) for p, q in zip(tagged, module.prompts(32) * 2))
 
 
 def test_real_server_with_baseline_counts_model_tokens(real_server):

@@ -15,13 +15,15 @@ rows, and prints its throughput next to the HTTP figure. With --fill-context it 
 whole context at once (one long prompt per row) and prints the engine's memory then: the worst case of the
 lazily resident KV cache. The same prompts go out in every run, which servers with a prompt cache (this one,
 llama-server) answer without computing them again; --fresh-prompts starts every prompt with a tag never
-sent before, so that no server finds any of it cached.
+sent before, so that no server finds any of it cached. --ignore-eos makes every stream run to --max-tokens on
+both servers (answers that end early make tokens/s lean on the time to first token).
 
     python scripts/bench.py --url http://127.0.0.1:8000 --baseline --offline --repeat 3
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import re
@@ -56,12 +58,13 @@ class Stream:
     error: str | None = None
 
 
-def openai_stream(url: str, model: str, prompt: str, max_tokens: int, headers: dict, out: Stream) -> None:
+def openai_stream(url: str, model: str, prompt: str, max_tokens: int, headers: dict, out: Stream,
+                  extra: dict | None = None) -> None:
     """A /v1/completions stream (raw prompt, greedy); each event that carries text is one arrival."""
     import json
 
     out.start = time.perf_counter()
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True} | (extra or {})
     try:
         with requests.post(f"{url}/v1/completions", headers=headers, stream=True, timeout=300, json=body) as r:
             if r.status_code != 200:
@@ -106,9 +109,9 @@ def pct(values: list[float], q: float) -> float:
 
 
 def run_load(url: str, model: str, concurrency: int, max_tokens: int, count_tokens, headers=None,
-             api: str = "native", texts: list[str] | None = None) -> dict:
+             api: str = "native", texts: list[str] | None = None, extra: dict | None = None) -> dict:
     streams = [Stream() for _ in range(concurrency)]
-    one_stream = openai_stream if api == "openai" else native_stream
+    one_stream = functools.partial(openai_stream, extra=extra) if api == "openai" else native_stream
     threads = [threading.Thread(target=one_stream, args=(url, model, p, max_tokens, headers or {}, s))
                for p, s in zip(texts or prompts(concurrency), streams)]
     started = time.perf_counter()
@@ -243,10 +246,16 @@ def main() -> None:
                     help="finally fill every row's context at once and print the engine's memory then")
     ap.add_argument("--fresh-prompts", action="store_true",
                     help="start every prompt with a tag never sent before, so no prompt cache holds any of it")
+    ap.add_argument("--ignore-eos", action="store_true",
+                    help="send ignore_eos (vLLM's and llama-server's extra; --api openai): every stream runs to "
+                         "--max-tokens, so both servers generate the same number of tokens")
     ap.add_argument("--api", choices=["native", "openai"], help="native: /predictions; openai: /v1/completions "
                     "(default: openai with --peer-url, else native)")
     args = ap.parse_args()
     api = args.api or ("openai" if args.peer_url else "native")
+    if args.ignore_eos and api != "openai":
+        sys.exit("--ignore-eos needs --api openai")
+    extra = {"ignore_eos": True} if args.ignore_eos else None
     for u in filter(None, [args.url, args.proxy_url, args.peer_url]):
         host = urlparse(u).hostname or ""
         if not (host == "localhost" or host.startswith("127.") or host == "::1"):
@@ -275,15 +284,16 @@ def main() -> None:
 
     for _ in range(args.repeat):  # interleaved, so a noisy machine slows both sides of a ratio alike
         for c in args.concurrency:
-            direct[c].append(run_load(args.url, model, c, args.max_tokens, count, api=api, texts=texts(c)))
+            direct[c].append(run_load(args.url, model, c, args.max_tokens, count, api=api, texts=texts(c),
+                                      extra=extra))
             print_row("server (HTTP stream)", direct[c][-1])
             if args.peer_url:
                 peer[c].append(run_load(args.peer_url, model, c, args.max_tokens, count, api="openai",
-                                        texts=texts(c)))
+                                        texts=texts(c), extra=extra))
                 print_row("peer", peer[c][-1])
             if args.proxy_url:
                 proxied[c].append(run_load(args.proxy_url, model, c, args.max_tokens, count, headers, api=api,
-                                           texts=texts(c)))
+                                           texts=texts(c), extra=extra))
                 print_row("through proxy", proxied[c][-1])
             if offline:
                 embedded[c].append(offline.run(c))

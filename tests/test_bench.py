@@ -36,9 +36,11 @@ def test_mock_server_figures(mock_server):
 
 
 def test_fresh_prompts_start_with_a_tag_of_their_own_in_every_run(mock_server, monkeypatch):
-    result = bench("--url", mock_server.url, "--concurrency", "2", "--max-tokens", "40", "--fresh-prompts")
+    result = bench("--url", mock_server.url, "--concurrency", "2", "--max-tokens", "40", "--fresh-prompts",
+                   "--api", "openai", "--ignore-eos")
     assert result.returncode == 0, result.stderr
     assert len(rows(result.stdout)) == 2
+    assert bench("--url", mock_server.url, "--ignore-eos").returncode != 0  # the native API has no ignore_eos
     spec = importlib.util.spec_from_file_location("bench", SCRIPT)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "bench", module)  # its dataclasses look their module up

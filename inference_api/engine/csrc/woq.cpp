@@ -98,6 +98,10 @@ struct Vec {
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(T v) { return _mm512_reduce_add_ps(v); }
+  // the sums of four vectors into out[0..4)
+  static void sum4(T a, T b, T c, T d, float* out) {
+    out[0] = sum(a), out[1] = sum(b), out[2] = sum(c), out[3] = sum(d);
+  }
   static T halves(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   static T int8s(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
   // W nibbles: the low (shift 0) or high (shift 4) halves of the W bytes at p
@@ -118,6 +122,10 @@ struct Vec {
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static float sum(T v) { return sum8(v); }
+  static void sum4(T a, T b, T c, T d, float* out) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  }
   static T halves(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
   static T int8s(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
   static T nibbles(const uint8_t* p, int shift) {
@@ -553,16 +561,34 @@ inline void rows_to_float(const T* p, const c10::Half* scales, int64_t n, int64_
 #endif
 }
 
-// scores[g * n + l] = (q_g . k_l) * scale for the group's query heads q [group, D] and float keys kf [n, D]
+// scores[g * n + l] = (q_g . k_l) * scale for the group's query heads q [group, D] and float keys kf [n, D],
+// four positions at a time (one horizontal reduction for the four)
 inline void vector_scores(const float* q, const float* kf, int64_t n, int64_t D, int64_t group, float scale,
                           float* scores) {
 #ifdef WOQ_SIMD
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t l = 0; l < n; ++l) {
-      Vec::T acc = Vec::mul(Vec::load(kf + l * D), Vec::load(q + g * D));
-      for (int64_t j = W; j < D; j += W) acc = Vec::fma(Vec::load(kf + l * D + j), Vec::load(q + g * D + j), acc);
-      scores[g * n + l] = Vec::sum(acc) * scale;
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * D;
+    float* sg = scores + g * n;
+    int64_t l = 0;
+    for (; l + 4 <= n; l += 4) {
+      const float* k0 = kf + l * D;
+      Vec::T a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+      for (int64_t j = 0; j < D; j += W) {
+        const Vec::T qv = Vec::load(qg + j);
+        a0 = Vec::fma(Vec::load(k0 + j), qv, a0);
+        a1 = Vec::fma(Vec::load(k0 + D + j), qv, a1);
+        a2 = Vec::fma(Vec::load(k0 + 2 * D + j), qv, a2);
+        a3 = Vec::fma(Vec::load(k0 + 3 * D + j), qv, a3);
+      }
+      Vec::sum4(a0, a1, a2, a3, sg + l);
+      for (int u = 0; u < 4; ++u) sg[l + u] *= scale;
     }
+    for (; l < n; ++l) {
+      Vec::T acc = Vec::zero();
+      for (int64_t j = 0; j < D; j += W) acc = Vec::fma(Vec::load(kf + l * D + j), Vec::load(qg + j), acc);
+      sg[l] = Vec::sum(acc) * scale;
+    }
+  }
 #endif
 }
 

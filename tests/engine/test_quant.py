@@ -92,14 +92,14 @@ def _cache_form(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_decode_attention_equals_sdpa_over_each_rows_length(kernels, dtype):
     torch.manual_seed(0)
-    rows, hk, hq, length, dim = 6, 2, 6, 40, 16
+    rows, hk, hq, length, dim = 7, 2, 6, 150, 16
     keys, key_scales, key_ref = _cache_form(torch.randn(rows, hk, length, dim), dtype)
     values, value_scales, value_ref = _cache_form(torch.randn(rows, hk, length, dim), dtype)
-    q = torch.randn(4, hq, dim)
-    lengths = torch.tensor([1, 7, 40, 23])
+    q = torch.randn(6, hq, dim)
+    lengths = torch.tensor([1, 7, 150, 23, 64, 129])  # within, at and across the kernel's blocks of 64 positions
     out = kernels.decode_attention(q, keys, values, key_scales, value_scales, lengths, dim ** -0.5)
     mask = (torch.arange(length)[None, :] < lengths[:, None])[:, None, None, :]
-    ref = F.scaled_dot_product_attention(q[:, :, None], key_ref[:4], value_ref[:4], attn_mask=mask,
+    ref = F.scaled_dot_product_attention(q[:, :, None], key_ref[:6], value_ref[:6], attn_mask=mask,
                                          enable_gqa=True)[:, :, 0]
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 

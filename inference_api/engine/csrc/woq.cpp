@@ -561,14 +561,14 @@ inline void rows_to_float(const T* p, const c10::Half* scales, int64_t n, int64_
 #endif
 }
 
-// scores[g * n + l] = (q_g . k_l) * scale for the group's query heads q [group, D] and float keys kf [n, D],
-// four positions at a time (one horizontal reduction for the four)
-inline void vector_scores(const float* q, const float* kf, int64_t n, int64_t D, int64_t group, float scale,
-                          float* scores) {
+// scores[g * stride + l] = (q_g . k_l) * scale for the group's query heads q [group, D] and float keys
+// kf [n, D], four positions at a time (one horizontal reduction for the four)
+inline void vector_scores(const float* q, const float* kf, int64_t n, int64_t stride, int64_t D, int64_t group,
+                          float scale, float* scores) {
 #ifdef WOQ_SIMD
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * D;
-    float* sg = scores + g * n;
+    float* sg = scores + g * stride;
     int64_t l = 0;
     for (; l + 4 <= n; l += 4) {
       const float* k0 = kf + l * D;
@@ -593,7 +593,7 @@ inline void vector_scores(const float* q, const float* kf, int64_t n, int64_t D,
 }
 
 // out[j .. j + NB W) += sum over l of p[l] * vf[l][j .. j + NB W): NB accumulators held over the positions,
-// each row of vf read once, in order
+// each row of vf read once, in order, added to out at the end
 template <int NB>
 inline void accumulate_values(const float* p, const float* vf, int64_t n, int64_t D, int64_t j, float* out) {
 #ifdef WOQ_SIMD
@@ -603,22 +603,26 @@ inline void accumulate_values(const float* p, const float* vf, int64_t n, int64_
     const Vec::T pl = Vec::set1(p[l]);
     for (int u = 0; u < NB; ++u) acc[u] = Vec::fma(pl, Vec::load(vf + l * D + j + u * W), acc[u]);
   }
-  for (int u = 0; u < NB; ++u) Vec::store(out + j + u * W, acc[u]);
+  for (int u = 0; u < NB; ++u) Vec::store(out + j + u * W, Vec::add(Vec::load(out + j + u * W), acc[u]));
 #endif
 }
 
-// out[g] = sum over l of p[g * n + l] * vf[l] for the group's heads and float values vf [n, D]
-inline void vector_values(const float* p, const float* vf, int64_t n, int64_t D, int64_t group, float* out) {
+// out[g] += sum over l of p[g * stride + l] * vf[l] for the group's heads and float values vf [n, D]
+inline void vector_values(const float* p, const float* vf, int64_t n, int64_t stride, int64_t D, int64_t group,
+                          float* out) {
 #ifdef WOQ_SIMD
   for (int64_t g = 0; g < group; ++g)
     for (int64_t j = 0; j < D;) {
       const int64_t left = (D - j) / W;
-      if (left >= 8) accumulate_values<8>(p + g * n, vf, n, D, j, out + g * D), j += 8 * W;
-      else if (left >= 4) accumulate_values<4>(p + g * n, vf, n, D, j, out + g * D), j += 4 * W;
-      else accumulate_values<1>(p + g * n, vf, n, D, j, out + g * D), j += W;
+      if (left >= 8) accumulate_values<8>(p + g * stride, vf, n, D, j, out + g * D), j += 8 * W;
+      else if (left >= 4) accumulate_values<4>(p + g * stride, vf, n, D, j, out + g * D), j += 4 * W;
+      else accumulate_values<1>(p + g * stride, vf, n, D, j, out + g * D), j += W;
     }
 #endif
 }
+
+// positions whose keys or values the vector path converts to float at a time: 16 KB for D = 64, in L1
+constexpr int64_t POSITION_BLOCK = 64;
 
 // One query token per row against that row's first lengths[b] cached positions; each kv head's keys
 // and values are read once for all the query heads that share it (grouped-query attention). An int8 cache
@@ -641,9 +645,12 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
       const bool fast = vector_cache<T> && vector_rows(D);
       const float* qb = q + (b * Hq + kh * group) * D;  // the group's query heads, one after another
       if (fast) {
-        vf.resize(n * D);
-        rows_to_float<T>(kp, ksp, n, D, vf.data());
-        vector_scores(qb, vf.data(), n, D, group, scale, scores.data());
+        vf.resize(POSITION_BLOCK * D);
+        for (int64_t l0 = 0; l0 < n; l0 += POSITION_BLOCK) {
+          const int64_t nb = std::min(POSITION_BLOCK, n - l0);
+          rows_to_float<T>(kp + l0 * D, ksp ? ksp + l0 : nullptr, nb, D, vf.data());
+          vector_scores(qb, vf.data(), nb, n, D, group, scale, scores.data() + l0);
+        }
       }
       for (int64_t l = 0; l < n && !fast; ++l) {
         const float ksc = ksp ? static_cast<float>(ksp[l]) * scale : scale;
@@ -671,8 +678,13 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
         for (int64_t l = 0; l < n; ++l) sc[l] *= inv;
       }
       if (fast) {
-        rows_to_float<T>(vp, vsp, n, D, vf.data());
-        vector_values(scores.data(), vf.data(), n, D, group, out + (b * Hq + kh * group) * D);
+        float* ob = out + (b * Hq + kh * group) * D;
+        std::fill(ob, ob + group * D, 0.f);
+        for (int64_t l0 = 0; l0 < n; l0 += POSITION_BLOCK) {
+          const int64_t nb = std::min(POSITION_BLOCK, n - l0);
+          rows_to_float<T>(vp + l0 * D, vsp ? vsp + l0 : nullptr, nb, D, vf.data());
+          vector_values(scores.data() + l0, vf.data(), nb, n, D, group, ob);
+        }
         continue;
       }
       for (int64_t g = 0; g < group; ++g) {

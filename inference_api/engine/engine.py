@@ -120,6 +120,8 @@ class Engine:
         parts = [part for part in (self._prefill(), self._decode()) if part[0]]
         if not parts:
             return [], torch.empty(0)
+        if len(parts) == 1:
+            return parts[0]
         return [s for seqs, _ in parts for s in seqs], torch.cat([logits for _, logits in parts])
 
     def _prefill(self) -> tuple[list[Sequence], torch.Tensor | None]:
@@ -146,7 +148,7 @@ class Engine:
 
     def _decode(self) -> tuple[list[Sequence], torch.Tensor | None]:
         """One token for every decoding row; the batch spans rows 0..highest, idle rows masked out."""
-        decoding = [s for s in self.running.values() if s.status is Status.DECODE]
+        decoding = sorted((s for s in self.running.values() if s.status is Status.DECODE), key=lambda s: s.row)
         if not decoding:
             return [], None
         width = max(s.row for s in decoding) + 1
@@ -158,7 +160,9 @@ class Engine:
         tokens[rows] = torch.tensor([s.last_token for s in decoding], device=dev)
         positions[rows] = torch.tensor([s.num_tokens - 1 for s in decoding], device=dev)
         active[rows] = True
-        logits = self.runner.decode(tokens, positions, active)[rows]
+        logits = self.runner.decode(tokens, positions, active)
+        if len(decoding) < width:  # else rows are 0..width-1 in order: no copy of the logits
+            logits = logits[rows]
         for s in decoding:
             s.num_cached += 1
         return decoding, logits
@@ -166,8 +170,9 @@ class Engine:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         p = self.params
         rows = torch.tensor([s.row for s in seqs], device=logits.device)
-        if any(s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1.0
-               for s in seqs):
+        penalised = any(s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1.0
+                        for s in seqs)
+        if penalised:
             logits = apply_penalties(logits, rows, p)
         early = [s for s in seqs if s.num_output < s.params.min_tokens]
         if early:  # no end or stop token before min_tokens
@@ -177,7 +182,8 @@ class Engine:
         steps = torch.tensor([s.num_output for s in seqs], device=logits.device)
         min_p = p.min_p[rows] if any(s.params.min_p for s in seqs) else None
         tokens = sample(logits, p.temperature[rows], p.top_k[rows], p.top_p[rows], p.seed[rows], steps, min_p)
-        p.record(rows, tokens)
+        if penalised:  # the counts only penalties read; a row's counts start afresh with its request
+            p.record(rows, tokens)
         return tokens.tolist()
 
     def _postprocess(self, seqs: list[Sequence], tokens: list[int], logits: torch.Tensor) -> list[TokenEvent]:

@@ -96,8 +96,10 @@ def test_decode_kernels_over_the_int8_cache_match_the_prefill_path(model_dir, te
 def test_a_prefix_copied_from_another_row_gives_the_logits_of_computing_it_there(model_dir, text_ids):
     """The prefix cache: row 1 takes row 0's first 24 positions (int8 keys, values and scales) and computes
     only the rest of the prompt; its last logits match row 0's, which computed the whole prompt. Row 2 gets
-    the same rest without the copy: attention then reads an empty prefix, and the logits are far off."""
-    precision = pick_precision(ServerConfig(), "cpu", torch.float32)
+    the same rest without the copy: attention then reads an empty prefix, and the logits are far off. Float32
+    inputs everywhere (with the defaults a chunk of up to 16 tokens would take int8 inputs, a longer one not)."""
+    default = pick_precision(ServerConfig(), "cpu", torch.float32)
+    precision = Precision(default.quantize, torch.int8, default.group)
     runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 64, precision,
                          load_kernels(Path(MODEL_CACHE)))
     ids = text_ids[:40]

@@ -21,7 +21,7 @@ class Precision:
     """How the weights and the cache are held: quantize is none, int8 or int4; group is the int8 scale
     group (None: one scale per output channel; 32 for GGUF's Q8_0 blocks); batch_dtype is the dtype of a
     oneDNN copy the CPU's quantized layers run several rows on (None: no copy, the kernels run them);
-    int8_inputs: the CPU kernels round one row's inputs to int8 blocks (as llama.cpp does) instead of
+    int8_inputs: the CPU kernels round up to 16 rows' inputs to int8 blocks (as llama.cpp does) instead of
     reading them in float32."""
 
     quantize: str = "none"

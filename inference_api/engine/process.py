@@ -52,7 +52,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     del model  # the runner holds its own (packed or quantized) copies of the weights
     kv = str(runner.cache.dtype).removeprefix("torch.")
     batch = str(precision.batch_dtype or model_dtype).removeprefix("torch.")
-    log.warning("model %s on %s (%s, weights %s, %s layers, multi-row matmuls %s, one-row inputs %s); KV cache %s, "
+    log.warning("model %s on %s (%s, weights %s, %s layers, multi-row matmuls %s, inputs of up to 16 rows %s); KV cache %s, "
                 "%.0f MiB for %d rows x %d tokens", model_dir, device, dtype, precision.quantize, runner.kind, batch,
                 "int8" if precision.int8_inputs else dtype, kv, runner.cache.nbytes / 2**20, config.rows,
                 config.context_length)

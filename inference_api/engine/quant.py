@@ -77,10 +77,10 @@ def can_quantize(w: torch.Tensor, mode: str) -> bool:
 
 
 class QuantLinear:
-    """A linear layer over an Int8Weight or Int4Weight, through the compiled kernels. int8_inputs: one row's
-    inputs are rounded to int8 per block of 32 (127 steps of the block's own scale, llama.cpp's Q8
-    activations) and the kernel multiplies integers: about 40 % less time for one row on the 2-core AVX2
-    machine, within half a step of each input (docs/performance.md). Several rows stay float32."""
+    """A linear layer over an Int8Weight or Int4Weight, through the compiled kernels. int8_inputs: the inputs
+    of up to 16 rows are rounded to int8 per block of 32 (127 steps of the block's own scale, llama.cpp's
+    Q8 activations) and the kernel multiplies integers, within half a step of each input
+    (docs/performance.md). More rows stay float32."""
 
     def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, kernels, int8_inputs: bool = False):
         self.weight, self.bias, self.kernels, self.int8_inputs = weight, bias, kernels, int8_inputs

@@ -3,9 +3,11 @@
 // The math is that of float32 F.linear on the dequantized weight, up to summation order.
 //
 // One row (decode of one stream): each weight row is read once, straight from its packed bytes, with
-// AVX-512 or AVX2 (FMA, F16C) where the CPU has them. Several rows (decode of many streams, prefill): each
+// AVX-512 or AVX2 (FMA, F16C) where the CPU has them. Up to 16 rows with int8 inputs: the same, each pass
+// of weight rows serving every input row from L1. More rows (decode of many streams, prefill): each
 // thread dequantizes chunks of weight rows into a buffer that stays in its cache and multiplies them with
-// the BLAS sgemm; compute bounds these, and no float copy of the weights is held.
+// the BLAS sgemm; compute bounds these, and no float copy of the weights is held. Decoder runs a llama
+// decode step's layers in one call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>

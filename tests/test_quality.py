@@ -70,7 +70,8 @@ def test_quantized_default_perplexity_is_within_two_percent_of_exact(model_dir, 
 @pytest.mark.parametrize("matmuls", ["float32", "default"])
 def test_decode_kernels_over_the_int8_cache_match_the_prefill_path(model_dir, text_ids, matmuls):
     """The next token's logits through the decode kernels (int8 cache written by rope_store, read by
-    decode_attention; one row and two rows at once) against the whole sequence through the prefill path,
+    decode_attention; one row and two rows at once; the one-call Decoder and the same kernels called layer
+    by layer from Python, which must agree exactly) against the whole sequence through the prefill path,
     which rounds keys and values the same way. float32 matmuls: equal up to summation order, except where
     that order moves a cached value across a rounding boundary of the int8 cache (one step of a head's
     scale: a few hundredths on the logits); the default (one row's inputs rounded to int8 blocks, bfloat16
@@ -86,6 +87,9 @@ def test_decode_kernels_over_the_int8_cache_match_the_prefill_path(model_dir, te
         one = runner.decode(torch.tensor([ids[39]]), torch.tensor([39]), torch.tensor([True]))[0]
         two = runner.decode(torch.tensor([ids[39]] * 2), torch.tensor([39, 39]), torch.tensor([True, True]))
         whole = runner.prefill([2], [ids], [0])[0]
+        decoder, runner.model.fused = runner.model.fused, None  # the same kernels called layer by layer from Python
+        layer_by_layer = runner.decode(torch.tensor([ids[39]]), torch.tensor([39]), torch.tensor([True]))[0]
+    assert decoder is not None and torch.equal(layer_by_layer, one)
     assert precision.int8_inputs == (matmuls == "default")
     tolerance = 0.15 if matmuls == "float32" else 3.0
     for logits in (whole, two[0], two[1]):

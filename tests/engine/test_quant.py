@@ -1,6 +1,7 @@
 """The quantized CPU kernels and the decode-step kernels against plain torch on the same numbers."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,13 @@ def kernels():
     k = load_kernels(Path(MODEL_CACHE))
     assert k is not None, "the kernels must build on the test machines (gcc and the Python headers are there)"
     return k
+
+
+def test_the_kernels_load_again_from_another_path_in_one_process(kernels):
+    """The offline API and the tests may name the model cache relatively and absolutely in one process; the
+    second import must not fail on the class the first one registered (it would serve dequantized weights)."""
+    again = load_kernels(Path(os.path.relpath(MODEL_CACHE)))
+    assert again is not None and hasattr(again, "Decoder") and hasattr(kernels, "Decoder")
 
 
 def _weight(n: int, k: int) -> torch.Tensor:

@@ -907,7 +907,9 @@ class Decoder {
 };
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  py::class_<Decoder>(m, "Decoder", "a llama-family decode step's layers over quantized weights, in one call")
+  // module_local: the module may be imported again from another path in one process (a relative and an
+  // absolute model cache), which would otherwise register the class twice and fail the import
+  py::class_<Decoder>(m, "Decoder", py::module_local(), "a llama-family decode step's layers over quantized weights, in one call")
       .def(py::init<const std::vector<LayerParts>&, int64_t, double>(), py::arg("layers"), py::arg("heads"),
            py::arg("eps"))
       .def("forward", &Decoder::forward);

@@ -368,15 +368,15 @@ inline void deq_row_i8_vec(const int8_t* q, const float* s, int64_t K, int64_t G
   }
 }
 
-// M input rows (y [M, N]) over passes of RW weight rows, split between the threads: pass(Int<RW>, n, rows, y + n)
+// M input rows (y [M, N]) over passes of RW weight rows, split evenly between the threads (a contiguous run
+// each, which its prefetch follows; claimed pieces measured slower for one row): pass(Int<RW>, n, rows, y + n)
 // computes y[i, n .. n + rows) for every input row i (row stride N).
 template <int RW, typename Pass>
 torch::Tensor few_rows(int64_t M, const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias,
                        Pass pass) {
   auto y = torch::empty({M, N}, x2.options());
   float* yp = y.data_ptr<float>();
-  const int64_t blocks = (N + RW - 1) / RW;  // claimed in eighths: long runs, which the prefetch follows
-  dynamic_for(blocks, std::max<int64_t>(8, blocks / 8), [&](int64_t b0, int64_t b1) {
+  at::parallel_for(0, (N + RW - 1) / RW, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk) pass(Int<RW>{}, blk * RW, std::min<int64_t>(RW, N - blk * RW), yp + blk * RW);
   });
   if (bias.has_value()) y.add_(*bias);

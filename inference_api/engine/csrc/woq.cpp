@@ -10,7 +10,6 @@
 // decode step's layers in one call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <atomic>
 #include <cmath>
 #include <tuple>
 #include <vector>
@@ -26,18 +25,6 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
 
 namespace {
 
-// f(i0, i1) over [0, n) in pieces of grain that the threads claim as they go: a thread that runs late (the
-// machine's other processes, a longer piece) leaves the rest to the others instead of holding up the
-// step at the end of a static split.
-template <typename F>
-inline void dynamic_for(int64_t n, int64_t grain, const F& f) {
-  const int64_t pieces = (n + grain - 1) / grain, threads = std::min<int64_t>(at::get_num_threads(), pieces);
-  if (threads <= 1 || at::in_parallel_region()) return n > 0 ? f(0, n) : void();
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t i; (i = next.fetch_add(grain)) < n;) f(i, std::min(n, i + grain));
-  });
-}
 
 // int8: q [N, K] int8, s [N, K / G] float; w[n, k] = q[n, k] * s[n, k / G]
 inline void deq_row_i8(const int8_t* q, const float* s, int64_t K, int64_t G, float* out) {
@@ -368,8 +355,7 @@ inline void deq_row_i8_vec(const int8_t* q, const float* s, int64_t K, int64_t G
   }
 }
 
-// M input rows (y [M, N]) over passes of RW weight rows, split evenly between the threads (a contiguous run
-// each, which its prefetch follows; claimed pieces measured slower for one row): pass(Int<RW>, n, rows, y + n)
+// M input rows (y [M, N]) over passes of RW weight rows, split between the threads: pass(Int<RW>, n, rows, y + n)
 // computes y[i, n .. n + rows) for every input row i (row stride N).
 template <int RW, typename Pass>
 torch::Tensor few_rows(int64_t M, const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias,
@@ -395,7 +381,7 @@ torch::Tensor many_rows(const torch::Tensor& x2, int64_t N, const c10::optional<
   auto y = torch::empty({M, N}, x2.options());
   const float* x = x2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  dynamic_for((N + NC - 1) / NC, 1, [&](int64_t c0, int64_t c1) {
+  at::parallel_for(0, (N + NC - 1) / NC, 1, [&](int64_t c0, int64_t c1) {
     thread_local std::vector<float> buf;  // reused by the pool's threads: no page faults per call
     buf.resize(NC * K);
     for (int64_t c = c0; c < c1; ++c) {
@@ -416,7 +402,7 @@ template <typename DotRow>
 torch::Tensor each_row(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias, DotRow dot_row) {
   auto y = torch::empty({1, N}, x2.options());
   float* yp = y.data_ptr<float>();
-  dynamic_for(N, 16, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) yp[n] = dot_row(n);
   });
   if (bias.has_value()) y.add_(*bias);
@@ -578,7 +564,7 @@ inline void rows_to_float(const T* p, const c10::Half* scales, int64_t n, int64_
 }
 
 // scores[g * stride + l] = (q_g . k_l) * scale for the group's query heads q [group, D] and float keys
-// kf [n, D], eight positions at a time (one horizontal reduction for four), the last few one by one
+// kf [n, D], four positions at a time (one horizontal reduction for the four)
 inline void vector_scores(const float* q, const float* kf, int64_t n, int64_t stride, int64_t D, int64_t group,
                           float scale, float* scores) {
 #ifdef WOQ_SIMD
@@ -586,24 +572,18 @@ inline void vector_scores(const float* q, const float* kf, int64_t n, int64_t st
     const float* qg = q + g * D;
     float* sg = scores + g * stride;
     int64_t l = 0;
-    for (; l + 8 <= n; l += 8) {  // eight chains of fmas keep both FMA units busy (four wait on latency)
+    for (; l + 4 <= n; l += 4) {
       const float* k0 = kf + l * D;
       Vec::T a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
-      Vec::T a4 = Vec::zero(), a5 = Vec::zero(), a6 = Vec::zero(), a7 = Vec::zero();
       for (int64_t j = 0; j < D; j += W) {
         const Vec::T qv = Vec::load(qg + j);
         a0 = Vec::fma(Vec::load(k0 + j), qv, a0);
         a1 = Vec::fma(Vec::load(k0 + D + j), qv, a1);
         a2 = Vec::fma(Vec::load(k0 + 2 * D + j), qv, a2);
         a3 = Vec::fma(Vec::load(k0 + 3 * D + j), qv, a3);
-        a4 = Vec::fma(Vec::load(k0 + 4 * D + j), qv, a4);
-        a5 = Vec::fma(Vec::load(k0 + 5 * D + j), qv, a5);
-        a6 = Vec::fma(Vec::load(k0 + 6 * D + j), qv, a6);
-        a7 = Vec::fma(Vec::load(k0 + 7 * D + j), qv, a7);
       }
       Vec::sum4(a0, a1, a2, a3, sg + l);
-      Vec::sum4(a4, a5, a6, a7, sg + l + 4);
-      for (int u = 0; u < 8; ++u) sg[l + u] *= scale;
+      for (int u = 0; u < 4; ++u) sg[l + u] *= scale;
     }
     for (; l < n; ++l) {
       Vec::T acc = Vec::zero();
@@ -654,9 +634,9 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
                            const int64_t* lengths, float* out, int64_t B, int64_t Hq, int64_t Hk, int64_t S,
                            int64_t D, float scale) {
   const int64_t group = Hq / Hk;
-  dynamic_for(B * Hk, 1, [&](int64_t t0, int64_t t1) {
-    thread_local std::vector<float> scores, vf, kf, acc;  // each thread's, kept between pieces and calls
-    kf.resize(D), acc.resize(D);
+  at::parallel_for(0, B * Hk, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores, vf;
+    std::vector<float> kf(D), acc(D);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hk, kh = t % Hk, n = std::max<int64_t>(1, std::min(lengths[b], S));
       const T* kp = k + (b * Hk + kh) * S * D;
@@ -821,21 +801,19 @@ template <typename T>
 void rope_store_impl(const float* qkv, const float* cos, const float* sin, T* kc, T* vc, c10::Half* ks,
                      c10::Half* vs, const int64_t* pos, float* q, int64_t B, int64_t Hq, int64_t Hk, int64_t S,
                      int64_t D) {
+  std::vector<float> tmp(D);
   const int64_t width = (Hq + 2 * Hk) * D;
-  dynamic_for(B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<float> tmp(D);
-    for (int64_t b = b0; b < b1; ++b) {
-      const float* row = qkv + b * width;
-      const float *c = cos + b * D, *s = sin + b * D;
-      for (int64_t h = 0; h < Hq; ++h) rope_row(row + h * D, c, s, D, q + (b * Hq + h) * D);
-      for (int64_t h = 0; h < Hk; ++h) {
-        const int64_t at = (b * Hk + h) * S + pos[b];
-        rope_row(row + (Hq + h) * D, c, s, D, tmp.data());
-        store_head(tmp.data(), D, kc + at * D, ks ? ks + at : nullptr);
-        store_head(row + (Hq + Hk + h) * D, D, vc + at * D, vs ? vs + at : nullptr);
-      }
+  for (int64_t b = 0; b < B; ++b) {
+    const float* row = qkv + b * width;
+    const float *c = cos + b * D, *s = sin + b * D;
+    for (int64_t h = 0; h < Hq; ++h) rope_row(row + h * D, c, s, D, q + (b * Hq + h) * D);
+    for (int64_t h = 0; h < Hk; ++h) {
+      const int64_t at = (b * Hk + h) * S + pos[b];
+      rope_row(row + (Hq + h) * D, c, s, D, tmp.data());
+      store_head(tmp.data(), D, kc + at * D, ks ? ks + at : nullptr);
+      store_head(row + (Hq + Hk + h) * D, D, vc + at * D, vs ? vs + at : nullptr);
     }
-  });
+  }
 }
 
 }  // namespace

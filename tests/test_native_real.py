@@ -1,6 +1,7 @@
 """The native API with the real default model: greedy equivalence under load, stops, seeds, disconnects."""
 from __future__ import annotations
 
+import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -24,6 +25,7 @@ def reference(model_dir):
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
+    @functools.cache  # greedy and one model: the exact and the quantized server are checked against one run
     def generate(prompt: str, chat: bool) -> tuple[list[int], list[torch.Tensor], str]:
         if chat:
             text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,

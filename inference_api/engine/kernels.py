@@ -22,7 +22,10 @@ def load_kernels(cache_dir: Path):
         from torch.utils import cpp_extension
 
         digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
-        build = Path(cache_dir) / "kernels" / f"woq-{digest}"
+        # resolved: torch's extension versioner hashes the folder's name, so a relative and an absolute name
+        # of one cache in one process would otherwise compile a second version over the first one's objects
+        # (a minute each, and again for the next process that loads the first)
+        build = Path(cache_dir).resolve() / "kernels" / f"woq-{digest}"
         build.mkdir(parents=True, exist_ok=True)
         # the venv's ninja, when the interpreter runs without the venv activated
         bin_dir = str(Path(sys.executable).parent)

@@ -115,3 +115,24 @@ def test_a_prefix_copied_from_another_row_gives_the_logits_of_computing_it_there
     print(f"\ncopied prefix: {float((rest - whole).abs().max()):.2e}; none: {float((uncopied - whole).abs().max()):.2f}")
     assert (rest - whole).abs().max() < 0.15  # as the decode test: summation order vs int8 rounding steps
     assert (uncopied - whole).abs().max() > 1.0
+
+
+def test_a_one_token_prefill_runs_in_its_own_row(model_dir, text_ids):
+    """A prompt sent again finds all but its last token in the prefix cache, so its prefill is one token:
+    that token is written to and attends to its own row (row 2 here), as a longer chunk would, and no other
+    row's cache changes (the decode step's batch index would have put it in row 0, another stream's)."""
+    default = pick_precision(ServerConfig(), "cpu", torch.float32)
+    precision = Precision(default.quantize, torch.int8, default.group)
+    runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 64, precision,
+                         load_kernels(Path(MODEL_CACHE)))
+    cache = runner.cache
+    ids = text_ids[:40]
+    with torch.inference_mode():
+        whole = runner.prefill([1], [ids], [0])[0]
+        runner.copy_prefix(1, 2, 39)
+        runner.prefill([0, 1], [text_ids[40:80], text_ids[80:120]], [0, 0])  # other streams in rows 0 and 1
+        stores = cache.keys + cache.values + cache.key_scales + cache.value_scales
+        others = [store[:2].clone() for store in stores]
+        last = runner.prefill([2], [ids[39:]], [39])[0]
+    assert (last - whole).abs().max() < 0.15  # as the tests above: summation order vs int8 rounding steps
+    assert all(torch.equal(store[:2], before) for store, before in zip(stores, others))

@@ -55,6 +55,11 @@ class RowKVCache(Cache):
         return self._write
 
     @property
+    def rows_in_order(self) -> bool:
+        """Whether the bound rows are 0..B-1 (a decode step): batch index b is then cache row b."""
+        return isinstance(self._rows, slice) and self._rows.start == 0
+
+    @property
     def nbytes(self) -> int:
         tensors = self.keys + self.values + self.key_scales + self.value_scales
         return sum(t.numel() * t.element_size() for t in tensors)

@@ -93,7 +93,7 @@ class CompactLM:
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache,
                 last_only: bool = True) -> torch.Tensor:
-        if ids.shape[1] == 1 and self.kernels is not None:
+        if ids.shape[1] == 1 and self.kernels is not None and cache.rows_in_order:  # not a one-token prefill
             return self._decode(ids[:, 0], positions[:, 0], visible[:, 0].sum(-1), cache)
         b, t = ids.shape
         hq, hk, d = self.heads, self.kv_heads, self.head_dim

@@ -87,9 +87,15 @@ class CompactLM:
         self.fused, self.fused_max_rows = fused_decoder(self.kernels, layers, self.heads, self.eps)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm as transformers computes it: in float32, the weight applied after the cast back."""
+        """RMSNorm as transformers computes it: in float32, the weight applied after the cast back (the CPU
+        kernels: the same in one pass)."""
+        if self.kernels is not None:
+            return self.kernels.rms_norm(x, weight, self.eps)
         h = x.float()
         return weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+    def _silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return self.kernels.silu_mul(gate_up) if self.kernels is not None else _silu_mul(gate_up)
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, visible: torch.Tensor, cache,
                 last_only: bool = True) -> torch.Tensor:
@@ -108,8 +114,8 @@ class CompactLM:
             if keys.dtype != q.dtype:  # a 16-bit cache: attention itself in the model's dtype
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
             a = _attention(q, keys, values, mask, hk != hq)
-            x = x + layer.o(a.transpose(1, 2).reshape(b, t, hq * d))
-            x = x + layer.down(_silu_mul(layer.gate_up(self._norm(x, layer.mlp_norm))))
+            x.add_(layer.o(a.transpose(1, 2).reshape(b, t, hq * d)))  # x is this forward's own tensor
+            x.add_(layer.down(self._silu_mul(layer.gate_up(self._norm(x, layer.mlp_norm)))))
         if last_only:
             x = x[:, -1:]
         return self.head(self._norm(x, self.norm)).float()
@@ -132,7 +138,7 @@ class CompactLM:
                              key_scales, value_scales, write, self.heads)
             a = k.decode_attention(q, keys, values, key_scales, value_scales, lengths, d ** -0.5)
             x = x + layer.o(a.view(x.shape[0], -1))
-            x = x + layer.down(_silu_mul(layer.gate_up(k.rms_norm(x, layer.mlp_norm, self.eps))))
+            x = x + layer.down(k.silu_mul(layer.gate_up(k.rms_norm(x, layer.mlp_norm, self.eps))))
         return self.head(k.rms_norm(x, self.norm, self.eps))[:, None]
 
 

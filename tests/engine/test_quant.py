@@ -127,6 +127,19 @@ def test_int8_cache_rounds_each_head_to_its_own_scale():
     assert torch.equal(back[0, 0], torch.zeros(64))
 
 
+@pytest.mark.parametrize("rows", [1, 32, 450])  # 450: split between the threads, as a prefill's rows are
+def test_norm_and_silu_gate_over_rows(kernels, rows):
+    torch.manual_seed(0)
+    x, w = torch.randn(rows, 576) * 3, torch.randn(576)
+    torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
+    gate_up = torch.randn(2, rows, 2 * 96) * 8
+    gate_up[0, 0, :4] = torch.tensor([0.0, -0.0, 100.0, -100.0])  # sigmoid's ends
+    gate, up = gate_up.chunk(2, dim=-1)
+    got = kernels.silu_mul(gate_up)
+    assert got.shape == (2, rows, 96)
+    torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_norm_and_rotary_store(kernels, dtype):
     torch.manual_seed(0)

@@ -98,6 +98,7 @@ struct Vec {
   static T set1(float x) { return _mm512_set1_ps(x); }
   static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
   static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(T v) { return _mm512_reduce_add_ps(v); }
   // the sums of four vectors into out[0..4)
@@ -106,6 +107,16 @@ struct Vec {
   }
   static T halves(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   static T int8s(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+  static T div(T a, T b) { return _mm512_div_ps(a, b); }
+  static T abs(T a) { return _mm512_abs_ps(a); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T floor(T a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  // 2 ** n for whole numbers n in [-126, 127]
+  static T pow2(T n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  // where c >= 0: a, else b
+  static T select_nonnegative(T c, T a, T b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, zero(), _CMP_GE_OQ), b, a); }
   // W nibbles: the low (shift 0) or high (shift 4) halves of the W bytes at p
   static T nibbles(const uint8_t* p, int shift) {
     const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i*)p), shift), _mm_set1_epi8(15));
@@ -122,6 +133,7 @@ struct Vec {
   static T set1(float x) { return _mm256_set1_ps(x); }
   static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
   static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
   static float sum(T v) { return sum8(v); }
   static void sum4(T a, T b, T c, T d, float* out) {
@@ -130,6 +142,14 @@ struct Vec {
   }
   static T halves(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
   static T int8s(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+  static T div(T a, T b) { return _mm256_div_ps(a, b); }
+  static T abs(T a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T floor(T a) { return _mm256_floor_ps(a); }
+  static T pow2(T n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static T select_nonnegative(T c, T a, T b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(c, zero(), _CMP_GE_OQ)); }
   static T nibbles(const uint8_t* p, int shift) {
     const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadl_epi64((const __m128i*)p), shift), _mm_set1_epi8(15));
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
@@ -535,6 +555,26 @@ inline float fast_exp(float x) {
   return p * __builtin_bit_cast(float, bits);
 }
 
+#ifdef WOQ_SIMD
+// fast_exp over a vector, the same steps
+inline Vec::T fast_exp(Vec::T x) {
+  x = Vec::max(x, Vec::set1(-87.f));
+  const Vec::T n = Vec::floor(Vec::fma(x, Vec::set1(1.44269504f), Vec::set1(0.5f)));
+  const Vec::T r = Vec::fma(n, Vec::set1(2.12194440e-4f), Vec::fma(n, Vec::set1(-0.693359375f), x));
+  Vec::T p = Vec::set1(1.9875691500e-4f);
+  for (const float c : {1.3981999507e-3f, 8.3334519073e-3f, 4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f})
+    p = Vec::fma(p, r, Vec::set1(c));
+  p = Vec::add(Vec::fma(Vec::mul(p, r), r, r), Vec::set1(1.f));
+  return Vec::mul(p, Vec::pow2(n));
+}
+#endif
+
+// silu(g) * u = g * sigmoid(g) * u, the sigmoid from one exponential of -|g|
+inline float silu_mul_one(float g, float u) {
+  const float e = fast_exp(-std::fabs(g)), r = 1.f / (1.f + e);
+  return g * (g >= 0.f ? r : e * r) * u;
+}
+
 // the caches the vector paths of decode attention read: float32 and int8
 template <typename T>
 constexpr bool vector_cache = std::is_same_v<T, float> || std::is_same_v<T, int8_t>;
@@ -749,6 +789,9 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return out;
 }
 
+// elements per piece of a parallel elementwise pass: a decode step's rows stay on one thread
+constexpr int64_t ELEMENTWISE_GRAIN = 32768;
+
 // RMSNorm of each row of x [M, H] (float32): x / sqrt(mean(x^2) + eps) * w
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat);
@@ -757,16 +800,45 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   auto y = torch::empty_like(x2);
   const float *xp = x2.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  for (int64_t i = 0; i < M; ++i) {
-    const float* r = xp + i * H;
-    float ss = 0.f;
+  at::parallel_for(0, M, std::max<int64_t>(1, ELEMENTWISE_GRAIN / H), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* r = xp + i * H;
+      float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-    for (int64_t j = 0; j < H; ++j) ss += r[j] * r[j];
-    const float inv = 1.f / std::sqrt(ss / H + static_cast<float>(eps));
+      for (int64_t j = 0; j < H; ++j) ss += r[j] * r[j];
+      const float inv = 1.f / std::sqrt(ss / H + static_cast<float>(eps));
 #pragma omp simd
-    for (int64_t j = 0; j < H; ++j) yp[i * H + j] = wp[j] * (r[j] * inv);
-  }
+      for (int64_t j = 0; j < H; ++j) yp[i * H + j] = wp[j] * (r[j] * inv);
+    }
+  });
   return y.view(x.sizes());
+}
+
+// silu(gate) * up of x [..., 2F] = [gate | up] -> [..., F] in one pass: gate * sigmoid(gate) * up, the
+// sigmoid from one exponential of -|gate|
+torch::Tensor silu_mul(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) % 2 == 0);
+  auto x2 = flat(x);
+  const int64_t M = x2.size(0), F = x2.size(1) / 2;
+  auto y = torch::empty({M, F}, x2.options());
+  const float* xp = x2.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, ELEMENTWISE_GRAIN / F), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float *g = xp + i * 2 * F, *u = g + F;
+      float* o = yp + i * F;
+      int64_t j = 0;
+#ifdef WOQ_SIMD
+      for (; j + W <= F; j += W) {
+        const Vec::T gv = Vec::load(g + j), one = Vec::set1(1.f);
+        const Vec::T e = fast_exp(Vec::sub(Vec::zero(), Vec::abs(gv))), r = Vec::div(one, Vec::add(one, e));
+        Vec::store(o + j, Vec::mul(Vec::mul(gv, Vec::select_nonnegative(gv, r, Vec::mul(e, r))), Vec::load(u + j)));
+      }
+#endif
+      for (; j < F; ++j) o[j] = silu_mul_one(g[j], u[j]);
+    }
+  });
+  return y.view(out_shape(x, F));
 }
 
 namespace {
@@ -889,9 +961,7 @@ class Decoder {
       auto q = rope_store(l.qkv(rms_norm(h, l.attn_norm, eps_)), cos, sin, keys[i], values[i], ks, vs, write, heads_);
       auto a = decode_attention(q, keys[i], values[i], ks, vs, lengths, 1.0 / std::sqrt(double(keys[i].size(3))));
       h.add_(l.o(a.view({B, -1})));
-      auto gu = l.gate_up(rms_norm(h, l.mlp_norm, eps_));
-      const int64_t F = gu.size(-1) / 2;
-      h.add_(l.down(at::silu(gu.narrow(-1, 0, F)).mul_(gu.narrow(-1, F, F))));
+      h.add_(l.down(silu_mul(l.gate_up(rms_norm(h, l.mlp_norm, eps_)))));
     }
     return h;
   }
@@ -919,5 +989,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_inputs") = false);
   m.def("decode_attention", &decode_attention, "one query token per row over its cached positions");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over the last dimension's halves [gate | up]");
   m.def("rope_store", &rope_store, "rotary embedding for a decode step, keys and values into the cache");
 }

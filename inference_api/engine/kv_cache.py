@@ -86,8 +86,7 @@ class RowKVCache(Cache):
         if self._flat is None:
             _, heads, length, _ = self.keys[0].shape
             device = self._write.device
-            row_ids = (torch.arange(self._rows.start, self._rows.start + self._write.shape[0], device=device)
-                       if isinstance(self._rows, slice) else self._rows)
+            row_ids = self.bound_rows()
             heads_ids = torch.arange(heads, device=device)
             flat = (row_ids[:, None, None] * heads + heads_ids[None, :, None]) * length + self._write[:, None, :]
             self._flat = flat.reshape(-1)
@@ -107,12 +106,29 @@ class RowKVCache(Cache):
         new = new.reshape(-1, dim)
         if scales is None:
             store.view(-1, dim).index_copy_(0, flat, new.to(store.dtype))
-            return store[self._rows, :, :self._attend]
-        q, s = quantize_heads(new)
-        store.view(-1, dim).index_copy_(0, flat, q)
-        scales.view(-1).index_copy_(0, flat, s)
-        read = store[self._rows, :, :self._attend].to(new.dtype)
-        return read * scales[self._rows, :, :self._attend, None].to(new.dtype)
+        else:
+            q, s = quantize_heads(new)
+            store.view(-1, dim).index_copy_(0, flat, q)
+            scales.view(-1).index_copy_(0, flat, s)
+        return self._read(store, scales, new.dtype)
+
+    def bound_rows(self) -> torch.Tensor:
+        """The bound rows' indices [B]."""
+        if isinstance(self._rows, slice):
+            return torch.arange(self._rows.start, self._rows.start + self._write.shape[0], device=self._write.device)
+        return self._rows
+
+    def read(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bound rows' first attend_len positions of a layer's keys and values: an int8 cache's in dtype,
+        other caches' as they are stored."""
+        ks, vs = self.scales(layer_idx)
+        return self._read(self.keys[layer_idx], ks, dtype), self._read(self.values[layer_idx], vs, dtype)
+
+    def _read(self, store: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        read = store[self._rows, :, :self._attend]
+        if scales is None:
+            return read
+        return read.to(dtype) * scales[self._rows, :, :self._attend, None].to(dtype)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self._attend

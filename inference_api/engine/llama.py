@@ -104,13 +104,21 @@ class CompactLM:
         b, t = ids.shape
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         mask = visible[:, None]  # [B, 1, T, L] bool
-        cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, D]
+        cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D]
+        k = self.kernels
+        if k is not None:  # every token's rotary and cache write in one kernel call per layer
+            rows = cache.bound_rows()[:, None].expand(b, t)
         x = self.embed(ids).to(self.dtype)
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(self._norm(x, layer.attn_norm)).view(b, t, hq + 2 * hk, d).transpose(1, 2)
-            q, k, v = qkv.split([hq, hk, hk], dim=1)
-            keys, values = cache.update(_rope(k, cos, sin), v, i)
-            q = _rope(q, cos, sin)
+            qkv = layer.qkv(self._norm(x, layer.attn_norm))
+            if k is not None:
+                q = k.rope_store(qkv, cos, sin, cache.keys[i], cache.values[i], *cache.scales(i),
+                                 cache.write_positions, hq, rows).view(b, t, hq, d).transpose(1, 2)
+                keys, values = cache.read(i, q.dtype)
+            else:
+                q, key, v = qkv.view(b, t, hq + 2 * hk, d).transpose(1, 2).split([hq, hk, hk], dim=1)
+                keys, values = cache.update(_rope(key, cos[:, None], sin[:, None]), v, i)
+                q = _rope(q, cos[:, None], sin[:, None])
             if keys.dtype != q.dtype:  # a 16-bit cache: attention itself in the model's dtype
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
             a = _attention(q, keys, values, mask, hk != hq)

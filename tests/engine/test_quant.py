@@ -140,8 +140,9 @@ def test_norm_and_silu_gate_over_rows(kernels, rows):
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("rows", [None, [4, 0, 4]])  # None: a decode step's rows 0..B-1; else a prefill's tokens
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-def test_norm_and_rotary_store(kernels, dtype):
+def test_norm_and_rotary_store(kernels, dtype, rows):
     torch.manual_seed(0)
     x, w = torch.randn(3, 48), torch.randn(48)
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (48,), w, 1e-5))
@@ -153,7 +154,8 @@ def test_norm_and_rotary_store(kernels, dtype):
     scaled = dtype == torch.int8
     ks, vs = (torch.zeros(5, hk, 10, dtype=torch.float16) if scaled else None for _ in range(2))
     pos = torch.tensor([0, 9, 4])
-    q = kernels.rope_store(qkv, cos, sin, kc, vc, ks, vs, pos, hq)
+    q = kernels.rope_store(qkv, cos, sin, kc, vc, ks, vs, pos, hq, None if rows is None else torch.tensor(rows))
+    rows = rows or list(range(b))
     heads = qkv.view(b, hq + 2 * hk, dim)
     c, s = cos[:, None], sin[:, None]
     torch.testing.assert_close(q, _rope(heads[:, :hq], c, s))
@@ -162,7 +164,12 @@ def test_norm_and_rotary_store(kernels, dtype):
                                      (vc, vs, heads[i, hq + hk:])):
             values, want_scales, _ = _cache_form(want, dtype)
             if scaled:  # the same rounding as the prefill path's quantize_heads
-                assert torch.equal(stored[i, :, p], values) and torch.equal(scales[i, :, p], want_scales)
+                assert torch.equal(stored[rows[i], :, p], values) and torch.equal(scales[rows[i], :, p], want_scales)
             else:
-                torch.testing.assert_close(stored[i, :, p], values)
-    assert kc[3:].float().abs().sum() == 0  # rows beyond the batch untouched
+                torch.testing.assert_close(stored[rows[i], :, p], values)
+    untouched = [r for r in range(5) if r not in rows]
+    assert kc[untouched].float().abs().sum() == 0 and vc[untouched].float().abs().sum() == 0
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.rope_store(qkv, cos, sin, kc, vc, ks, vs, pos, hq, torch.tensor([0, 5, 1]))
+    with pytest.raises(RuntimeError, match="out of range"):
+        kernels.rope_store(qkv, cos, sin, kc, vc, ks, vs, torch.tensor([0, 10, 1]), hq)

@@ -869,47 +869,66 @@ inline void store_head(const float* x, int64_t D, T* dst, c10::Half* scale) {
   }
 }
 
+// The heads are split between the threads (never the positions: a prefill's padding tokens all write
+// their row's scratch position); a decode step's rows stay on one thread.
 template <typename T>
 void rope_store_impl(const float* qkv, const float* cos, const float* sin, T* kc, T* vc, c10::Half* ks,
-                     c10::Half* vs, const int64_t* pos, float* q, int64_t B, int64_t Hq, int64_t Hk, int64_t S,
-                     int64_t D) {
-  std::vector<float> tmp(D);
+                     c10::Half* vs, const int64_t* pos, const int64_t* rows, float* q, int64_t B, int64_t Hq,
+                     int64_t Hk, int64_t S, int64_t D) {
   const int64_t width = (Hq + 2 * Hk) * D;
-  for (int64_t b = 0; b < B; ++b) {
-    const float* row = qkv + b * width;
-    const float *c = cos + b * D, *s = sin + b * D;
-    for (int64_t h = 0; h < Hq; ++h) rope_row(row + h * D, c, s, D, q + (b * Hq + h) * D);
-    for (int64_t h = 0; h < Hk; ++h) {
-      const int64_t at = (b * Hk + h) * S + pos[b];
-      rope_row(row + (Hq + h) * D, c, s, D, tmp.data());
-      store_head(tmp.data(), D, kc + at * D, ks ? ks + at : nullptr);
-      store_head(row + (Hq + Hk + h) * D, D, vc + at * D, vs ? vs + at : nullptr);
+  at::parallel_for(0, Hq + Hk, B * width < ELEMENTWISE_GRAIN ? Hq + Hk : 1, [&](int64_t h0, int64_t h1) {
+    std::vector<float> tmp(D);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* row = qkv + b * width;
+      const float *c = cos + b * D, *s = sin + b * D;
+      for (int64_t h = h0; h < h1; ++h) {
+        if (h < Hq) {
+          rope_row(row + h * D, c, s, D, q + (b * Hq + h) * D);
+          continue;
+        }
+        const int64_t kh = h - Hq, at = ((rows ? rows[b] : b) * Hk + kh) * S + pos[b];
+        rope_row(row + h * D, c, s, D, tmp.data());
+        store_head(tmp.data(), D, kc + at * D, ks ? ks + at : nullptr);
+        store_head(row + (Hq + Hk + kh) * D, D, vc + at * D, vs ? vs + at : nullptr);
+      }
     }
-  }
+  });
 }
 
 }  // namespace
 
-// Decode step of one layer: rotary embedding on the query and key heads of qkv [B, (Hq + 2 Hk) * D], the
-// key and value of row b written into the caches [rows, Hk, S, D] at position pos[b] (an int8 cache with
-// their float16 scales into ks, vs [rows, Hk, S]); returns q [B, Hq, D].
+// Rotary embedding on the query and key heads of qkv [B, (Hq + 2 Hk) * D] (B tokens: a decode step's rows,
+// or a prefill's tokens flattened), each token's key and value written into the caches [rows, Hk, S, D]
+// at position pos[b] of cache row rows[b] (none: row b), an int8 cache's float16 scales into ks, vs
+// [rows, Hk, S]; returns q [B, Hq, D].
 torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
                          torch::Tensor& kc, torch::Tensor& vc, const Scales& ks, const Scales& vs,
-                         const torch::Tensor& pos, int64_t Hq) {
+                         const torch::Tensor& pos, int64_t Hq, const c10::optional<torch::Tensor>& rows) {
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && kc.is_contiguous());
   TORCH_CHECK(pos.scalar_type() == at::kLong && kc.scalar_type() == vc.scalar_type() && vc.is_contiguous());
   auto x = flat(qkv);
-  auto cc = cos.contiguous(), sc = sin.contiguous(), pc = pos.contiguous();
+  auto cc = flat(cos), sc = flat(sin), pc = pos.reshape({-1}).contiguous();
   const int64_t B = x.size(0), Hk = kc.size(1), S = kc.size(2), D = kc.size(3);
-  TORCH_CHECK(x.size(1) == (Hq + 2 * Hk) * D && kc.size(0) >= B && pc.size(0) == B && cc.size(-1) == D);
+  TORCH_CHECK(x.size(1) == (Hq + 2 * Hk) * D && pc.size(0) == B && cc.size(0) == B && cc.size(1) == D);
+  torch::Tensor rc;
+  if (rows.has_value()) {
+    rc = rows->reshape({-1}).contiguous();
+    TORCH_CHECK(rc.scalar_type() == at::kLong && rc.size(0) == B);
+    const int64_t* r = rc.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(r[b] >= 0 && r[b] < kc.size(0), "cache row out of range");
+  } else {
+    TORCH_CHECK(kc.size(0) >= B);
+  }
+  const int64_t* p = pc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(p[b] >= 0 && p[b] < S, "cache position out of range");
   auto q = torch::empty({B, Hq, D}, x.options());
   auto* ksp = const_cast<c10::Half*>(scales_of(ks, kc));
   auto* vsp = const_cast<c10::Half*>(scales_of(vs, vc));
   dispatch_cache(kc, [&](auto zero) {
     using T = decltype(zero);
     rope_store_impl<T>(x.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), static_cast<T*>(kc.data_ptr()),
-                       static_cast<T*>(vc.data_ptr()), ksp, vsp, pc.data_ptr<int64_t>(), q.data_ptr<float>(), B, Hq,
-                       Hk, S, D);
+                       static_cast<T*>(vc.data_ptr()), ksp, vsp, p, rows.has_value() ? rc.data_ptr<int64_t>() : nullptr,
+                       q.data_ptr<float>(), B, Hq, Hk, S, D);
   });
   return q;
 }
@@ -958,7 +977,7 @@ class Decoder {
       const Layer& l = layers_[i];
       const Scales ks = key_scales.empty() ? Scales() : Scales(key_scales[i]);
       const Scales vs = value_scales.empty() ? Scales() : Scales(value_scales[i]);
-      auto q = rope_store(l.qkv(rms_norm(h, l.attn_norm, eps_)), cos, sin, keys[i], values[i], ks, vs, write, heads_);
+      auto q = rope_store(l.qkv(rms_norm(h, l.attn_norm, eps_)), cos, sin, keys[i], values[i], ks, vs, write, heads_, c10::nullopt);
       auto a = decode_attention(q, keys[i], values[i], ks, vs, lengths, 1.0 / std::sqrt(double(keys[i].size(3))));
       h.add_(l.o(a.view({B, -1})));
       h.add_(l.down(silu_mul(l.gate_up(rms_norm(h, l.mlp_norm, eps_)))));
@@ -990,5 +1009,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one query token per row over its cached positions");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over the last dimension's halves [gate | up]");
-  m.def("rope_store", &rope_store, "rotary embedding for a decode step, keys and values into the cache");
+  m.def("rope_store", &rope_store, "rotary embedding, each token's key and value into the cache", py::arg("qkv"),
+        py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("key_scales"),
+        py::arg("value_scales"), py::arg("positions"), py::arg("heads"), py::arg("rows") = py::none());
 }

@@ -142,3 +142,30 @@ def test_disconnect_frees_the_row(real_server, model_name):
     health = real_server.wait_idle(timeout=10)
     assert health["rows_in_use"] == 0 and health["open_sessions"] == 0
     print(f"row freed {time.monotonic() - started:.2f}s after the disconnect")
+
+
+def test_a_prompt_sent_again_beside_a_running_stream_leaves_both_answers_intact(quantized_server, model_name):
+    """The second time a prompt comes, its row still holds all of it but the last token, so its prefill is
+    one token; with another stream decoding in row 0 that token must go to its own row (it once went to
+    row 0: a wrong answer, and a corrupted position in the other stream's cache)."""
+    server = quantized_server
+    server.wait_idle()
+
+    def complete(prompt: str, max_tokens: int) -> str:
+        body = {"model": model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+        r = requests.post(f"{server.url}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    essay, story = "Write a long essay about rivers and the sea.", "Here is a short story about a lighthouse:"
+    with ThreadPoolExecutor(1) as pool:
+        running = pool.submit(complete, essay, 400)  # row 0, 400 steps
+        deadline = time.monotonic() + 60
+        while server.health()["rows_in_use"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        first = complete(story, MAX_TOKENS)  # row 1
+        again = complete(story, MAX_TOKENS)  # row 1 again, one token left to compute
+        assert not running.done()  # 42 steps against 400: the essay was decoding all along
+        beside = running.result()
+    assert again == first
+    assert complete(essay, 400) == beside  # alone now: the same answer, so its cache was never touched

@@ -16,6 +16,7 @@ class Generation:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     completion_tokens: int = 0
+    cached_tokens: int = 0
 
 
 def all_events(first: TokenEvent | None, events: Iterator[TokenEvent]) -> Iterator[TokenEvent]:
@@ -33,5 +34,6 @@ def collect(first: TokenEvent | None, events: Iterator[TokenEvent]) -> Generatio
         gen.logprobs.extend(event.logprobs)
         gen.finish_reason = event.finish_reason
         gen.completion_tokens = event.completion_tokens
+        gen.cached_tokens = event.cached_tokens
     gen.text = "".join(parts)
     return gen

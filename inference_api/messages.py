@@ -67,6 +67,7 @@ class TokenEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed again
 
     @property
     def finished(self) -> bool:

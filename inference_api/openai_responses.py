@@ -20,9 +20,11 @@ def fingerprint(ready: EngineReady) -> str:
     return "fp_" + hashlib.sha1(key.encode()).hexdigest()[:10]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache held (not computed again)."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 def visible(logprobs, finish_reason: FinishReason | None) -> tuple[TokenLogprob, ...]:
@@ -49,7 +51,7 @@ class _Format:
     def response(self, gen: Generation, prompt_tokens: int) -> dict:
         lps = self.logprobs(visible(gen.logprobs, gen.finish_reason)) if self.want_logprobs else None
         body = self.envelope(self.object_name, [self.choice(gen.text, lps, FINISH.get(gen.finish_reason))])
-        body["usage"] = usage(prompt_tokens, gen.completion_tokens)
+        body["usage"] = usage(prompt_tokens, gen.completion_tokens, gen.cached_tokens)
         return body
 
     def opening(self) -> list[dict]:
@@ -121,11 +123,11 @@ def stream_chunks(fmt: _Format, events: Iterator[TokenEvent], prompt_tokens: int
     (vLLM's ``continuous_usage_stats``): every chunk carries the usage so far. An engine failure after the
     stream has started becomes a ``data: {"error": ...}`` event and ends it.
     """
-    completion_tokens = 0
+    completion_tokens = cached_tokens = 0
 
     def send(chunk: dict) -> bytes:
         if continuous_usage:
-            chunk["usage"] = usage(prompt_tokens, completion_tokens)
+            chunk["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
         elif include_usage:
             chunk["usage"] = None
         return sse(chunk)
@@ -136,7 +138,7 @@ def stream_chunks(fmt: _Format, events: Iterator[TokenEvent], prompt_tokens: int
         if event.finish_reason is FinishReason.ERROR:
             yield sse(error_body(OPENAI, 500, event.error or "generation failed"))
             return
-        completion_tokens = event.completion_tokens
+        completion_tokens, cached_tokens = event.completion_tokens, event.cached_tokens
         lps = visible(event.logprobs, event.finish_reason)
         if event.text:
             yield send(fmt.chunk(event.text, lps, None))
@@ -146,5 +148,5 @@ def stream_chunks(fmt: _Format, events: Iterator[TokenEvent], prompt_tokens: int
                 return  # cancelled: nobody is listening
             yield send(fmt.chunk("", lps, FINISH[event.finish_reason]))
     if include_usage:
-        yield sse(fmt.envelope(fmt.chunk_object, []) | {"usage": usage(prompt_tokens, completion_tokens)})
+        yield sse(fmt.envelope(fmt.chunk_object, []) | {"usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
     yield sse("[DONE]")

@@ -224,7 +224,8 @@ class Engine:
     def _event(self, seq: Sequence, text: str, error: str | None = None) -> TokenEvent:
         event = TokenEvent(session_id=seq.session_id, text=text, token_ids=tuple(seq.pending_ids),
                            logprobs=tuple(seq.pending_logprobs), finish_reason=seq.finish_reason,
-                           prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output, error=error)
+                           prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output, error=error,
+                           cached_tokens=seq.num_reused)
         seq.pending_ids.clear()
         seq.pending_logprobs.clear()
         return event

@@ -35,6 +35,18 @@ def test_completion_greedy_matches_native_with_tokenizer_usage(oai, model_name, 
     assert out.usage.total_tokens == out.usage.prompt_tokens + out.usage.completion_tokens
 
 
+def test_usage_reports_the_prompt_tokens_the_prefix_cache_held(oai, model_name, real_server):
+    """OpenAI's usage.prompt_tokens_details.cached_tokens: at most a shared beginning the first time a prompt
+    comes; all but its last token when it comes again (the last is always computed: its logits give the first
+    answer token)."""
+    real_server.wait_idle()
+    prompt = "A prompt this test alone sends: list four kinds of cloud."
+    first = oai.completions.create(model=model_name, prompt=prompt, max_tokens=3, temperature=0).usage
+    again = oai.completions.create(model=model_name, prompt=prompt, max_tokens=3, temperature=0).usage
+    assert first.prompt_tokens_details.cached_tokens < first.prompt_tokens // 2
+    assert again.prompt_tokens_details.cached_tokens == again.prompt_tokens - 1 == first.prompt_tokens - 1
+
+
 def test_completion_prompt_as_token_ids(oai, model_name, hf_tokenizer):
     ids = hf_tokenizer.encode(PROMPT)
     by_text = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0)
@@ -73,7 +85,10 @@ def test_chat_stream_concatenates_to_the_full_answer(oai, model_name):
     assert text == full.choices[0].message.content
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == [full.choices[0].finish_reason]
-    assert chunks[-1].choices == [] and chunks[-1].usage == full.usage
+    assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
+        (full.usage.prompt_tokens, full.usage.completion_tokens)
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == full.usage.prompt_tokens - 1  # asked again
     assert all(c.usage is None for c in chunks[:-1])
 
 

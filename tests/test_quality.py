@@ -97,15 +97,19 @@ def test_decode_kernels_over_the_int8_cache_match_the_prefill_path(model_dir, te
     assert int(one.argmax()) == int(whole.argmax())
 
 
+def _int8_cache_runner(model_dir: Path) -> ModelRunner:
+    """3 rows of 64 positions: the default weights and int8 cache, float32 inputs (with the defaults a
+    chunk of up to 16 tokens would take int8 inputs, a longer one not)."""
+    default = pick_precision(ServerConfig(), "cpu", torch.float32)
+    return ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 64,
+                       Precision(default.quantize, torch.int8, default.group), load_kernels(Path(MODEL_CACHE)))
+
+
 def test_a_prefix_copied_from_another_row_gives_the_logits_of_computing_it_there(model_dir, text_ids):
     """The prefix cache: row 1 takes row 0's first 24 positions (int8 keys, values and scales) and computes
     only the rest of the prompt; its last logits match row 0's, which computed the whole prompt. Row 2 gets
-    the same rest without the copy: attention then reads an empty prefix, and the logits are far off. Float32
-    inputs everywhere (with the defaults a chunk of up to 16 tokens would take int8 inputs, a longer one not)."""
-    default = pick_precision(ServerConfig(), "cpu", torch.float32)
-    precision = Precision(default.quantize, torch.int8, default.group)
-    runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 64, precision,
-                         load_kernels(Path(MODEL_CACHE)))
+    the same rest without the copy: attention then reads an empty prefix, and the logits are far off."""
+    runner = _int8_cache_runner(model_dir)
     ids = text_ids[:40]
     with torch.inference_mode():
         whole = runner.prefill([0], [ids], [0])[0]
@@ -121,10 +125,7 @@ def test_a_one_token_prefill_runs_in_its_own_row(model_dir, text_ids):
     """A prompt sent again finds all but its last token in the prefix cache, so its prefill is one token:
     that token is written to and attends to its own row (row 2 here), as a longer chunk would, and no other
     row's cache changes (the decode step's batch index would have put it in row 0, another stream's)."""
-    default = pick_precision(ServerConfig(), "cpu", torch.float32)
-    precision = Precision(default.quantize, torch.int8, default.group)
-    runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 64, precision,
-                         load_kernels(Path(MODEL_CACHE)))
+    runner = _int8_cache_runner(model_dir)
     cache = runner.cache
     ids = text_ids[:40]
     with torch.inference_mode():

@@ -107,7 +107,7 @@ class CompactLM:
         cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D]
         k = self.kernels
         if k is not None:  # every token's rotary and cache write in one kernel call per layer
-            rows = cache.bound_rows()[:, None].expand(b, t)
+            rows = cache.bound_rows().repeat_interleave(t)  # each token's cache row, once for every layer
         x = self.embed(ids).to(self.dtype)
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(x, layer.attn_norm))

@@ -4,8 +4,8 @@
   torch's default sgemm path for decode shapes; the math is the same up to summation order).
 - CPU, ``--quantize int8|int4``: the weight-only kernels of quant.py (float32 math on 8-bit or 4-bit
   weights): for one row, the decode step of one stream, bound by the bytes of weight it reads; for several
-  rows, chunks of the weight dequantized in cache for the BLAS sgemm, as fast as oneDNN on a float32 copy
-  of the weights without holding one (measured on the 2-core machines: docs/performance.md). Where the CPU
+  rows, chunks of the weight dequantized in cache and multiplied in register tiles, faster than oneDNN on a
+  float32 copy of the weights without holding one (measured on the 2-core machines: docs/backend.md). Where the CPU
   multiplies bfloat16 (AMX, AVX512-BF16) and --dtype is auto, several rows run on a bfloat16 oneDNN copy
   instead: a third of float32's time there, for half a float32 copy's memory. Without a compiler for the
   kernels, oneDNN alone.

@@ -38,15 +38,19 @@ def _weight(n: int, k: int) -> torch.Tensor:
     return torch.randn(n, k) * 0.05
 
 
-@pytest.mark.parametrize("rows", [1, 3, 5, 33, 70])
+# 70 x 96: not a multiple of the one-row kernel's 4-row passes nor of the tiles' 12 or 6 weight rows;
+# 200 x 416: several chunks of weight rows and three passes over the inputs (192, 192, 32) in the tiles
+@pytest.mark.parametrize("shape", [(70, 96), (200, 416)])
+@pytest.mark.parametrize("rows", [1, 3, 5, 8, 9, 17, 33, 70])  # from 8 rows, tiles of 16 and 8 input rows
 @pytest.mark.parametrize("form", ["int8-channel", "int8-group32", "int4"])
 @pytest.mark.parametrize("bias", [False, True])
-def test_quantized_linear_is_float32_linear_on_the_dequantized_weight(kernels, rows, form, bias):
-    w = _weight(70, 96)  # not a multiple of the kernels' 4-row passes
+def test_quantized_linear_is_float32_linear_on_the_dequantized_weight(kernels, shape, rows, form, bias):
+    n, k = shape
+    w = _weight(n, k)
     packed = {"int8-channel": lambda: quantize_int8(w), "int8-group32": lambda: quantize_int8(w, 32),
               "int4": lambda: quantize_int4(w)}[form]()
-    b = torch.randn(70) if bias else None
-    x = torch.randn(rows, 96)
+    b = torch.randn(n) if bias else None
+    x = torch.randn(rows, k)
     if isinstance(packed, Int4Weight):
         y = kernels.linear_int4(x, packed.q, packed.d, packed.m, b)
     else:
@@ -101,10 +105,13 @@ def _cache_form(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return q, s, q.float() * s.float()[..., None]
 
 
+# (kv heads, query heads, head dim): groups of 3; and of 7 (the vector path's six heads and one more) on a
+# head of 24 (AVX2's two vectors and one more)
+@pytest.mark.parametrize("heads", [(2, 6, 16), (1, 7, 24)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
-def test_decode_attention_equals_sdpa_over_each_rows_length(kernels, dtype):
+def test_decode_attention_equals_sdpa_over_each_rows_length(kernels, dtype, heads):
     torch.manual_seed(0)
-    rows, hk, hq, length, dim = 7, 2, 6, 150, 16
+    (hk, hq, dim), rows, length = heads, 7, 150
     keys, key_scales, key_ref = _cache_form(torch.randn(rows, hk, length, dim), dtype)
     values, value_scales, value_ref = _cache_form(torch.randn(rows, hk, length, dim), dtype)
     q = torch.randn(6, hq, dim)

@@ -5,9 +5,10 @@
 // One row (decode of one stream): each weight row is read once, straight from its packed bytes, with
 // AVX-512 or AVX2 (FMA, F16C) where the CPU has them. Up to 16 rows with int8 inputs: the same, each pass
 // of weight rows serving every input row from L1. More rows (decode of many streams, prefill): each
-// thread dequantizes chunks of weight rows into a buffer that stays in its cache and multiplies them with
-// the BLAS sgemm; compute bounds these, and no float copy of the weights is held. Decoder runs a llama
-// decode step's layers in one call.
+// thread dequantizes chunks of weight rows into a buffer that stays in its cache and multiplies them by
+// tiles of the inputs held in registers (tiled_rows; the BLAS sgemm for fewer rows than a vector holds,
+// and on CPUs without the vector units); compute bounds these, and no float copy of the weights is held.
+// Decoder runs a llama decode step's layers in one call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
@@ -375,6 +376,94 @@ inline void deq_row_i8_vec(const int8_t* q, const float* s, int64_t K, int64_t G
   }
 }
 
+// Several input rows (decode of many streams, prefill) with the vector unit: y^T = dequant(W) @ x^T, the input
+// rows along the vector lanes. x is transposed once per call into blocks of up to XB rows ([K][block width]);
+// each thread dequantizes a chunk of NC weight rows, KC inputs at a time, into a buffer in its cache, and a
+// tile of TR weight rows by one block of input rows keeps its 12 accumulators in registers over the KC
+// inputs, each weight broadcast from the buffer. No copy beyond the dequantization: sgemm repacked every
+// dequantized chunk (13 % of a 32-row decode step's time in perf), and this is faster from 8 rows up
+// (docs/performance.md).
+constexpr int64_t XB = 2 * W;  // input rows per block: two vectors
+constexpr int64_t KC = 192;    // inputs per pass: a block of x^T is 12 or 24 KB, in L1
+constexpr int64_t NC = 96;     // weight rows per chunk: 72 KB of floats, in L2
+
+// acc[r, 0 .. MV W) (rows ldo apart) += sum over k < kc of w[r, k] * xt[k, 0 .. MV W) for RT weight rows w
+// (kc apart) and the block xt (rows ldx apart); first: start from zero
+template <int RT, int MV>
+inline void tile(const float* xt, int64_t ldx, const float* w, int64_t kc, float* acc, int64_t ldo, bool first) {
+  Vec::T a[RT][MV];
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < MV; ++v) a[r][v] = first ? Vec::zero() : Vec::load(acc + r * ldo + v * W);
+  for (int64_t k = 0; k < kc; ++k) {
+    Vec::T xv[MV];
+    for (int v = 0; v < MV; ++v) xv[v] = Vec::load(xt + k * ldx + v * W);
+    for (int r = 0; r < RT; ++r) {
+      const Vec::T wr = Vec::set1(w[r * kc + k]);
+      for (int v = 0; v < MV; ++v) a[r][v] = Vec::fma(xv[v], wr, a[r][v]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < MV; ++v) Vec::store(acc + r * ldo + v * W, a[r][v]);
+}
+
+// f(Int<mv>) for a run-time mv in 1 .. XB / W
+template <int MV = XB / W, typename F>
+inline void with_vectors(int64_t mv, F f) {
+  if constexpr (MV > 1) {
+    if (mv < MV) return with_vectors<MV - 1>(mv, f);
+  }
+  f(Int<MV>{});
+}
+
+// deq(n, k0, kc, out): weight row n's inputs k0 .. k0 + kc dequantized into out; K a multiple of W
+template <typename Deq>
+torch::Tensor tiled_rows(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias, Deq deq) {
+  const int64_t M = x2.size(0), K = x2.size(1), Mp = (M + W - 1) / W * W, blocks = (M + XB - 1) / XB;
+  const float* x = x2.data_ptr<float>();
+  std::vector<float> xt(Mp * K);  // block b: [K][its width], at b * XB * K
+  auto transpose = [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t m0 = b * XB, rows = std::min(XB, M - m0), width = std::min(XB, Mp - m0);
+      float* out = xt.data() + m0 * K;
+      for (int64_t k = 0; k < K; ++k) {
+        for (int64_t i = 0; i < rows; ++i) out[k * width + i] = x[(m0 + i) * K + k];
+        for (int64_t i = rows; i < width; ++i) out[k * width + i] = 0.f;
+      }
+    }
+  };
+  if (M * K >= 65536) at::parallel_for(0, blocks, 1, transpose);  // a prefill's rows; a decode step's: one thread
+  else transpose(0, blocks);
+  auto y = torch::empty({M, N}, x2.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + NC - 1) / NC, 1, [&](int64_t c0, int64_t c1) {
+    thread_local std::vector<float> buf, acc;  // reused by the pool's threads: no page faults per call
+    buf.resize(NC * std::min(KC, K));
+    acc.resize(NC * Mp);
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t n0 = c * NC, nc = std::min(NC, N - n0);
+      for (int64_t k0 = 0; k0 < K; k0 += KC) {
+        const int64_t kc = std::min(KC, K - k0);
+        for (int64_t j = 0; j < nc; ++j) deq(n0 + j, k0, kc, buf.data() + j * kc);
+        for (int64_t b = 0; b < blocks; ++b) {
+          const int64_t m0 = b * XB, width = std::min(XB, Mp - m0);
+          const float* xb = xt.data() + m0 * K + k0 * width;
+          with_vectors(width / W, [&](auto mv) {
+            constexpr int MV = decltype(mv)::value, TR = 12 / MV;  // 12 accumulators: 15 of 16 AVX2 registers in use
+            int64_t j = 0;
+            for (; j + TR <= nc; j += TR)
+              tile<TR, MV>(xb, width, buf.data() + j * kc, kc, acc.data() + j * Mp + m0, Mp, k0 == 0);
+            for (; j < nc; ++j) tile<1, MV>(xb, width, buf.data() + j * kc, kc, acc.data() + j * Mp + m0, Mp, k0 == 0);
+          });
+        }
+      }
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t j = 0; j < nc; ++j) yp[m * N + n0 + j] = acc[j * Mp + m];
+    }
+  });
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
 // M input rows (y [M, N]) over passes of RW weight rows, split between the threads: pass(Int<RW>, n, rows, y + n)
 // computes y[i, n .. n + rows) for every input row i (row stride N).
 template <int RW, typename Pass>
@@ -390,8 +479,8 @@ torch::Tensor few_rows(int64_t M, const torch::Tensor& x2, int64_t N, const c10:
 }
 #endif
 
-// Several input rows: each thread dequantizes a chunk of weight rows into a float buffer that stays in its
-// cache and multiplies it with the BLAS sgemm (single-threaded inside the parallel region), so no float
+// Several input rows (fewer than a vector holds, or no vector units): each thread dequantizes a chunk of
+// weight rows into a float buffer that stays in its cache and multiplies it with the BLAS sgemm (single-threaded inside the parallel region), so no float
 // copy of the whole weight is ever held. Chunks of about 256 KB: the buffer and the inputs fit in L2.
 template <typename DeqRow>
 torch::Tensor many_rows(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias,
@@ -468,6 +557,13 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
     return (M == 1 ? few_rows<R>(M, x2, N, bias, pass) : few_rows<2>(M, x2, N, bias, pass)).reshape(out_shape(x, N));
   }
 #endif
+#ifdef WOQ_SIMD
+  if (M >= W && G % W == 0)
+    return tiled_rows(x2, N, bias, [&](int64_t n, int64_t k0, int64_t kc, float* out) {
+             for (int64_t j = 0; j < kc; j += W)
+               Vec::store(out + j, Vec::mul(Vec::int8s(qp + n * K + k0 + j), Vec::set1(sp[n * S + (k0 + j) / G])));
+           }).reshape(out_shape(x, N));
+#endif
   if (M > 1) return many_rows(x2, N, bias, deq).reshape(out_shape(x, N));
 #ifdef WOQ_SIMD
   if (G % W == 0)  // one row: memory-bound, each weight byte read once
@@ -502,6 +598,12 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
     };
     return (M == 1 ? few_rows<R>(M, x2, N, bias, pass) : few_rows<2>(M, x2, N, bias, pass)).reshape(out_shape(x, N));
   }
+#endif
+#ifdef WOQ_SIMD
+  if (M >= W)
+    return tiled_rows(x2, N, bias, [&](int64_t n, int64_t k0, int64_t kc, float* out) {
+             deq_row_i4_vec(qp + (n * K + k0) / 2, dp + n * S + k0 / 32, mp + n * S + k0 / 32, kc, out);
+           }).reshape(out_shape(x, N));
 #endif
   if (M > 1)
     return many_rows(x2, N, bias, [&](int64_t n, float* out) {
@@ -590,27 +692,23 @@ inline bool vector_rows(int64_t D) {
 #endif
 }
 
-// rows [n, D] of a float32 or int8 cache into float out [n, D], each row times its float16 scale (none: 1)
-template <typename T>
-inline void rows_to_float(const T* p, const c10::Half* scales, int64_t n, int64_t D, float* out) {
 #ifdef WOQ_SIMD
-  if constexpr (vector_cache<T>) {
-    for (int64_t l = 0; l < n; ++l) {
-      const Vec::T sc = Vec::set1(scales ? half_to_float(scales[l]) : 1.f);
-      for (int64_t j = l * D; j < (l + 1) * D; j += W) {
-        if constexpr (std::is_same_v<T, float>) Vec::store(out + j, Vec::mul(Vec::load(p + j), sc));
-        else Vec::store(out + j, Vec::mul(Vec::int8s(p + j), sc));
-      }
-    }
-  }
-#endif
+// rows [n, D] of an int8 cache into float out [n, D] (their scales are applied to the scores)
+inline void rows_to_float(const int8_t* p, int64_t n, int64_t D, float* out) {
+  for (int64_t j = 0; j < n * D; j += W) Vec::store(out + j, Vec::int8s(p + j));
 }
 
-// scores[g * stride + l] = (q_g . k_l) * scale for the group's query heads q [group, D] and float keys
-// kf [n, D], four positions at a time (one horizontal reduction for the four)
-inline void vector_scores(const float* q, const float* kf, int64_t n, int64_t stride, int64_t D, int64_t group,
-                          float scale, float* scores) {
-#ifdef WOQ_SIMD
+// W elements of a float32 or int8 cache as floats
+template <typename T>
+inline Vec::T cache_vec(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return Vec::load(p);
+  else return Vec::int8s(p);
+}
+
+// scores[g * stride + l] = (q_g . k_l) * scale * (ks[l], or 1) for the group's query heads q [group, D] and
+// float keys kf [n, D], four positions at a time (one horizontal reduction for the four)
+inline void vector_scores(const float* q, const float* kf, const c10::Half* ks, int64_t n, int64_t stride, int64_t D,
+                          int64_t group, float scale, float* scores) {
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * D;
     float* sg = scores + g * stride;
@@ -626,47 +724,85 @@ inline void vector_scores(const float* q, const float* kf, int64_t n, int64_t st
         a3 = Vec::fma(Vec::load(k0 + 3 * D + j), qv, a3);
       }
       Vec::sum4(a0, a1, a2, a3, sg + l);
-      for (int u = 0; u < 4; ++u) sg[l + u] *= scale;
     }
     for (; l < n; ++l) {
       Vec::T acc = Vec::zero();
       for (int64_t j = 0; j < D; j += W) acc = Vec::fma(Vec::load(kf + l * D + j), Vec::load(qg + j), acc);
-      sg[l] = Vec::sum(acc) * scale;
+      sg[l] = Vec::sum(acc);
     }
+    for (l = 0; l < n; ++l) sg[l] *= ks ? scale * half_to_float(ks[l]) : scale;
   }
-#endif
 }
 
-// out[j .. j + NB W) += sum over l of p[l] * vf[l][j .. j + NB W): NB accumulators held over the positions,
-// each row of vf read once, in order, added to out at the end
-template <int NB>
-inline void accumulate_values(const float* p, const float* vf, int64_t n, int64_t D, int64_t j, float* out) {
-#ifdef WOQ_SIMD
-  Vec::T acc[NB];
-  for (int u = 0; u < NB; ++u) acc[u] = Vec::zero();
+// p[0 .. n) <- softmax(p) * (vs[l], or 1): the weights of the values as the cache stores them
+inline void softmax_weights(float* p, const c10::Half* vs, int64_t n) {
+  int64_t l = 0;
+  Vec::T mv = Vec::set1(p[0]);
+  for (; l + W <= n; l += W) mv = Vec::max(mv, Vec::load(p + l));
+  float lanes[W], mx = p[0];
+  Vec::store(lanes, mv);
+  for (int64_t i = 0; i < W; ++i) mx = std::max(mx, lanes[i]);
+  for (; l < n; ++l) mx = std::max(mx, p[l]);
+  const Vec::T mxv = Vec::set1(mx);
+  Vec::T sv = Vec::zero();
+  for (l = 0; l + W <= n; l += W) {
+    const Vec::T e = fast_exp(Vec::sub(Vec::load(p + l), mxv));
+    Vec::store(p + l, e);
+    sv = Vec::add(sv, e);
+  }
+  float sum = Vec::sum(sv);
+  for (; l < n; ++l) sum += p[l] = fast_exp(p[l] - mx);
+  const float inv = 1.f / sum;
+  const Vec::T iv = Vec::set1(inv);
+  for (l = 0; l + W <= n; l += W)
+    Vec::store(p + l, vs ? Vec::mul(Vec::load(p + l), Vec::mul(iv, Vec::halves(vs + l))) : Vec::mul(Vec::load(p + l), iv));
+  for (; l < n; ++l) p[l] *= vs ? inv * half_to_float(vs[l]) : inv;
+}
+
+// out[g, j .. j + MV W) = sum over l of p[g * stride + l] * v[l, j .. j + MV W) for G heads: each value
+// converted once, in registers, for all G heads (G * MV accumulators, at most 12)
+template <int G, int MV, typename T>
+inline void weighted_values(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, int64_t j, float* out) {
+  Vec::T acc[G][MV];
+  for (int g = 0; g < G; ++g)
+    for (int u = 0; u < MV; ++u) acc[g][u] = Vec::zero();
   for (int64_t l = 0; l < n; ++l) {
-    const Vec::T pl = Vec::set1(p[l]);
-    for (int u = 0; u < NB; ++u) acc[u] = Vec::fma(pl, Vec::load(vf + l * D + j + u * W), acc[u]);
-  }
-  for (int u = 0; u < NB; ++u) Vec::store(out + j + u * W, Vec::add(Vec::load(out + j + u * W), acc[u]));
-#endif
-}
-
-// out[g] += sum over l of p[g * stride + l] * vf[l] for the group's heads and float values vf [n, D]
-inline void vector_values(const float* p, const float* vf, int64_t n, int64_t stride, int64_t D, int64_t group,
-                          float* out) {
-#ifdef WOQ_SIMD
-  for (int64_t g = 0; g < group; ++g)
-    for (int64_t j = 0; j < D;) {
-      const int64_t left = (D - j) / W;
-      if (left >= 8) accumulate_values<8>(p + g * stride, vf, n, D, j, out + g * D), j += 8 * W;
-      else if (left >= 4) accumulate_values<4>(p + g * stride, vf, n, D, j, out + g * D), j += 4 * W;
-      else accumulate_values<1>(p + g * stride, vf, n, D, j, out + g * D), j += W;
+    Vec::T vv[MV];
+    for (int u = 0; u < MV; ++u) vv[u] = cache_vec(v + l * D + j + u * W);
+    for (int g = 0; g < G; ++g) {
+      const Vec::T pl = Vec::set1(p[g * stride + l]);
+      for (int u = 0; u < MV; ++u) acc[g][u] = Vec::fma(pl, vv[u], acc[g][u]);
     }
-#endif
+  }
+  for (int g = 0; g < G; ++g)
+    for (int u = 0; u < MV; ++u) Vec::store(out + g * D + j + u * W, acc[g][u]);
 }
 
-// positions whose keys or values the vector path converts to float at a time: 16 KB for D = 64, in L1
+// f(Int<g>) for a run-time g in 1 .. 6
+template <int G = 6, typename F>
+inline void with_heads(int64_t g, F f) {
+  if constexpr (G > 1) {
+    if (g < G) return with_heads<G - 1>(g, f);
+  }
+  f(Int<G>{});
+}
+
+// the group's outputs [group, D] from its weights p [group, stride] and the values v [n, D]: heads six at a time,
+// two vectors of each value at a time
+template <typename T>
+inline void vector_values(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, int64_t group, float* out) {
+  for (int64_t g0 = 0; g0 < group; g0 += 6)
+    with_heads(std::min<int64_t>(6, group - g0), [&](auto heads) {
+      constexpr int G = decltype(heads)::value;
+      int64_t j = 0;
+      for (; j + 2 * W <= D; j += 2 * W) weighted_values<G, 2>(p + g0 * stride, stride, v, n, D, j, out + g0 * D);
+      if (j < D) weighted_values<G, 1>(p + g0 * stride, stride, v, n, D, j, out + g0 * D);
+    });
+}
+
+#endif
+
+// positions whose int8 keys the vector path converts to float at a time: 16 KB for D = 64, in L1
 constexpr int64_t POSITION_BLOCK = 64;
 
 // One query token per row against that row's first lengths[b] cached positions; each kv head's keys
@@ -687,17 +823,26 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
       const c10::Half* ksp = ks ? ks + (b * Hk + kh) * S : nullptr;
       const c10::Half* vsp = vs ? vs + (b * Hk + kh) * S : nullptr;
       scores.assign(group * n, 0.f);
-      const bool fast = vector_cache<T> && vector_rows(D);
       const float* qb = q + (b * Hq + kh * group) * D;  // the group's query heads, one after another
-      if (fast) {
-        vf.resize(POSITION_BLOCK * D);
-        for (int64_t l0 = 0; l0 < n; l0 += POSITION_BLOCK) {
-          const int64_t nb = std::min(POSITION_BLOCK, n - l0);
-          rows_to_float<T>(kp + l0 * D, ksp ? ksp + l0 : nullptr, nb, D, vf.data());
-          vector_scores(qb, vf.data(), nb, n, D, group, scale, scores.data() + l0);
+      float* ob = out + (b * Hq + kh * group) * D;
+#ifdef WOQ_SIMD
+      if constexpr (vector_cache<T>) {
+        if (vector_rows(D)) {
+          vf.resize(POSITION_BLOCK * D);
+          for (int64_t l0 = 0; l0 < n; l0 += POSITION_BLOCK) {
+            const int64_t nb = std::min(POSITION_BLOCK, n - l0);
+            const float* kf = vf.data();
+            if constexpr (std::is_same_v<T, float>) kf = kp + l0 * D;
+            else rows_to_float(kp + l0 * D, nb, D, vf.data());
+            vector_scores(qb, kf, ksp ? ksp + l0 : nullptr, nb, n, D, group, scale, scores.data() + l0);
+          }
+          for (int64_t g = 0; g < group; ++g) softmax_weights(scores.data() + g * n, vsp, n);
+          vector_values(scores.data(), n, vp, n, D, group, ob);
+          continue;
         }
       }
-      for (int64_t l = 0; l < n && !fast; ++l) {
+#endif
+      for (int64_t l = 0; l < n; ++l) {
         const float ksc = ksp ? static_cast<float>(ksp[l]) * scale : scale;
         for (int64_t d = 0; d < D; ++d) kf[d] = to_float(kp[l * D + d]);
         for (int64_t g = 0; g < group; ++g) {
@@ -713,24 +858,12 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
         float mx = sc[0];
         for (int64_t l = 1; l < n; ++l) mx = std::max(mx, sc[l]);
         float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
         for (int64_t l = 0; l < n; ++l) {
           sc[l] = fast_exp(sc[l] - mx);
           sum += sc[l];
         }
         const float inv = 1.f / sum;
-#pragma omp simd
         for (int64_t l = 0; l < n; ++l) sc[l] *= inv;
-      }
-      if (fast) {
-        float* ob = out + (b * Hq + kh * group) * D;
-        std::fill(ob, ob + group * D, 0.f);
-        for (int64_t l0 = 0; l0 < n; l0 += POSITION_BLOCK) {
-          const int64_t nb = std::min(POSITION_BLOCK, n - l0);
-          rows_to_float<T>(vp + l0 * D, vsp ? vsp + l0 : nullptr, nb, D, vf.data());
-          vector_values(scores.data() + l0, vf.data(), nb, n, D, group, ob);
-        }
-        continue;
       }
       for (int64_t g = 0; g < group; ++g) {
         std::fill(acc.begin(), acc.end(), 0.f);
@@ -741,7 +874,7 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) acc[d] += p * to_float(vl[d]);
         }
-        std::copy(acc.begin(), acc.end(), out + (b * Hq + kh * group + g) * D);
+        std::copy(acc.begin(), acc.end(), ob + g * D);
       }
     }
   });

@@ -137,3 +137,23 @@ def test_a_one_token_prefill_runs_in_its_own_row(model_dir, text_ids):
         last = runner.prefill([2], [ids[39:]], [39])[0]
     assert (last - whole).abs().max() < 0.15  # as the tests above: summation order vs int8 rounding steps
     assert all(torch.equal(store[:2], before) for store, before in zip(stores, others))
+
+
+@pytest.mark.parametrize("kernels", ["cpu kernels", "torch ops (the CUDA path)"])
+def test_chunks_of_different_lengths_prefilled_together_match_transformers(model_dir, text_ids, kernels):
+    """One prefill of chunks of 5, 17 and 40 tokens runs the norms and linears on their 62 tokens only (the
+    shorter chunks' padding left out) and attention on the padded layout: each chunk's last logits, and the
+    next decode step over what it wrote into its row, equal transformers' forward on that chunk alone
+    (exact mode)."""
+    runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 64, Precision(),
+                         load_kernels(Path(MODEL_CACHE)) if kernels == "cpu kernels" else None)
+    reference = load_model(model_dir, "cpu", torch.float32)
+    chunks = [text_ids[:6], text_ids[100:118], text_ids[200:241]]  # prompts of 5, 17 and 40, and a next token
+    with torch.inference_mode():
+        together = runner.prefill([0, 1, 2], [c[:-1] for c in chunks], [0, 0, 0])
+        decoded = runner.decode(torch.tensor([c[-1] for c in chunks]), torch.tensor([5, 17, 40]),
+                                torch.ones(3, dtype=torch.bool))
+        for i, chunk in enumerate(chunks):
+            logits = reference(torch.tensor([chunk])).logits[0]
+            assert (together[i] - logits[-2]).abs().max() < 1e-3
+            assert (decoded[i] - logits[-1]).abs().max() < 1e-3

@@ -60,6 +60,13 @@ def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate).mul_(up)
 
 
+def _pad(x: torch.Tensor, tokens: torch.Tensor, total: int) -> torch.Tensor:
+    """Rows x [N, ...] placed at indices tokens of a zeroed [total, ...] (the padded layout)."""
+    if x.shape[0] == total:  # no padding: tokens is 0..total-1
+        return x
+    return x.new_zeros(total, *x.shape[1:]).index_copy_(0, tokens, x)
+
+
 QUERY_BLOCK = 128  # prefill attention runs this many queries at a time
 
 
@@ -104,29 +111,37 @@ class CompactLM:
         b, t = ids.shape
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
         mask = visible[:, None]  # [B, 1, T, L] bool
-        cos, sin = self.cos[positions], self.sin[positions]  # [B, T, D]
+        # the real tokens only ([N], the padding of shorter chunks left out) through the norms, the linears and
+        # the rotary + cache write; attention alone runs on the padded [B, T] layout
+        real = (cache.write_positions != cache.scratch).reshape(-1)
+        tokens = real.nonzero()[:, 0]  # [N] indices into B * T
+        x = self.embed(ids.reshape(-1)[tokens]).to(self.dtype)
         k = self.kernels
         if k is not None:  # every token's rotary and cache write in one kernel call per layer
-            rows = cache.bound_rows().repeat_interleave(t)  # each token's cache row, once for every layer
-        x = self.embed(ids).to(self.dtype)
+            pos = positions.reshape(-1)[tokens]
+            cos, sin = self.cos[pos], self.sin[pos]  # [N, D]
+            rows = cache.bound_rows().repeat_interleave(t)[tokens]  # each token's cache row, once for every layer
+            write = cache.write_positions.reshape(-1)[tokens]
+        else:
+            cos, sin = self.cos[positions][:, None], self.sin[positions][:, None]  # [B, 1, T, D]
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(self._norm(x, layer.attn_norm))
             if k is not None:
-                q = k.rope_store(qkv, cos, sin, cache.keys[i], cache.values[i], *cache.scales(i),
-                                 cache.write_positions, hq, rows).view(b, t, hq, d).transpose(1, 2)
+                q = _pad(k.rope_store(qkv, cos, sin, cache.keys[i], cache.values[i], *cache.scales(i), write, hq, rows),
+                         tokens, b * t).view(b, t, hq, d).transpose(1, 2)
                 keys, values = cache.read(i, q.dtype)
-            else:
-                q, key, v = qkv.view(b, t, hq + 2 * hk, d).transpose(1, 2).split([hq, hk, hk], dim=1)
-                keys, values = cache.update(_rope(key, cos[:, None], sin[:, None]), v, i)
-                q = _rope(q, cos[:, None], sin[:, None])
+            else:  # padding writes zeros into the scratch slot
+                q, key, v = _pad(qkv, tokens, b * t).view(b, t, hq + 2 * hk, d).transpose(1, 2).split([hq, hk, hk], dim=1)
+                keys, values = cache.update(_rope(key, cos, sin), v, i)
+                q = _rope(q, cos, sin)
             if keys.dtype != q.dtype:  # a 16-bit cache: attention itself in the model's dtype
                 keys, values = keys.to(q.dtype), values.to(q.dtype)
-            a = _attention(q, keys, values, mask, hk != hq)
-            x.add_(layer.o(a.transpose(1, 2).reshape(b, t, hq * d)))  # x is this forward's own tensor
+            a = _attention(q, keys, values, mask, hk != hq).transpose(1, 2).reshape(b * t, hq * d)[tokens]
+            x.add_(layer.o(a))  # x is this forward's own tensor
             x.add_(layer.down(self._silu_mul(layer.gate_up(self._norm(x, layer.mlp_norm)))))
-        if last_only:
-            x = x[:, -1:]
-        return self.head(self._norm(x, self.norm)).float()
+        if last_only:  # each chunk's last token is real (chunks are left-padded): the last of its row's tokens
+            return self.head(self._norm(x[real.view(b, t).sum(1).cumsum(0) - 1], self.norm)).float()[:, None]
+        return _pad(self.head(self._norm(x, self.norm)).float(), tokens, b * t).view(b, t, -1)
 
     def _decode(self, ids: torch.Tensor, positions: torch.Tensor, lengths: torch.Tensor, cache) -> torch.Tensor:
         """One token per row through the CPU kernels: a few calls per layer, each row reading only its

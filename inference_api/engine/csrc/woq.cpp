@@ -364,8 +364,18 @@ inline void row_groups(int64_t M, Group group) {
 inline void deq_row_i4_vec(const uint8_t* q, const c10::Half* d, const c10::Half* m, int64_t K, float* out) {
   for (int64_t g = 0; g < K / 32; ++g) {
     const Vec::T dv = Vec::set1(half_to_float(d[g])), mv = Vec::set1(half_to_float(m[g]));
-    for (int v = 0; v < 32 / W; ++v)
-      Vec::store(out + g * 32 + v * W, Vec::fma(Vec::nibbles(q + g * 16 + v * W % 16, v * W / 16 * 4), dv, mv));
+#ifdef __AVX512F__
+    for (int v = 0; v < 2; ++v)
+      Vec::store(out + g * 32 + v * W, Vec::fma(Vec::nibbles(q + g * 16, v * 4), dv, mv));
+#else  // the block's 16 bytes loaded once: low nibbles are weights 0..15, high 16..31
+    const __m128i b = _mm_loadu_si128((const __m128i*)(q + g * 16)), low = _mm_set1_epi8(15);
+    const __m128i half[2] = {_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)};
+    for (int h = 0; h < 2; ++h) {
+      Vec::store(out + g * 32 + h * 16, Vec::fma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(half[h])), dv, mv));
+      Vec::store(out + g * 32 + h * 16 + 8,
+                 Vec::fma(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(half[h], 8))), dv, mv));
+    }
+#endif
   }
 }
 

@@ -27,12 +27,15 @@ extern "C" void sgemm_(const char* transa, const char* transb, const int* m, con
 namespace {
 
 
-// int8: q [N, K] int8, s [N, K / G] float; w[n, k] = q[n, k] * s[n, k / G]
-inline void deq_row_i8(const int8_t* q, const float* s, int64_t K, int64_t G, float* out) {
-  for (int64_t g = 0; g < K / G; ++g) {
-    const float sc = s[g];
+// int8: q [N, K] int8, s [N, K / G] float; w[n, k] = q[n, k] * s[n, k / G]. Inputs k0 .. k0 + kc of the row
+// at q, s into out.
+inline void deq_row_i8(const int8_t* q, const float* s, int64_t k0, int64_t kc, int64_t G, float* out) {
+  for (int64_t j = k0; j < k0 + kc;) {
+    const int64_t end = std::min(k0 + kc, (j / G + 1) * G);
+    const float sc = s[j / G];
 #pragma omp simd
-    for (int64_t j = 0; j < G; ++j) out[g * G + j] = sc * static_cast<float>(q[g * G + j]);
+    for (int64_t i = j; i < end; ++i) out[i - k0] = sc * static_cast<float>(q[i]);
+    j = end;
   }
 }
 
@@ -347,7 +350,7 @@ template <int V>
 using Int = std::integral_constant<int, V>;
 
 // Up to FEW_ROWS input rows with int8 inputs: each pass of weight rows is read from memory once and serves
-// the input rows, 4 at a time, from L1. More rows go to sgemm on dequantized chunks (many_rows).
+// the input rows, 4 at a time, from L1. More rows go to the tiles on dequantized chunks (tiled_rows).
 constexpr int64_t FEW_ROWS = 16;
 
 // group(Int<MR>, i) for the input rows i .. i + MR, in groups of up to 4
@@ -360,7 +363,8 @@ inline void row_groups(int64_t M, Group group) {
   else if (M - i == 1) group(Int<1>{}, i);
 }
 
-// Dequantized rows with the vector unit (several rows' chunks are dequantized before sgemm multiplies them).
+// Dequantized rows with the vector unit (several rows' chunks are dequantized before the tiles or sgemm
+// multiply them).
 inline void deq_row_i4_vec(const uint8_t* q, const c10::Half* d, const c10::Half* m, int64_t K, float* out) {
   for (int64_t g = 0; g < K / 32; ++g) {
     const Vec::T dv = Vec::set1(half_to_float(d[g])), mv = Vec::set1(half_to_float(m[g]));
@@ -379,11 +383,9 @@ inline void deq_row_i4_vec(const uint8_t* q, const c10::Half* d, const c10::Half
   }
 }
 
-inline void deq_row_i8_vec(const int8_t* q, const float* s, int64_t K, int64_t G, float* out) {
-  for (int64_t g = 0; g < K / G; ++g) {
-    const Vec::T sv = Vec::set1(s[g]);
-    for (int64_t j = g * G; j < (g + 1) * G; j += W) Vec::store(out + j, Vec::mul(Vec::int8s(q + j), sv));
-  }
+// deq_row_i8 for G, k0 and kc multiples of W
+inline void deq_row_i8_vec(const int8_t* q, const float* s, int64_t k0, int64_t kc, int64_t G, float* out) {
+  for (int64_t j = k0; j < k0 + kc; j += W) Vec::store(out + j - k0, Vec::mul(Vec::int8s(q + j), Vec::set1(s[j / G])));
 }
 
 // Several input rows (decode of many streams, prefill) with the vector unit: y^T = dequant(W) @ x^T, the input
@@ -490,11 +492,11 @@ torch::Tensor few_rows(int64_t M, const torch::Tensor& x2, int64_t N, const c10:
 #endif
 
 // Several input rows (fewer than a vector holds, or no vector units): each thread dequantizes a chunk of
-// weight rows into a float buffer that stays in its cache and multiplies it with the BLAS sgemm (single-threaded inside the parallel region), so no float
-// copy of the whole weight is ever held. Chunks of about 256 KB: the buffer and the inputs fit in L2.
-template <typename DeqRow>
-torch::Tensor many_rows(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias,
-                        DeqRow deq_row) {
+// weight rows into a float buffer that stays in its cache and multiplies it with the BLAS sgemm
+// (single-threaded inside the parallel region), so no float copy of the whole weight is ever held. Chunks of
+// about 256 KB: the buffer and the inputs fit in L2. deq as tiled_rows takes it.
+template <typename Deq>
+torch::Tensor many_rows(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias, Deq deq) {
   const int M = static_cast<int>(x2.size(0)), K = static_cast<int>(x2.size(1));
   const int64_t NC = std::max<int64_t>(16, std::min<int64_t>(256, 65536 / K / 16 * 16));
   auto y = torch::empty({M, N}, x2.options());
@@ -506,7 +508,7 @@ torch::Tensor many_rows(const torch::Tensor& x2, int64_t N, const c10::optional<
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t n0 = c * NC;
       const int nc = static_cast<int>(std::min(NC, N - n0)), ldc = static_cast<int>(N);
-      for (int64_t n = n0; n < n0 + nc; ++n) deq_row(n, buf.data() + (n - n0) * K);
+      for (int64_t n = n0; n < n0 + nc; ++n) deq(n, 0, K, buf.data() + (n - n0) * K);
       // column-major: y^T[n0 : n0 + nc, :] = chunk (stored [nc, K], read transposed) @ x^T (stored [M, K])
       const float one = 1.f, zero = 0.f;
       sgemm_("T", "N", &nc, &M, &K, &one, buf.data(), &K, x, &K, &zero, yp + n0, &ldc);
@@ -548,11 +550,11 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
   const float* sp = s.data_ptr<float>();
   const float* xp = x2.data_ptr<float>();
   const int64_t S = s.size(1);
-  auto deq = [&](int64_t n, float* out) {
+  auto deq = [&](int64_t n, int64_t k0, int64_t kc, float* out) {
 #ifdef WOQ_SIMD
-    if (G % W == 0) return deq_row_i8_vec(qp + n * K, sp + n * S, K, G, out);
+    if (G % W == 0) return deq_row_i8_vec(qp + n * K, sp + n * S, k0, kc, G, out);
 #endif
-    deq_row_i8(qp + n * K, sp + n * S, K, G, out);
+    deq_row_i8(qp + n * K, sp + n * S, k0, kc, G, out);
   };
   const int64_t M = x2.size(0);
 #if defined(WOQ_SIMD) && defined(__AVX2__)
@@ -568,11 +570,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
   }
 #endif
 #ifdef WOQ_SIMD
-  if (M >= W && G % W == 0)
-    return tiled_rows(x2, N, bias, [&](int64_t n, int64_t k0, int64_t kc, float* out) {
-             for (int64_t j = 0; j < kc; j += W)
-               Vec::store(out + j, Vec::mul(Vec::int8s(qp + n * K + k0 + j), Vec::set1(sp[n * S + (k0 + j) / G])));
-           }).reshape(out_shape(x, N));
+  if (M >= W && G % W == 0) return tiled_rows(x2, N, bias, deq).reshape(out_shape(x, N));
 #endif
   if (M > 1) return many_rows(x2, N, bias, deq).reshape(out_shape(x, N));
 #ifdef WOQ_SIMD
@@ -596,6 +594,13 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
   const c10::Half *dp = d.data_ptr<c10::Half>(), *mp = m.data_ptr<c10::Half>();
   const float* xp = x2.data_ptr<float>();
   const int64_t M = x2.size(0);
+  auto deq = [&](int64_t n, int64_t k0, int64_t kc, float* out) {  // k0 and kc: multiples of 32
+#ifdef WOQ_SIMD
+    deq_row_i4_vec(qp + (n * K + k0) / 2, dp + n * S + k0 / 32, mp + n * S + k0 / 32, kc, out);
+#else
+    deq_row_i4(qp + (n * K + k0) / 2, dp + n * S + k0 / 32, mp + n * S + k0 / 32, kc, out);
+#endif
+  };
 #if defined(WOQ_SIMD) && defined(__AVX2__)
   if (int8_inputs && M <= FEW_ROWS) {
     const Q8Rows xr(xp, M, K);
@@ -610,19 +615,9 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
   }
 #endif
 #ifdef WOQ_SIMD
-  if (M >= W)
-    return tiled_rows(x2, N, bias, [&](int64_t n, int64_t k0, int64_t kc, float* out) {
-             deq_row_i4_vec(qp + (n * K + k0) / 2, dp + n * S + k0 / 32, mp + n * S + k0 / 32, kc, out);
-           }).reshape(out_shape(x, N));
+  if (M >= W) return tiled_rows(x2, N, bias, deq).reshape(out_shape(x, N));
 #endif
-  if (M > 1)
-    return many_rows(x2, N, bias, [&](int64_t n, float* out) {
-#ifdef WOQ_SIMD
-             deq_row_i4_vec(qp + n * K / 2, dp + n * S, mp + n * S, K, out);
-#else
-             deq_row_i4(qp + n * K / 2, dp + n * S, mp + n * S, K, out);
-#endif
-           }).reshape(out_shape(x, N));
+  if (M > 1) return many_rows(x2, N, bias, deq).reshape(out_shape(x, N));
   std::vector<float> xsum(S);  // each block's sum of inputs, for the minimums
   for (int64_t g = 0; g < S; ++g) {
     float t = 0.f;

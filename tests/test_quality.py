@@ -17,27 +17,30 @@ TEXT = Path(__file__).with_name("data") / "english.txt"
 CHUNK = 128  # fed through the row cache in prefill chunks, so later chunks read earlier ones back
 
 
-def perplexity(model_dir: Path, precision: Precision, ids: list[int], decode: bool = False) -> float:
+def perplexity(model_dir: Path, precision: Precision, ids: list[int], decode: bool = False, device: str = "cpu",
+               dtype: torch.dtype = torch.float32) -> float:
     """exp of the mean negative log-likelihood of each next token, every chunk attending to the cache; with
     decode, one token at a time through the decode step (the one-row kernels a single stream runs on)."""
-    runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 1, len(ids) + 1, precision,
-                         load_kernels(Path(MODEL_CACHE)))
+    kernels = load_kernels(Path(MODEL_CACHE)) if device == "cpu" else None
+    runner = ModelRunner(load_model(model_dir, device, dtype), 1, len(ids) + 1, precision, kernels)
     nll = 0.0
     with torch.inference_mode():
         if decode:
             logits = runner.prefill([0], [ids[:1]], [0])[0]
             for i in range(1, len(ids)):
-                nll -= float(torch.log_softmax(logits, -1)[ids[i]])
+                nll -= float(torch.log_softmax(logits.float(), -1)[ids[i]])
                 if i + 1 < len(ids):
-                    logits = runner.decode(torch.tensor([ids[i]]), torch.tensor([i]), torch.tensor([True]))[0]
+                    step = (torch.tensor(v, device=device) for v in ([ids[i]], [i], [True]))
+                    logits = runner.decode(*step)[0]
             return math.exp(nll / (len(ids) - 1))
         for start in range(0, len(ids) - 1, CHUNK):
             chunk = ids[start:start + CHUNK]
-            positions = torch.arange(start, start + len(chunk))[None]
-            visible = torch.arange(start + len(chunk))[None, None, :] <= positions[..., None]
-            runner.cache.bind(torch.tensor([0]), positions, start + len(chunk))
-            logits = runner.model.forward(torch.tensor([chunk]), positions, visible, runner.cache, last_only=False)
-            targets = torch.tensor(ids[start + 1:start + len(chunk) + 1])
+            positions = torch.arange(start, start + len(chunk), device=device)[None]
+            visible = torch.arange(start + len(chunk), device=device)[None, None, :] <= positions[..., None]
+            runner.cache.bind(torch.tensor([0], device=device), positions, start + len(chunk))
+            logits = runner.model.forward(torch.tensor([chunk], device=device), positions, visible, runner.cache,
+                                          last_only=False)
+            targets = torch.tensor(ids[start + 1:start + len(chunk) + 1], device=device)
             lp = torch.log_softmax(logits[0, :len(targets)].float(), dim=-1)
             nll -= float(lp.gather(1, targets[:, None]).sum())
     return math.exp(nll / (len(ids) - 1))

@@ -9,7 +9,10 @@
   multiplies bfloat16 (AMX, AVX512-BF16) and --dtype is auto, several rows run on a bfloat16 oneDNN copy
   instead: a third of float32's time there, for half a float32 copy's memory. Without a compiler for the
   kernels, oneDNN alone.
-- Other devices: F.linear in the model's dtype, on the (dequantized) weights.
+- CUDA, 4-bit weights (a GGUF's Q4 blocks, ``--quantize int4``): torch's tinygemm kernel
+  (``_weight_int4pack_mm``, bfloat16 activations, groups of 32), which reads the 4-bit weights; a GPU or torch
+  without it (before Ampere) gets the dequantized weights instead.
+- Other devices and 8-bit weights: F.linear in the model's dtype, on the (dequantized) weights.
 """
 from __future__ import annotations
 
@@ -66,6 +69,39 @@ class OneDNNLinear:
         return y.view(*x.shape[:-1], y.shape[-1])
 
 
+class Int4CudaLinear:
+    """A 4-bit weight (blocks of 32, w = d * nibble + m) through torch's tinygemm CUDA kernel. tinygemm
+    dequantizes (nibble - 8) * scale + zero, so Q4_1's blocks map onto it exactly: scale d, zero m + 8 d
+    (both held in bfloat16, as the kernel takes them)."""
+
+    GROUP, INNER_K_TILES = 32, 2
+
+    def __init__(self, weight: Int4Weight, bias: torch.Tensor | None, device: torch.device):
+        n = weight.q.shape[0]
+        q = weight.q.view(n, -1, 16)
+        nibbles = torch.cat([q & 15, q >> 4], dim=-1).view(n, -1)  # [N, K] in 0..15
+        pairs = (nibbles[:, ::2] << 4 | nibbles[:, 1::2]).to(torch.uint8)  # element 2i high, 2i + 1 low
+        self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs.to(device), self.INNER_K_TILES)
+        d, m = weight.d.float(), weight.m.float()
+        self.scales_zeros = torch.stack([d, m + 8 * d], dim=-1).transpose(0, 1).contiguous().to(device, torch.bfloat16)
+        self.bias, self.out_features = bias, n
+
+    @classmethod
+    def fits(cls, weight: Int4Weight, device: torch.device) -> bool:
+        """Whether the kernel takes this weight here: an Ampere or later GPU, K a multiple of its k-tiles."""
+        n, k = weight.q.shape[0], weight.q.shape[1] * 2
+        return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+                and hasattr(torch.ops.aten, "_weight_int4pack_mm") and n % 8 == 0
+                and k % (cls.INNER_K_TILES * 16) == 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+        y = torch.ops.aten._weight_int4pack_mm(x2, self.packed, self.GROUP, self.scales_zeros).to(x.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 class SplitLinear:
     """The quantized kernel for one row, oneDNN on a bfloat16 copy of the weight for more: picked per call."""
 
@@ -99,6 +135,8 @@ def linear_factory(device: torch.device, dtype: torch.dtype, mode: str, kernels,
                 dense = OneDNNLinear(packed.dequantize(), bias, batch_dtype)
                 return SplitLinear(QuantLinear(packed, bias, kernels, int8_inputs), dense)
             return QuantLinear(packed, bias, kernels, int8_inputs)
+        if isinstance(packed, Int4Weight) and dtype == torch.bfloat16 and Int4CudaLinear.fits(packed, device):
+            return Int4CudaLinear(packed, bias, device)
         if packed is not None:
             weight = packed.dequantize()
         if onednn:

@@ -100,7 +100,7 @@ class EngineReady:
     quantize: str = "none"  # none | int8 | int4: how the weights are held
     kv_dtype: str = ""
     matmul_dtype: str = ""  # the dtype of multi-row matmuls (batched decode and prefill)
-    int8_inputs: bool = False  # up to 16 rows' inputs rounded to int8 blocks by the CPU kernels
+    int8_inputs: bool = False  # inputs rounded to int8 blocks by the CPU kernels (up to 16 rows; all with VNNI)
 
 
 @dataclass(frozen=True)

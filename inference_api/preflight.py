@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .config import DEFAULT_MODEL_NAME, ServerConfig
-from .model_loader import embedded_gguf, gguf_source, precision_names, quantize_mode
+from .model_loader import embedded_gguf, gguf_source, precision_names, quantize_mode, vnni_tiles
 
 log = logging.getLogger(__name__)
 
@@ -29,6 +29,7 @@ DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
 # with a float16 scale d and a float16 minimum m per block of 32; int8 is a byte per weight and one float32 scale
 # per group: 32 weights from a GGUF (as Q8_0), one output channel (K weights) from a folder
 QUANT_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 4 / 32}
+VNNI_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 8 / 32}  # the weights packed for the VNNI tiles
 HEAD_BYTES = 1.0 + 4 / 32  # a quantized model's output head: int8 groups of 32 (llama family)
 SHRINK_FLAGS = "--rows, --context-length, --dtype, --kv-dtype or --quantize"
 
@@ -99,12 +100,14 @@ def estimate_bytes(num_params: int, bytes_per_weight: float, bytes_per_kv: float
 
 
 def batch_copy_bytes(config: ServerConfig, device: str, quantize: str) -> float:
-    """Bytes per weight of the bfloat16 copy a quantized CPU layer runs several rows on where the CPU multiplies
-    bfloat16 (linear.SplitLinear); elsewhere the kernels run them on the quantized weights alone."""
+    """Bytes per weight of the copies a quantized CPU layer holds beside its weights: the bfloat16 copy it runs
+    several rows on where the CPU multiplies bfloat16 fastest (linear.SplitLinear), and the weights packed for
+    the VNNI tiles (quant.vnni_int4, vnni_int8: the same bytes, int8 with a second float per 32)."""
     if device != "cpu" or quantize == "none":
         return 0.0
     batch = precision_names(config, device, quantize)[1]
-    return DTYPE_BYTES[batch] if batch else 0.0
+    vnni = VNNI_BYTES[quantize] if vnni_tiles(config, device, quantize) else 0.0
+    return (DTYPE_BYTES[batch] if batch else 0.0) + vnni
 
 
 def bytes_per_weight(config: ServerConfig, device: str, quantize: str = "none", in_features: int | None = None) -> float:
@@ -256,7 +259,7 @@ def estimate(config: ServerConfig) -> Estimate:
                                  dense_params=shape.vocab_params if quantized and not shape.tied else 0,
                                  bytes_per_dense=bytes_per_weight(config, device),
                                  head_params=shape.vocab_params if quantized else 0,
-                                 bytes_per_head=HEAD_BYTES + batch_copy_bytes(config, device, quantize))
+                                 bytes_per_head=HEAD_BYTES + batch_copy_bytes(config, device, "int8"))
     return Estimate(device, weights, kv, RUNTIME_OVERHEAD, free_memory(device), disk_needed,
                     free_disk(config.model_cache_dir) if disk_needed else None)
 

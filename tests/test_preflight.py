@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from inference_api.config import ServerConfig
-from inference_api.model_loader import native_bfloat16, quantize_mode
+from inference_api.model_loader import precision_names, quantize_mode, vnni_tiles
 from inference_api.preflight import (GiB, PreflightError, bytes_per_kv, bytes_per_weight, estimate_bytes, preflight,
                                      safetensors_params, shape_from_config)
 from servers import MODEL_CACHE
@@ -35,8 +35,8 @@ def test_bytes_follow_dtype_quantization_and_kv_dtype():
     # engine/quant.py's layouts: int4 half a byte plus float16 scale and minimum per 32; int8 a byte plus a
     # float32 scale per 32 (GGUF) or per output channel of K inputs (folder); on CPU also the bfloat16 copy
     # that oneDNN runs several rows on (linear.SplitLinear) where the CPU multiplies bfloat16 and --dtype is
-    # auto; elsewhere the kernels run several rows on the quantized weights alone
-    copy = 2 if native_bfloat16() else 0
+    # auto; and the weights packed for the VNNI tiles where the CPU has AVX512-VNNI
+    copy = (2 if precision_names(c, "cpu", "int4")[1] else 0) + (0.5 + 4 / 32 if vnni_tiles(c, "cpu", "int4") else 0)
     exact = ServerConfig(dtype="float32")
     assert bytes_per_weight(c, "cuda", "int4") == 0.5 + 4 / 32 and bytes_per_weight(c, "cuda", "int8") == 1 + 4 / 32
     assert bytes_per_weight(c, "cpu", "int4") == 0.5 + 4 / 32 + copy
@@ -62,7 +62,10 @@ def test_too_large_refuses_unless_skipped(model_dir):
     assert dense.weights_bytes == 4 * 134_515_008 and dense.disk_needed_bytes == 0
     default = preflight(ServerConfig(model_cache_dir=Path(MODEL_CACHE), skip_preflight=True))  # the GGUF's 4-bit
     head = 49152 * 576  # tied: the int8 head's rows are the embeddings; each has its bfloat16 copy where used
-    copy = 2 if native_bfloat16() else 0
-    assert default.weights_bytes == math.ceil((134_515_008 - head) * (0.5 + 4 / 32 + copy) + head * (1 + 4 / 32 + copy))
+    c = ServerConfig()
+    bf16 = 2 if precision_names(c, "cpu", "int4")[1] else 0
+    vnni4, vnni8 = (0.5 + 4 / 32, 1 + 8 / 32) if vnni_tiles(c, "cpu", "int4") else (0, 0)
+    assert default.weights_bytes == math.ceil((134_515_008 - head) * (0.5 + 4 / 32 + bf16 + vnni4)
+                                              + head * (1 + 4 / 32 + bf16 + vnni8))
     assert default.kv_cache_bytes == math.ceil(dense.kv_cache_bytes / 4 * (1 + 2 / 64))  # int8 instead of float32
     assert preflight(ServerConfig(mock=True, context_length=10**8)) is None  # the mock loads nothing

@@ -72,6 +72,35 @@ def quantize_int4(w: torch.Tensor) -> Int4Weight:
     return Int4Weight(q.reshape(n, k // 2).contiguous(), d.contiguous(), m.contiguous())
 
 
+def vnni_int4(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 4-bit weight packed for the kernels' VNNI tiles: bytes [N / 16, K / 32, 4, 16, 4], where byte j of
+    step a of a block holds weights 4a + j and 16 + 4a + j of one of 16 rows (Q4_1's own bytes, reordered),
+    and each block's scale and minimum [N / 16, K / 32, 2, 16] in float16."""
+    n, blocks = w.d.shape
+    q = w.q.view(n // 16, 16, blocks, 4, 4).permute(0, 2, 3, 1, 4).contiguous()
+    by_group = [t.view(n // 16, 16, blocks).transpose(1, 2) for t in (w.d, w.m)]
+    return q, torch.stack(by_group, dim=2).contiguous()
+
+
+def vnni_int8(w: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 8-bit weight packed for the VNNI tiles: [N / 16, K / 32, 8, 16, 4] int8 (16 rows x 4 inputs per 64
+    bytes), and per block of 32 its scale and 128 times the sum of its weights [N / 16, K / 32, 2, 16] float
+    (the tiles add 128 to the inputs, and take it back through that sum)."""
+    n, k = w.q.shape
+    blocks = k // 32
+    q = w.q.view(n // 16, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    scale = w.s.repeat_interleave(blocks // w.s.shape[1], dim=1)
+    corr = 128 * w.q.view(n, blocks, 32).sum(-1, dtype=torch.int32).float()
+    by_group = [t.view(n // 16, 16, blocks).transpose(1, 2) for t in (scale, corr)]
+    return q, torch.stack(by_group, dim=2).contiguous()
+
+
+def can_vnni(w: Int8Weight | Int4Weight) -> bool:
+    """Whether the VNNI tiles take this weight: rows in groups of 16, blocks of 32 inputs under each scale."""
+    n, k = w.q.shape[0], w.q.shape[1] * (2 if isinstance(w, Int4Weight) else 1)
+    return n % 16 == 0 and k % 32 == 0 and (isinstance(w, Int4Weight) or (k // w.s.shape[1]) % 32 == 0)
+
+
 def can_quantize(w: torch.Tensor, mode: str) -> bool:
     return mode == "int8" or (mode == "int4" and w.shape[1] % 32 == 0)
 
@@ -84,15 +113,19 @@ class QuantLinear:
 
     def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, kernels, int8_inputs: bool = False):
         self.weight, self.bias, self.kernels, self.int8_inputs = weight, bias, kernels, int8_inputs
+        self.vnni = (None, None)  # several rows' int8 inputs go to the VNNI tiles where the kernels have them
+        if int8_inputs and kernels.vnni() and can_vnni(weight):
+            self.vnni = vnni_int4(weight) if isinstance(weight, Int4Weight) else vnni_int8(weight)
 
     def parts(self) -> tuple:
-        """The layer as the kernels' Decoder takes it: (q, scales, minimums or None, bias, int8_inputs)."""
+        """The layer as the kernels' Decoder takes it: (q, scales, minimums or None, bias, int8_inputs, VNNI
+        weights or None, their scales or None)."""
         w = self.weight
         scales, mins = (w.s, None) if isinstance(w, Int8Weight) else (w.d, w.m)
-        return w.q, scales, mins, self.bias, self.int8_inputs
+        return w.q, scales, mins, self.bias, self.int8_inputs, *self.vnni
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         if isinstance(w, Int8Weight):
-            return self.kernels.linear_int8(x, w.q, w.s, self.bias, self.int8_inputs)
-        return self.kernels.linear_int4(x, w.q, w.d, w.m, self.bias, self.int8_inputs)
+            return self.kernels.linear_int8(x, w.q, w.s, self.bias, self.int8_inputs, *self.vnni)
+        return self.kernels.linear_int4(x, w.q, w.d, w.m, self.bias, self.int8_inputs, *self.vnni)

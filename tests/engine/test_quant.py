@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from inference_api.engine.kernels import load_kernels
 from inference_api.engine.kv_cache import quantize_heads
 from inference_api.engine.llama import _rope
-from inference_api.engine.quant import Int4Weight, quantize_int4, quantize_int8
+from inference_api.engine.quant import Int4Weight, QuantLinear, quantize_int4, quantize_int8
 from servers import MODEL_CACHE
 
 
@@ -68,24 +68,51 @@ def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
 AVX2 = "avx2" in Path("/proc/cpuinfo").read_text()
 
 
+def _int8_input_case(form: str, n: int, k: int, rows: int):
+    w = _weight(n, k)
+    packed = {"int8-channel": lambda: quantize_int8(w), "int8-group32": lambda: quantize_int8(w, 32),
+              "int4": lambda: quantize_int4(w)}[form]()
+    return packed, torch.randn(n), torch.randn(rows, k)
+
+
+def _rounded_linear(packed, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """F.linear on the inputs rounded to int8 blocks; the minimums of int4 blocks multiply the exact block
+    sums, as the kernels do."""
+    rounded = F.linear(_int8_blocks(x), packed.dequantize(), b)
+    if isinstance(packed, Int4Weight):
+        rounded += F.linear(x - _int8_blocks(x), packed.m.float().repeat_interleave(32, dim=1))
+    return rounded
+
+
 @pytest.mark.skipif(not AVX2, reason="the int8-input kernels need AVX2; elsewhere the inputs stay float32")
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16])  # groups of 4 input rows and every remainder
 @pytest.mark.parametrize("form", ["int8-channel", "int8-group32", "int4"])
 def test_few_rows_with_int8_inputs_are_linear_on_the_rounded_inputs(kernels, form, rows):
-    w = _weight(70, 128)
-    packed = {"int8-channel": lambda: quantize_int8(w), "int8-group32": lambda: quantize_int8(w, 32),
-              "int4": lambda: quantize_int4(w)}[form]()
-    b, x = torch.randn(70), torch.randn(rows, 128)
+    packed, b, x = _int8_input_case(form, 70, 128, rows)
     if isinstance(packed, Int4Weight):
         y = kernels.linear_int4(x, packed.q, packed.d, packed.m, b, True)
     else:
         y = kernels.linear_int8(x, packed.q, packed.s, b, True)
-    # the minimums of int4 blocks multiply the exact block sums; everything else the rounded inputs
-    rounded = F.linear(_int8_blocks(x), packed.dequantize(), b)
-    if isinstance(packed, Int4Weight):
-        rounded += F.linear(x - _int8_blocks(x), packed.m.float().repeat_interleave(32, dim=1))
-    torch.testing.assert_close(y, rounded, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(y, _rounded_linear(packed, b, x), rtol=1e-5, atol=1e-5)
     assert not torch.allclose(y, F.linear(x, packed.dequantize(), b), rtol=1e-5, atol=1e-5)
+
+
+# 96 x 416: six groups of 16 weight rows, 13 blocks; rows: tiles of 8 input rows and every remainder, a prefill
+@pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 33, 70])
+@pytest.mark.parametrize("form", ["int8-channel", "int8-group32", "int4"])
+def test_vnni_tiles_are_linear_on_the_rounded_inputs(kernels, form, rows):
+    """AVX512-VNNI: the weights packed once (quant.vnni_int4, vnni_int8), every row count through the integer
+    tiles, with the same rounding of the inputs as the few-row kernels."""
+    if not kernels.vnni():
+        pytest.skip("the kernels were built without AVX512-VNNI")
+    packed, b, x = _int8_input_case(form, 96, 416, rows)
+    layer = QuantLinear(packed, b, kernels, int8_inputs=True)
+    assert layer.vnni[0] is not None  # packed for the tiles
+    torch.testing.assert_close(layer(x), _rounded_linear(packed, b, x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(RuntimeError, match="VNNI weights packed wrongly"):  # the layout is checked, not trusted
+        linear = kernels.linear_int4 if isinstance(packed, Int4Weight) else kernels.linear_int8
+        args = (packed.q, packed.d, packed.m) if isinstance(packed, Int4Weight) else (packed.q, packed.s)
+        linear(x, *args, b, True, layer.vnni[0], layer.vnni[1].flatten()[:-16].clone())  # a group short
 
 
 def test_quantization_error_is_small_and_int4_keeps_q4_1_blocks():

@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cmath>
+#include <cstring>
 #include <tuple>
 #include <vector>
 
@@ -476,6 +477,134 @@ torch::Tensor tiled_rows(const torch::Tensor& x2, int64_t N, const c10::optional
   return y;
 }
 
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define WOQ_VNNI
+// Several rows with int8 inputs on AVX512-VNNI: each vpdpbusd multiplies 16 weight rows by 4 inputs of one
+// input row and adds the 4 products into each row's int32 lane (64 multiply-adds per instruction, against
+// 16 for a float32 FMA). The weights are packed once at load (quant.py: vnni_int4, vnni_int8) so that one
+// 64-byte load gives 16 rows x 4 inputs: [N / 16, blocks of 32, steps of 4 inputs, 16 rows, 4] bytes. The
+// input's 4 bytes are broadcast; each block's integer sums are scaled into float accumulators.
+
+// rows of x rounded to int8 blocks of 32 (as quantize_blocks), each block's step and float sum, vectorized
+struct Q8Vnni {
+  std::vector<int8_t> q;
+  std::vector<float> d, sum;
+  Q8Vnni(const float* x, int64_t M, int64_t K, bool unsigned_inputs) : q(M * K), d(M * K / 32), sum(M * K / 32) {
+    const int64_t blocks = M * K / 32;
+    auto run = [&](int64_t b0, int64_t b1) {
+      const __m512i flip = _mm512_set1_epi32(unsigned_inputs ? 128 : 0);
+      for (int64_t b = b0; b < b1; ++b) {
+        const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
+        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+        const float inv = mx > 0.f ? 127.f / mx : 0.f;
+        const __m512 iv = _mm512_set1_ps(inv);
+        // round to nearest even (as nearbyint), then to int8: the sign flip to u8 for int8 weights
+        const __m512i ql = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(lo, iv)), flip);
+        const __m512i qh = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(hi, iv)), flip);
+        if (unsigned_inputs) {
+          _mm_storeu_si128((__m128i*)(q.data() + b * 32), _mm512_cvtusepi32_epi8(ql));
+          _mm_storeu_si128((__m128i*)(q.data() + b * 32 + 16), _mm512_cvtusepi32_epi8(qh));
+        } else {
+          _mm_storeu_si128((__m128i*)(q.data() + b * 32), _mm512_cvtsepi32_epi8(ql));
+          _mm_storeu_si128((__m128i*)(q.data() + b * 32 + 16), _mm512_cvtsepi32_epi8(qh));
+        }
+        d[b] = mx / 127.f;
+        sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+      }
+    };
+    if (blocks >= 2048) at::parallel_for(0, blocks, 256, run);
+    else run(0, blocks);
+  }
+};
+
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// y[i * ldy + 0 .. 16) for MR input rows and one group of 16 weight rows of 4-bit blocks: wp [S, 4, 16, 4]
+// bytes (byte j of step a: weight 4a + j in its low nibble, 16 + 4a + j in its high), dm [S, 2, 16]
+// float16 (scales, minimums); xq [MR, K] int8, dx and xs [MR, S]
+template <int MR>
+inline void vnni_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, const int8_t* xq, const float* dx,
+                         const float* xs, int64_t K, float* y, int64_t ldy) {
+  const __m512i low = _mm512_set1_epi8(15);
+  __m512 accf[MR];
+  for (int i = 0; i < MR; ++i) accf[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < S; ++g) {
+    __m512i acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
+    for (int a = 0; a < 4; ++a) {
+      const __m512i v = _mm512_loadu_si512(wp + (g * 4 + a) * 64);
+      const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      for (int i = 0; i < MR; ++i) {
+        const int8_t* x = xq + i * K + g * 32 + 4 * a;
+        acc[i] = _mm512_dpbusd_epi32(acc[i], lo, broadcast4(x));
+        acc[i] = _mm512_dpbusd_epi32(acc[i], hi, broadcast4(x + 16));
+      }
+    }
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dm + g * 32)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dm + g * 32 + 16)));
+    for (int i = 0; i < MR; ++i) {
+      accf[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_mul_ps(d, _mm512_set1_ps(dx[i * S + g])), accf[i]);
+      accf[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(xs[i * S + g]), accf[i]);
+    }
+  }
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + i * ldy, accf[i]);
+}
+
+// The same for 8-bit weights: wp [S, 8, 16, 4] int8, sc [S, 2, 16] float (each block's scale, and 128 times
+// the sum of its weights); xu [MR, K] the int8 inputs plus 128 (u8: vpdpbusd's unsigned side), so each sum is
+// corrected by 128 * sum(w)
+template <int MR>
+inline void vnni_i8_tile(const int8_t* wp, const float* sc, int64_t S, const int8_t* xu, const float* dx, int64_t K,
+                         float* y, int64_t ldy) {
+  __m512 accf[MR];
+  for (int i = 0; i < MR; ++i) accf[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < S; ++g) {
+    __m512i acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
+    for (int a = 0; a < 8; ++a) {
+      const __m512i w = _mm512_loadu_si512(wp + (g * 8 + a) * 64);
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], broadcast4(xu + i * K + g * 32 + 4 * a), w);
+    }
+    const __m512 s = _mm512_loadu_ps(sc + g * 32), corr = _mm512_loadu_ps(sc + g * 32 + 16);
+    for (int i = 0; i < MR; ++i)
+      accf[i] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(acc[i]), corr), _mm512_mul_ps(s, _mm512_set1_ps(dx[i * S + g])),
+                                accf[i]);
+  }
+  for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + i * ldy, accf[i]);
+}
+
+constexpr int VNNI_MR = 8;  // input rows per tile: 8 int32 and 8 float accumulators
+
+// f(Int<mr>) for a run-time mr in 1 .. VNNI_MR
+template <int MR = VNNI_MR, typename F>
+inline void with_rows(int64_t mr, F f) {
+  if constexpr (MR > 1) {
+    if (mr < MR) return with_rows<MR - 1>(mr, f);
+  }
+  f(Int<MR>{});
+}
+
+// y [M, N]: groups of 16 weight rows split between the threads; each group's packed weights (K * 8 or K * 16
+// bytes) stay in L1 while tiles of up to VNNI_MR input rows pass over them. tile(Int<MR>, group, i0, out)
+template <typename Tile>
+torch::Tensor vnni_rows(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias, Tile tile) {
+  const int64_t M = x2.size(0);
+  auto y = torch::empty({M, N}, x2.options());
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t grp = g0; grp < g1; ++grp)
+      for (int64_t i0 = 0; i0 < M; i0 += VNNI_MR)
+        with_rows(std::min<int64_t>(VNNI_MR, M - i0), [&](auto mr) { tile(mr, grp, i0, yp + i0 * N + grp * 16); });
+  });
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+#endif
+
 // M input rows (y [M, N]) over passes of RW weight rows, split between the threads: pass(Int<RW>, n, rows, y + n)
 // computes y[i, n .. n + rows) for every input row i (row stride N).
 template <int RW, typename Pass>
@@ -540,8 +669,34 @@ std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {
 
 }  // namespace
 
+// The weights packed for the VNNI kernels (quant.py's vnni_int4, vnni_int8), or none.
+using Packed = c10::optional<torch::Tensor>;
+
+// Whether these kernels were built with the VNNI tiles (AVX512-VNNI): quant.py packs the weights for them only then.
+bool vnni() {
+#ifdef WOQ_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+#ifdef WOQ_VNNI
+// several rows with int8 inputs go to the VNNI tiles when the weights were packed for them
+inline bool use_vnni(bool int8_inputs, const Packed& vq, const Packed& vs, int64_t M, int64_t N, int64_t K,
+                     at::ScalarType q_type, at::ScalarType s_type, int64_t steps) {
+  if (!int8_inputs || !vq.has_value() || M < 1) return false;
+  TORCH_CHECK(vs.has_value() && vq->is_contiguous() && vs->is_contiguous() && vq->scalar_type() == q_type &&
+              vs->scalar_type() == s_type && N % 16 == 0 && K % 32 == 0, "VNNI weights packed wrongly");
+  TORCH_CHECK(vq->numel() == N * K / (steps == 4 ? 2 : 1) && vs->numel() == N / 16 * (K / 32) * 32,
+              "VNNI weights packed wrongly: their sizes do not fit the layer");
+  return true;
+}
+#endif
+
 torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s,
-                          const c10::optional<torch::Tensor>& bias, bool int8_inputs) {
+                          const c10::optional<torch::Tensor>& bias, bool int8_inputs, const Packed& vq,
+                          const Packed& vs) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kChar && s.scalar_type() == at::kFloat);
   auto x2 = flat(x);
   const int64_t N = q.size(0), K = q.size(1), G = K / s.size(1);
@@ -557,6 +712,18 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
     deq_row_i8(qp + n * K, sp + n * S, k0, kc, G, out);
   };
   const int64_t M = x2.size(0);
+#ifdef WOQ_VNNI
+  if (use_vnni(int8_inputs, vq, vs, M, N, K, at::kChar, at::kFloat, 8)) {
+    const Q8Vnni xr(xp, M, K, true);
+    const int8_t* wq = vq->data_ptr<int8_t>();
+    const float* ws = vs->data_ptr<float>();
+    const int64_t B = K / 32;
+    return vnni_rows(x2, N, bias, [&](auto mr, int64_t grp, int64_t i0, float* out) {
+             vnni_i8_tile<decltype(mr)::value>(wq + grp * B * 512, ws + grp * B * 32, B, xr.q.data() + i0 * K,
+                                               xr.d.data() + i0 * B, K, out, N);
+           }).reshape(out_shape(x, N));
+  }
+#endif
 #if defined(WOQ_SIMD) && defined(__AVX2__)
   if (int8_inputs && G % 32 == 0 && M <= FEW_ROWS) {
     const Q8Rows xr(xp, M, K);
@@ -584,7 +751,8 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
 }
 
 torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
-                          const torch::Tensor& m, const c10::optional<torch::Tensor>& bias, bool int8_inputs) {
+                          const torch::Tensor& m, const c10::optional<torch::Tensor>& bias, bool int8_inputs,
+                          const Packed& vq, const Packed& vs) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && q.scalar_type() == at::kByte);
   TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "int4 scales and minimums are float16");
   auto x2 = flat(x);
@@ -601,6 +769,17 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
     deq_row_i4(qp + (n * K + k0) / 2, dp + n * S + k0 / 32, mp + n * S + k0 / 32, kc, out);
 #endif
   };
+#ifdef WOQ_VNNI
+  if (use_vnni(int8_inputs, vq, vs, M, N, K, at::kByte, at::kHalf, 4)) {
+    const Q8Vnni xr(xp, M, K, false);
+    const uint8_t* wq = vq->data_ptr<uint8_t>();
+    const c10::Half* wdm = vs->data_ptr<c10::Half>();
+    return vnni_rows(x2, N, bias, [&](auto mr, int64_t grp, int64_t i0, float* out) {
+             vnni_i4_tile<decltype(mr)::value>(wq + grp * S * 256, wdm + grp * S * 32, S, xr.q.data() + i0 * K,
+                                               xr.d.data() + i0 * S, xr.sum.data() + i0 * S, K, out, N);
+           }).reshape(out_shape(x, N));
+  }
+#endif
 #if defined(WOQ_SIMD) && defined(__AVX2__)
   if (int8_inputs && M <= FEW_ROWS) {
     const Q8Rows xr(xp, M, K);
@@ -1079,13 +1258,14 @@ struct QuantLinear {
   torch::Tensor q, a;
   c10::optional<torch::Tensor> b, bias;
   bool int8_inputs;
+  Packed vq, vs;
   torch::Tensor operator()(const torch::Tensor& x) const {
-    return q.scalar_type() == at::kByte ? linear_int4(x, q, a, *b, bias, int8_inputs)
-                                        : linear_int8(x, q, a, bias, int8_inputs);
+    return q.scalar_type() == at::kByte ? linear_int4(x, q, a, *b, bias, int8_inputs, vq, vs)
+                                        : linear_int8(x, q, a, bias, int8_inputs, vq, vs);
   }
 };
 using LinearParts = std::tuple<torch::Tensor, torch::Tensor, c10::optional<torch::Tensor>,
-                               c10::optional<torch::Tensor>, bool>;  // q, a, b, bias, int8_inputs
+                               c10::optional<torch::Tensor>, bool, Packed, Packed>;  // q, a, b, bias, int8_inputs, VNNI q, scales
 using LayerParts = std::tuple<torch::Tensor, LinearParts, LinearParts, torch::Tensor, LinearParts, LinearParts>;
 
 // The decoder layers of a llama-family decode step in one call (llama.py's CompactLM._decode, same kernels,
@@ -1095,9 +1275,9 @@ class Decoder {
  public:
   Decoder(const std::vector<LayerParts>& layers, int64_t heads, double eps) : heads_(heads), eps_(eps) {
     auto linear = [](const LinearParts& p) {
-      auto [q, a, b, bias, int8_inputs] = p;
+      auto [q, a, b, bias, int8_inputs, vq, vs] = p;
       TORCH_CHECK(q.scalar_type() == at::kChar || b.has_value(), "a 4-bit linear needs its minimums");
-      return QuantLinear{q, a, b, bias, int8_inputs};
+      return QuantLinear{q, a, b, bias, int8_inputs, vq, vs};
     };
     for (const auto& [attn_norm, qkv, o, mlp_norm, gate_up, down] : layers)
       layers_.push_back({attn_norm, mlp_norm, linear(qkv), linear(o), linear(gate_up), linear(down)});
@@ -1144,9 +1324,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("eps"))
       .def("forward", &Decoder::forward);
   m.def("linear_int8", &linear_int8, "x @ (q * s)^T, 8-bit weight groups", py::arg("x"), py::arg("q"), py::arg("s"),
-        py::arg("bias"), py::arg("int8_inputs") = false);
+        py::arg("bias"), py::arg("int8_inputs") = false, py::arg("vnni_q") = py::none(), py::arg("vnni_s") = py::none());
   m.def("linear_int4", &linear_int4, "x @ (d * q + m)^T, 4-bit weight groups of 32", py::arg("x"), py::arg("q"),
-        py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_inputs") = false);
+        py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_inputs") = false, py::arg("vnni_q") = py::none(),
+        py::arg("vnni_s") = py::none());
+  m.def("vnni", &vnni, "whether the VNNI tiles were built (AVX512-VNNI)");
   m.def("decode_attention", &decode_attention, "one query token per row over its cached positions");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over the last dimension's halves [gate | up]");

@@ -60,7 +60,8 @@ def test_quantized_default_perplexity_is_within_two_percent_of_exact(model_dir, 
     exact = perplexity(model_dir, Precision(), text_ids)
     default = perplexity(model_dir, precision, text_ids)  # prefill: several rows at once
     one_row = perplexity(model_dir, precision, text_ids, decode=True)  # a single stream's decode steps
-    matmuls = str(precision.batch_dtype or torch.float32).removeprefix("torch.")
+    vnni = precision.int8_inputs and load_kernels(Path(MODEL_CACHE)).vnni()  # every row count on int8 inputs
+    matmuls = "int8 (VNNI)" if vnni else str(precision.batch_dtype or torch.float32).removeprefix("torch.")
     inputs = "int8" if precision.int8_inputs else "float32"
     print(f"\nperplexity on {len(text_ids)} tokens: exact {exact:.3f}; default ({precision.quantize} weights, "
           f"int8 KV cache): {default:.3f} ({(default / exact - 1) * 100:+.2f} %) with {matmuls} multi-row "

@@ -419,13 +419,13 @@ inline void tile(const float* xt, int64_t ldx, const float* w, int64_t kc, float
     for (int v = 0; v < MV; ++v) Vec::store(acc + r * ldo + v * W, a[r][v]);
 }
 
-// f(Int<mv>) for a run-time mv in 1 .. XB / W
-template <int MV = XB / W, typename F>
-inline void with_vectors(int64_t mv, F f) {
-  if constexpr (MV > 1) {
-    if (mv < MV) return with_vectors<MV - 1>(mv, f);
+// f(Int<n>) for a run-time n in 1 .. MAX (a kernel's tile size picked at compile time)
+template <int MAX, typename F>
+inline void with_count(int64_t n, F f) {
+  if constexpr (MAX > 1) {
+    if (n < MAX) return with_count<MAX - 1>(n, f);
   }
-  f(Int<MV>{});
+  f(Int<MAX>{});
 }
 
 // deq(n, k0, kc, out): weight row n's inputs k0 .. k0 + kc dequantized into out; K a multiple of W
@@ -460,7 +460,7 @@ torch::Tensor tiled_rows(const torch::Tensor& x2, int64_t N, const c10::optional
         for (int64_t b = 0; b < blocks; ++b) {
           const int64_t m0 = b * XB, width = std::min(XB, Mp - m0);
           const float* xb = xt.data() + m0 * K + k0 * width;
-          with_vectors(width / W, [&](auto mv) {
+          with_count<XB / W>(width / W, [&](auto mv) {
             constexpr int MV = decltype(mv)::value, TR = 12 / MV;  // 12 accumulators: 15 of 16 AVX2 registers in use
             int64_t j = 0;
             for (; j + TR <= nc; j += TR)
@@ -579,15 +579,6 @@ inline void vnni_i8_tile(const int8_t* wp, const float* sc, int64_t S, const int
 
 constexpr int VNNI_MR = 8;  // input rows per tile: 8 int32 and 8 float accumulators
 
-// f(Int<mr>) for a run-time mr in 1 .. VNNI_MR
-template <int MR = VNNI_MR, typename F>
-inline void with_rows(int64_t mr, F f) {
-  if constexpr (MR > 1) {
-    if (mr < MR) return with_rows<MR - 1>(mr, f);
-  }
-  f(Int<MR>{});
-}
-
 // y [M, N]: groups of 16 weight rows split between the threads; each group's packed weights (K * 8 or K * 16
 // bytes) stay in L1 while tiles of up to VNNI_MR input rows pass over them. tile(Int<MR>, group, i0, out)
 template <typename Tile>
@@ -598,7 +589,7 @@ torch::Tensor vnni_rows(const torch::Tensor& x2, int64_t N, const c10::optional<
   at::parallel_for(0, N / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t grp = g0; grp < g1; ++grp)
       for (int64_t i0 = 0; i0 < M; i0 += VNNI_MR)
-        with_rows(std::min<int64_t>(VNNI_MR, M - i0), [&](auto mr) { tile(mr, grp, i0, yp + i0 * N + grp * 16); });
+        with_count<VNNI_MR>(std::min<int64_t>(VNNI_MR, M - i0), [&](auto mr) { tile(mr, grp, i0, yp + i0 * N + grp * 16); });
   });
   if (bias.has_value()) y.add_(*bias);
   return y;
@@ -962,21 +953,12 @@ inline void weighted_values(const float* p, int64_t stride, const T* v, int64_t 
     for (int u = 0; u < MV; ++u) Vec::store(out + g * D + j + u * W, acc[g][u]);
 }
 
-// f(Int<g>) for a run-time g in 1 .. 6
-template <int G = 6, typename F>
-inline void with_heads(int64_t g, F f) {
-  if constexpr (G > 1) {
-    if (g < G) return with_heads<G - 1>(g, f);
-  }
-  f(Int<G>{});
-}
-
 // the group's outputs [group, D] from its weights p [group, stride] and the values v [n, D]: heads six at a time,
 // two vectors of each value at a time
 template <typename T>
 inline void vector_values(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, int64_t group, float* out) {
   for (int64_t g0 = 0; g0 < group; g0 += 6)
-    with_heads(std::min<int64_t>(6, group - g0), [&](auto heads) {
+    with_count<6>(std::min<int64_t>(6, group - g0), [&](auto heads) {
       constexpr int G = decltype(heads)::value;
       int64_t j = 0;
       for (; j + 2 * W <= D; j += 2 * W) weighted_values<G, 2>(p + g0 * stride, stride, v, n, D, j, out + g0 * D);

@@ -184,10 +184,15 @@ def cpu_flags() -> frozenset[str]:
     return frozenset(flags.split())
 
 
+def int8_inputs(config: ServerConfig, device: str, quantize: str) -> bool:
+    """Whether the CPU kernels round a quantized layer's inputs to int8 blocks (--dtype float32: exact inputs)."""
+    return quantize != "none" and device == "cpu" and config.dtype == "auto"
+
+
 def vnni_tiles(config: ServerConfig, device: str, quantize: str) -> bool:
     """Whether quantized CPU layers also hold their weights packed for the kernels' VNNI tiles (int8 inputs, an
     AVX512-VNNI CPU), which every row count then runs on."""
-    return quantize != "none" and device == "cpu" and config.dtype == "auto" and "avx512_vnni" in cpu_flags()
+    return int8_inputs(config, device, quantize) and "avx512_vnni" in cpu_flags()
 
 
 def pick_precision(config: ServerConfig, device: str, dtype):
@@ -199,6 +204,5 @@ def pick_precision(config: ServerConfig, device: str, dtype):
     quantize = quantize_mode(config)
     kv, batch = precision_names(config, device, quantize)
     group = 32 if gguf_source(config) is not None else None
-    int8_inputs = quantize != "none" and device == "cpu" and config.dtype == "auto"  # --dtype float32: exact inputs
     return Precision(quantize, getattr(torch, kv) if kv else dtype, group, getattr(torch, batch) if batch else None,
-                     int8_inputs)
+                     int8_inputs(config, device, quantize))

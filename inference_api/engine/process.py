@@ -53,15 +53,16 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     kv = str(runner.cache.dtype).removeprefix("torch.")
     batch = str(precision.batch_dtype or model_dtype).removeprefix("torch.")
     vnni = precision.int8_inputs and kernels is not None and kernels.vnni()
+    matmuls = "int8" if vnni else batch
     inputs = "every row's inputs int8 (VNNI tiles)" if vnni else "inputs of up to 16 rows " + (
         "int8" if precision.int8_inputs else dtype)
     log.warning("model %s on %s (%s, weights %s, %s layers, multi-row matmuls %s, %s); KV cache %s, "
                 "%.0f MiB for %d rows x %d tokens", model_dir, device, dtype, precision.quantize, runner.kind,
-                "int8" if vnni else batch, inputs, kv, runner.cache.nbytes / 2**20, config.rows, config.context_length)
+                matmuls, inputs, kv, runner.cache.nbytes / 2**20, config.rows, config.context_length)
     engine = Engine(runner, tokenizer, config.rows, config.context_length, config.prefill_chunk, eos,
                     config.test_fault_text, config.prefix_cache)
     ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, device,
-                        dtype, precision.quantize, kv, "int8" if vnni else batch, precision.int8_inputs)
+                        dtype, precision.quantize, kv, matmuls, precision.int8_inputs)
     return engine, ready
 
 

@@ -245,15 +245,6 @@ inline void dot_rows_i8(const float* x, const int8_t* q, const float* sc, int64_
 // One row with int8 inputs (--dtype auto): x rounded per block of 32 to 127 steps of its own scale, as
 // llama.cpp's Q8 activations, so a block's dot product is two integer instructions (u8 x s8 pairs, then
 // pairs of those) instead of float conversions of every weight. 256-bit AVX2, on AVX-512 CPUs too.
-inline void quantize_blocks(const float* x, int64_t K, int8_t* xq, float* dx) {
-  for (int64_t g = 0; g < K / 32; ++g) {
-    float mx = 0.f;
-    for (int j = 0; j < 32; ++j) mx = std::max(mx, std::fabs(x[g * 32 + j]));
-    const float step = mx / 127.f, inv = mx > 0.f ? 127.f / mx : 0.f;
-    for (int j = 0; j < 32; ++j) xq[g * 32 + j] = static_cast<int8_t>(std::nearbyint(x[g * 32 + j] * inv));
-    dx[g] = step;
-  }
-}
 
 // sum of the 32 products of u8 a and s8 b, as 8 int32 lanes, in float
 inline __m256 dot_u8s8(__m256i a, __m256i b) {
@@ -331,18 +322,44 @@ inline void dot_rows_i8_q8(const int8_t* xq, const float* dx, const int8_t* q, c
     for (int i = 0; i < MR; ++i) y[i * ldy + r] = sum8(acc[r][i]);
 }
 
-// Rows of inputs rounded to int8 blocks of 32: q [M, K], each block's step d and float sum [M, K / 32].
+// Rows of inputs rounded to int8 blocks of 32 (127 steps of each block's own scale, max |x| / 127, to nearest
+// even): q [M, K], each block's step d and float sum [M, K / 32]. plus128: q holds the rounded values plus 128,
+// as bytes (the unsigned side of the VNNI tiles over int8 weights).
 struct Q8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, sum;
-  Q8Rows(const float* x, int64_t M, int64_t K) : q(M * K), d(M * K / 32), sum(M * K / 32) {
-    for (int64_t i = 0; i < M; ++i) quantize_blocks(x + i * K, K, q.data() + i * K, d.data() + i * K / 32);
-    for (int64_t g = 0; g < M * K / 32; ++g) {
-      float t = 0.f;
+  Q8Rows(const float* x, int64_t M, int64_t K, bool plus128 = false) : q(M * K), d(M * K / 32), sum(M * K / 32) {
+    const int64_t blocks = M * K / 32;
+    auto run = [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) block(x + b * 32, b, plus128 ? 128 : 0);
+    };
+    if (blocks >= 2048) at::parallel_for(0, blocks, 256, run);  // a prefill's rows
+    else run(0, blocks);
+  }
+
+ private:
+  void block(const float* xb, int64_t b, int offset) {
+#ifdef __AVX512F__
+    const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
+    const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+    const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
+    const __m512i off = _mm512_set1_epi32(offset);
+    const __m512i ql = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), off);  // nearest even
+    const __m512i qh = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv)), off);
+    _mm_storeu_si128((__m128i*)(q.data() + b * 32), offset ? _mm512_cvtusepi32_epi8(ql) : _mm512_cvtsepi32_epi8(ql));
+    _mm_storeu_si128((__m128i*)(q.data() + b * 32 + 16), offset ? _mm512_cvtusepi32_epi8(qh) : _mm512_cvtsepi32_epi8(qh));
+    sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
+#else
+    float mx = 0.f, t = 0.f;
+    for (int j = 0; j < 32; ++j) mx = std::max(mx, std::fabs(xb[j]));
+    const float inv = mx > 0.f ? 127.f / mx : 0.f;
+    for (int j = 0; j < 32; ++j)
+      q[b * 32 + j] = static_cast<int8_t>(static_cast<uint8_t>(static_cast<int>(std::nearbyint(xb[j] * inv)) + offset));
 #pragma omp simd reduction(+ : t)
-      for (int j = 0; j < 32; ++j) t += x[g * 32 + j];
-      sum[g] = t;
-    }
+    for (int j = 0; j < 32; ++j) t += xb[j];
+    sum[b] = t;
+#endif
+    d[b] = mx / 127.f;
   }
 };
 #endif
@@ -479,43 +496,11 @@ torch::Tensor tiled_rows(const torch::Tensor& x2, int64_t N, const c10::optional
 
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #define WOQ_VNNI
-// Several rows with int8 inputs on AVX512-VNNI: each vpdpbusd multiplies 16 weight rows by 4 inputs of one
+// Any number of rows with int8 inputs on AVX512-VNNI: each vpdpbusd multiplies 16 weight rows by 4 inputs of one
 // input row and adds the 4 products into each row's int32 lane (64 multiply-adds per instruction, against
 // 16 for a float32 FMA). The weights are packed once at load (quant.py: vnni_int4, vnni_int8) so that one
 // 64-byte load gives 16 rows x 4 inputs: [N / 16, blocks of 32, steps of 4 inputs, 16 rows, 4] bytes. The
 // input's 4 bytes are broadcast; each block's integer sums are scaled into float accumulators.
-
-// rows of x rounded to int8 blocks of 32 (as quantize_blocks), each block's step and float sum, vectorized
-struct Q8Vnni {
-  std::vector<int8_t> q;
-  std::vector<float> d, sum;
-  Q8Vnni(const float* x, int64_t M, int64_t K, bool unsigned_inputs) : q(M * K), d(M * K / 32), sum(M * K / 32) {
-    const int64_t blocks = M * K / 32;
-    auto run = [&](int64_t b0, int64_t b1) {
-      const __m512i flip = _mm512_set1_epi32(unsigned_inputs ? 128 : 0);
-      for (int64_t b = b0; b < b1; ++b) {
-        const __m512 lo = _mm512_loadu_ps(x + b * 32), hi = _mm512_loadu_ps(x + b * 32 + 16);
-        const float mx = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
-        const float inv = mx > 0.f ? 127.f / mx : 0.f;
-        const __m512 iv = _mm512_set1_ps(inv);
-        // round to nearest even (as nearbyint), then to int8: the sign flip to u8 for int8 weights
-        const __m512i ql = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(lo, iv)), flip);
-        const __m512i qh = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(hi, iv)), flip);
-        if (unsigned_inputs) {
-          _mm_storeu_si128((__m128i*)(q.data() + b * 32), _mm512_cvtusepi32_epi8(ql));
-          _mm_storeu_si128((__m128i*)(q.data() + b * 32 + 16), _mm512_cvtusepi32_epi8(qh));
-        } else {
-          _mm_storeu_si128((__m128i*)(q.data() + b * 32), _mm512_cvtsepi32_epi8(ql));
-          _mm_storeu_si128((__m128i*)(q.data() + b * 32 + 16), _mm512_cvtsepi32_epi8(qh));
-        }
-        d[b] = mx / 127.f;
-        sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
-      }
-    };
-    if (blocks >= 2048) at::parallel_for(0, blocks, 256, run);
-    else run(0, blocks);
-  }
-};
 
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
@@ -673,13 +658,15 @@ bool vnni() {
 }
 
 #ifdef WOQ_VNNI
-// several rows with int8 inputs go to the VNNI tiles when the weights were packed for them
-inline bool use_vnni(bool int8_inputs, const Packed& vq, const Packed& vs, int64_t M, int64_t N, int64_t K,
-                     at::ScalarType q_type, at::ScalarType s_type, int64_t steps) {
-  if (!int8_inputs || !vq.has_value() || M < 1) return false;
+// every row count with int8 inputs goes to the VNNI tiles when the weights were packed for them (4-bit: a
+// byte per two weights, float16 scales; 8-bit: a byte per weight, float scales)
+inline bool use_vnni(bool int8_inputs, const Packed& vq, const Packed& vs, int64_t N, int64_t K, at::ScalarType q_type) {
+  if (!int8_inputs || !vq.has_value()) return false;
+  const bool four = q_type == at::kByte;
   TORCH_CHECK(vs.has_value() && vq->is_contiguous() && vs->is_contiguous() && vq->scalar_type() == q_type &&
-              vs->scalar_type() == s_type && N % 16 == 0 && K % 32 == 0, "VNNI weights packed wrongly");
-  TORCH_CHECK(vq->numel() == N * K / (steps == 4 ? 2 : 1) && vs->numel() == N / 16 * (K / 32) * 32,
+              vs->scalar_type() == (four ? at::kHalf : at::kFloat) && N % 16 == 0 && K % 32 == 0,
+              "VNNI weights packed wrongly");
+  TORCH_CHECK(vq->numel() == N * K / (four ? 2 : 1) && vs->numel() == N / 16 * (K / 32) * 32,
               "VNNI weights packed wrongly: their sizes do not fit the layer");
   return true;
 }
@@ -704,8 +691,8 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
   };
   const int64_t M = x2.size(0);
 #ifdef WOQ_VNNI
-  if (use_vnni(int8_inputs, vq, vs, M, N, K, at::kChar, at::kFloat, 8)) {
-    const Q8Vnni xr(xp, M, K, true);
+  if (use_vnni(int8_inputs, vq, vs, N, K, at::kChar)) {
+    const Q8Rows xr(xp, M, K, true);
     const int8_t* wq = vq->data_ptr<int8_t>();
     const float* ws = vs->data_ptr<float>();
     const int64_t B = K / 32;
@@ -761,8 +748,8 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
 #endif
   };
 #ifdef WOQ_VNNI
-  if (use_vnni(int8_inputs, vq, vs, M, N, K, at::kByte, at::kHalf, 4)) {
-    const Q8Vnni xr(xp, M, K, false);
+  if (use_vnni(int8_inputs, vq, vs, N, K, at::kByte)) {
+    const Q8Rows xr(xp, M, K);
     const uint8_t* wq = vq->data_ptr<uint8_t>();
     const c10::Half* wdm = vs->data_ptr<c10::Half>();
     return vnni_rows(x2, N, bias, [&](auto mr, int64_t grp, int64_t i0, float* out) {

@@ -17,8 +17,10 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from .config import DEFAULT_MODEL_NAME, ServerConfig
-from .model_loader import embedded_gguf, gguf_source, precision_names, quantize_mode, vnni_tiles
+from .config import ServerConfig
+from .gguf_meta import read_header
+from .model_loader import gguf_source, gguf_target, read_stamp
+from .plan import ExecutionPlan, make_plan, model_facts, probe_machine
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +34,7 @@ QUANT_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 4 / 32}
 VNNI_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 8 / 32}  # the weights packed for the VNNI tiles
 HEAD_BYTES = 1.0 + 4 / 32  # a quantized model's output head: int8 groups of 32 (llama family)
 SHRINK_FLAGS = "--rows, --context-length, --dtype, --kv-dtype or --quantize"
+TOKENIZER_DISK = 64 * 2**20  # a GGUF's tokenizer and config files in the model cache, at most
 
 
 class PreflightError(RuntimeError):
@@ -99,38 +102,32 @@ def estimate_bytes(num_params: int, bytes_per_weight: float, bytes_per_kv: float
     return weights, kv
 
 
-def batch_copy_bytes(config: ServerConfig, device: str, quantize: str) -> float:
+def batch_copy_bytes(plan: ExecutionPlan, quantize: str | None = None) -> float:
     """Bytes per weight of the copies a quantized CPU layer holds beside its weights: the bfloat16 copy it runs
     several rows on where the CPU multiplies bfloat16 fastest (linear.SplitLinear), and the weights packed for
     the VNNI tiles (quant.vnni_int4, vnni_int8: the same bytes, int8 with a second float per 32)."""
-    if device != "cpu" or quantize == "none":
+    quantize = quantize or plan.quantize
+    if not plan.cpu_kernels or quantize == "none":
         return 0.0
-    batch = precision_names(config, device, quantize)[1]
-    vnni = VNNI_BYTES[quantize] if vnni_tiles(config, device, quantize) else 0.0
-    return (DTYPE_BYTES[batch] if batch else 0.0) + vnni
+    return (DTYPE_BYTES[plan.batch_dtype] if plan.batch_dtype else 0.0) + (VNNI_BYTES[quantize] if plan.vnni else 0.0)
 
 
-def bytes_per_weight(config: ServerConfig, device: str, quantize: str = "none", in_features: int | None = None) -> float:
-    """``in_features``: for int8 from a folder, the K weights that share an output channel's scale (None: a GGUF's
+def bytes_per_weight(plan: ExecutionPlan, quantize: str | None = None, in_features: int | None = None) -> float:
+    """Bytes per weight held as the plan holds them (quantize "none": a dense weight in the plan's dtype).
+    ``in_features``: for int8 from a folder, the K weights that share an output channel's scale (None: a GGUF's
     groups of 32)."""
-    copy = batch_copy_bytes(config, device, quantize)
+    quantize = quantize or plan.quantize
+    copy = batch_copy_bytes(plan, quantize)
     if quantize == "int8" and in_features:
         return 1.0 + 4 / in_features + copy
     if quantize in QUANT_BYTES:
         return QUANT_BYTES[quantize] + copy
-    return DTYPE_BYTES[_dtype(config.dtype, device)]
+    return DTYPE_BYTES[plan.dtype]
 
 
-def bytes_per_kv(config: ServerConfig, device: str, quantize: str = "none", head_dim: int = 64) -> float:
+def bytes_per_kv(plan: ExecutionPlan, head_dim: int = 64) -> float:
     """Per cached value: an int8 cache adds a float16 scale per head vector of head_dim values."""
-    kv = precision_names(config, device, quantize)[0] or _dtype(config.dtype, device)
-    return 1.0 + 2 / head_dim if kv == "int8" else DTYPE_BYTES[kv]
-
-
-def _dtype(name: str, device: str) -> str:
-    if name != "auto":
-        return name
-    return "bfloat16" if device.startswith("cuda") else "float32"  # as model_loader.pick_dtype chooses
+    return 1.0 + 2 / head_dim if plan.kv_dtype == "int8" else DTYPE_BYTES[plan.kv_dtype]
 
 
 # model shapes, from metadata only
@@ -161,57 +158,31 @@ def safetensors_params(folder: Path) -> int | None:
     return total
 
 
-def shape_from_gguf(path: Path) -> ModelShape:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-
-    def field(key: str):
-        f = reader.fields.get(key)
-        return None if f is None else f.contents()
-
-    arch = field("general.architecture")
-    heads = field(f"{arch}.attention.head_count")
-    head_dim = field(f"{arch}.attention.key_length") or field(f"{arch}.embedding_length") // heads
-    names = {t.name: int(t.n_elements) for t in reader.tensors}
-    return ModelShape(sum(names.values()), field(f"{arch}.block_count"),
-                      field(f"{arch}.attention.head_count_kv") or heads, head_dim, names["token_embd.weight"],
-                      "output.weight" not in names, field(f"{arch}.embedding_length"))
+def shape_from_header(header: dict) -> ModelShape:
+    """A GGUF's shape from its header (gguf_meta.read_header) or its folder's stamp of it."""
+    return ModelShape(header["num_params"], header["num_layers"], header["num_kv_heads"], header["head_dim"],
+                      header["vocab_params"], header["tied"], header["hidden"])
 
 
 def model_shape(config: ServerConfig) -> tuple[ModelShape, int]:
-    """The model's shape and the disk bytes a first conversion into the model cache will write (0: none)."""
-    spec = config.model
-    gguf_file = embedded_gguf() if spec is None else Path(spec) if spec.endswith(".gguf") else None
-    if gguf_file is not None:
-        target = config.model_cache_dir / (DEFAULT_MODEL_NAME if spec is None else gguf_file.stem)
-        if (target / "config.json").is_file():
-            folder = target
-        else:
-            shape = shape_from_gguf(gguf_file)
-            return shape, shape.num_params * 4 + 64 * 2**20  # float32 safetensors plus tokenizer files
-    elif Path(spec).is_dir():
-        folder = Path(spec)
+    """The model's shape and the parameters a first conversion into the model cache writes as float32 (for
+    transformers' layers; 0 when already converted, or for a folder)."""
+    gguf = gguf_source(config)
+    if gguf is not None:
+        stamp = read_stamp(gguf, gguf_target(config, gguf))
+        shape = shape_from_header(stamp or read_header(gguf))
+        return shape, 0 if stamp is not None and stamp.get("weights") else shape.num_params
+    if Path(config.model).is_dir():
+        folder = Path(config.model)
     else:
         from huggingface_hub import snapshot_download
 
-        folder = Path(snapshot_download(spec, local_files_only=True, allow_patterns=["*.json"]))
+        folder = Path(snapshot_download(config.model, local_files_only=True, allow_patterns=["*.json"]))
     cfg = json.loads((folder / "config.json").read_text())
     return shape_from_config(cfg.get("text_config", cfg), safetensors_params(folder)), 0
 
 
 # what is free
-def pick_device(requested: str) -> str:
-    """``auto`` without importing torch where no NVIDIA driver is present."""
-    if requested != "auto":
-        return requested
-    if not Path("/proc/driver/nvidia/version").exists() and not shutil.which("nvidia-smi"):
-        return "cpu"
-    from .model_loader import pick_device as torch_pick
-
-    return torch_pick("auto")
-
-
 def free_memory(device: str) -> int | None:
     if device.startswith("cuda"):
         import torch
@@ -247,20 +218,34 @@ def free_disk(path: Path) -> int | None:
         return None
 
 
+def model_plan(config: ServerConfig) -> ExecutionPlan:
+    """The execution plan the engine will run, from metadata only (plan.py decides it for both)."""
+    gguf = gguf_source(config)
+    if gguf is not None:
+        folder = gguf_target(config, gguf)
+    else:
+        folder = Path(config.model) if Path(config.model).is_dir() else None
+    return make_plan(config, model_facts(gguf, folder), probe_machine(config.device))
+
+
 def estimate(config: ServerConfig) -> Estimate:
-    shape, disk_needed = model_shape(config)
-    device = pick_device(config.device)
-    quantize = quantize_mode(config)
+    shape, unconverted = model_shape(config)
+    plan = model_plan(config)
+    gguf = gguf_source(config)
+    # a first start from a GGUF writes its tokenizer (and, for transformers' layers, float32 weights)
+    prepared = gguf is None or read_stamp(gguf, gguf_target(config, gguf)) is not None
+    disk_needed = 0 if prepared else TOKENIZER_DISK + (unconverted * 4 if plan.model != "compact" else 0)
     per_channel = None if gguf_source(config) is not None else shape.hidden or None
-    quantized = quantize != "none"
-    weights, kv = estimate_bytes(shape.num_params, bytes_per_weight(config, device, quantize, per_channel),
-                                 bytes_per_kv(config, device, quantize, shape.head_dim), shape.num_layers, shape.num_kv_heads,
+    quantized = plan.quantize != "none"
+    compact = plan.model == "compact"
+    weights, kv = estimate_bytes(shape.num_params, bytes_per_weight(plan, in_features=per_channel),
+                                 bytes_per_kv(plan, shape.head_dim), shape.num_layers, shape.num_kv_heads,
                                  shape.head_dim, config.rows, config.context_length,
                                  dense_params=shape.vocab_params if quantized and not shape.tied else 0,
-                                 bytes_per_dense=bytes_per_weight(config, device),
-                                 head_params=shape.vocab_params if quantized else 0,
-                                 bytes_per_head=HEAD_BYTES + batch_copy_bytes(config, device, "int8"))
-    return Estimate(device, weights, kv, RUNTIME_OVERHEAD, free_memory(device), disk_needed,
+                                 bytes_per_dense=bytes_per_weight(plan, "none"),
+                                 head_params=shape.vocab_params if quantized and compact else 0,
+                                 bytes_per_head=HEAD_BYTES + batch_copy_bytes(plan, "int8"))
+    return Estimate(plan.device, weights, kv, RUNTIME_OVERHEAD, free_memory(plan.device), disk_needed,
                     free_disk(config.model_cache_dir) if disk_needed else None)
 
 

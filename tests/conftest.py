@@ -31,6 +31,12 @@ def quantized_server():
 
 
 @pytest.fixture(scope="session")
+def default_server():
+    """The defaults users get: the GGUF's 4-bit blocks, an int8 KV cache, int8 inputs for every row count."""
+    yield from _real_model_server()
+
+
+@pytest.fixture(scope="session")
 def mock_server():
     server = ServerProcess("--mock", "--mock-tokens-per-second", "50", "--rows", "4", "--max-waiting", "4")
     yield server

@@ -12,14 +12,11 @@ import requests
 import torch
 import torch.nn.functional as F
 
-from inference_api.config import ServerConfig
 from inference_api.engine.linear import Int4CudaLinear, linear_factory
-from inference_api.engine.model_runner import Precision
 from inference_api.engine.quant import quantize_int4
-from inference_api.model_loader import pick_precision
 from servers import MODEL_CACHE, ServerProcess
 from test_native_real import MAX_TOKENS, PROMPTS, assert_greedy_equivalent, reference  # noqa: F401 (fixture)
-from test_quality import perplexity, text_ids  # noqa: F401 (fixture)
+from test_quality import exact_plan, perplexity, plan_for, text_ids  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -75,11 +72,11 @@ def test_tinygemm_int4_linear_is_linear_on_the_dequantized_weight(bias):
 
 
 def test_default_cuda_perplexity_is_within_two_percent_of_exact(model_dir, text_ids):
-    precision = pick_precision(ServerConfig(), "cuda", torch.bfloat16)
-    assert precision.quantize == "int4" and precision.kv_dtype == torch.bfloat16  # the GGUF's blocks, bf16 cache
-    exact = perplexity(model_dir, Precision(), text_ids, device="cuda", dtype=torch.float32)
-    default = perplexity(model_dir, precision, text_ids, device="cuda", dtype=torch.bfloat16)
-    one_row = perplexity(model_dir, precision, text_ids, decode=True, device="cuda", dtype=torch.bfloat16)
+    precision = plan_for("cuda")
+    assert precision.quantize == "int4" and precision.kv_dtype == "bfloat16"  # the GGUF's blocks, bf16 cache
+    exact = perplexity(model_dir, exact_plan("cuda"), text_ids)
+    default = perplexity(model_dir, precision, text_ids)
+    one_row = perplexity(model_dir, precision, text_ids, decode=True)
     print(f"\nCUDA perplexity on {len(text_ids)} tokens: exact (float32) {exact:.3f}; default (int4 tinygemm, "
           f"bfloat16): {default:.3f} ({(default / exact - 1) * 100:+.2f} %), one token at a time {one_row:.3f} "
           f"({(one_row / exact - 1) * 100:+.2f} %)")

@@ -131,7 +131,7 @@ def _greedy_rows(engine, tokenizer, n: int) -> tuple[list[list[int]], dict[str, 
 def test_quantized_rows_match_generate_on_the_dequantized_weights(arch, mode, tmp_path, model_dir):
     """--quantize on a model folder: the served tokens equal generate on the same weights dequantized
     (compact llama-family layers and transformers' modules alike)."""
-    from inference_api.engine import llama
+    from inference_api.engine.architectures import supported
     from inference_api.engine.linear import quantize
 
     folder = save_tiny_model(arch, tmp_path / arch, model_dir)
@@ -141,7 +141,7 @@ def test_quantized_rows_match_generate_on_the_dequantized_weights(arch, mode, tm
     prompt_ids, out = _greedy_rows(engine, T.AutoTokenizer.from_pretrained(folder), 12)
 
     model = T.AutoModelForCausalLM.from_pretrained(folder).eval()
-    compact = llama.supports(model.config)
+    compact = supported(model.config.model_type)
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear):

@@ -169,3 +169,30 @@ def test_a_prompt_sent_again_beside_a_running_stream_leaves_both_answers_intact(
         beside = running.result()
     assert again == first
     assert complete(essay, 400) == beside  # alone now: the same answer, so its cache was never touched
+
+
+def test_the_same_prompt_gives_the_same_answer_whatever_the_load(default_server, model_name):
+    """The default mode is batch-invariant: 24 prompts with shared prefixes, each sent twice among 48 requests
+    at once (more than the 32 rows: some wait, and many start after a prefix another row computed), answer token
+    for token as each prompt sent alone."""
+    server = default_server
+    assert server.health()["int8_inputs"] is True
+    prefixes = ("You are a careful assistant. Answer in one plain sentence, with no list. ",
+                "Here is a question from a quiz for children, and its short answer. ")
+    prompts = [f"{prefix}Question {i}: what is special about {subject}?"
+               for prefix in prefixes for i, subject in enumerate(SUBJECTS[:12])]
+
+    def complete(prompt: str) -> list[int]:
+        body = {"model": model_name, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+                "logprobs": 0}
+        r = requests.post(f"{server.url}/v1/completions", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    with ThreadPoolExecutor(2 * len(prompts)) as pool:
+        together = list(pool.map(complete, prompts + prompts))
+    alone = [complete(p) for p in prompts]
+    assert len({tuple(a) for a in alone}) > 20
+    differ = [i for i, t in enumerate(together) if t != alone[i % len(prompts)]]
+    assert not differ, f"{len(differ)} of {len(together)} answers under load part from the prompt alone"
+    assert server.wait_idle()["open_sessions"] == 0

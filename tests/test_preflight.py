@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from inference_api.config import ServerConfig
-from inference_api.model_loader import precision_names, quantize_mode, vnni_tiles
-from inference_api.preflight import (GiB, PreflightError, bytes_per_kv, bytes_per_weight, estimate_bytes, preflight,
-                                     safetensors_params, shape_from_config)
+from inference_api.plan import Machine, ModelFacts, make_plan
+from inference_api.preflight import (GiB, PreflightError, bytes_per_kv, bytes_per_weight, estimate_bytes, model_plan,
+                                     preflight, safetensors_params, shape_from_config)
 from servers import MODEL_CACHE
 
 SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
@@ -29,27 +29,56 @@ def test_the_parameter_count_from_the_config_matches_the_weights(model_dir):
     assert shape_from_config(SMOLLM2).num_params == safetensors_params(model_dir) == 134_515_008
 
 
+GGUF4 = ModelFacts("llama", gguf=True, gguf_quantize="int4")
+ZEN3 = Machine(frozenset({"avx2", "fma"}))
+ZEN4 = Machine(frozenset({"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16"}))
+SPR = Machine(frozenset({"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}))
+BF16_ONLY = Machine(frozenset({"avx2", "fma", "avx512f", "avx512_bf16"}))  # bfloat16 without VNNI
+CUDA = Machine(frozenset({"avx2"}), cuda=True, cuda_bf16=True)
+
+
+def plan(machine=ZEN3, model=GGUF4, **flags):
+    return make_plan(ServerConfig(**flags), model, machine)
+
+
+def test_the_plan_decides_device_dtypes_kv_and_kernels_once():
+    zen3, zen4, spr, cuda = plan(), plan(ZEN4), plan(SPR), plan(CUDA)
+    assert (zen3.device, zen3.dtype, zen3.quantize, zen3.kv_dtype, zen3.group) == ("cpu", "float32", "int4", "int8", 32)
+    assert zen3.cpu_kernels and zen3.int8_inputs and not zen3.vnni and zen3.batch_dtype is None
+    assert zen4.vnni and zen4.batch_dtype is None and zen4.matmul_dtype == "int8"  # VNNI beats a bfloat16 copy
+    # AMX too: the VNNI tiles (batch-invariant, no copy, faster at 32 rows); a bfloat16 copy only without VNNI
+    assert spr.vnni and spr.batch_dtype is None
+    assert plan(BF16_ONLY).batch_dtype == "bfloat16" and not plan(BF16_ONLY).vnni
+    assert (cuda.device, cuda.dtype, cuda.kv_dtype, cuda.cpu_kernels) == ("cuda", "bfloat16", "bfloat16", False)
+    exact = plan(dtype="float32")
+    assert exact.quantize == "int4" and not exact.int8_inputs and exact.kv_dtype == "int8"
+    assert plan(model=ModelFacts("llama"), quantize="auto").quantize == "none"  # a folder is served as it is
+    assert plan(quantize="int8").quantize == "int8"
+    # transformers' layers cannot read an int8 cache: the fallback's cache is the model's dtype, as allocated
+    fallback = plan(model=ModelFacts("gpt2", gguf=True, gguf_quantize="int8"))
+    assert (fallback.model, fallback.kv_dtype) == ("transformers", "float32")
+    assert plan(model=ModelFacts("gemma3_text", gguf=True, gguf_quantize="int8")).model == "compact"
+
+
 def test_bytes_follow_dtype_quantization_and_kv_dtype():
-    c = ServerConfig()
-    assert bytes_per_weight(c, "cpu") == 4 and bytes_per_weight(c, "cuda") == 2
     # engine/quant.py's layouts: int4 half a byte plus float16 scale and minimum per 32; int8 a byte plus a
     # float32 scale per 32 (GGUF) or per output channel of K inputs (folder); on CPU also the bfloat16 copy
     # that oneDNN runs several rows on (linear.SplitLinear) where the CPU multiplies bfloat16 and --dtype is
     # auto; and the weights packed for the VNNI tiles where the CPU has AVX512-VNNI
-    copy = (2 if precision_names(c, "cpu", "int4")[1] else 0) + (0.5 + 4 / 32 if vnni_tiles(c, "cpu", "int4") else 0)
-    exact = ServerConfig(dtype="float32")
-    assert bytes_per_weight(c, "cuda", "int4") == 0.5 + 4 / 32 and bytes_per_weight(c, "cuda", "int8") == 1 + 4 / 32
-    assert bytes_per_weight(c, "cpu", "int4") == 0.5 + 4 / 32 + copy
-    assert bytes_per_weight(exact, "cpu", "int4") == 0.5 + 4 / 32
-    assert bytes_per_weight(exact, "cpu", "int8") == 1 + 4 / 32
-    assert bytes_per_weight(exact, "cpu", "int8", in_features=576) == 1 + 4 / 576
-    assert bytes_per_kv(ServerConfig(kv_dtype="bfloat16"), "cpu") == 2
-    assert bytes_per_kv(ServerConfig(dtype="float16"), "cpu") == 2
+    assert bytes_per_weight(plan(), "none") == 4 and bytes_per_weight(plan(CUDA), "none") == 2
+    assert bytes_per_weight(plan(CUDA), "int4") == 0.5 + 4 / 32 and bytes_per_weight(plan(CUDA), "int8") == 1 + 4 / 32
+    assert bytes_per_weight(plan()) == 0.5 + 4 / 32
+    assert bytes_per_weight(plan(ZEN4)) == 2 * (0.5 + 4 / 32)  # and its VNNI packing
+    assert bytes_per_weight(plan(SPR)) == 2 * (0.5 + 4 / 32)
+    assert bytes_per_weight(plan(BF16_ONLY)) == 0.5 + 4 / 32 + 2  # a bfloat16 copy
+    assert bytes_per_weight(plan(ZEN4, dtype="float32")) == 0.5 + 4 / 32
+    assert bytes_per_weight(plan(dtype="float32"), "int8") == 1 + 4 / 32
+    assert bytes_per_weight(plan(dtype="float32"), "int8", in_features=576) == 1 + 4 / 576
+    assert bytes_per_kv(plan(kv_dtype="bfloat16")) == 2
+    assert bytes_per_kv(plan(model=ModelFacts("llama"), dtype="float16")) == 2
     # int8 next to quantized weights on CPU: a byte per value and a float16 scale per head vector
-    assert bytes_per_kv(c, "cpu", "int4", head_dim=64) == 1 + 2 / 64 and bytes_per_kv(c, "cpu") == 4
-    assert bytes_per_kv(c, "cuda", "int4") == 2  # the model's dtype on CUDA
-    assert quantize_mode(ServerConfig(quantize="int8")) == "int8"
-    assert quantize_mode(ServerConfig(model="some/folder")) == "none"
+    assert bytes_per_kv(plan(), head_dim=64) == 1 + 2 / 64 and bytes_per_kv(plan(quantize="none")) == 4
+    assert bytes_per_kv(plan(CUDA)) == 2  # the model's dtype on CUDA
 
 
 def test_too_large_refuses_unless_skipped(model_dir):
@@ -62,10 +91,23 @@ def test_too_large_refuses_unless_skipped(model_dir):
     assert dense.weights_bytes == 4 * 134_515_008 and dense.disk_needed_bytes == 0
     default = preflight(ServerConfig(model_cache_dir=Path(MODEL_CACHE), skip_preflight=True))  # the GGUF's 4-bit
     head = 49152 * 576  # tied: the int8 head's rows are the embeddings; each has its bfloat16 copy where used
-    c = ServerConfig()
-    bf16 = 2 if precision_names(c, "cpu", "int4")[1] else 0
-    vnni4, vnni8 = (0.5 + 4 / 32, 1 + 8 / 32) if vnni_tiles(c, "cpu", "int4") else (0, 0)
+    here = model_plan(ServerConfig(model_cache_dir=Path(MODEL_CACHE)))  # this machine's plan for the default model
+    bf16 = 2 if here.batch_dtype else 0
+    vnni4, vnni8 = (0.5 + 4 / 32, 1 + 8 / 32) if here.vnni else (0, 0)
     assert default.weights_bytes == math.ceil((134_515_008 - head) * (0.5 + 4 / 32 + bf16 + vnni4)
                                               + head * (1 + 4 / 32 + bf16 + vnni8))
     assert default.kv_cache_bytes == math.ceil(dense.kv_cache_bytes / 4 * (1 + 2 / 64))  # int8 instead of float32
     assert preflight(ServerConfig(mock=True, context_length=10**8)) is None  # the mock loads nothing
+
+
+@pytest.mark.parametrize("flags", [{}, {"quantize": "none", "dtype": "float32"}, {"kv_dtype": "bfloat16"}])
+def test_pre_flight_sizes_the_kv_cache_the_engine_allocates(flags):
+    """Pre-flight and the engine read one execution plan: the KV cache pre-flight announces is the one the
+    engine then allocates, byte for byte, in every mode."""
+    from inference_api.engine.process import build_engine
+
+    config = ServerConfig(model_cache_dir=Path(MODEL_CACHE), rows=3, context_length=64, **flags)
+    est = preflight(ServerConfig(**{**config.__dict__, "skip_preflight": True}))
+    engine, ready = build_engine(config)
+    assert est.kv_cache_bytes == engine.runner.cache.nbytes
+    assert ready.kv_dtype == model_plan(config).kv_dtype == engine.runner.plan.kv_dtype

@@ -7,22 +7,40 @@ from pathlib import Path
 import pytest
 import torch
 
+from dataclasses import replace
+
 from inference_api.config import ServerConfig
 from inference_api.engine.kernels import load_kernels
-from inference_api.engine.model_runner import ModelRunner, Precision
-from inference_api.model_loader import load_model, pick_precision
+from inference_api.engine.model_runner import ModelRunner
+from inference_api.model_loader import load_model
+from inference_api.plan import ExecutionPlan, ModelFacts, make_plan, probe_machine
 from servers import MODEL_CACHE
+
+EMBEDDED = ModelFacts("llama", gguf=True, gguf_quantize="int4")  # the embedded SmolLM2 Q4_1 GGUF
+
+
+def plan_for(device: str = "cpu", **flags) -> ExecutionPlan:
+    """The plan the server makes for the embedded model with these flags on this machine."""
+    return make_plan(ServerConfig(device=device, **flags), EMBEDDED, probe_machine(device))
+
+
+def exact_plan(device: str = "cpu") -> ExecutionPlan:
+    return plan_for(device, quantize="none", dtype="float32", kv_dtype="float32")
+
+
+def int8_cache_plan() -> ExecutionPlan:
+    """The default weights and int8 cache with float32 inputs (no bfloat16 copy, no int8 inputs)."""
+    return replace(plan_for(), batch_dtype=None, int8_inputs=False, vnni=False)
 
 TEXT = Path(__file__).with_name("data") / "english.txt"
 CHUNK = 128  # fed through the row cache in prefill chunks, so later chunks read earlier ones back
 
 
-def perplexity(model_dir: Path, precision: Precision, ids: list[int], decode: bool = False, device: str = "cpu",
-               dtype: torch.dtype = torch.float32) -> float:
+def perplexity(model_dir: Path, plan: ExecutionPlan, ids: list[int], decode: bool = False) -> float:
     """exp of the mean negative log-likelihood of each next token, every chunk attending to the cache; with
     decode, one token at a time through the decode step (the one-row kernels a single stream runs on)."""
-    kernels = load_kernels(Path(MODEL_CACHE)) if device == "cpu" else None
-    runner = ModelRunner(load_model(model_dir, device, dtype), 1, len(ids) + 1, precision, kernels)
+    kernels = load_kernels(Path(MODEL_CACHE)) if plan.cpu_kernels else None
+    runner = ModelRunner(load_model(model_dir, plan.device, plan.torch(plan.dtype)), 1, len(ids) + 1, plan, kernels)
     nll = 0.0
     with torch.inference_mode():
         if decode:
@@ -30,18 +48,13 @@ def perplexity(model_dir: Path, precision: Precision, ids: list[int], decode: bo
             for i in range(1, len(ids)):
                 nll -= float(torch.log_softmax(logits.float(), -1)[ids[i]])
                 if i + 1 < len(ids):
-                    step = (torch.tensor(v, device=device) for v in ([ids[i]], [i], [True]))
-                    logits = runner.decode(*step)[0]
+                    logits = runner.decode([0], [ids[i]], [i])[0]
             return math.exp(nll / (len(ids) - 1))
         for start in range(0, len(ids) - 1, CHUNK):
             chunk = ids[start:start + CHUNK]
-            positions = torch.arange(start, start + len(chunk), device=device)[None]
-            visible = torch.arange(start + len(chunk), device=device)[None, None, :] <= positions[..., None]
-            runner.cache.bind(torch.tensor([0], device=device), positions, start + len(chunk))
-            logits = runner.model.forward(torch.tensor([chunk], device=device), positions, visible, runner.cache,
-                                          last_only=False)
-            targets = torch.tensor(ids[start + 1:start + len(chunk) + 1], device=device)
-            lp = torch.log_softmax(logits[0, :len(targets)].float(), dim=-1)
+            logits = runner.score(0, chunk, start)
+            targets = torch.tensor(ids[start + 1:start + len(chunk) + 1], device=logits.device)
+            lp = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
             nll -= float(lp.gather(1, targets[:, None]).sum())
     return math.exp(nll / (len(ids) - 1))
 
@@ -54,14 +67,14 @@ def text_ids(hf_tokenizer) -> list[int]:
 
 
 def test_quantized_default_perplexity_is_within_two_percent_of_exact(model_dir, text_ids):
-    precision = pick_precision(ServerConfig(), "cpu", torch.float32)
+    precision = plan_for()
     # the embedded Q4_1 GGUF keeps its 4-bit blocks; the cache is int8
-    assert (precision.quantize, precision.kv_dtype) == ("int4", torch.int8)
-    exact = perplexity(model_dir, Precision(), text_ids)
+    assert (precision.quantize, precision.kv_dtype, precision.model) == ("int4", "int8", "compact")
+    exact = perplexity(model_dir, exact_plan(), text_ids)
     default = perplexity(model_dir, precision, text_ids)  # prefill: several rows at once
     one_row = perplexity(model_dir, precision, text_ids, decode=True)  # a single stream's decode steps
     vnni = precision.int8_inputs and load_kernels(Path(MODEL_CACHE)).vnni()  # every row count on int8 inputs
-    matmuls = "int8 (VNNI)" if vnni else str(precision.batch_dtype or torch.float32).removeprefix("torch.")
+    matmuls = "int8 (VNNI)" if vnni else precision.batch_dtype or "float32"
     inputs = "int8" if precision.int8_inputs else "float32"
     print(f"\nperplexity on {len(text_ids)} tokens: exact {exact:.3f}; default ({precision.quantize} weights, "
           f"int8 KV cache): {default:.3f} ({(default / exact - 1) * 100:+.2f} %) with {matmuls} multi-row "
@@ -81,18 +94,17 @@ def test_decode_kernels_over_the_int8_cache_match_the_prefill_path(model_dir, te
     scale: a few hundredths on the logits); the default (one row's inputs rounded to int8 blocks, bfloat16
     for several rows where the CPU has it): within that rounding's noise on logits of about 26 (up to 1.4
     measured with int8 inputs; the perplexity test bounds what it costs)."""
-    default = pick_precision(ServerConfig(), "cpu", torch.float32)
-    precision = default if matmuls == "default" else Precision(default.quantize, torch.int8, default.group)
+    precision = plan_for() if matmuls == "default" else int8_cache_plan()
     runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 256, precision,
                          load_kernels(Path(MODEL_CACHE)))
     ids = text_ids[:40]
     with torch.inference_mode():
         runner.prefill([0, 1], [ids[:39], ids[:39]], [0, 0])
-        one = runner.decode(torch.tensor([ids[39]]), torch.tensor([39]), torch.tensor([True]))[0]
-        two = runner.decode(torch.tensor([ids[39]] * 2), torch.tensor([39, 39]), torch.tensor([True, True]))
+        one = runner.decode([0], [ids[39]], [39])[0]
+        two = runner.decode([0, 1], [ids[39]] * 2, [39, 39])
         whole = runner.prefill([2], [ids], [0])[0]
         decoder, runner.model.fused = runner.model.fused, None  # the same kernels called layer by layer from Python
-        layer_by_layer = runner.decode(torch.tensor([ids[39]]), torch.tensor([39]), torch.tensor([True]))[0]
+        layer_by_layer = runner.decode([0], [ids[39]], [39])[0]
     assert decoder is not None and torch.equal(layer_by_layer, one)
     assert precision.int8_inputs == (matmuls == "default")
     tolerance = 0.15 if matmuls == "float32" else 3.0
@@ -104,9 +116,8 @@ def test_decode_kernels_over_the_int8_cache_match_the_prefill_path(model_dir, te
 def _int8_cache_runner(model_dir: Path) -> ModelRunner:
     """3 rows of 64 positions: the default weights and int8 cache, float32 inputs (with the defaults a
     chunk of up to 16 tokens would take int8 inputs, a longer one not)."""
-    default = pick_precision(ServerConfig(), "cpu", torch.float32)
-    return ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 64,
-                       Precision(default.quantize, torch.int8, default.group), load_kernels(Path(MODEL_CACHE)))
+    return ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 64, int8_cache_plan(),
+                       load_kernels(Path(MODEL_CACHE)))
 
 
 def test_a_prefix_copied_from_another_row_gives_the_logits_of_computing_it_there(model_dir, text_ids):
@@ -149,15 +160,52 @@ def test_chunks_of_different_lengths_prefilled_together_match_transformers(model
     shorter chunks' padding left out) and attention on the padded layout: each chunk's last logits, and the
     next decode step over what it wrote into its row, equal transformers' forward on that chunk alone
     (exact mode)."""
-    runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 64, Precision(),
+    plan = exact_plan() if kernels == "cpu kernels" else exact_plan().without_cpu_kernels()
+    runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 64, plan,
                          load_kernels(Path(MODEL_CACHE)) if kernels == "cpu kernels" else None)
     reference = load_model(model_dir, "cpu", torch.float32)
     chunks = [text_ids[:6], text_ids[100:118], text_ids[200:241]]  # prompts of 5, 17 and 40, and a next token
     with torch.inference_mode():
         together = runner.prefill([0, 1, 2], [c[:-1] for c in chunks], [0, 0, 0])
-        decoded = runner.decode(torch.tensor([c[-1] for c in chunks]), torch.tensor([5, 17, 40]),
-                                torch.ones(3, dtype=torch.bool))
+        decoded = runner.decode([0, 1, 2], [c[-1] for c in chunks], [5, 17, 40])
         for i, chunk in enumerate(chunks):
             logits = reference(torch.tensor([chunk])).logits[0]
             assert (together[i] - logits[-2]).abs().max() < 1e-3
             assert (decoded[i] - logits[-1]).abs().max() < 1e-3
+
+
+def test_a_rows_logits_do_not_depend_on_the_batch_or_how_its_prompt_was_chunked(model_dir, text_ids):
+    """The default mode is batch-invariant: a prompt's logits, and its next decode steps, are bit for bit the
+    same alone in one row as among other rows of other lengths, in one chunk or several, after a prefix its
+    row decoded earlier or one copied from another row. Every row's inputs to the quantized linears are rounded
+    to int8 and multiplied in integers whatever the row count, and attention runs one query at a time over its
+    own row in prefill and decode alike."""
+    plan = plan_for()
+    assert plan.int8_inputs and plan.batch_dtype is None
+    runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 8, 256, plan, load_kernels(Path(MODEL_CACHE)))
+    prompt, others = text_ids[:30], [text_ids[100:141], text_ids[200:205], text_ids[300:320]]
+
+    def steps(rows: list[int], chunks: list[list[int]], mine: int) -> list[torch.Tensor]:
+        logits = runner.prefill(rows, chunks, [0] * len(rows))
+        out, positions = [logits[mine]], [len(c) for c in chunks]
+        for _ in range(4):
+            logits = runner.decode(rows, [int(v.argmax()) for v in logits], positions)
+            out.append(logits[mine])
+            positions = [p + 1 for p in positions]
+        return out
+
+    with torch.inference_mode():
+        alone = steps([5], [prompt], 0)
+        together = steps([0, 1, 2, 3], [others[0], prompt, others[1], others[2]], 1)
+        whole = runner.prefill([6], [prompt], [0])[0]
+        runner.prefill([7], [prompt[:17]], [0])
+        chunked = runner.prefill([7], [prompt[17:]], [17])[0]
+        runner.prefill([4], [prompt[:10]], [0])
+        for i in range(10, 29):  # positions 10..28 written by the decode step
+            runner.decode([4], [prompt[i]], [i])
+        after_decode = runner.prefill([4], [prompt[29:]], [29])[0]
+        runner.copy_prefix(6, 2, 24)
+        copied = runner.prefill([2], [prompt[24:]], [24])[0]
+    assert all(torch.equal(a, t) for a, t in zip(alone, together))
+    for logits in (whole, chunked, after_decode, copied):
+        assert torch.equal(logits, alone[0])

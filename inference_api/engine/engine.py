@@ -1,17 +1,15 @@
-"""The engine: admit waiting requests into free rows, run one forward, sample every row, emit text."""
+"""The engine: the scheduler plans a step, the runner computes it, the engine samples every row and emits text."""
 from __future__ import annotations
 
 import logging
 import random
-from collections import deque
 from typing import Protocol, Sequence as Seq
 
 import torch
 
 from ..messages import EngineStats, FinishReason, GenerateRequest, TokenEvent, TokenLogprob
-from .prefix import PrefixIndex
-from .rows import RowTable
 from .sampling import RowParams, apply_penalties, mask_tokens, sample
+from .scheduler import Scheduler, Step
 from .sequence import Sequence, Status
 
 log = logging.getLogger(__name__)
@@ -23,7 +21,7 @@ class Runner(Protocol):
 
     def prefill(self, rows: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor: ...
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor: ...
+    def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor: ...
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None: ...
 
@@ -33,53 +31,47 @@ class Detokenizer(Protocol):
 
 
 class Engine:
+    """Each step: the scheduler admits and plans, the runner computes logits, the engine samples every row and
+    turns tokens into events."""
+
     def __init__(self, runner: Runner, tokenizer: Detokenizer, rows: int, context_length: int,
-                 prefill_chunk: int, eos_ids: frozenset[int], fault_text: str | None = None,
-                 prefix_cache: bool = True):
+                 prefill_chunk: int, eos_ids: frozenset[int], prefix_cache: bool = True):
         self.runner = runner
         self.tokenizer = tokenizer
-        self.rows = RowTable(rows)
+        self.scheduler = Scheduler(rows, prefill_chunk, prefix_cache)
         self.context_length = context_length
-        self.prefill_chunk = prefill_chunk
         self.eos_ids = eos_ids
         self.params = RowParams.allocate(rows, runner.vocab_size, runner.device)
-        self.waiting: deque[Sequence] = deque()
-        self.running: dict[int, Sequence] = {}  # row -> sequence
         self.sessions: dict[str, Sequence] = {}
-        self.prefixes = PrefixIndex(rows) if prefix_cache else None
         self._rng = random.Random()
-        self.fault_text = fault_text  # tests only: prompts containing it fail in post-processing
-        self._faulty: set[str] = set()
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return self.scheduler.has_work
 
     @property
     def stats(self) -> EngineStats:
-        return EngineStats(rows_in_use=self.rows.num_used, rows_total=self.rows.num_rows, waiting=len(self.waiting))
+        return self.scheduler.stats
 
     def add(self, request: GenerateRequest) -> None:
         seq = Sequence(request, self.tokenizer.decode)
-        if self.fault_text and self.fault_text in self.tokenizer.decode(seq.prompt_ids):
-            self._faulty.add(seq.session_id)
         self.sessions[seq.session_id] = seq
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
 
     def cancel(self, session_id: str) -> None:
         seq = self.sessions.pop(session_id, None)
-        self._faulty.discard(session_id)
         if seq is None:
             return
-        if seq.status is Status.WAITING:
-            self.waiting.remove(seq)
+        self.scheduler.release(seq)
         seq.finish(FinishReason.CANCELLED)
-        self._release(seq)
 
     def step(self) -> list[TokenEvent]:
         self._admit()
+        step = self.scheduler.schedule()
+        if not step:
+            return []
         try:
-            seqs, logits = self._forward()
+            seqs, logits = self._forward(step)
             if not seqs:
                 return []
             tokens = self._sample(seqs, logits)
@@ -89,83 +81,31 @@ class Engine:
         return self._postprocess(seqs, tokens, logits)
 
     def _admit(self) -> None:
-        while self.waiting and self.rows.num_free:
-            seq = self.waiting.popleft()
-            seq.row = self.rows.allocate()
-            seq.status = Status.PREFILL
-            if self.prefixes is not None:
-                self._reuse_prefix(seq)
+        for admission in self.scheduler.admit():
+            seq = admission.seq
             seed = seq.params.seed if seq.params.seed is not None else self._rng.getrandbits(63)
             self.params.set_row(seq.row, seq.params, seed, seq.prompt_ids)
-            self.running[seq.row] = seq
+            if admission.copy_from is not None:
+                try:
+                    self.runner.copy_prefix(admission.copy_from, seq.row, admission.length)
+                except Exception:  # the prompt is then computed in full
+                    log.exception("copying a cached prefix failed")
+                    self.scheduler.forget_prefix(seq)
 
-    def _reuse_prefix(self, seq: Sequence) -> None:
-        """Start the prompt after the longest prefix any row's cache holds (copied into this row if it lies in
-        another), as llama.cpp's prompt cache and vLLM's prefix caching do. The last prompt token is always
-        computed: its logits give the first output token."""
-        held = {row: s.all_ids[:s.num_cached] for row, s in self.running.items() if s is not seq}
-        src, length = self.prefixes.longest(seq.prompt_ids, held, limit=seq.num_prompt - 1)
-        if length == 0:
-            return
-        if src != seq.row:
-            try:
-                self.runner.copy_prefix(src, seq.row, length)
-            except Exception:  # the prompt is then computed in full
-                log.exception("copying a cached prefix failed")
-                return
-        seq.num_cached = seq.num_reused = length
-
-    def _forward(self) -> tuple[list[Sequence], torch.Tensor]:
-        """Prefill up to one chunk of prompt tokens, then decode every row with a token to feed."""
-        parts = [part for part in (self._prefill(), self._decode()) if part[0]]
-        if not parts:
-            return [], torch.empty(0)
-        if len(parts) == 1:
-            return parts[0]
-        return [s for seqs, _ in parts for s in seqs], torch.cat([logits for _, logits in parts])
-
-    def _prefill(self) -> tuple[list[Sequence], torch.Tensor | None]:
-        """One forward over several rows' prompt chunks, at most prefill_chunk tokens with padding, so a
-        long prompt never stalls the running streams for more than one bounded piece of work."""
-        batch, width = [], 0
-        for seq in sorted(self.running.values(), key=lambda s: s.row):
-            if seq.status is not Status.PREFILL:
-                continue
-            n = min(seq.prefill_remaining, self.prefill_chunk)
-            if batch and (len(batch) + 1) * max(width, n) > self.prefill_chunk:
-                break
-            batch.append((seq, n))
-            width = max(width, n)
-        if not batch:
-            return [], None
-        logits = self.runner.prefill([s.row for s, _ in batch],
-                                     [s.prompt_ids[s.num_cached:s.num_cached + n] for s, n in batch],
-                                     [s.num_cached for s, _ in batch])
-        for seq, n in batch:
-            seq.num_cached += n
-        done = [i for i, (seq, _) in enumerate(batch) if seq.prefill_remaining == 0]
-        return [batch[i][0] for i in done], logits[done]
-
-    def _decode(self) -> tuple[list[Sequence], torch.Tensor | None]:
-        """One token for every decoding row; the batch spans rows 0..highest, idle rows masked out."""
-        decoding = sorted((s for s in self.running.values() if s.status is Status.DECODE), key=lambda s: s.row)
-        if not decoding:
-            return [], None
-        width = max(s.row for s in decoding) + 1
-        dev = self.runner.device
-        tokens = torch.zeros(width, dtype=torch.long, device=dev)
-        positions = torch.zeros(width, dtype=torch.long, device=dev)
-        active = torch.zeros(width, dtype=torch.bool, device=dev)
-        rows = torch.tensor([s.row for s in decoding], device=dev)
-        tokens[rows] = torch.tensor([s.last_token for s in decoding], device=dev)
-        positions[rows] = torch.tensor([s.num_tokens - 1 for s in decoding], device=dev)
-        active[rows] = True
-        logits = self.runner.decode(tokens, positions, active)
-        if len(decoding) < width:  # else rows are 0..width-1 in order: no copy of the logits
-            logits = logits[rows]
-        for s in decoding:
-            s.num_cached += 1
-        return decoding, logits
+    def _forward(self, step: Step) -> tuple[list[Sequence], torch.Tensor]:
+        """Up to one chunk of prompt tokens and every decoding row: one runner call each."""
+        parts = []
+        if step.prefill:
+            logits = self.runner.prefill([s.row for s, _ in step.prefill],
+                                         [s.prompt_ids[s.num_cached:s.num_cached + n] for s, n in step.prefill],
+                                         [s.num_cached for s, _ in step.prefill])
+            done = [i for i, (s, n) in enumerate(step.prefill) if s.num_cached + n == s.num_prompt]
+            parts.append(logits[done])
+        if step.decode:
+            parts.append(self.runner.decode([s.row for s in step.decode], [s.last_token for s in step.decode],
+                                            [s.num_tokens - 1 for s in step.decode]))
+        seqs = self.scheduler.computed(step)
+        return seqs, parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         p = self.params
@@ -207,8 +147,6 @@ class Engine:
         return events
 
     def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> list[TokenEvent]:
-        if seq.session_id in self._faulty:
-            raise RuntimeError("injected post-processing fault (TEST_FAULT_TEXT)")
         if seq.status is Status.PREFILL:
             seq.status = Status.DECODE
         text = seq.append(token, self.eos_ids, self.context_length)
@@ -218,7 +156,7 @@ class Engine:
         events = [self._event(seq, text)] if text or seq.is_finished else []
         if seq.is_finished:
             self.sessions.pop(seq.session_id, None)
-            self._release(seq)
+            self.scheduler.release(seq)
         return events
 
     def _event(self, seq: Sequence, text: str, error: str | None = None) -> TokenEvent:
@@ -242,21 +180,12 @@ class Engine:
             out[i] = TokenLogprob(self.tokenizer.decode([tokens[i]]), float(lp[j, tokens[i]]), top)
         return out
 
-    def _release(self, seq: Sequence, cache_valid: bool = True) -> None:
-        if seq.row is not None and self.running.get(seq.row) is seq:
-            del self.running[seq.row]
-            if self.prefixes is not None:
-                self.prefixes.hold(seq.row, seq.all_ids[:seq.num_cached] if cache_valid else [])
-            self.rows.free(seq.row)
-        seq.row = None
-
     def _fail(self, seq: Sequence, message: str, cache_valid: bool = True) -> TokenEvent:
+        self.scheduler.release(seq, cache_valid)
         seq.finish(FinishReason.ERROR)
         self.sessions.pop(seq.session_id, None)
-        self._faulty.discard(seq.session_id)
-        self._release(seq, cache_valid)
         return self._event(seq, "", error=message)
 
     def _fail_running(self, message: str) -> list[TokenEvent]:
         """After a failed forward: no row's cache can be trusted past what it held before, so none is kept."""
-        return [self._fail(seq, message, cache_valid=False) for seq in list(self.running.values())]
+        return [self._fail(seq, message, cache_valid=False) for seq in list(self.scheduler.running.values())]

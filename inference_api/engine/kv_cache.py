@@ -2,9 +2,9 @@
 
 Storage per layer is [rows, kv_heads, length, head_dim], allocated once at start-up. An int8 cache also
 holds one float16 scale per row, head and position ([rows, kv_heads, length], for keys and for values):
-each head vector is stored as round(x / s) with s = max |x| / 127, and read back as q * s. Before each forward
-the runner binds a contiguous slice of rows, the position each new token is written to, and how many
-positions attention reads. The last position is a scratch slot: rows in a decode batch that have no
+each head vector is stored as round(x / s) with s = max |x| / 127, and read back as q * s. Nothing is bound to
+the cache between calls: each forward passes its rows, the position each new token is written to and how many
+positions attention reads (forward_batch.ForwardBatch). The last position is a scratch slot: rows in a decode batch that have no
 token this step write there, and no row ever attends to it.
 """
 from __future__ import annotations
@@ -28,10 +28,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
 
 
-class RowKVCache(Cache):
+class RowKVCache:
     def __init__(self, num_layers: int, rows: int, kv_heads: int, length: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device):
-        super().__init__(layers=[])
         shape = (rows, kv_heads, length + 1, head_dim)  # +1: the scratch slot
         self.keys = [_zeros(shape, dtype, device) for _ in range(num_layers)]
         self.values = [_zeros(shape, dtype, device) for _ in range(num_layers)]
@@ -40,24 +39,10 @@ class RowKVCache(Cache):
         self.value_scales = [_zeros(shape[:3], torch.float16, device) for _ in range(num_layers if scaled else 0)]
         self.length = length
         self.dtype = dtype
-        self._rows = slice(0, rows)
-        self._write = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self._attend = 1
-        self._flat: torch.Tensor | None = None  # the bound writes' rows of a [-1, head_dim] view, for update()
 
     @property
     def scratch(self) -> int:
         return self.length
-
-    @property
-    def write_positions(self) -> torch.Tensor:
-        """[B, T] positions the bound forward writes to."""
-        return self._write
-
-    @property
-    def rows_in_order(self) -> bool:
-        """Whether the bound rows are 0..B-1 (a decode step): batch index b is then cache row b."""
-        return isinstance(self._rows, slice) and self._rows.start == 0
 
     @property
     def nbytes(self) -> int:
@@ -70,74 +55,76 @@ class RowKVCache(Cache):
             return None, None
         return self.key_scales[layer_idx], self.value_scales[layer_idx]
 
-    def bind(self, rows: slice | torch.Tensor, write_pos: torch.Tensor, attend_len: int) -> None:
-        """Set the rows of the next forward (a slice: views, for decode; an index tensor: any rows, for
-        prefill), where each new token is written ([B, T] positions) and how many positions it attends."""
-        self._rows, self._write, self._attend = rows, write_pos, attend_len
-        self._flat = None  # computed by the first update() of this forward, shared by every layer, K and V
-
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Copy positions 0..length-1 of row src into row dst, every layer, keys, values and scales."""
         for store in self.keys + self.values + self.key_scales + self.value_scales:
             store[dst, :, :length] = store[src, :, :length]
 
-    def _flat_index(self) -> torch.Tensor:
-        """For each bound row, head and new position, its row in a [-1, head_dim] view of a layer's store."""
-        if self._flat is None:
-            _, heads, length, _ = self.keys[0].shape
-            device = self._write.device
-            row_ids = self.bound_rows()
-            heads_ids = torch.arange(heads, device=device)
-            flat = (row_ids[:, None, None] * heads + heads_ids[None, :, None]) * length + self._write[:, None, :]
-            self._flat = flat.reshape(-1)
-        return self._flat
+    def flat_index(self, rows: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
+        """For tokens [N] of cache rows ``rows`` written at positions ``write``: each head's row [N * kv_heads]
+        in a [-1, head_dim] view of a layer's store."""
+        _, heads, length, _ = self.keys[0].shape
+        h = torch.arange(heads, device=rows.device)
+        return ((rows[:, None] * heads + h) * length + write[:, None]).reshape(-1)
+
+    def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, flat: torch.Tensor) -> None:
+        """Store keys and values [N, kv_heads, head_dim] at flat (flat_index) of a layer."""
+        ks, vs = self.scales(layer_idx)
+        for store, scales, new in ((self.keys[layer_idx], ks, keys), (self.values[layer_idx], vs, values)):
+            dim = store.shape[-1]
+            new = new.reshape(-1, dim)
+            if scales is None:
+                store.view(-1, dim).index_copy_(0, flat, new.to(store.dtype))
+            else:
+                q, s = quantize_heads(new)
+                store.view(-1, dim).index_copy_(0, flat, q)
+                scales.view(-1).index_copy_(0, flat, s)
+
+    def read(self, layer_idx: int, rows: torch.Tensor | slice, attend: int,
+             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows' first ``attend`` positions of a layer's keys and values [B, kv_heads, attend, head_dim]: an int8
+        cache's in dtype, other caches' as they are stored."""
+        ks, vs = self.scales(layer_idx)
+        return (self._read(self.keys[layer_idx], ks, rows, attend, dtype),
+                self._read(self.values[layer_idx], vs, rows, attend, dtype))
+
+    @staticmethod
+    def _read(store, scales, rows, attend: int, dtype: torch.dtype) -> torch.Tensor:
+        read = store[rows, :, :attend]
+        if scales is None:
+            return read
+        return read.to(dtype) * scales[rows, :, :attend, None].to(dtype)
+
+    def view(self, batch) -> "BatchCache":
+        """This cache seen by one forward batch through transformers' Cache interface (the fallback's layers)."""
+        return BatchCache(self, batch)
+
+
+class BatchCache(Cache):
+    """transformers' Cache interface over a RowKVCache for one ForwardBatch, made per forward and dropped."""
+
+    def __init__(self, cache: RowKVCache, batch):
+        super().__init__(layers=[])
+        self.cache, self.batch = cache, batch
+        rows = batch.rows.repeat_interleave(batch.ids.shape[1])
+        self.flat = cache.flat_index(rows, batch.write.reshape(-1))  # every [B, T] token, padding to scratch
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
                cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the bound positions' keys and values [B, kv_heads, T, head_dim]; return the bound rows'
-        first attend_len positions, read back in the states' dtype."""
-        ks, vs = self.scales(layer_idx)
-        return (self._update(self.keys[layer_idx], ks, key_states),
-                self._update(self.values[layer_idx], vs, value_states))
-
-    def _update(self, store: torch.Tensor, scales: torch.Tensor | None, new: torch.Tensor) -> torch.Tensor:
-        dim = store.shape[-1]
-        flat = self._flat_index()
-        new = new.reshape(-1, dim)
-        if scales is None:
-            store.view(-1, dim).index_copy_(0, flat, new.to(store.dtype))
-        else:
-            q, s = quantize_heads(new)
-            store.view(-1, dim).index_copy_(0, flat, q)
-            scales.view(-1).index_copy_(0, flat, s)
-        return self._read(store, scales, new.dtype)
-
-    def bound_rows(self) -> torch.Tensor:
-        """The bound rows' indices [B]."""
-        if isinstance(self._rows, slice):
-            return torch.arange(self._rows.start, self._rows.start + self._write.shape[0], device=self._write.device)
-        return self._rows
-
-    def read(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The bound rows' first attend_len positions of a layer's keys and values: an int8 cache's in dtype,
-        other caches' as they are stored."""
-        ks, vs = self.scales(layer_idx)
-        return self._read(self.keys[layer_idx], ks, dtype), self._read(self.values[layer_idx], vs, dtype)
-
-    def _read(self, store: torch.Tensor, scales: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-        read = store[self._rows, :, :self._attend]
-        if scales is None:
-            return read
-        return read.to(dtype) * scales[self._rows, :, :self._attend, None].to(dtype)
+        """Write the batch's keys and values [B, kv_heads, T, head_dim]; return its rows' first attend
+        positions, read back in the states' dtype."""
+        k, v = (s.transpose(1, 2).reshape(-1, *s.shape[1:2], s.shape[-1]) for s in (key_states, value_states))
+        self.cache.write(layer_idx, k, v, self.flat)
+        return self.cache.read(layer_idx, self.batch.rows, self.batch.attend, key_states.dtype)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self._attend
+        return self.batch.attend
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.length
+        return self.cache.length
 
     def __len__(self) -> int:
-        return len(self.keys)
+        return len(self.cache.keys)
 
 
 def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,8 +7,8 @@
   rows, chunks of the weight dequantized in cache and multiplied in register tiles, faster than oneDNN on a
   float32 copy of the weights without holding one (measured on the 2-core machines: docs/backend.md). With
   AVX512-VNNI and --dtype auto, every row count runs on the kernels' integer tiles over weights packed once
-  (quant.py). With AMX and --dtype auto, several rows run on a bfloat16 oneDNN copy instead: a third of
-  float32's time there, for half a float32 copy's memory. Without a compiler for the kernels, oneDNN alone.
+  (quant.py). On a CPU that multiplies bfloat16 but has no AVX512-VNNI, several rows run on a bfloat16 oneDNN
+  copy instead (plan.py decides), for half a float32 copy's memory. Without a compiler for the kernels, oneDNN alone.
 - CUDA, 4-bit weights (a GGUF's Q4 blocks, ``--quantize int4``): torch's tinygemm kernel
   (``_weight_int4pack_mm``, bfloat16 activations, groups of 32), which reads the 4-bit weights; a GPU or torch
   without it (before Ampere) gets the dequantized weights instead.

@@ -18,6 +18,14 @@ from .engine import Engine
 log = logging.getLogger(__name__)
 
 
+def _engine(config: ServerConfig, *args, **kwargs) -> Engine:
+    if config.test_fault_text:
+        from .faults import FaultyEngine
+
+        return FaultyEngine(*args, fault_text=config.test_fault_text, **kwargs)
+    return Engine(*args, **kwargs)
+
+
 def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     from ..model_loader import model_name
 
@@ -26,43 +34,45 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
         from ..mock.tokenizer import EOS, ByteTokenizer
 
         runner = MockRunner(config.rows, config.mock_tokens_per_second)
-        engine = Engine(runner, ByteTokenizer(), config.rows, config.context_length, config.prefill_chunk,
-                        frozenset([EOS]), config.test_fault_text, config.prefix_cache)
+        engine = _engine(config, runner, ByteTokenizer(), config.rows, config.context_length, config.prefill_chunk,
+                         frozenset([EOS]), prefix_cache=config.prefix_cache)
         return engine, EngineReady("", model_name(config), config.context_length, runner.vocab_size, "cpu", "none")
 
     import torch
 
-    from ..model_loader import eos_ids, load_model, pick_device, pick_dtype, pick_precision, resolve_model_dir
+    from ..model_loader import eos_ids, gguf_source, gguf_target, load_model, resolve_model_dir
+    from ..plan import make_plan, model_facts, probe_machine
     from ..tokenizer import HFTokenizer
+    from .gguf_model import GGUFModel
     from .kernels import load_kernels
     from .model_runner import ModelRunner
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    model_dir = resolve_model_dir(config)
-    device = pick_device(config.device)
-    model = load_model(model_dir, device, pick_dtype(config.dtype, device))
-    precision = pick_precision(config, device, model.dtype)
-    kernels = load_kernels(config.model_cache_dir) if device == "cpu" else None
+    gguf = gguf_source(config)
+    folder = gguf_target(config, gguf) if gguf is not None else resolve_model_dir(config)
+    plan = make_plan(config, model_facts(gguf, folder), probe_machine(config.device))
+    kernels = load_kernels(config.model_cache_dir) if plan.cpu_kernels else None
+    if plan.cpu_kernels and kernels is None:
+        plan = plan.without_cpu_kernels()
+    # a GGUF of a described architecture is read straight from its file; anything else through transformers
+    direct = gguf is not None and plan.model == "compact"
+    model_dir = resolve_model_dir(config, weights=not direct)
+    dtype = plan.torch(plan.dtype)
+    model = GGUFModel(gguf, plan.device, dtype) if direct else load_model(model_dir, plan.device, dtype)
     tokenizer = HFTokenizer(model_dir)
-    eos = eos_ids(model, tokenizer.tok)
-    runner = ModelRunner(model, config.rows, config.context_length, precision, kernels)
-    model_dtype = model.dtype
-    dtype = str(model_dtype).removeprefix("torch.")
+    eos = eos_ids(model_dir, tokenizer.tok)
+    runner = ModelRunner(model, config.rows, config.context_length, plan, kernels)
     del model  # the runner holds its own (packed or quantized) copies of the weights
-    kv = str(runner.cache.dtype).removeprefix("torch.")
-    batch = str(precision.batch_dtype or model_dtype).removeprefix("torch.")
-    vnni = precision.int8_inputs and kernels is not None and kernels.vnni()
-    matmuls = "int8" if vnni else batch
-    inputs = "every row's inputs int8 (VNNI tiles)" if vnni else "inputs of up to 16 rows " + (
-        "int8" if precision.int8_inputs else dtype)
-    log.warning("model %s on %s (%s, weights %s, %s layers, multi-row matmuls %s, %s); KV cache %s, "
-                "%.0f MiB for %d rows x %d tokens", model_dir, device, dtype, precision.quantize, runner.kind,
-                matmuls, inputs, kv, runner.cache.nbytes / 2**20, config.rows, config.context_length)
-    engine = Engine(runner, tokenizer, config.rows, config.context_length, config.prefill_chunk, eos,
-                    config.test_fault_text, config.prefix_cache)
-    ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, device,
-                        dtype, precision.quantize, kv, matmuls, precision.int8_inputs)
+    if plan.model != "compact":
+        log.warning("architecture %r is not described for the compact decoder: it runs on transformers' layers "
+                    "(correct, slower)", plan.arch)
+    log.warning("model %s on %s; KV cache %.0f MiB for %d rows x %d tokens", model_dir, plan.describe(),
+                runner.cache.nbytes / 2**20, config.rows, config.context_length)
+    engine = _engine(config, runner, tokenizer, config.rows, config.context_length, config.prefill_chunk, eos,
+                     prefix_cache=config.prefix_cache)
+    ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, plan.device,
+                        plan.dtype, plan.quantize, plan.kv_dtype, plan.matmul_dtype, plan.int8_inputs)
     return engine, ready
 
 

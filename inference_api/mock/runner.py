@@ -23,16 +23,14 @@ class MockRunner:
             self._prompt_len[row] = start + len(chunk)
         return self._logits(rows, [self._prompt_len[r] for r in rows])
 
-    def decode(self, tokens: torch.Tensor, positions: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         wait = self._last_step + self.step_seconds - time.monotonic()
         if wait > 0:
             time.sleep(wait)  # the mock's decode rate; a real model spends this time computing
         self._last_step = time.monotonic()
-        rows = list(range(tokens.shape[0]))
-        for row, token, pos, on in zip(rows, tokens.tolist(), positions.tolist(), active.tolist()):
-            if on:
-                self._cached[row][pos:] = [token]
-        return self._logits(rows, [p + 1 for p in positions.tolist()])
+        for row, token, pos in zip(rows, tokens, positions):
+            self._cached[row][pos:] = [token]
+        return self._logits(rows, [p + 1 for p in positions])
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         self._cached[dst] = self._cached[src][:length]

@@ -24,10 +24,10 @@ class SpyRunner(MockRunner):
         self.prefills.append([len(c) for c in chunks])
         return super().prefill(rows, chunks, starts)
 
-    def decode(self, tokens, positions, active):
+    def decode(self, rows, tokens, positions):
         if self.fail_decode:
             raise RuntimeError("device lost")
-        return super().decode(tokens, positions, active)
+        return super().decode(rows, tokens, positions)
 
     def copy_prefix(self, src, dst, length):
         self.copies.append((src, dst, length))
@@ -74,7 +74,7 @@ def test_more_requests_than_rows_all_finish_with_their_own_text_and_free_everyth
         assert text(events[sid]) == ("Echo: " + prompt)[:20]  # the mock echoes its own row's prompt
         assert events[sid][-1].finish_reason is FinishReason.LENGTH
         assert events[sid][-1].completion_tokens == 20 and events[sid][-1].prompt_tokens == len(prompt)
-    assert engine.stats.rows_in_use == 0 and not engine.sessions and not engine.running
+    assert engine.stats.rows_in_use == 0 and not engine.sessions and not engine.scheduler.running
 
 
 def test_long_prompt_is_prefilled_in_bounded_chunks_while_other_rows_keep_decoding():

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from inference_api.engine.kernels import load_kernels
 from inference_api.engine.kv_cache import quantize_heads
-from inference_api.engine.llama import _rope
+from inference_api.engine.compact import _rope
 from inference_api.engine.quant import Int4Weight, QuantLinear, quantize_int4, quantize_int8
 from servers import MODEL_CACHE
 

@@ -703,7 +703,7 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
   }
 #endif
 #if defined(WOQ_SIMD) && defined(__AVX2__)
-  if (int8_inputs && G % 32 == 0 && M <= FEW_ROWS) {
+  if (int8_inputs && G % 32 == 0) {
     const Q8Rows xr(xp, M, K);
     auto pass = [&](auto rw, int64_t n, int64_t rows, float* out) {
       row_groups(M, [&](auto mr, int64_t i) {
@@ -759,7 +759,7 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
   }
 #endif
 #if defined(WOQ_SIMD) && defined(__AVX2__)
-  if (int8_inputs && M <= FEW_ROWS) {
+  if (int8_inputs) {
     const Q8Rows xr(xp, M, K);
     auto pass = [&](auto rw, int64_t n, int64_t rows, float* out) {
       row_groups(M, [&](auto mr, int64_t i) {
@@ -958,23 +958,28 @@ inline void vector_values(const float* p, int64_t stride, const T* v, int64_t n,
 // positions whose int8 keys the vector path converts to float at a time: 16 KB for D = 64, in L1
 constexpr int64_t POSITION_BLOCK = 64;
 
-// One query token per row against that row's first lengths[b] cached positions; each kv head's keys
-// and values are read once for all the query heads that share it (grouped-query attention). An int8 cache
+// One query token per entry b against cached positions starts[b] .. lengths[b] - 1 of its cache row rows[b]
+// (rows null: row b; starts null: from 0, else a sliding window's first position); each kv head's keys and
+// values are read once for all the query heads that share it (grouped-query attention). An int8 cache
 // (T = int8_t) carries one float16 scale per row, head and position in ks and vs; other caches pass null.
+// A query's result depends only on its own row, positions and values: never on the other entries (the same
+// numbers for a token whether it is decoded alone, among 32 rows, or prefilled in any chunk).
 template <typename T>
 void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Half* ks, const c10::Half* vs,
-                           const int64_t* lengths, float* out, int64_t B, int64_t Hq, int64_t Hk, int64_t S,
-                           int64_t D, float scale) {
+                           const int64_t* lengths, const int64_t* rows, const int64_t* starts, float* out,
+                           int64_t B, int64_t Hq, int64_t Hk, int64_t S, int64_t D, float scale) {
   const int64_t group = Hq / Hk;
   at::parallel_for(0, B * Hk, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores, vf;
     std::vector<float> kf(D), acc(D);
     for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / Hk, kh = t % Hk, n = std::max<int64_t>(1, std::min(lengths[b], S));
-      const T* kp = k + (b * Hk + kh) * S * D;
-      const T* vp = v + (b * Hk + kh) * S * D;
-      const c10::Half* ksp = ks ? ks + (b * Hk + kh) * S : nullptr;
-      const c10::Half* vsp = vs ? vs + (b * Hk + kh) * S : nullptr;
+      const int64_t b = t / Hk, kh = t % Hk, row = rows ? rows[b] : b;
+      const int64_t end = std::max<int64_t>(1, std::min(lengths[b], S));
+      const int64_t first = starts ? std::min(std::max<int64_t>(0, starts[b]), end - 1) : 0, n = end - first;
+      const T* kp = k + ((row * Hk + kh) * S + first) * D;
+      const T* vp = v + ((row * Hk + kh) * S + first) * D;
+      const c10::Half* ksp = ks ? ks + (row * Hk + kh) * S + first : nullptr;
+      const c10::Half* vsp = vs ? vs + (row * Hk + kh) * S + first : nullptr;
       scores.assign(group * n, 0.f);
       const float* qb = q + (b * Hq + kh * group) * D;  // the group's query heads, one after another
       float* ob = out + (b * Hq + kh * group) * D;
@@ -1057,23 +1062,39 @@ void dispatch_cache(const torch::Tensor& cache, F f) {
   }
 }
 
-// q [B, Hq, D] float; k, v [rows >= B, Hk, S, D] float, bfloat16, float16 or int8 (with ks, vs); lengths [B]
+// q [B, Hq, D] float; k, v [rows, Hk, S, D] float, bfloat16, float16 or int8 (with ks, vs); lengths [B];
+// rows [B] each query's cache row (none: rows 0 .. B-1); starts [B] its first attended position (none: 0)
 // -> [B, Hq, D]
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const Scales& ks, const Scales& vs, const torch::Tensor& lengths, double scale) {
+                               const Scales& ks, const Scales& vs, const torch::Tensor& lengths, double scale,
+                               const c10::optional<torch::Tensor>& rows, const c10::optional<torch::Tensor>& starts) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.is_contiguous() && v.is_contiguous() && k.dim() == 4);
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && lengths.scalar_type() == at::kLong);
   auto qc = q.contiguous();
   auto lc = lengths.contiguous();
   const int64_t B = qc.size(0), Hq = qc.size(1), D = qc.size(2), Hk = k.size(1), S = k.size(2);
-  TORCH_CHECK(k.size(0) >= B && k.size(3) == D && Hq % Hk == 0 && lc.size(0) == B);
+  TORCH_CHECK(k.size(3) == D && Hq % Hk == 0 && lc.size(0) == B);
+  torch::Tensor rc, sc;
+  if (rows.has_value()) {
+    rc = rows->contiguous();
+    TORCH_CHECK(rc.scalar_type() == at::kLong && rc.numel() == B, "rows: one long per query");
+    TORCH_CHECK(B == 0 || (rc.min().item<int64_t>() >= 0 && rc.max().item<int64_t>() < k.size(0)), "rows out of range");
+  } else {
+    TORCH_CHECK(k.size(0) >= B);
+  }
+  if (starts.has_value()) {
+    sc = starts->contiguous();
+    TORCH_CHECK(sc.scalar_type() == at::kLong && sc.numel() == B, "starts: one long per query");
+  }
   auto out = torch::empty({B, Hq, D}, qc.options());
   const c10::Half *ksp = scales_of(ks, k), *vsp = scales_of(vs, v);
   dispatch_cache(k, [&](auto zero) {
     using T = decltype(zero);
     decode_attention_impl<T>(qc.data_ptr<float>(), static_cast<const T*>(k.data_ptr()),
                              static_cast<const T*>(v.data_ptr()), ksp, vsp, lc.data_ptr<int64_t>(),
-                             out.data_ptr<float>(), B, Hq, Hk, S, D, static_cast<float>(scale));
+                             rows.has_value() ? rc.data_ptr<int64_t>() : nullptr,
+                             starts.has_value() ? sc.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(), B, Hq,
+                             Hk, S, D, static_cast<float>(scale));
   });
   return out;
 }
@@ -1237,7 +1258,7 @@ using LinearParts = std::tuple<torch::Tensor, torch::Tensor, c10::optional<torch
                                c10::optional<torch::Tensor>, bool, Packed, Packed>;  // q, a, b, bias, int8_inputs, VNNI q, scales
 using LayerParts = std::tuple<torch::Tensor, LinearParts, LinearParts, torch::Tensor, LinearParts, LinearParts>;
 
-// The decoder layers of a llama-family decode step in one call (llama.py's CompactLM._decode, same kernels,
+// The decoder layers of a llama-family decode step in one call (compact.py's CompactLM._decode, same kernels,
 // same order): no Python between the dozen calls of each layer. The weights are held; the cache and the
 // step's positions are passed in.
 class Decoder {
@@ -1268,7 +1289,8 @@ class Decoder {
       const Scales ks = key_scales.empty() ? Scales() : Scales(key_scales[i]);
       const Scales vs = value_scales.empty() ? Scales() : Scales(value_scales[i]);
       auto q = rope_store(l.qkv(rms_norm(h, l.attn_norm, eps_)), cos, sin, keys[i], values[i], ks, vs, write, heads_, c10::nullopt);
-      auto a = decode_attention(q, keys[i], values[i], ks, vs, lengths, 1.0 / std::sqrt(double(keys[i].size(3))));
+      auto a = decode_attention(q, keys[i], values[i], ks, vs, lengths, 1.0 / std::sqrt(double(keys[i].size(3))),
+                                c10::nullopt, c10::nullopt);
       h.add_(l.o(a.view({B, -1})));
       h.add_(l.down(silu_mul(l.gate_up(rms_norm(h, l.mlp_norm, eps_)))));
     }
@@ -1298,7 +1320,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_inputs") = false, py::arg("vnni_q") = py::none(),
         py::arg("vnni_s") = py::none());
   m.def("vnni", &vnni, "whether the VNNI tiles were built (AVX512-VNNI)");
-  m.def("decode_attention", &decode_attention, "one query token per row over its cached positions");
+  m.def("decode_attention", &decode_attention, "one query token per entry over its row's cached positions",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("ks"), py::arg("vs"), py::arg("lengths"), py::arg("scale"),
+        py::arg("rows") = py::none(), py::arg("starts") = py::none());
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over the last dimension's halves [gate | up]");
   m.def("rope_store", &rope_store, "rotary embedding, each token's key and value into the cache", py::arg("qkv"),

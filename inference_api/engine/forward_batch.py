@@ -1,0 +1,58 @@
+"""The explicit batch one forward runs on, built by the runner from the scheduler's step and handed to the model
+(as gpt-fast passes ``input_pos``): nothing about a forward is left on the cache or the model between calls.
+
+Entries are laid out [B, T]: each entry is one row's chunk of tokens, left-padded so that every entry's last
+token is last. ``write`` says where each token's key and value go in its row's cache; padding (and an idle
+row of a decode step) writes to the cache's scratch position, which no row ever attends to.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class ForwardBatch:
+    ids: torch.Tensor  # [B, T] token ids (0 in padding)
+    positions: torch.Tensor  # [B, T] each token's position in its row (0 in padding)
+    write: torch.Tensor  # [B, T] the cache position each token writes (the scratch position for padding)
+    rows: torch.Tensor  # [B] each entry's cache row
+    attend: int  # how many cached positions attention reads (the longest entry's end)
+    scratch: int  # the cache's scratch position
+    decode: bool = False  # one token for each of rows 0..B-1 (the decode kernels' layout; idle rows padding)
+    last_only: bool = True  # logits of each entry's last token only ([B, V]); else of every token ([B, T, V])
+    _masks: dict = field(default_factory=dict, repr=False)
+
+    def __post_init__(self):
+        self.real = self.write != self.scratch  # [B, T]
+        flat = self.real.reshape(-1)
+        self.tokens = flat.nonzero()[:, 0]  # [N] the real tokens' indices into B * T
+        self.token_rows = self.rows.repeat_interleave(self.ids.shape[1])[self.tokens]  # [N] each token's row
+        self.token_positions = self.positions.reshape(-1)[self.tokens]  # [N]
+        self.token_writes = self.write.reshape(-1)[self.tokens]  # [N]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.ids.shape[0], self.ids.shape[1]
+
+    @property
+    def last(self) -> torch.Tensor:
+        """[B] each entry's last real token, as an index into the real tokens (chunks are left-padded)."""
+        return self.real.sum(1).cumsum(0) - 1
+
+    def visible(self, window: int | None = None) -> torch.Tensor:
+        """[B, T, attend] which cached positions each token attends to: its row's positions up to its own (the
+        last ``window`` of them for a sliding-window layer); padding sees position 0 only."""
+        if window not in self._masks:
+            keys = torch.arange(self.attend, device=self.ids.device)
+            pos = self.positions[..., None]
+            seen = keys <= pos
+            if window is not None:
+                seen &= keys > pos - window
+            self._masks[window] = torch.where(self.real[..., None], seen, keys == 0)
+        return self._masks[window]
+
+    def lengths(self) -> torch.Tensor:
+        """[B] a decode step's positions attended per row (its position + 1; 1 for an idle row)."""
+        return self.visible()[:, 0].sum(-1)

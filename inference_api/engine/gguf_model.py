@@ -1,0 +1,184 @@
+"""A GGUF file read straight into the compact decoder, as llama.cpp reads it: its hyperparameters from the
+file's metadata (with llama.cpp's defaults where the file is silent), its tensors by llama.cpp's names, one
+at a time, so no float32 checkpoint is ever written or held whole.
+
+``GGUFModel`` stands where a transformers model stands for the runner: ``config`` (a transformers config
+built from the metadata, which architectures.describe reads), ``device``, ``dtype``, and the weights by role
+(``weights()``) for compact.build_compact. Tensors are dequantized with gguf-py and handed to the linears the
+plan picked.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+# llama.cpp's architecture names -> transformers' model_type, for the architectures the compact decoder runs
+ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
+         "gemma3": "gemma3_text", "phi3": "phi3", "falcon": "falcon"}
+# llama.cpp rotates adjacent pairs for these (rope type NORM): convert_hf_to_gguf permuted their q and k rows,
+# which are permuted back here for the half-split rotary the decoder runs
+ROPE_NORM = {"llama"}
+# sliding-window layers: llama.cpp's pattern per architecture when the file has no per-layer key (layer i
+# slides unless i % n == n - 1)
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+
+
+class GGUFModel:
+    def __init__(self, path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
+        from gguf import GGUFReader
+
+        self.path = Path(path)
+        self.reader = GGUFReader(str(path))
+        self.tensors = {t.name: t for t in self.reader.tensors}
+        self.arch = self._field("general.architecture")
+        if self.arch not in ARCHS:
+            raise ValueError(f"GGUF architecture {self.arch!r} is not one the compact decoder runs")
+        self.config = gguf_config(self)
+        self.device, self.dtype = torch.device(device), dtype
+
+    def _field(self, key: str, default=None):
+        f = self.reader.fields.get(key)
+        return default if f is None else f.contents()
+
+    def hparam(self, key: str, default=None):
+        return self._field(f"{self.arch}.{key}", default)
+
+    def tensor(self, name: str) -> torch.Tensor | None:
+        """A tensor dequantized to float32, rows first ([out, in] for a weight), or None if the file has none."""
+        from gguf.quants import dequantize
+
+        t = self.tensors.get(name)
+        if t is None:
+            return None
+        data = np.asarray(dequantize(t.data, t.tensor_type), dtype=np.float32)
+        shape = tuple(int(n) for n in reversed(t.shape))
+        return torch.from_numpy(data.reshape(shape).copy())
+
+    def _unpermute(self, w: torch.Tensor | None, heads: int) -> torch.Tensor | None:
+        """convert_hf_to_gguf's permutation of q or k rows (per head: pairs interleaved) undone."""
+        if w is None or self.arch not in ROPE_NORM:
+            return w
+        rest = w.shape[1:]
+        return w.reshape(heads, w.shape[0] // heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+
+    def weights(self) -> "GGUFWeights":
+        return GGUFWeights(self)
+
+
+class GGUFWeights:
+    """The weights by role for compact.build_compact, read one tensor at a time (llama.cpp's names; its norms
+    already hold Gemma's 1 + w)."""
+
+    def __init__(self, model: GGUFModel):
+        self.m = model
+        self.heads = model.config.num_attention_heads
+        self.kv_heads = model.config.num_key_value_heads
+
+    def embed(self) -> torch.Tensor:
+        return self.m.tensor("token_embd.weight")
+
+    def head(self) -> torch.Tensor | None:
+        """The output head, or None when it is the token embedding (tied)."""
+        return self.m.tensor("output.weight")
+
+    def final_norm(self) -> torch.Tensor:
+        return self.m.tensor("output_norm.weight")
+
+    def final_norm_bias(self) -> torch.Tensor | None:
+        return self.m.tensor("output_norm.bias")
+
+    def layer(self, i: int) -> dict[str, torch.Tensor | None]:
+        t = lambda name: self.m.tensor(f"blk.{i}.{name}")  # noqa: E731
+        qkv, qkv_bias = t("attn_qkv.weight"), t("attn_qkv.bias")
+        if qkv is None:  # q, k and v apart: q and k back to the half-split rotary's order, then fused
+            parts = [self.m._unpermute(t("attn_q.weight"), self.heads), self.m._unpermute(t("attn_k.weight"), self.kv_heads),
+                     t("attn_v.weight")]
+            qkv = torch.cat(parts)
+            biases = [self.m._unpermute(t("attn_q.bias"), self.heads), self.m._unpermute(t("attn_k.bias"), self.kv_heads),
+                      t("attn_v.bias")]
+            qkv_bias = None if any(b is None for b in biases) else torch.cat(biases)
+        gate = t("ffn_gate.weight")
+        up = t("ffn_up.weight")
+        gate_up = up if gate is None else torch.cat([gate, up])  # phi3: ffn_up holds [gate | up]
+        norms = dict(attn_norm=t("attn_norm.weight"), attn_norm_b=t("attn_norm.bias"), mlp_norm=t("ffn_norm.weight"),
+                     mlp_norm_b=t("ffn_norm.bias"))
+        if self.m.arch == "falcon":  # one LayerNorm for both (7B), or attention's own norm_2 (40B)
+            first = norms["attn_norm"], norms["attn_norm_b"]
+            second = t("attn_norm_2.weight"), t("attn_norm_2.bias")
+            norms = dict(attn_norm=second[0] if second[0] is not None else first[0],
+                         attn_norm_b=second[1] if second[0] is not None else first[1], mlp_norm=first[0],
+                         mlp_norm_b=first[1])
+            if second[0] is None:
+                norms["mlp_norm"], norms["mlp_norm_b"] = norms["attn_norm"], norms["attn_norm_b"]
+        return dict(**norms, qkv=qkv, qkv_bias=qkv_bias, o=t("attn_output.weight"),
+                    o_bias=t("attn_output.bias"), gate_up=gate_up,
+                    down=t("ffn_down.weight"), q_norm=t("attn_q_norm.weight"), k_norm=t("attn_k_norm.weight"),
+                    post_attn_norm=t("post_attention_norm.weight"), post_mlp_norm=t("post_ffw_norm.weight"))
+
+    def drop_layer(self, i: int) -> None:
+        """Nothing held: each tensor is read when asked for."""
+
+
+def gguf_config(m: GGUFModel):
+    """A transformers config for the file's metadata, as llama.cpp's load_hparams reads it."""
+    from transformers import AutoConfig
+
+    arch = m.arch
+    embd = m.tensors["token_embd.weight"]
+    hidden = int(m.hparam("embedding_length"))
+    heads = int(m.hparam("attention.head_count"))
+    head_dim = int(m.hparam("attention.key_length") or hidden // heads)
+    layers = int(m.hparam("block_count"))
+    kw = dict(vocab_size=int(embd.shape[1]), hidden_size=hidden, intermediate_size=int(m.hparam("feed_forward_length")),
+              num_hidden_layers=layers, num_attention_heads=heads,
+              num_key_value_heads=int(m.hparam("attention.head_count_kv") or heads), head_dim=head_dim,
+              rms_norm_eps=float(m.hparam("attention.layer_norm_rms_epsilon", 1e-5)),
+              rope_theta=float(m.hparam("rope.freq_base", 10000.0)),
+              max_position_embeddings=int(m.hparam("context_length", 4096)),
+              tie_word_embeddings="output.weight" not in m.tensors)
+    rot = m.hparam("rope.dimension_count")
+    if rot and int(rot) != head_dim:
+        kw["partial_rotary_factor"] = int(rot) / head_dim
+    if m.hparam("rope.scaling.type") == "linear" and m.hparam("rope.scaling.factor"):
+        kw["rope_scaling"] = {"rope_type": "linear", "factor": float(m.hparam("rope.scaling.factor"))}
+    if arch in ("gemma", "gemma2", "gemma3"):
+        kw["hidden_activation"] = "gelu_pytorch_tanh"
+        # llama.cpp's attention scale: 1 / sqrt(head_dim), but for the 27B models 1 / sqrt(hidden / heads)
+        kw["query_pre_attn_scalar"] = hidden // heads if layers in (46, 62) else head_dim
+    window = m.hparam("attention.sliding_window")
+    if arch in SWA_PATTERN and window:
+        n = int(m.hparam("attention.sliding_window_pattern", SWA_PATTERN[arch]))
+        kw["sliding_window"] = int(window)
+        kw["layer_types"] = ["sliding_attention" if n == 0 or i % n < n - 1 else "full_attention" for i in range(layers)]
+    elif arch in SWA_PATTERN:
+        kw["layer_types"] = ["full_attention"] * layers
+    if arch == "gemma2":
+        kw["attn_logit_softcapping"] = m.hparam("attn_logit_softcapping")
+        kw["final_logit_softcapping"] = m.hparam("final_logit_softcapping")
+    if arch == "gemma3":
+        kw["rope_local_base_freq"] = float(m.hparam("rope.freq_base_swa", 10000.0))
+        kw["final_logit_softcapping"] = m.hparam("final_logit_softcapping")
+    if arch == "qwen2":
+        kw["use_sliding_window"] = False
+    if arch == "falcon":
+        eps = float(m.hparam("attention.layer_norm_epsilon", 1e-5))
+        kw.update(layer_norm_epsilon=eps, num_kv_heads=kw["num_key_value_heads"], activation="gelu",
+                  alibi=False, rope_theta=kw["rope_theta"],
+                  new_decoder_architecture="blk.0.attn_norm_2.weight" in m.tensors, parallel_attn=True,
+                  multi_query=kw["num_key_value_heads"] == 1, bias=False, ffn_hidden_size=kw.pop("intermediate_size"))
+        kw.pop("rms_norm_eps")
+    config = AutoConfig.for_model(ARCHS[arch], **{k: v for k, v in kw.items() if arch != "falcon" or k != "head_dim"})
+    for key in ("num_key_value_heads", "head_dim"):  # what the decoder reads, whatever the config class calls it
+        if getattr(config, key, None) != kw[key]:
+            setattr(config, key, kw[key])
+    factors = m.tensor("rope_freqs.weight")  # Llama 3's rope scaling, as llama.cpp applies it: per-frequency divisors
+    if factors is not None:
+        config.rope_freq_factors = [float(f) for f in factors]
+    return config
+
+
+def gguf_params(m: GGUFModel) -> int:
+    return sum(math.prod(int(n) for n in t.shape) for t in m.reader.tensors)

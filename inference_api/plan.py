@@ -1,0 +1,151 @@
+"""The execution plan: device, dtypes, KV cache type, kernels and model kind, decided once and read everywhere.
+
+``make_plan`` is pure: it takes the flags, a few facts about the model (its architecture, whether it is a
+GGUF and the quantization of its linears) and a few facts about the machine (CPU flags, CUDA), and returns
+the one ``ExecutionPlan`` that pre-flight sizes, the engine process loads, the runner allocates the KV cache
+by and the layers pick their kernels from. Nothing else decides any of these, so pre-flight's figures and
+what the engine allocates cannot drift apart. ``probe_machine`` and ``model_facts`` gather the facts
+(reading /proc/cpuinfo, asking torch for CUDA only where a driver is present, reading model metadata only).
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+from .config import ServerConfig
+
+QUANTIZE_MODES = ("none", "int8", "int4")
+
+
+@dataclass(frozen=True)
+class Machine:
+    cpu_flags: frozenset[str] = frozenset()
+    cuda: bool = False  # a CUDA device torch can use
+    cuda_bf16: bool = False  # that device multiplies bfloat16
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    arch: str  # transformers' model_type ("llama", "gemma3_text", ...); "" when unknown
+    gguf: bool = False  # the weights come from a GGUF file
+    gguf_quantize: str = "none"  # the weight-only mode that keeps the GGUF's own linears: none | int8 | int4
+
+
+@dataclass(frozen=True)
+class ExecutionPlan:
+    """How the engine runs the model. dtype names are torch's without the prefix ("float32")."""
+
+    device: str  # cpu | cuda | cuda:N
+    dtype: str  # activations and the weights that stay dense
+    quantize: str = "none"  # none | int8 | int4: the linears' weights
+    group: int | None = None  # int8 scale group: 32 for a GGUF's blocks (as Q8_0), None: one per output channel
+    kv_dtype: str = "float32"
+    batch_dtype: str | None = None  # a oneDNN copy the CPU's quantized linears run several rows on (None: none)
+    int8_inputs: bool = False  # the CPU kernels round up to 16 rows' inputs to int8 blocks, as llama.cpp does
+    vnni: bool = False  # ... and every row count's, through the AVX512-VNNI tiles over weights packed at load
+    cpu_kernels: bool = False  # the compiled CPU kernels run norms, rotary, attention and quantized linears
+    model: str = "compact"  # compact (engine/compact.py, described by engine/architectures.py) | transformers
+    arch: str = ""
+
+    @property
+    def matmul_dtype(self) -> str:
+        """What several rows' matmuls run in: int8 on the VNNI tiles, a oneDNN copy's dtype, else the model's."""
+        return "int8" if self.vnni else self.batch_dtype or self.dtype
+
+    def torch(self, name: str | None):
+        """A dtype name of this plan as torch's dtype (None stays None)."""
+        import torch
+
+        return None if name is None else getattr(torch, name)
+
+    def without_cpu_kernels(self) -> "ExecutionPlan":
+        """The plan when the kernels cannot be compiled here: quantized weights are served dequantized."""
+        return replace(self, cpu_kernels=False, int8_inputs=False, vnni=False)
+
+    def describe(self) -> str:
+        inputs = "every row's inputs int8 (VNNI tiles)" if self.vnni else "inputs of up to 16 rows " + (
+            "int8" if self.int8_inputs else self.dtype)
+        kind = f"{self.arch} {self.model} layers" if self.arch else f"{self.model} layers"
+        return (f"{self.device} ({self.dtype}, weights {self.quantize}, {kind}, multi-row matmuls "
+                f"{self.matmul_dtype}, {inputs}, KV cache {self.kv_dtype})")
+
+
+def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> ExecutionPlan:
+    """The plan for these flags, this model and this machine. Pure."""
+    from .engine.architectures import supported
+
+    device = config.device if config.device != "auto" else "cuda" if machine.cuda else "cpu"
+    cuda = device.startswith("cuda")
+    if config.dtype != "auto":
+        dtype = config.dtype
+    else:  # CPU: float32 is the fast and exact choice for small models
+        dtype = ("bfloat16" if machine.cuda_bf16 else "float16") if cuda else "float32"
+    if config.quantize != "auto":
+        quantize = config.quantize
+    else:  # auto keeps a GGUF file's own quantization; a folder is served as it is
+        quantize = model.gguf_quantize if model.gguf and config.dtype in ("auto", "float32") else "none"
+    compact = supported(model.arch, gguf=model.gguf)
+    quantized_cpu = quantize != "none" and device == "cpu"
+    # next to quantized weights on CPU the compact model holds its KV cache in int8 (transformers' layers
+    # cannot read one, so they keep the model's dtype)
+    if config.kv_dtype != "auto":
+        kv = config.kv_dtype if compact else dtype
+    else:
+        kv = "int8" if quantized_cpu and compact else dtype
+    flags = machine.cpu_flags
+    # several rows on a bfloat16 copy only where the CPU multiplies bfloat16 but has no AVX512-VNNI: the VNNI
+    # tiles compute each row the same whatever the batch (batch-invariant answers), hold no copy, and on the
+    # AMX Xeon of 2026-11-24 ran a 32-row decode step in 41 ms against the AMX bfloat16 copy's 51 (prefill
+    # 1.3x slower); Zen 4 (AVX512-BF16 and VNNI): 0.6 of bfloat16's time (docs/performance.md)
+    bf16 = ("amx_bf16" in flags or "avx512_bf16" in flags) and "avx512_vnni" not in flags
+    cpu_kernels = device == "cpu" and dtype == "float32"
+    int8_inputs = quantized_cpu and config.dtype == "auto" and cpu_kernels
+    return ExecutionPlan(
+        device=device, dtype=dtype, quantize=quantize, group=32 if model.gguf else None, kv_dtype=kv,
+        batch_dtype="bfloat16" if quantized_cpu and config.dtype == "auto" and bf16 else None,
+        int8_inputs=int8_inputs, vnni=int8_inputs and "avx512_vnni" in flags, cpu_kernels=cpu_kernels,
+        model="compact" if compact else "transformers", arch=model.arch)
+
+
+# the facts, gathered
+def cpu_flags() -> frozenset[str]:
+    """This CPU's feature flags (empty where /proc/cpuinfo cannot tell)."""
+    try:
+        flags = next((line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags")), "")
+    except OSError:
+        return frozenset()
+    return frozenset(flags.split())
+
+
+def probe_machine(device: str = "auto") -> Machine:
+    """The machine's facts; torch is imported only where CUDA can matter (a driver is present, or asked for)."""
+    wants_cuda = device.startswith("cuda") or (
+        device == "auto" and (Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi")))
+    if not wants_cuda:
+        return Machine(cpu_flags())
+    import torch
+
+    cuda = torch.cuda.is_available()
+    return Machine(cpu_flags(), cuda, cuda and torch.cuda.is_bf16_supported())
+
+
+def folder_arch(folder: Path) -> str:
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return ""
+    return cfg.get("text_config", cfg).get("model_type", "") if cfg.get("model_type") != "gemma3" else "gemma3_text"
+
+
+def model_facts(gguf: Path | None, folder: Path | None) -> ModelFacts:
+    """Facts from metadata only: for a GGUF, its folder's stamp when the folder holds its conversion, else the
+    file's header; for a folder, its config.json."""
+    if gguf is None:
+        return ModelFacts(folder_arch(folder) if folder is not None else "")
+    from .gguf_meta import model_type, read_header
+    from .model_loader import read_stamp
+
+    header = (read_stamp(gguf, folder) if folder is not None else None) or read_header(gguf)
+    return ModelFacts(model_type(header["arch"]), True, header["quantize"])

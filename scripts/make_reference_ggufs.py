@@ -1,0 +1,785 @@
+#!/usr/bin/env python3
+"""Regenerate the tiny random GGUF models in tests/data/gguf/ and llama.cpp's reference results for them.
+
+    .venv/bin/python scripts/make_reference_ggufs.py [--llama-dir DIR] [--only llama,gemma3] [--skip-server]
+
+What it does (everything intermediate lives in a temporary directory that is removed afterwards):
+
+1. trains a tiny byte-level BPE tokenizer (vocab ~512) on tests/data/english.txt with `tokenizers`;
+2. for every architecture in ARCHS builds a random transformers model (fixed seed, small init, a strong embedding /
+   "bigram" path so that llama.cpp's top-1 is the same at every precision, query/key scaled so that attention and rope
+   matter, final norm calibrated to a mean top-1 probability of 0.4), converts it to an f32 GGUF with llama.cpp's own convert_hf_to_gguf.py
+   (imported from the llama.cpp source, with its own gguf-py, and with the BPE pre-tokenizer check monkeypatched
+   to "gpt-2"), and quantizes it with llama-quantize;
+3. runs llama-perplexity on tests/data/english.txt with --kl-divergence-base for every GGUF and for the f32 GGUF
+   of the same model, decodes the dumped log-probabilities and writes tests/data/gguf/reference.json (with the
+   quantized file's top-1 agreement with llama.cpp's own f32 answers);
+4. (unless --skip-server) asks llama-server on 127.0.0.1 for the tokenization and greedy completions of a few
+   strings with the real gemma-3-270m Q4_K_M file and the SmolLM2 GGUF bundled in the venv, written to
+   tests/data/gguf/gemma3-270m-llamacpp.json and tests/data/gguf/smollm2-llamacpp.json.
+
+llama.cpp comes from the peer build (`bash /work/shared/peers/build-llama-server.sh`), by default in
+~/.cache/llama-server-peer (override with --llama-dir or LLAMA_SERVER_DIR). Only loopback traffic is used.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+DATA = REPO / "tests" / "data"
+OUT_DIR = DATA / "gguf"
+TEXT_FILE = DATA / "english.txt"
+
+HIDDEN = 256          # K-quants need rows that are multiples of 256
+INTERMEDIATE = 512
+N_HEADS = 4           # head_dim 64
+VOCAB_TARGET = 512
+SEED = 1234
+
+# perplexity settings
+PPL_CTX = 128
+PPL_CHUNKS = 4
+PPL_THREADS = 2
+TOPK = 5
+# How the random models are made tame but still give llama.cpp a clear, quantization-proof answer (README.md):
+INIT = 0.02           # initializer_range (standard small init; 0.2 made the models chaotic)
+EMB_SCALE = 2.5       # embedding factor: the current token's embedding is a large share of the final hidden state...
+HEAD_COPY = 2.0       # ...and untied heads get the embedding of a fixed vocab permutation added, so the top-1 is an
+                      # outlier (a "bigram" answer) that 4-bit weights cannot flip; the layers shape the rest
+QK_SCALE = 5.0        # query/key factor: attention logits of std ~2.5 instead of ~0.1, so positions (rope) matter
+TARGET_TOP1 = 0.4     # mean top-1 probability the final norm is calibrated to (uniform would be 1/512)
+
+# name -> spec. "quants": llama-quantize types to produce (file tests/data/gguf/<name>-<type>.gguf).
+# Optional overrides: "init", "emb_scale", "head_copy", "qk_scale" (qwen3/gemma3 scale their q/k norms instead:
+# those already give attention logits of std ~1).
+ARCHS: dict[str, dict] = {
+    "llama": dict(quants=["Q4_K_M", "Q8_0", "Q4_0", "Q5_K_M", "Q6_K"]),
+    "llama3rope": dict(quants=["Q4_K_M"]),
+    "mistral": dict(quants=["Q4_K_M"]),
+    "qwen2": dict(quants=["Q4_K_M"]),
+    "qwen3": dict(quants=["Q4_K_M"], qk_scale=1.6),
+    "gemma": dict(quants=["Q4_K_M"], emb_scale=0.5),   # its embedding is multiplied by sqrt(hidden)
+    "gemma2": dict(quants=["Q4_K_M"], emb_scale=6.0),
+    "gemma3": dict(quants=["Q4_K_M"], emb_scale=10.0, qk_scale=1.6),
+    "phi3": dict(quants=["Q4_K_M"]),
+    "falcon": dict(quants=["Q4_K_M"], emb_scale=4.0),
+    "falcon40b": dict(quants=["Q4_K_M"], emb_scale=4.0),
+}
+
+# strings for the real-model tokenizer / completion references
+REAL_TOKENIZE = ["The capital of France is", "Once upon a time", " hello  world\n\nfoo",
+                 "<start_of_turn>user\nHi<end_of_turn>"]
+REAL_COMPLETE = ["The capital of France is", "Once upon a time"]
+REAL_N_PREDICT = 24
+
+
+def log(*a):
+    print("[make_reference_ggufs]", *a, file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 1. tokenizer
+
+def train_tokenizer(out: Path) -> int:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_TARGET, special_tokens=["<s>", "</s>", "<unk>", "<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train([str(TEXT_FILE)], trainer)
+    bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
+    assert (bos, eos) == (0, 1), (bos, eos)
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
+                                                       special_tokens=[("<s>", bos), ("</s>", eos)])
+    # <unk> and <|endoftext|> are unused by the BPE, but llama.cpp's vocab loader looks them up by name for
+    # models whose general.name contains "phi3"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["add_bos_token"] = True
+    cfg["add_eos_token"] = False
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return tok.get_vocab_size()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 2. random models
+
+def _common(vocab: int, **kw) -> dict:
+    d = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=2,
+             num_attention_heads=N_HEADS, num_key_value_heads=2, max_position_embeddings=2048,
+             bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    d.update(kw)
+    return d
+
+
+def build_model(name: str, vocab: int, init: float | None = None):
+    """The random transformers model for architecture `name` (before calibrate())."""
+    import torch
+    import transformers as T
+
+    torch.manual_seed(SEED)
+    init = ARCHS[name].get("init", INIT) if init is None else init
+    spec = ARCHS[name]
+    emb_scale = spec.get("emb_scale", EMB_SCALE)
+    head_scale = 1.0
+    if name == "llama":
+        cfg = T.LlamaConfig(**_common(vocab, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                                      initializer_range=init))
+        cls = T.LlamaForCausalLM
+    elif name == "llama3rope":
+        cfg = T.LlamaConfig(**_common(vocab, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
+                                      initializer_range=init, max_position_embeddings=512,
+                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0,
+                                                    "original_max_position_embeddings": 64}))
+        cls = T.LlamaForCausalLM
+    elif name == "mistral":
+        cfg = T.MistralConfig(**_common(vocab, rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None,
+                                        head_dim=HIDDEN // N_HEADS, tie_word_embeddings=False,
+                                        initializer_range=init))
+        cls = T.MistralForCausalLM
+    elif name == "qwen2":
+        cfg = T.Qwen2Config(**_common(vocab, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+                                      use_sliding_window=False, initializer_range=init))
+        cls = T.Qwen2ForCausalLM
+    elif name == "qwen3":
+        cfg = T.Qwen3Config(**_common(vocab, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
+                                      head_dim=HIDDEN // N_HEADS, use_sliding_window=False,
+                                      initializer_range=init))
+        cls = T.Qwen3ForCausalLM
+    elif name == "gemma":
+        cfg = T.GemmaConfig(**_common(vocab, num_key_value_heads=1, head_dim=HIDDEN // N_HEADS,
+                                      rms_norm_eps=1e-6, rope_theta=10000.0, hidden_activation="gelu_pytorch_tanh",
+                                      tie_word_embeddings=True, initializer_range=init, pad_token_id=None))
+        cls = T.GemmaForCausalLM
+    elif name == "gemma2":
+        cfg = T.Gemma2Config(**_common(vocab, head_dim=HIDDEN // N_HEADS, query_pre_attn_scalar=HIDDEN // N_HEADS,
+                                       rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=16,
+                                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+                                       hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
+                                       initializer_range=init))
+        cls = T.Gemma2ForCausalLM
+    elif name == "gemma3":
+        # 6 layers: llama.cpp has no per-layer pattern key for gemma3 GGUFs and uses its built-in pattern of 6
+        # (layers 0-4 sliding, layer 5 global), which is also transformers' default layer_types.
+        # intermediate 256 (not 512) keeps the 6-layer file under ~1.5 MB
+        cfg = T.Gemma3TextConfig(**_common(vocab, num_hidden_layers=6, num_key_value_heads=1, intermediate_size=256,
+                                           head_dim=HIDDEN // N_HEADS, query_pre_attn_scalar=HIDDEN // N_HEADS,
+                                           rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=10000.0,
+                                           sliding_window=16, hidden_activation="gelu_pytorch_tanh",
+                                           tie_word_embeddings=True, initializer_range=init))
+        assert cfg.layer_types == ["sliding_attention"] * 5 + ["full_attention"], cfg.layer_types
+        cls = T.Gemma3ForCausalLM
+    elif name == "phi3":
+        cfg = T.Phi3Config(**_common(vocab, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                                     original_max_position_embeddings=2048, sliding_window=None,
+                                     initializer_range=init))
+        cls = T.Phi3ForCausalLM
+    elif name in ("falcon", "falcon40b"):
+        kw = dict(vocab_size=vocab, hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN, num_hidden_layers=2,
+                  num_attention_heads=N_HEADS, alibi=False, bias=False, parallel_attn=True,
+                  layer_norm_epsilon=1e-5, rope_theta=10000.0, bos_token_id=0, eos_token_id=1,
+                  max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=init)
+        if name == "falcon":   # falcon-7b style: one layernorm, parallel attention/MLP, multi-query
+            # num_kv_heads=1 explicitly: transformers ignores it under multi_query, but convert_hf_to_gguf reads it
+            kw.update(new_decoder_architecture=False, multi_query=True, num_kv_heads=1)
+        else:                  # falcon-40b style "new decoder architecture": ln_attn + ln_mlp, grouped KV
+            kw.update(new_decoder_architecture=True, num_kv_heads=2)
+        cfg = T.FalconConfig(**kw)
+        cls = T.FalconForCausalLM
+    else:
+        raise KeyError(name)
+    # (gemma2/gemma3: their post-attention / post-MLP norms give every layer an O(1) contribution to the residual,
+    # hence their larger emb_scale in ARCHS; gemma: its embedding is multiplied by sqrt(hidden), hence a smaller one)
+    # eager attention: sdpa silently skips gemma2's attention-logit softcapping
+    model = cls._from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+    with torch.no_grad():
+        emb = model.get_input_embeddings().weight
+        emb.mul_(emb_scale)
+        out = model.get_output_embeddings()
+        if out is not None and out.weight.data_ptr() != emb.data_ptr():
+            # untied head: a random head plus the embedding of a fixed permutation of the vocabulary, so that (like
+            # the tied models' head) it has a clear preferred continuation for the current token - but a different
+            # one than a tied head would give
+            perm = torch.randperm(emb.shape[0])
+            out.weight.mul_(head_scale).add_(emb[perm] * spec.get("head_copy", HEAD_COPY))
+        scale_qk(model, name, spec.get("qk_scale", QK_SCALE))
+        # random norms / biases are left at their default init (ones / zeros) except that we give the (non-gemma)
+        # RMSNorm weights some spread, so a wrong norm implementation shows up
+        for n, p in model.named_parameters():
+            if n.endswith("norm.weight") or ".ln_" in n or "layernorm.weight" in n or n.endswith("ln_f.weight"):
+                if "gemma" in name:
+                    p.add_(torch.randn_like(p) * 0.1)          # stored as (w-1)
+                else:
+                    p.mul_(1.0 + torch.randn_like(p) * 0.1)
+            elif n.endswith(".bias"):
+                p.add_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def scale_qk(model, name: str, f: float):
+    """Multiplies the query and key projections by f (attention logits by f^2): with a small init the attention
+    would otherwise be nearly uniform, and position handling (rope) would hardly matter."""
+    import torch
+    cfg = model.config
+    hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    nh = cfg.num_attention_heads
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if name in ("qwen3", "gemma3"):            # q/k RMS norms undo any scale of q_proj/k_proj
+                if n.endswith(("q_norm.weight", "k_norm.weight")):
+                    if name == "gemma3":
+                        p.copy_((1.0 + p) * f - 1.0)
+                    else:
+                        p.mul_(f)
+            elif n.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+                p.mul_(f)
+            elif n.endswith("qkv_proj.weight"):         # phi3: [q; k; v]
+                nkv = cfg.num_key_value_heads
+                p[:(nh + nkv) * hd].mul_(f)
+            elif n.endswith("query_key_value.weight"):  # falcon
+                if cfg.new_decoder_architecture:       # per KV group: nh/nkv query heads, 1 key, 1 value head
+                    nkv = cfg.num_kv_heads
+                    v = p.view(nkv, nh // nkv + 2, hd, -1)
+                    v[:, :-1].mul_(f)
+                else:                                  # multi-query: [q (nh heads); k (1 head); v (1 head)]
+                    p[:(nh + 1) * hd].mul_(f)
+
+
+def final_norm(model):
+    base = getattr(model, "model", None) or getattr(model, "transformer")
+    return getattr(base, "norm", None) or getattr(base, "ln_f")
+
+
+def calibrate(model, name: str, tok_dir: Path, target: float = TARGET_TOP1) -> float:
+    """Scales the final norm (i.e. the logits before any softcap) so the mean top-1 probability of the f32 HF model
+    on the first PPL_CTX tokens of the text is about `target`. Returns the factor."""
+    import torch
+    norm = final_norm(model)
+    gemma = "gemma" in name
+    w0 = norm.weight.detach().clone()
+    b0 = norm.bias.detach().clone() if getattr(norm, "bias", None) is not None else None
+
+    def apply(f):
+        with torch.no_grad():
+            if gemma:                       # Gemma RMSNorm computes x * (1 + w)
+                norm.weight.copy_((1.0 + w0) * f - 1.0)
+            else:
+                norm.weight.copy_(w0 * f)
+            if b0 is not None:
+                norm.bias.copy_(b0 * f)
+        return hf_peakedness(model, tok_dir)
+
+    lo, hi = math.log(0.02), math.log(100.0)
+    for _ in range(20):
+        mid = (lo + hi) / 2
+        if apply(math.exp(mid)) < target:
+            lo = mid
+        else:
+            hi = mid
+    f = math.exp((lo + hi) / 2)
+    apply(f)
+    return f
+
+
+def hf_chunks(tok_dir: Path) -> list[list[int]]:
+    """The token chunks llama-perplexity evaluates (BOS prepended, cut into PPL_CTX-token chunks, first token of each
+    chunk overwritten with BOS)."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tok_dir)
+    ids = tok(TEXT_FILE.read_text())["input_ids"]
+    chunks = [list(ids[c * PPL_CTX:(c + 1) * PPL_CTX]) for c in range(PPL_CHUNKS)]
+    for c in chunks:
+        c[0] = tok.bos_token_id
+    return chunks
+
+
+def hf_scored_logits(model, tok_dir: Path):
+    """f32 HF logits at the scored positions of all chunks, (PPL_CHUNKS * (PPL_CTX/2 - 1), vocab)."""
+    import torch
+    with torch.no_grad():
+        return torch.cat([model(torch.tensor([c])).logits[0, PPL_CTX // 2:PPL_CTX - 1].float()
+                          for c in hf_chunks(tok_dir)])
+
+
+def hf_peakedness(model, tok_dir: Path) -> float:
+    """Mean top-1 probability of the f32 HF model at llama-perplexity's scored positions."""
+    import torch
+    return float(torch.softmax(hf_scored_logits(model, tok_dir), -1).max(-1).values.mean())
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# conversion with llama.cpp's convert_hf_to_gguf.py
+
+CONVERT_WRAPPER = r'''
+import sys, runpy
+src = sys.argv.pop(1)
+sys.path.insert(0, src + "/gguf-py")
+sys.path.insert(0, src)
+import gguf  # llama.cpp's own gguf-py
+assert gguf.__file__.startswith(src), gguf.__file__
+import conversion
+from conversion import base as _base
+# our BPE tokenizer is not in convert_hf_to_gguf's hash table of known pre-tokenizers: it is a plain GPT-2 one
+_base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+# no tokenizer.model here (and no sentencepiece installed): fail the way set_vocab's fallbacks expect
+_orig_spm = _base.TextModel._create_vocab_sentencepiece
+def _create_vocab_sentencepiece(self):
+    if not (self.dir_model / "tokenizer.model").is_file():
+        raise FileNotFoundError(f"File not found: {self.dir_model / 'tokenizer.model'}")
+    return _orig_spm(self)
+_base.TextModel._create_vocab_sentencepiece = _create_vocab_sentencepiece
+# gemma / gemma2 / phi3 converters want a sentencepiece tokenizer.model: use the BPE (gpt2) vocab path instead
+def _gpt2_vocab(self):
+    self._set_vocab_gpt2()
+for modname, clsname in (("gemma", "GemmaModel"), ("gemma", "Gemma2Model"), ("phi", "Phi3MiniModel")):
+    mod = __import__("conversion." + modname, fromlist=[clsname])
+    getattr(mod, clsname).set_vocab = _gpt2_vocab
+sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
+runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
+'''
+
+
+def convert(src: Path, model_dir: Path, out: Path, tmp: Path, model_name: str) -> list[str]:
+    wrapper = tmp / "convert_wrapper.py"
+    wrapper.write_text(CONVERT_WRAPPER)
+    env = dict(os.environ)
+    env.pop("NO_LOCAL_GGUF", None)
+    env["PYTHONPATH"] = ""
+    cmd = [sys.executable, str(wrapper), str(src), str(model_dir), "--outtype", "f32", "--outfile", str(out),
+           "--model-name", model_name]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"convert failed for {model_dir}:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    return ["convert_hf_to_gguf.py", "<model_dir>", "--outtype", "f32", "--outfile", "<f32.gguf>",
+            "--model-name", model_name,
+            "(get_vocab_base_pre -> 'gpt-2'; gemma/gemma2/phi3 set_vocab -> _set_vocab_gpt2)"]
+
+
+def quantize(llama_dir: Path, f32: Path, out: Path, qtype: str) -> list[str]:
+    cmd = [str(llama_dir / "llama-quantize"), str(f32), str(out), qtype, "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"llama-quantize failed: {r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    return ["llama-quantize", "<f32.gguf>", out.name, qtype, "2"]
+
+
+def tensor_types(path: Path, gguf_src: Path) -> tuple[dict, dict]:
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    counts = collections.Counter(t.tensor_type.name for t in reader.tensors)
+    per_tensor = {t.name: t.tensor_type.name for t in reader.tensors}
+    return dict(sorted(counts.items())), per_tensor
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 3. llama-perplexity
+
+def read_kl_base(path: Path) -> dict:
+    """Decodes llama-perplexity's --kl-divergence-base (a.k.a. --save-all-logits) file.
+
+    Layout (tools/perplexity/perplexity.cpp, perplexity()):
+      char[8] "_logits_"; int32 n_ctx; int32 n_vocab; int32 n_chunk;
+      int32 tokens[n_chunk*n_ctx]   -- the tokenized text as-is (llama.cpp overwrites token 0 of each chunk with
+                                       BOS while evaluating when the vocab adds BOS, but the dump keeps the original)
+      per chunk, n_ctx-1-n_ctx/2 rows (one per scored position p = n_ctx/2 .. n_ctx-2, predicting token p+1) of
+        nv = 2*((n_vocab+1)/2)+4 uint16: the first 4 hold float32 scale and float32 min_log_prob, then n_vocab
+        uint16 q; log_prob[i] = min_log_prob + scale*q[i] (q == 0 means "<= max_logit-16", stored as the floor).
+    """
+    raw = path.read_bytes()
+    assert raw[:8] == b"_logits_", raw[:8]
+    n_ctx, n_vocab, n_chunk = struct.unpack_from("<iii", raw, 8)
+    off = 20
+    tokens = np.frombuffer(raw, dtype="<i4", count=n_chunk * n_ctx, offset=off).reshape(n_chunk, n_ctx)
+    off += 4 * n_chunk * n_ctx
+    nv = 2 * ((n_vocab + 1) // 2) + 4
+    first = n_ctx // 2
+    n_rows = n_ctx - 1 - first
+    body = np.frombuffer(raw, dtype="<u2", offset=off).reshape(n_chunk, n_rows, nv)
+    assert body.nbytes == len(raw) - off, (body.nbytes, len(raw) - off)
+    header = body[:, :, :4].copy().view("<f4")              # (n_chunk, n_rows, 2)
+    scale, floor = header[..., 0], header[..., 1]
+    q = body[:, :, 4:4 + n_vocab].astype(np.float64)
+    logprobs = floor[..., None].astype(np.float64) + scale[..., None].astype(np.float64) * q
+    return dict(n_ctx=n_ctx, n_vocab=n_vocab, n_chunk=n_chunk, tokens=tokens, first=first, logprobs=logprobs,
+                floor=floor.astype(np.float64), scale=scale.astype(np.float64))
+
+
+def run_perplexity(llama_dir: Path, gguf_path: Path, tmp: Path) -> dict:
+    dump = tmp / (gguf_path.stem + ".kld")
+    cmd = [str(llama_dir / "llama-perplexity"), "-m", str(gguf_path), "-f", str(TEXT_FILE), "-c", str(PPL_CTX),
+           "-b", str(PPL_CTX), "-t", str(PPL_THREADS), "--chunks", str(PPL_CHUNKS), "--no-repack", "--kl-divergence-base",
+           str(dump)]
+    # llama.cpp's logger is asynchronous and now and then loses its last stderr lines at exit (the process still
+    # exits 0 and the dump is complete): retry a few times until the "Final estimate" line is there; failing that,
+    # the last running value "[n]x.xxxx" is the same number (exp(mean nll) over all chunks, same %.4f format).
+    final = err = None
+    for attempt in range(20):
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        out = r.stdout + "\n" + r.stderr
+        if r.returncode != 0:
+            raise RuntimeError(f"llama-perplexity failed on {gguf_path.name}:\n{out[-5000:]}")
+        running = [float(x) for x in re.findall(r"\[\d+\]([0-9.]+|nan|inf)", out)]
+        if len(running) != PPL_CHUNKS:
+            continue
+        m = re.search(r"Final estimate: PPL = ([0-9.]+) \+/- ([0-9.]+)", out)
+        if m:
+            final, err, source = float(m.group(1)), float(m.group(2)), "final_estimate_line"
+            break
+    else:
+        if len(running) != PPL_CHUNKS:
+            raise RuntimeError(f"no perplexity values in llama-perplexity output:\n{out[-5000:]}")
+        final, err, source = running[-1], None, "last_running_value"
+    kl = read_kl_base(dump)
+    dump.unlink()
+    cmdline = ["llama-perplexity", "-m", gguf_path.name, "-f", "tests/data/english.txt", "-c", str(PPL_CTX),
+               "-b", str(PPL_CTX), "-t", str(PPL_THREADS), "--chunks", str(PPL_CHUNKS), "--no-repack",
+               "--kl-divergence-base", "<tmpfile>"]
+    return dict(final_ppl=final, final_ppl_err=err, final_ppl_source=source, running_ppl=running, kl=kl,
+                cmd=cmdline)
+
+
+def summarize(ppl: dict, bos_id: int | None, add_bos: bool) -> dict:
+    kl = ppl["kl"]
+    n_ctx, first = kl["n_ctx"], kl["first"]
+    chunks = []
+    all_top1p, all_margin, top1_is_input = [], [], []
+    for c in range(kl["n_chunk"]):
+        toks = [int(t) for t in kl["tokens"][c]]
+        if add_bos:
+            toks[0] = int(bos_id)
+        lp = kl["logprobs"][c]                    # (n_rows, n_vocab)
+        positions, top1, margin, target_lp, topk_ids, topk_lp, floor_flags = [], [], [], [], [], [], []
+        nll = 0.0
+        for r in range(lp.shape[0]):
+            p = first + r
+            row = lp[r]
+            order = np.argsort(-row, kind="stable")[:TOPK]
+            tgt = toks[p + 1]
+            positions.append(p)
+            top1.append(int(order[0]))
+            margin.append(round(float(row[order[0]] - row[order[1]]), 5))
+            target_lp.append(round(float(row[tgt]), 5))
+            floor_flags.append(bool(kl["logprobs"][c][r][tgt] <= kl["floor"][c][r] + 1e-9))
+            topk_ids.append([int(i) for i in order])
+            topk_lp.append([round(float(row[i]), 5) for i in order])
+            nll -= float(row[tgt])
+            all_top1p.append(math.exp(float(row[order[0]])))
+            all_margin.append(float(row[order[0]] - row[order[1]]))
+            top1_is_input.append(int(order[0]) == toks[p])
+        chunks.append(dict(tokens=toks, scored_positions=positions, top1=top1, margin=margin,
+                           target_logprob=target_lp, target_at_floor=floor_flags, topk_ids=topk_ids,
+                           topk_logprob=topk_lp, logprob_floor=[round(float(x), 5) for x in kl["floor"][c]],
+                           logprob_step=[float(x) for x in kl["scale"][c]],
+                           ppl_from_dump=round(math.exp(nll / len(positions)), 5),
+                           running_ppl_printed=ppl["running_ppl"][c] if c < len(ppl["running_ppl"]) else None))
+    return dict(n_ctx=n_ctx, n_vocab=kl["n_vocab"], n_chunk=kl["n_chunk"], first_scored=first, chunks=chunks,
+                final_ppl=ppl["final_ppl"], final_ppl_err=ppl["final_ppl_err"],
+                final_ppl_source=ppl["final_ppl_source"],
+                mean_top1_prob=round(float(np.mean(all_top1p)), 5),
+                share_margin_gt_0_5=round(float(np.mean(np.array(all_margin) > 0.5)), 5),
+                share_margin_gt_0_1=round(float(np.mean(np.array(all_margin) > 0.1)), 5),
+                share_top1_is_input=round(float(np.mean(top1_is_input)), 5),
+                n_distinct_top1=len({t for c in chunks for t in c["top1"]}),
+                min_margin=round(float(np.min(all_margin)), 6))
+
+
+def compare_with_f32(summ: dict, f32: dict) -> dict:
+    """llama.cpp's quantized-file results against its own results on the f32 GGUF of the same model: adds
+    top1_f32 / margin_f32 to every chunk and the share of scored positions whose top-1 is the same."""
+    same, same_clear = [], []
+    for c, c32 in zip(summ["chunks"], f32["chunks"], strict=True):
+        assert c["tokens"] == c32["tokens"] and c["scored_positions"] == c32["scored_positions"]
+        c["top1_f32"] = list(c32["top1"])
+        c["margin_f32"] = list(c32["margin"])
+        for t, t32, m32 in zip(c["top1"], c32["top1"], c32["margin"], strict=True):
+            same.append(t == t32)
+            if m32 > 0.1:
+                same_clear.append(t == t32)
+    return dict(f32_final_ppl=f32["final_ppl"], f32_final_ppl_err=f32["final_ppl_err"],
+                f32_mean_top1_prob=f32["mean_top1_prob"],
+                agreement_with_f32=round(float(np.mean(same)), 5),
+                agreement_with_f32_margin_gt_0_1=round(float(np.mean(same_clear)), 5) if same_clear else None,
+                n_scored=len(same), n_scored_f32_margin_gt_0_1=len(same_clear))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# 4. llama-server references for real models
+
+def free_port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _post(port: int, path: str, body: dict, timeout=120) -> dict:
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def server_reference(llama_dir: Path, model: Path, out_json: Path, tokenize: list[str], complete: list[str]):
+    port = free_port()
+    cmd = [str(llama_dir / "llama-server"), "-m", str(model), "-c", "2048", "-t", "2", "--no-webui",
+           "--no-repack", "--host", "127.0.0.1", "--port", str(port)]
+    logf = tempfile.TemporaryFile()
+    proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.time() + 180
+        while True:
+            if proc.poll() is not None:
+                logf.seek(0)
+                raise RuntimeError(f"llama-server exited: {logf.read()[-3000:].decode(errors='replace')}")
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except Exception:
+                pass
+            if time.time() > deadline:
+                raise RuntimeError("llama-server did not become healthy")
+            time.sleep(0.5)
+        props = {}
+        with contextlib.suppress(Exception):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=10) as r:
+                props = json.loads(r.read())
+        toks = []
+        for s in tokenize:
+            ids = _post(port, "/tokenize", {"content": s, "add_special": True, "parse_special": True})["tokens"]
+            pieces = _post(port, "/tokenize", {"content": s, "add_special": True, "parse_special": True,
+                                               "with_pieces": True}).get("tokens")
+            toks.append(dict(text=s, add_special=True, parse_special=True, tokens=ids,
+                             pieces=[p.get("piece") if isinstance(p, dict) else None for p in pieces]
+                             if pieces and isinstance(pieces[0], dict) else None))
+        comps = []
+        for s in complete:
+            body = {"prompt": s, "n_predict": REAL_N_PREDICT, "temperature": 0, "cache_prompt": False,
+                    "return_tokens": True, "seed": 0}
+            r = _post(port, "/completion", body, timeout=300)
+            prompt_ids = _post(port, "/tokenize", {"content": s, "add_special": True, "parse_special": True})["tokens"]
+            comps.append(dict(prompt=s, request=body, prompt_tokens=prompt_ids, content=r.get("content"),
+                              tokens=r.get("tokens"), tokens_predicted=r.get("tokens_predicted"),
+                              stop_type=r.get("stop_type"), stopped_eos=r.get("stopped_eos"),
+                              stopped_limit=r.get("stopped_limit")))
+        try:
+            shown = str(model.resolve().relative_to(REPO))
+        except ValueError:
+            shown = str(model)
+        meta = {"model_file": shown, "model_size_bytes": model.stat().st_size,
+                "server_cmd": ["llama-server", "-m", model.name, "-c", "2048", "-t", "2", "--no-webui",
+                               "--no-repack", "--host", "127.0.0.1", "--port", "<free>"],
+                "llama_cpp": llama_cpp_version(llama_dir),
+                "props_build_info": props.get("build_info"),
+                "bos_token": props.get("bos_token"), "eos_token": props.get("eos_token"),
+                "tokenize": toks, "completions": comps,
+                "notes": "tokens from POST /tokenize {content, add_special: true, parse_special: true}; completions "
+                         "from POST /completion with temperature 0 (greedy), n_predict 24, cache_prompt false; "
+                         "'tokens' are the generated token ids (return_tokens)."}
+        out_json.write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
+        log("wrote", out_json)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        logf.close()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+
+def llama_cpp_version(llama_dir: Path) -> dict:
+    r = subprocess.run([str(llama_dir / "llama-perplexity"), "--version"], capture_output=True, text=True)
+    text = (r.stdout + r.stderr).strip()
+    m = re.search(r"commit ([0-9a-f]+)", text)
+    src = llama_dir / "src" / "vendor" / "llama.cpp"
+    full = None
+    with contextlib.suppress(Exception):
+        full = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip() or None
+    pkg = sorted(p.name for p in llama_dir.glob("llama_cpp_python-*.tar.gz"))
+    return {"version_output": text, "commit": m.group(1) if m else None, "source_commit": full,
+            "source_package": pkg[0] if pkg else None}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--llama-dir", default=os.environ.get("LLAMA_SERVER_DIR",
+                                                          str(Path.home() / ".cache" / "llama-server-peer")))
+    ap.add_argument("--out", default=str(OUT_DIR))
+    ap.add_argument("--only", default="", help="comma separated subset of: " + ",".join(ARCHS))
+    ap.add_argument("--skip-server", action="store_true", help="skip the real-model llama-server references")
+    ap.add_argument("--server-only", action="store_true", help="only the real-model llama-server references")
+    ap.add_argument("--gemma-real", default="/tmp/gemma/gemma-3-270m-q4_k_m.gguf")
+    ap.add_argument("--keep-tmp", action="store_true")
+    args = ap.parse_args()
+
+    llama_dir = Path(args.llama_dir).expanduser()
+    src = llama_dir / "src" / "vendor" / "llama.cpp"
+    sys.path.insert(0, str(src / "gguf-py"))   # read GGUFs with llama.cpp's own gguf-py
+    for t in ("llama-quantize", "llama-perplexity", "llama-server"):
+        if not (llama_dir / t).exists():
+            sys.exit(f"{llama_dir / t} missing: run bash /work/shared/peers/build-llama-server.sh first")
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="refgguf-"))
+    try:
+        if not args.server_only:
+            build_tiny(args, llama_dir, src, out_dir, tmp)
+        if not args.skip_server:
+            real = Path(args.gemma_real)
+            if real.exists():
+                server_reference(llama_dir, real, out_dir / "gemma3-270m-llamacpp.json", REAL_TOKENIZE, REAL_COMPLETE)
+            else:
+                log("skip gemma3 270m reference:", real, "missing")
+            smol = sorted((REPO / ".venv").rglob("SmolLM2*.gguf"))
+            if smol:
+                server_reference(llama_dir, smol[0], out_dir / "smollm2-llamacpp.json",
+                                 REAL_TOKENIZE + ["<|im_start|>user\nHi<|im_end|>\n"], REAL_COMPLETE)
+            else:
+                log("skip SmolLM2 reference: no SmolLM2*.gguf under .venv")
+    finally:
+        if args.keep_tmp:
+            log("kept", tmp)
+        else:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
+    only = [a for a in args.only.split(",") if a]
+    for a in only:
+        if a not in ARCHS:
+            sys.exit(f"unknown arch {a}")
+    tok_dir = tmp / "tokenizer"
+    vocab = train_tokenizer(tok_dir)
+    log("tokenizer vocab", vocab)
+    ref_path = out_dir / "reference.json"
+    ref = json.loads(ref_path.read_text()) if (only and ref_path.exists()) else {}
+    files = dict(ref.get("files", {}))
+    failures = dict(ref.get("failures", {}))
+    for name, spec in ARCHS.items():
+        if only and name not in only:
+            continue
+        failures.pop(name, None)
+        try:
+            model = build_model(name, vocab)
+            calib = calibrate(model, name, tok_dir)
+            peak = hf_peakedness(model, tok_dir)
+            mdir = tmp / f"hf-{name}"
+            model.save_pretrained(mdir, safe_serialization=True)
+            for f in tok_dir.iterdir():
+                shutil.copy(f, mdir / f.name)
+            arch_cfg = json.loads((mdir / "config.json").read_text())
+            del model
+            f32 = tmp / f"{name}-f32.gguf"
+            conv_cmd = convert(src, mdir, f32, tmp, f"tiny-random-{name}")
+            # llama.cpp on the unquantized model, same settings: the yardstick for how much quantization (and
+            # llama.cpp's own activation rounding on quantized weights) moves its answers
+            f32_meta = gguf_meta(f32, src)
+            f32_summ = summarize(run_perplexity(llama_dir, f32, tmp), f32_meta.get("tokenizer.ggml.bos_token_id"),
+                                 bool(f32_meta.get("tokenizer.ggml.add_bos_token", False)))
+            log(f"{name} f32: PPL {f32_summ['final_ppl']:.4f}  top1p {f32_summ['mean_top1_prob']:.3f}  margin>0.1 "
+                f"{f32_summ['share_margin_gt_0_1']:.3f}  top1==input {f32_summ['share_top1_is_input']:.3f}  "
+                f"distinct top1 {f32_summ['n_distinct_top1']}")
+            for q in spec["quants"]:
+                fname = f"{name}-{q.lower()}.gguf"
+                dst = out_dir / fname
+                q_cmd = quantize(llama_dir, f32, dst, q)
+                counts, per_tensor = tensor_types(dst, src)
+                ppl = run_perplexity(llama_dir, dst, tmp)
+                meta = gguf_meta(dst, src)
+                add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+                summ = summarize(ppl, meta.get("tokenizer.ggml.bos_token_id"), add_bos)
+                summ.update(compare_with_f32(summ, f32_summ))
+                files[fname] = dict(
+                    file=fname, arch=name, gguf_arch=meta.get("general.architecture"), hf_architecture=arch_cfg.get(
+                        "architectures", [None])[0], hf_model_type=arch_cfg.get("model_type"), quant=q,
+                    size_bytes=dst.stat().st_size, tensor_types=counts, tensor_type_by_name=per_tensor,
+                    add_bos=add_bos, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+                    eos_token_id=meta.get("tokenizer.ggml.eos_token_id"), hf_mean_top1_prob=round(peak, 4),
+                    final_norm_scale=round(calib, 5),
+                    hf_config=arch_cfg, commands=dict(convert=conv_cmd, quantize=q_cmd, perplexity=ppl["cmd"]),
+                    **summ)
+                log(f"{fname}: {dst.stat().st_size/1e6:.2f} MB  PPL {summ['final_ppl']:.4f} (f32 "
+                    f"{summ['f32_final_ppl']:.4f})  top1p {summ['mean_top1_prob']:.3f} (hf f32 {peak:.3f})  "
+                    f"agree_f32 {summ['agreement_with_f32']:.4f} (margin>0.1 "
+                    f"{summ['agreement_with_f32_margin_gt_0_1']:.4f})  types {counts}")
+            f32.unlink()
+            shutil.rmtree(mdir)
+        except Exception as e:  # keep going with the other architectures
+            log(f"FAILED {name}: {e}")
+            failures[name] = str(e)[-2000:]
+    ref = {
+        "format": 1,
+        "generator": "scripts/make_reference_ggufs.py",
+        "llama_cpp": llama_cpp_version(llama_dir),
+        "text_file": "tests/data/english.txt",
+        "tokenizer": {"type": "byte-level BPE (tokenizers), GPT-2 pre-tokenizer regex", "vocab_size": vocab,
+                      "bos": "<s>", "eos": "</s>", "trained_on": "tests/data/english.txt"},
+        "perplexity": {"n_ctx": PPL_CTX, "n_batch": PPL_CTX, "threads": PPL_THREADS, "chunks": PPL_CHUNKS,
+                       "topk": TOPK},
+        "conventions": CONVENTIONS,
+        "files": dict(sorted(files.items())),
+        "failures": failures,
+    }
+    ref_path.write_text(json.dumps(ref, separators=(",", ":")) + "\n")
+    log("wrote", ref_path)
+
+
+def gguf_meta(path: Path, gguf_src: Path) -> dict:
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    out = {}
+    for k, f in reader.fields.items():
+        if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
+                 "tokenizer.ggml.scores"):
+            continue
+        try:
+            out[k] = f.contents()
+        except Exception:
+            continue
+    return out
+
+
+CONVENTIONS = (
+    "llama-perplexity tokenizes the whole text once with add_special=true (BOS prepended when the vocab's "
+    "add_bos_token is true, which it is for every tiny model here), cuts it into chunks of n_ctx tokens "
+    "(tokens[c*n_ctx:(c+1)*n_ctx]) and, when add_bos, overwrites the FIRST token of every chunk with BOS (it does "
+    "not insert one): chunks[c].tokens is exactly what was evaluated, positions 0..n_ctx-1, KV cache cleared "
+    "between chunks. Only the second half is scored: the logits at positions p = n_ctx/2 .. n_ctx-2 predict token "
+    "p+1 (scored_positions). For each scored p: top1 = argmax, margin = logprob(top1) - logprob(top2), "
+    "target_logprob = logprob of tokens[p+1], topk_ids/topk_logprob the TOPK best. Log-probs come from the "
+    "--kl-divergence-base dump, which stores them as uint16: logprob = floor + step*q with step = "
+    "(max_logit - min_logit')/65535, min_logit' = max(min_logit, max_logit-16), floor = min_logit' - max_logit - "
+    "logsumexp; so values are exact to ~step/2 (<= 1.3e-4) and everything below max_logprob-16 reads as the floor "
+    "(target_at_floor flags it). ppl_from_dump = exp(mean -target_logprob) of the chunk; running_ppl_printed is "
+    "llama.cpp's printed running PPL after chunk c ([c+1]x.xxxx); final_ppl the 'Final estimate: PPL'."
+)
+
+
+if __name__ == "__main__":
+    main()

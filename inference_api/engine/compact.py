@@ -305,9 +305,11 @@ def build_compact(model, make_linear: Callable, embed_fn: Callable, length: int,
     for i in range(config.num_hidden_layers):
         w = src.layer(i)
         bias = None if w["qkv_bias"] is None else w["qkv_bias"].float()
+        modes = w.get("modes", {})  # a GGUF's: the mode that keeps each linear's own tensor types
+        linear = lambda role, b=None: make_linear(w[role], b, as_mode=modes.get(role))  # noqa: E731
         layers.append(Layer(
-            attn_norm=w["attn_norm"], qkv=make_linear(w["qkv"], bias), o=make_linear(w["o"], w["o_bias"]),
-            mlp_norm=w["mlp_norm"], gate_up=make_linear(w["gate_up"], None), down=make_linear(w["down"], None),
+            attn_norm=w["attn_norm"], qkv=linear("qkv", bias), o=linear("o", w["o_bias"]),
+            mlp_norm=w["mlp_norm"], gate_up=linear("gate_up"), down=linear("down"),
             q_norm=w["q_norm"] if spec.family.qk_norm else None, k_norm=w["k_norm"] if spec.family.qk_norm else None,
             post_attn_norm=w["post_attn_norm"], post_mlp_norm=w["post_mlp_norm"], attn_norm_b=w.get("attn_norm_b"),
             mlp_norm_b=w.get("mlp_norm_b")))

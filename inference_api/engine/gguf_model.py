@@ -15,6 +15,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from .gguf_blocks import INT4_TYPES, INT8_TYPES, cat, mode_of, packed
+from .quant import Int4Weight, Int8Weight
+
 # llama.cpp's architecture names -> transformers' model_type, for the architectures the compact decoder runs
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
          "gemma3": "gemma3_text", "phi3": "phi3", "falcon": "falcon"}
@@ -57,12 +60,15 @@ class GGUFModel:
         shape = tuple(int(n) for n in reversed(t.shape))
         return torch.from_numpy(data.reshape(shape).copy())
 
-    def _unpermute(self, w: torch.Tensor | None, heads: int) -> torch.Tensor | None:
-        """convert_hf_to_gguf's permutation of q or k rows (per head: pairs interleaved) undone."""
+    def _unpermute(self, w, heads: int):
+        """convert_hf_to_gguf's permutation of q or k rows (per head: pairs interleaved) undone, on a tensor or on
+        each row-first tensor of packed blocks."""
         if w is None or self.arch not in ROPE_NORM:
             return w
+        if isinstance(w, (Int4Weight, Int8Weight)):
+            return type(w)(*(self._unpermute(getattr(w, f), heads) for f in w.__dataclass_fields__))
         rest = w.shape[1:]
-        return w.reshape(heads, w.shape[0] // heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape)
+        return w.reshape(heads, w.shape[0] // heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
 
     def weights(self) -> "GGUFWeights":
         return GGUFWeights(self)
@@ -90,19 +96,36 @@ class GGUFWeights:
     def final_norm_bias(self) -> torch.Tensor | None:
         return self.m.tensor("output_norm.bias")
 
+    def linear(self, names: list[str], heads: list[int | None]):
+        """(weight, mode) of one linear fused from these tensors (rows stacked): their own 4-bit or Q8_0 blocks
+        when every part has them (gguf_blocks), else the dequantized float32 weight and the mode that keeps
+        their types (int8 for 5 bits and more); q and k rows back in the half-split rotary's order."""
+        tensors = [self.m.tensors[n] for n in names]
+        kinds = [t.tensor_type.name for t in tensors]
+        mode = mode_of(kinds)
+        as_blocks = all(k in INT4_TYPES for k in kinds) or all(k in INT8_TYPES for k in kinds)
+        parts = []
+        for t, h in zip(tensors, heads):
+            w = packed(t) if as_blocks else self.m.tensor(t.name)
+            parts.append(self.m._unpermute(w, h) if h else w)
+        return (cat(parts) if as_blocks else torch.cat(parts)) if len(parts) > 1 else parts[0], mode
+
     def layer(self, i: int) -> dict[str, torch.Tensor | None]:
         t = lambda name: self.m.tensor(f"blk.{i}.{name}")  # noqa: E731
-        qkv, qkv_bias = t("attn_qkv.weight"), t("attn_qkv.bias")
-        if qkv is None:  # q, k and v apart: q and k back to the half-split rotary's order, then fused
-            parts = [self.m._unpermute(t("attn_q.weight"), self.heads), self.m._unpermute(t("attn_k.weight"), self.kv_heads),
-                     t("attn_v.weight")]
-            qkv = torch.cat(parts)
+        has = lambda name: f"blk.{i}.{name}" in self.m.tensors  # noqa: E731
+        if has("attn_qkv.weight"):
+            qkv, qkv_mode = self.linear([f"blk.{i}.attn_qkv.weight"], [None])
+            qkv_bias = t("attn_qkv.bias")
+        else:  # q, k and v apart: q and k back to the half-split rotary's order, then fused
+            qkv, qkv_mode = self.linear([f"blk.{i}.attn_{n}.weight" for n in "qkv"], [self.heads, self.kv_heads, None])
             biases = [self.m._unpermute(t("attn_q.bias"), self.heads), self.m._unpermute(t("attn_k.bias"), self.kv_heads),
                       t("attn_v.bias")]
             qkv_bias = None if any(b is None for b in biases) else torch.cat(biases)
-        gate = t("ffn_gate.weight")
-        up = t("ffn_up.weight")
-        gate_up = up if gate is None else torch.cat([gate, up])  # phi3: ffn_up holds [gate | up]
+        # phi3 and falcon: ffn_up alone (phi3's holds [gate | up])
+        gate_up, gate_up_mode = self.linear([f"blk.{i}.ffn_{n}.weight" for n in ("gate", "up") if has(f"ffn_{n}.weight")],
+                                            [None, None])
+        o, o_mode = self.linear([f"blk.{i}.attn_output.weight"], [None])
+        down, down_mode = self.linear([f"blk.{i}.ffn_down.weight"], [None])
         norms = dict(attn_norm=t("attn_norm.weight"), attn_norm_b=t("attn_norm.bias"), mlp_norm=t("ffn_norm.weight"),
                      mlp_norm_b=t("ffn_norm.bias"))
         if self.m.arch == "falcon":  # one LayerNorm for both (7B), or attention's own norm_2 (40B)
@@ -113,9 +136,9 @@ class GGUFWeights:
                          mlp_norm_b=first[1])
             if second[0] is None:
                 norms["mlp_norm"], norms["mlp_norm_b"] = norms["attn_norm"], norms["attn_norm_b"]
-        return dict(**norms, qkv=qkv, qkv_bias=qkv_bias, o=t("attn_output.weight"),
-                    o_bias=t("attn_output.bias"), gate_up=gate_up,
-                    down=t("ffn_down.weight"), q_norm=t("attn_q_norm.weight"), k_norm=t("attn_k_norm.weight"),
+        return dict(**norms, qkv=qkv, qkv_bias=qkv_bias, o=o, o_bias=t("attn_output.bias"), gate_up=gate_up,
+                    down=down, modes=dict(qkv=qkv_mode, o=o_mode, gate_up=gate_up_mode, down=down_mode),
+                    q_norm=t("attn_q_norm.weight"), k_norm=t("attn_k_norm.weight"),
                     post_attn_norm=t("post_attention_norm.weight"), post_mlp_norm=t("post_ffw_norm.weight"))
 
     def drop_layer(self, i: int) -> None:

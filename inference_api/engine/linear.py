@@ -126,10 +126,16 @@ def linear_factory(device: torch.device, dtype: torch.dtype, mode: str, kernels,
     kernels run them); int8_inputs: the kernels round up to 16 rows' inputs to int8 blocks (QuantLinear)."""
     onednn = device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
-    def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, group: int | None = None,
-                    as_mode: str | None = None):
+    def make_linear(weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None,
+                    group: int | None = None, as_mode: str | None = None):
+        """weight: a float weight, quantized here as as_mode (or the plan's mode) says, or a GGUF's own blocks
+        (gguf_blocks), kept as they are; with --quantize none both are served dense."""
         bias = None if bias is None else bias.detach().to(dtype).clone()
-        packed = quantize(weight, as_mode or mode, group)
+        if isinstance(weight, (Int8Weight, Int4Weight)):
+            packed = weight if mode != "none" else None
+            weight = weight if packed is not None else weight.dequantize()
+        else:
+            packed = quantize(weight, (as_mode or mode) if mode != "none" else "none", group)
         if packed is not None and kernels is not None and device.type == "cpu" and dtype == torch.float32:
             if onednn and batch_dtype is not None:
                 dense = OneDNNLinear(packed.dequantize(), bias, batch_dtype)

@@ -1,0 +1,96 @@
+"""Every architecture the compact decoder describes, against llama.cpp on the same GGUF files.
+
+tests/data/gguf holds tiny random models of each family, turned into GGUFs by llama.cpp's own
+convert_hf_to_gguf.py and quantized by llama-quantize, with llama.cpp's perplexity and next-token choices on a
+fixed text stored beside them (scripts/make_reference_ggufs.py regenerates them; this suite never builds
+llama.cpp). Each file is served as the server serves it, in the default mode, straight from the GGUF, and must
+give llama-perplexity's perplexity within 1 % and its top-1 token on at least 98 % of the scored positions.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from gguf_reference import load_reference
+from inference_api.config import ServerConfig
+from inference_api.engine.architectures import FAMILIES
+from inference_api.engine.process import build_engine
+from servers import MODEL_CACHE
+
+REFERENCE = load_reference()
+
+
+def serve(path: Path, **flags):
+    """The engine the server builds for a GGUF file (the kernels and model folders in the suite's cache)."""
+    return build_engine(ServerConfig(model=str(path), model_cache_dir=Path(MODEL_CACHE), rows=2,
+                                     context_length=256, **flags))
+
+
+def score(engine, ref) -> tuple[float, float]:
+    """(perplexity, share of positions whose top-1 token is llama.cpp's) over llama-perplexity's chunks: each
+    chunk from position 0 in a fresh row, the second half of it scored, as llama-perplexity scores it."""
+    runner = engine.runner
+    nll, n, agree = 0.0, 0, 0
+    with torch.inference_mode():
+        for i, chunk in enumerate(ref.chunks):
+            lp = torch.log_softmax(runner.score(i % 2, list(chunk.tokens), 0).float(), dim=-1)
+            for pos in chunk.positions():
+                nll -= float(lp[pos.position, pos.target])
+                agree += int(lp[pos.position].argmax()) == pos.top1
+                n += 1
+    return math.exp(nll / n), agree / n
+
+
+def test_the_reference_files_cover_every_described_family():
+    archs = {ref.gguf_arch for ref in REFERENCE.values()}
+    assert {"llama", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "phi3", "falcon"} <= archs
+    assert {"gemma3_text" if a == "gemma3" else a for a in archs} >= set(FAMILIES) - {"mistral"}  # mistral: llama's
+    assert any("rope" in ref.arch for ref in REFERENCE.values())  # Llama 3's rope scaling
+    types = {t for ref in REFERENCE.values() for t in ref.tensor_types}
+    assert {"Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0"} <= types
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_a_gguf_gives_llama_cpps_perplexity_and_next_tokens(name):
+    ref = REFERENCE[name]
+    engine, ready = serve(ref.path)
+    assert engine.runner.plan.model == "compact", "every family here runs on the compact decoder"
+    ppl, agree = score(engine, ref)
+    print(f"\n{name}: perplexity {ppl:.1f} against llama.cpp's {ref.final_ppl:.1f} "
+          f"({(ppl / ref.final_ppl - 1) * 100:+.2f} %), top-1 {agree * 100:.1f} % of llama.cpp's")
+    assert abs(ppl / ref.final_ppl - 1) < 0.01
+    assert agree >= 0.98
+
+
+def test_the_file_decides_bos_and_the_tokenizer_splits_as_llama_cpp():
+    """The tiny models' vocabularies add BOS (their GGUFs say so): the text encodes as llama-perplexity
+    tokenized it, BOS first."""
+    ref = REFERENCE["llama-q4_k_m.gguf"]
+    engine, _ = serve(ref.path)
+    text = Path(__file__).with_name("data").joinpath("english.txt").read_text()
+    ids = engine.tokenizer.encode(text)
+    assert ref.add_bos and ids[0] == ref.bos_token_id
+    assert ids[:ref.n_ctx] == list(ref.chunks[0].tokens)
+
+
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q8_0"])
+def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
+    """Q4_0, Q4_K and Q8_0 tensors go into the kernels' layouts without rounding a weight again: equal to
+    gguf-py's dequantization (Q4_K: each sub-block's scale and minimum rounded to float16)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+
+    from inference_api.engine.gguf_blocks import packed
+
+    files = [ref.path for ref in REFERENCE.values() if kind in ref.tensor_types]
+    tensor = next(t for f in files for t in GGUFReader(str(f)).tensors
+                  if t.tensor_type.name == kind and len(t.shape) == 2)
+    want = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).reshape(int(tensor.shape[1]), -1)
+    got = packed(tensor).dequantize()
+    if kind == "Q4_K":
+        assert (got - want).abs().max() <= 2e-3 * want.abs().max()
+    else:
+        assert torch.equal(got, want)

@@ -26,6 +26,13 @@ ARCHITECTURES = {
                                        **_COMMON),
     "phi3": lambda: T.Phi3Config(intermediate_size=128, num_key_value_heads=2, pad_token_id=0, **_COMMON),
     "gemma": lambda: T.GemmaConfig(intermediate_size=128, num_key_value_heads=1, head_dim=16, **_COMMON),
+    "qwen3": lambda: T.Qwen3Config(intermediate_size=128, num_key_value_heads=2, head_dim=16, **_COMMON),  # q/k norms
+    # sandwich norms, soft-capping (transformers' eager attention: its sdpa skips the cap), a window of 4
+    "gemma2": lambda: T.Gemma2Config(intermediate_size=128, num_key_value_heads=1, head_dim=16, sliding_window=4,
+                                     attn_implementation="eager", **_COMMON),
+    "gemma3_text": lambda: T.Gemma3TextConfig(intermediate_size=128, num_key_value_heads=1, head_dim=16,
+                                              sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                                              **_COMMON),
     "gpt2": lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, initializer_range=0.2),
     "gpt_neox": lambda: T.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                                         intermediate_size=128, initializer_range=0.2),

@@ -94,3 +94,14 @@ def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
         assert (got - want).abs().max() <= 2e-3 * want.abs().max()
     else:
         assert torch.equal(got, want)
+
+
+def test_the_embedded_model_tokenizes_as_llama_server_does(hf_tokenizer):
+    """The strings llama-server tokenized on the embedded GGUF (special tokens parsed, no BOS: the file says
+    none) encode to the same ids here."""
+    from gguf_reference import load_server_reference
+
+    ref = load_server_reference("smollm2")
+    assert ref.tokenize
+    for case in ref.tokenize:
+        assert hf_tokenizer.encode(case["text"]) == list(case["tokens"]), case["text"]

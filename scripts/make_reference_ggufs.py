@@ -79,6 +79,9 @@ ARCHS: dict[str, dict] = {
     "gemma2": dict(quants=["Q4_K_M"], emb_scale=6.0),
     "gemma3": dict(quants=["Q4_K_M"], emb_scale=10.0, qk_scale=1.6),
     "phi3": dict(quants=["Q4_K_M"]),
+    # its attn_factor sqrt(2) doubles the attention logits, so the layers get a larger share: a larger embedding keeps
+    # the "bigram" top-1 margins >= 1.6 (with 2.5 the smallest f32 margin was 0.13)
+    "phi3longrope": dict(quants=["Q4_K_M"], emb_scale=3.5),
     "falcon": dict(quants=["Q4_K_M"], emb_scale=4.0),
     "falcon40b": dict(quants=["Q4_K_M"], emb_scale=4.0),
 }
@@ -209,6 +212,17 @@ def build_model(name: str, vocab: int, init: float | None = None):
             kw.update(new_decoder_architecture=True, num_kv_heads=2)
         cfg = T.FalconConfig(**kw)
         cls = T.FalconForCausalLM
+    elif name == "phi3longrope":
+        # Phi-3-mini-128k / Phi-3.5-mini style LongRoPE: per rotary frequency pair a short and a long divisor of the
+        # frequency; the long set applies when the sequence (llama.cpp: the padded per-sequence context) exceeds
+        # original_max_position_embeddings, and both scale cos/sin by sqrt(1 + ln(max/orig) / ln(orig))
+        short, long = longrope_factors((HIDDEN // N_HEADS) // 2)
+        cfg = T.Phi3Config(**_common(vocab, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+                                     max_position_embeddings=LONGROPE_MAX_POS,
+                                     original_max_position_embeddings=LONGROPE_ORIG_POS, sliding_window=None,
+                                     initializer_range=init,
+                                     rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long}))
+        cls = T.Phi3ForCausalLM
     else:
         raise KeyError(name)
     # (gemma2/gemma3: their post-attention / post-MLP norms give every layer an O(1) contribution to the residual,
@@ -239,6 +253,49 @@ def build_model(name: str, vocab: int, init: float | None = None):
     return model
 
 
+LONGROPE_ORIG_POS = 64      # phi3longrope: original_max_position_embeddings (< PPL_CTX: the long factors are used)
+LONGROPE_MAX_POS = 4096     # max_position_embeddings: attention factor sqrt(1 + ln(64)/ln(64)) = sqrt(2)
+
+
+def longrope_factors(n: int) -> tuple[list[float], list[float]]:
+    """Fixed, deterministic LongRoPE factors (one per rotary frequency pair, high to low frequency): short ones
+    1.0-3.0, long ones 2.0-20.0, both growing towards the low frequencies (as in Phi-3) with a wiggle so that
+    neighbouring pairs differ."""
+    short, long = [], []
+    for i in range(n):
+        x = i / (n - 1)
+        short.append(round(1.0 + 1.9 * x * x + 0.1 * (0.5 + 0.5 * math.sin(3.0 * i)), 4))
+        long.append(round(2.0 + 17.0 * x ** 1.5 + 1.0 * (0.5 + 0.5 * math.cos(2.0 * i)), 4))
+    return short, long
+
+
+def rope_scaling_info(meta: dict, per_tensor: dict) -> dict | None:
+    """For GGUFs with LongRoPE factor tensors: what llama.cpp reads and which factor set it uses in
+    llama-perplexity (llama_model::get_rope_factors: long iff n_ctx_seq > rope.scaling.original_context_length,
+    where n_ctx_seq is the context padded to a multiple of 256)."""
+    if "rope_factors_long.weight" not in per_tensor:
+        return None
+    arch = meta["general.architecture"]
+    keys = {k: meta[k] for k in (f"{arch}.context_length", f"{arch}.rope.scaling.original_context_length",
+                                 f"{arch}.rope.scaling.attn_factor", f"{arch}.rope.freq_base",
+                                 f"{arch}.rope.dimension_count") if k in meta}
+    orig = int(keys[f"{arch}.rope.scaling.original_context_length"])
+    n_ctx_seq = -(-PPL_CTX // 256) * 256
+    attn = round(float(keys[f"{arch}.rope.scaling.attn_factor"]), 7)
+    used = "long" if n_ctx_seq > orig else "short"
+    tensors = {n: t for n, t in per_tensor.items() if n.startswith("rope_factors_")}
+    hf_used = "long" if PPL_CTX > orig else "short"   # transformers: max position id + 1 > original max positions
+    notes = (f"LongRoPE: llama.cpp picks rope_factors_{used} here (llama-perplexity -c {PPL_CTX} pads the context to "
+             f"n_ctx_seq = {n_ctx_seq} {'>' if used == 'long' else '<='} original_context_length {orig}); "
+             f"transformers picks the {hf_used} factors (each chunk has {PPL_CTX} positions, "
+             f"original_max_position_embeddings {orig}); "
+             f"rope.scaling.attn_factor = {attn} (sqrt(1 + ln(context_length/original_context_length) / "
+             f"ln(original_context_length))) multiplies cos and sin of the rotation of q and k; theta_i = "
+             f"pos * freq_base^(-2i/n_rot) / factor_i.")
+    return dict(factor_set_used=used, n_ctx_seq=n_ctx_seq, attn_factor=attn, gguf_keys=keys,
+                factor_tensors=tensors, notes=notes)
+
+
 def scale_qk(model, name: str, f: float):
     """Multiplies the query and key projections by f (attention logits by f^2): with a small init the attention
     would otherwise be nearly uniform, and position handling (rope) would hardly matter."""
@@ -256,7 +313,7 @@ def scale_qk(model, name: str, f: float):
                         p.mul_(f)
             elif n.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
                 p.mul_(f)
-            elif n.endswith("qkv_proj.weight"):         # phi3: [q; k; v]
+            elif n.endswith("qkv_proj.weight"):         # phi3, phi3longrope: [q; k; v]
                 nkv = cfg.num_key_value_heads
                 p[:(nh + nkv) * hd].mul_(f)
             elif n.endswith("query_key_value.weight"):  # falcon
@@ -715,6 +772,10 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
                 add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
                 summ = summarize(ppl, meta.get("tokenizer.ggml.bos_token_id"), add_bos)
                 summ.update(compare_with_f32(summ, f32_summ))
+                extra = {}
+                rs = rope_scaling_info(meta, per_tensor)
+                if rs is not None:
+                    extra = dict(rope_scaling=rs, notes=rs["notes"])
                 files[fname] = dict(
                     file=fname, arch=name, gguf_arch=meta.get("general.architecture"), hf_architecture=arch_cfg.get(
                         "architectures", [None])[0], hf_model_type=arch_cfg.get("model_type"), quant=q,
@@ -723,7 +784,7 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
                     eos_token_id=meta.get("tokenizer.ggml.eos_token_id"), hf_mean_top1_prob=round(peak, 4),
                     final_norm_scale=round(calib, 5),
                     hf_config=arch_cfg, commands=dict(convert=conv_cmd, quantize=q_cmd, perplexity=ppl["cmd"]),
-                    **summ)
+                    **extra, **summ)
                 log(f"{fname}: {dst.stat().st_size/1e6:.2f} MB  PPL {summ['final_ppl']:.4f} (f32 "
                     f"{summ['f32_final_ppl']:.4f})  top1p {summ['mean_top1_prob']:.3f} (hf f32 {peak:.3f})  "
                     f"agree_f32 {summ['agreement_with_f32']:.4f} (margin>0.1 "

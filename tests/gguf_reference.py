@@ -79,7 +79,7 @@ class Chunk:
 class ReferenceFile:
     file: str                     # file name inside tests/data/gguf/
     path: Path
-    arch: str                     # our name: llama, llama3rope, mistral, qwen2, qwen3, gemma, gemma2, gemma3, ...
+    arch: str                     # our name (ARCHS in the script): llama, llama3rope, gemma2, phi3longrope, ...
     gguf_arch: str                # general.architecture in the GGUF
     hf_architecture: str
     quant: str                    # llama-quantize type, e.g. Q4_K_M
@@ -106,6 +106,10 @@ class ReferenceFile:
     agreement_with_f32: float | None = None            # share of scored positions with top1 == top1_f32
     agreement_with_f32_margin_gt_0_1: float | None = None  # the same where the f32 margin > 0.1
     share_margin_gt_0_1: float | None = None
+    # only for files with LongRoPE factor tensors (phi3longrope): which factor set llama.cpp used, its attn_factor,
+    # the GGUF keys / factor tensors ({factor_set_used, n_ctx_seq, attn_factor, gguf_keys, factor_tensors, notes})
+    rope_scaling: dict[str, Any] | None = field(default=None, repr=False)
+    notes: str | None = field(default=None, repr=False)
 
     @property
     def exists(self) -> bool:
@@ -164,7 +168,8 @@ def load_reference(path: Path | str = REFERENCE_JSON) -> dict[str, ReferenceFile
             commands=f.get("commands", {}), raw=f, f32_final_ppl=f.get("f32_final_ppl"),
             f32_mean_top1_prob=f.get("f32_mean_top1_prob"), agreement_with_f32=f.get("agreement_with_f32"),
             agreement_with_f32_margin_gt_0_1=f.get("agreement_with_f32_margin_gt_0_1"),
-            share_margin_gt_0_1=f.get("share_margin_gt_0_1"))
+            share_margin_gt_0_1=f.get("share_margin_gt_0_1"), rope_scaling=f.get("rope_scaling"),
+            notes=f.get("notes"))
     return out
 
 

@@ -41,14 +41,20 @@ class Layer:
 
 
 def rotary_tables(config, length: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin [length, rotary dims] for every position, with the config's rope base, type and scaling."""
+    """cos and sin [length, rotary dims] for every position, with the config's rope base, type and scaling; a
+    GGUF's per-frequency divisors as llama.cpp applies them (Llama 3's rope_freqs; Phi-3's LongRoPE short
+    factors, or the long ones when the context passes the original one) and its attention factor."""
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     rope_type = (getattr(config, "rope_scaling", None) or {}).get("rope_type", "default")
     inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, device)
-    factors = getattr(config, "rope_freq_factors", None)  # a GGUF's rope_freqs (Llama 3's scaling, as llama.cpp)
+    factors = getattr(config, "rope_freq_factors", None)
+    if getattr(config, "rope_factors_long", None) is not None:
+        long = length - 1 > config.rope_original_context
+        factors = config.rope_factors_long if long else config.rope_factors_short
     if factors is not None:
         inv_freq = inv_freq / torch.tensor(factors, device=device, dtype=inv_freq.dtype)
+    scale = scale * getattr(config, "rope_attn_factor", 1.0)
     freqs = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq.float())
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scale).contiguous(), (emb.sin() * scale).contiguous()

@@ -200,6 +200,14 @@ def gguf_config(m: GGUFModel):
     factors = m.tensor("rope_freqs.weight")  # Llama 3's rope scaling, as llama.cpp applies it: per-frequency divisors
     if factors is not None:
         config.rope_freq_factors = [float(f) for f in factors]
+    long, short = m.tensor("rope_factors_long.weight"), m.tensor("rope_factors_short.weight")
+    if long is not None and short is not None:  # Phi-3's LongRoPE: the long divisors past the original context
+        config.rope_factors_long, config.rope_factors_short = [float(f) for f in long], [float(f) for f in short]
+        config.rope_original_context = int(m.hparam("rope.scaling.original_context_length")
+                                           or m.hparam("context_length"))
+    attn_factor = m.hparam("rope.scaling.attn_factor")
+    if attn_factor:
+        config.rope_attn_factor = float(attn_factor)  # cos and sin scaled by it, as llama.cpp's mscale
     return config
 
 

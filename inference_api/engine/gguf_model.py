@@ -83,12 +83,18 @@ class GGUFWeights:
         self.heads = model.config.num_attention_heads
         self.kv_heads = model.config.num_key_value_heads
 
-    def embed(self) -> torch.Tensor:
-        return self.m.tensor("token_embd.weight")
+    def _whole(self, name: str):
+        """A tensor's own blocks where the kernels take them as they are, else its float32 weight (None: absent).
+        The token embedding of a large vocabulary then never exists in float32 (Gemma 3: 0.67 GB)."""
+        t = self.m.tensors.get(name)
+        return None if t is None else packed(t) or self.m.tensor(name)
 
-    def head(self) -> torch.Tensor | None:
+    def embed(self):
+        return self._whole("token_embd.weight")
+
+    def head(self):
         """The output head, or None when it is the token embedding (tied)."""
-        return self.m.tensor("output.weight")
+        return self._whole("output.weight")
 
     def final_norm(self) -> torch.Tensor:
         return self.m.tensor("output_norm.weight")

@@ -40,10 +40,14 @@ class Int4Weight:
     m: torch.Tensor  # [N, K / 32] float16
 
     def dequantize(self) -> torch.Tensor:
-        n = self.q.shape[0]
-        q = self.q.view(n, -1, 16)
-        nib = torch.cat([q & 15, q >> 4], dim=-1).float()  # [N, K/32, 32]
-        return (nib * self.d.float()[..., None] + self.m.float()[..., None]).view(n, -1)
+        return self.rows(slice(None))
+
+    def rows(self, ids) -> torch.Tensor:
+        """Dequantized rows (an embedding lookup; a slice: all of them)."""
+        q = self.q[ids]
+        q = q.view(*q.shape[:-1], -1, 16)
+        nib = torch.cat([q & 15, q >> 4], dim=-1).float()  # [..., K/32, 32]
+        return (nib * self.d[ids].float()[..., None] + self.m[ids].float()[..., None]).flatten(-2)
 
 
 def quantize_int8(w: torch.Tensor, group: int | None = None) -> Int8Weight:

@@ -74,7 +74,7 @@ def test_quantized_default_perplexity_is_within_two_percent_of_exact(model_dir, 
     default = perplexity(model_dir, precision, text_ids)  # prefill: several rows at once
     one_row = perplexity(model_dir, precision, text_ids, decode=True)  # a single stream's decode steps
     vnni = precision.int8_inputs and load_kernels(Path(MODEL_CACHE)).vnni()  # every row count on int8 inputs
-    matmuls = "int8 (VNNI)" if vnni else precision.batch_dtype or "float32"
+    matmuls = "int8 (VNNI)" if vnni else precision.batch_dtype or ("int8" if precision.int8_inputs else "float32")
     inputs = "int8" if precision.int8_inputs else "float32"
     print(f"\nperplexity on {len(text_ids)} tokens: exact {exact:.3f}; default ({precision.quantize} weights, "
           f"int8 KV cache): {default:.3f} ({(default / exact - 1) * 100:+.2f} %) with {matmuls} multi-row "

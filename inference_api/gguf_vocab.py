@@ -89,8 +89,8 @@ def spm_backend(path: Path):
     backend.pre_tokenizer = None
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
-    backend.add_special_tokens([AddedToken(p, special=True, normalized=False)
-                                for p, t in zip(pieces, types) if t == CONTROL])
+    backend.add_special_tokens([AddedToken(p, special=True, normalized=False)  # matched whole, as llama.cpp does
+                                for p, t in zip(pieces, types) if t in (CONTROL, UNKNOWN)])
     backend.add_tokens([AddedToken(p, special=False, normalized=False)
                         for p, t in zip(pieces, types) if t == USER_DEFINED])
     return backend

@@ -14,12 +14,23 @@ What it does (everything intermediate lives in a temporary directory that is rem
 3. runs llama-perplexity on tests/data/english.txt with --kl-divergence-base for every GGUF and for the f32 GGUF
    of the same model, decodes the dumped log-probabilities and writes tests/data/gguf/reference.json (with the
    quantized file's top-1 agreement with llama.cpp's own f32 answers);
+   The *-spm entries (llama-spm, gemma-spm) use a sentencepiece BPE vocabulary instead (SPM_FLAVORS, trained with
+   the `sentencepiece` package, converted by convert_hf_to_gguf.py's sentencepiece path to tokenizer.ggml.model
+   "llama"), and also get llama-server's tokenization of SPM_TOKENIZE ("tokenize" in their reference entry);
 4. (unless --skip-server) asks llama-server on 127.0.0.1 for the tokenization and greedy completions of a few
    strings with the real gemma-3-270m Q4_K_M file and the SmolLM2 GGUF bundled in the venv, written to
    tests/data/gguf/gemma3-270m-llamacpp.json and tests/data/gguf/smollm2-llamacpp.json.
 
 llama.cpp comes from the peer build (`bash /work/shared/peers/build-llama-server.sh`), by default in
 ~/.cache/llama-server-peer (override with --llama-dir or LLAMA_SERVER_DIR). Only loopback traffic is used.
+
+The *-spm entries need `sentencepiece` (and `protobuf`), which are deliberately NOT in the project's venv: install
+them into a separate directory once and point the script at it (default /tmp/spm-pkgs, or --spm-pkgs / SPM_PKGS):
+
+    .venv/bin/python -m pip install --target /tmp/spm-pkgs sentencepiece protobuf
+
+The directory is appended to sys.path of this script and put on PYTHONPATH of convert_hf_to_gguf.py for those
+entries only.
 """
 from __future__ import annotations
 
@@ -84,7 +95,58 @@ ARCHS: dict[str, dict] = {
     "phi3longrope": dict(quants=["Q4_K_M"], emb_scale=3.5),
     "falcon": dict(quants=["Q4_K_M"], emb_scale=4.0),
     "falcon40b": dict(quants=["Q4_K_M"], emb_scale=4.0),
+    # sentencepiece (SPM) vocabularies: the model of "base", but with tokenizer.ggml.model "llama" (SPM_FLAVORS)
+    "llama-spm": dict(quants=["Q4_K_M"], base="llama", spm="llama"),
+    "gemma-spm": dict(quants=["Q4_K_M"], base="gemma", spm="gemma", emb_scale=0.5),
 }
+
+# sentencepiece BPE vocabularies for the *-spm entries, trained on tests/data/english.txt (train_spm_tokenizer).
+# llama: Llama 2 style (unk/bos/eos = 0/1/2, dummy prefix "▁", identity normalization, no whitespace folding,
+# split digits, byte fallback); gemma: Gemma style (pad/eos/bos/unk = 0/1/2/3, no dummy prefix: convert writes
+# add_space_prefix false). Both with user-defined symbols (typed USER_DEFINED in the GGUF through
+# added_tokens_decoder "special": false, like real Gemma / chat models) and control symbols (CONTROL).
+SPM_VOCAB = 768
+SPM_USER_DEFINED = ["<start_of_turn>", "<end_of_turn>"]
+SPM_CONTROL = ["<|im_start|>", "<|im_end|>"]
+SPM_FLAVORS: dict[str, dict] = {
+    "llama": dict(ids=dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1), add_dummy_prefix=True,
+                  tokenizer_class="LlamaTokenizer", bos="<s>", eos="</s>", unk="<unk>", pad=None),
+    "gemma": dict(ids=dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3), add_dummy_prefix=False,
+                  tokenizer_class="GemmaTokenizer", bos="<bos>", eos="<eos>", unk="<unk>", pad="<pad>"),
+}
+DEFAULT_SPM_PKGS = "/tmp/spm-pkgs"
+# strings whose llama-server tokenization (POST /tokenize) is recorded for the *-spm entries: with add_special true
+# and false (parse_special true), and for those containing special-looking text also with parse_special false
+SPM_TOKENIZE = [
+    "",
+    "The history of the public library is, in many ways, the history of a simple idea: that knowledge should be "
+    "available to anyone who wants it.",
+    "Ordinary people rarely saw a book, let alone owned one.",
+    "Hello world",
+    " Hello world",
+    "Hello world ",
+    "  two leading spaces",
+    "multiple   spaces   between  words",
+    "trailing spaces   ",
+    " ",
+    "   ",
+    "\n",
+    "line one\nline two",
+    "\n\nleading newlines and a trailing one\n",
+    "tab\tseparated\tvalues",
+    " \t mixed \n\n whitespace \t ",
+    "In 2024 there were 1234567 readers, 3.14159 and -42 or 0x1F.",
+    "Wait... what?! (yes) [no] {maybe} \"quoted\" 'single' a-b_c/d\\e @#$%^&*~`|<>",
+    "caf\u00e9 na\u00efve \u00fcber Stra\u00dfe \u00c9cole",
+    "\u65e5\u672c\u8a9e\u306e\u30c6\u30ad\u30b9\u30c8",
+    "emoji \U0001f642\U0001f44d\U0001f3fd done \u2014 \u20ac5",
+    "\u2581already\u2581escaped \u2581",
+    "<start_of_turn>user\nHi there<end_of_turn>\n<start_of_turn>model\n",
+    "text<end_of_turn>more text <start_of_turn> spaced <end_of_turn>",
+    "<|im_start|>system\nYou are helpful.<|im_end|>\n<|im_start|>user\nHi<|im_end|>",
+    "<s>Hello</s> <bos>Hi<eos> <unk> <pad>",
+    "<0x41> is a byte piece, <start_of_turn",
+]
 
 # strings for the real-model tokenizer / completion references
 REAL_TOKENIZE = ["The capital of France is", "Once upon a time", " hello  world\n\nfoo",
@@ -126,6 +188,61 @@ def train_tokenizer(out: Path) -> int:
     return tok.get_vocab_size()
 
 
+def train_spm_tokenizer(out: Path, flavor: str) -> int:
+    """A sentencepiece BPE model (SPM_FLAVORS[flavor]) saved as LlamaTokenizer/GemmaTokenizer files (tokenizer.model,
+    tokenizer_config.json, special_tokens_map.json). Deterministic: one thread, fixed corpus, BPE (no sampling)."""
+    import io
+    import sentencepiece as spm
+    fl = SPM_FLAVORS[flavor]
+    if hasattr(spm, "set_random_generator_seed"):
+        spm.set_random_generator_seed(SEED)
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        input=str(TEXT_FILE), model_writer=buf, model_type="bpe", vocab_size=SPM_VOCAB, byte_fallback=True,
+        split_digits=True, required_chars="0123456789", user_defined_symbols=SPM_USER_DEFINED,
+        control_symbols=SPM_CONTROL, character_coverage=1.0, normalization_rule_name="identity",
+        remove_extra_whitespaces=False, add_dummy_prefix=fl["add_dummy_prefix"], allow_whitespace_only_pieces=True,
+        max_sentence_length=100000, num_threads=1, minloglevel=2, **fl["ids"],
+        **{f"{k}_piece": fl[k] for k in ("bos", "eos", "unk", "pad") if fl[k]})
+    model = buf.getvalue()
+    sp = spm.SentencePieceProcessor(model_proto=model)
+    ids = fl["ids"]
+    for key, tok in (("bos_id", fl["bos"]), ("eos_id", fl["eos"]), ("unk_id", fl["unk"]), ("pad_id", fl["pad"])):
+        if ids[key] >= 0:
+            assert sp.IdToPiece(ids[key]) == tok, (key, sp.IdToPiece(ids[key]), tok)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tokenizer.model").write_bytes(model)
+    # added_tokens_decoder: how HF tokenizer configs mark added tokens; convert_hf_to_gguf.py types them CONTROL
+    # ("special": true) or USER_DEFINED (false) - its sentencepiece reader alone would make user-defined pieces NORMAL
+    added = {str(sp.PieceToId(t)): dict(content=t, lstrip=False, normalized=False, rstrip=False, single_word=False,
+                                        special=t in SPM_CONTROL) for t in SPM_USER_DEFINED + SPM_CONTROL}
+    specials = {k: fl[k.split("_")[0]] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if fl[k.split("_")[0]]}
+    cfg = dict(tokenizer_class=fl["tokenizer_class"], add_bos_token=True, add_eos_token=False, legacy=False,
+               sp_model_kwargs={}, added_tokens_decoder=dict(sorted(added.items(), key=lambda kv: int(kv[0]))),
+               **specials)
+    (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
+    (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
+    return sp.vocab_size()
+
+
+def spm_token_ids(flavor: str) -> dict:
+    """config.json token ids of an SPM flavor (what convert_hf_to_gguf.py's SpecialVocab reads without tokenizer.json)."""
+    ids = SPM_FLAVORS[flavor]["ids"]
+    return dict(bos_token_id=ids["bos_id"], eos_token_id=ids["eos_id"],
+                pad_token_id=ids["pad_id"] if ids["pad_id"] >= 0 else None)
+
+
+def spm_available(path: str) -> bool:
+    if path and Path(path).is_dir() and path not in sys.path:
+        sys.path.append(path)
+    try:
+        import sentencepiece  # noqa: F401
+        import google.protobuf  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # 2. random models
 
@@ -145,6 +262,7 @@ def build_model(name: str, vocab: int, init: float | None = None):
     torch.manual_seed(SEED)
     init = ARCHS[name].get("init", INIT) if init is None else init
     spec = ARCHS[name]
+    name = spec.get("base", name)   # *-spm: the model of their base arch (only the vocabulary differs)
     emb_scale = spec.get("emb_scale", EMB_SCALE)
     head_scale = 1.0
     if name == "llama":
@@ -364,12 +482,19 @@ def calibrate(model, name: str, tok_dir: Path, target: float = TARGET_TOP1) -> f
 def hf_chunks(tok_dir: Path) -> list[list[int]]:
     """The token chunks llama-perplexity evaluates (BOS prepended, cut into PPL_CTX-token chunks, first token of each
     chunk overwritten with BOS)."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(tok_dir)
-    ids = tok(TEXT_FILE.read_text())["input_ids"]
+    if (tok_dir / "tokenizer.model").is_file():    # *-spm: sentencepiece itself (BOS + pieces), no transformers
+        import sentencepiece as spm
+        sp = spm.SentencePieceProcessor(model_file=str(tok_dir / "tokenizer.model"))
+        bos = sp.bos_id()
+        ids = [bos] + sp.encode(TEXT_FILE.read_text())
+    else:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(tok_dir)
+        ids = tok(TEXT_FILE.read_text())["input_ids"]
+        bos = tok.bos_token_id
     chunks = [list(ids[c * PPL_CTX:(c + 1) * PPL_CTX]) for c in range(PPL_CHUNKS)]
     for c in chunks:
-        c[0] = tok.bos_token_id
+        c[0] = bos
     return chunks
 
 
@@ -409,27 +534,32 @@ def _create_vocab_sentencepiece(self):
     return _orig_spm(self)
 _base.TextModel._create_vocab_sentencepiece = _create_vocab_sentencepiece
 # gemma / gemma2 / phi3 converters want a sentencepiece tokenizer.model: use the BPE (gpt2) vocab path instead
+# (not for the *-spm entries, which have one)
 def _gpt2_vocab(self):
     self._set_vocab_gpt2()
-for modname, clsname in (("gemma", "GemmaModel"), ("gemma", "Gemma2Model"), ("phi", "Phi3MiniModel")):
-    mod = __import__("conversion." + modname, fromlist=[clsname])
-    getattr(mod, clsname).set_vocab = _gpt2_vocab
+if not (__import__("pathlib").Path(sys.argv[1]) / "tokenizer.model").is_file():
+    for modname, clsname in (("gemma", "GemmaModel"), ("gemma", "Gemma2Model"), ("phi", "Phi3MiniModel")):
+        mod = __import__("conversion." + modname, fromlist=[clsname])
+        getattr(mod, clsname).set_vocab = _gpt2_vocab
 sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
 runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
 '''
 
 
-def convert(src: Path, model_dir: Path, out: Path, tmp: Path, model_name: str) -> list[str]:
+def convert(src: Path, model_dir: Path, out: Path, tmp: Path, model_name: str, spm_pkgs: str = "") -> list[str]:
     wrapper = tmp / "convert_wrapper.py"
     wrapper.write_text(CONVERT_WRAPPER)
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)
-    env["PYTHONPATH"] = ""
+    env["PYTHONPATH"] = spm_pkgs
     cmd = [sys.executable, str(wrapper), str(src), str(model_dir), "--outtype", "f32", "--outfile", str(out),
            "--model-name", model_name]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"convert failed for {model_dir}:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
+    if (model_dir / "tokenizer.model").is_file():
+        return ["convert_hf_to_gguf.py", "<model_dir>", "--outtype", "f32", "--outfile", "<f32.gguf>",
+                "--model-name", model_name, "(sentencepiece tokenizer.model: _set_vocab_sentencepiece)"]
     return ["convert_hf_to_gguf.py", "<model_dir>", "--outtype", "f32", "--outfile", "<f32.gguf>",
             "--model-name", model_name,
             "(get_vocab_base_pre -> 'gpt-2'; gemma/gemma2/phi3 set_vocab -> _set_vocab_gpt2)"]
@@ -598,9 +728,11 @@ def _post(port: int, path: str, body: dict, timeout=120) -> dict:
         return json.loads(r.read())
 
 
-def server_reference(llama_dir: Path, model: Path, out_json: Path, tokenize: list[str], complete: list[str]):
+@contextlib.contextmanager
+def llama_server(llama_dir: Path, model: Path, n_ctx: int):
+    """Runs llama-server on 127.0.0.1 (free port) with `model` until the block ends; yields the port."""
     port = free_port()
-    cmd = [str(llama_dir / "llama-server"), "-m", str(model), "-c", "2048", "-t", "2", "--no-webui",
+    cmd = [str(llama_dir / "llama-server"), "-m", str(model), "-c", str(n_ctx), "-t", "2", "--no-webui",
            "--no-repack", "--host", "127.0.0.1", "--port", str(port)]
     logf = tempfile.TemporaryFile()
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
@@ -619,6 +751,45 @@ def server_reference(llama_dir: Path, model: Path, out_json: Path, tokenize: lis
             if time.time() > deadline:
                 raise RuntimeError("llama-server did not become healthy")
             time.sleep(0.5)
+        yield port
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        logf.close()
+
+
+def _pieces(resp: dict) -> list:
+    """Pieces of a /tokenize answer with with_pieces: a string, or a list of byte values when not valid UTF-8
+    (e.g. a byte-fallback token)."""
+    toks = resp.get("tokens") or []
+    return [t.get("piece") if isinstance(t, dict) else None for t in toks]
+
+
+def spm_tokenize_reference(llama_dir: Path, model: Path) -> list[dict]:
+    """llama-server's POST /tokenize of SPM_TOKENIZE: add_special true/false with parse_special true, and for strings
+    with '<' also parse_special false."""
+    cases = []
+    with llama_server(llama_dir, model, 256) as port:
+        for text in SPM_TOKENIZE:
+            variants = [(True, True), (False, True)]
+            if "<" in text:
+                variants += [(True, False), (False, False)]
+            for add_special, parse_special in variants:
+                body = {"content": text, "add_special": add_special, "parse_special": parse_special}
+                ids = _post(port, "/tokenize", body)["tokens"]
+                pieces = _pieces(_post(port, "/tokenize", dict(body, with_pieces=True)))
+                assert all(isinstance(i, int) for i in ids) and len(pieces) == len(ids), (text, ids, pieces)
+                cases.append(dict(text=text, add_special=add_special, parse_special=parse_special, tokens=ids,
+                                  pieces=pieces))
+    return cases
+
+
+def server_reference(llama_dir: Path, model: Path, out_json: Path, tokenize: list[str], complete: list[str]):
+    with llama_server(llama_dir, model, 2048) as port:
         props = {}
         with contextlib.suppress(Exception):
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=10) as r:
@@ -657,14 +828,6 @@ def server_reference(llama_dir: Path, model: Path, out_json: Path, tokenize: lis
                          "'tokens' are the generated token ids (return_tokens)."}
         out_json.write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
         log("wrote", out_json)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        logf.close()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -693,6 +856,9 @@ def main():
     ap.add_argument("--server-only", action="store_true", help="only the real-model llama-server references")
     ap.add_argument("--gemma-real", default="/tmp/gemma/gemma-3-270m-q4_k_m.gguf")
     ap.add_argument("--keep-tmp", action="store_true")
+    ap.add_argument("--spm-pkgs", default=os.environ.get("SPM_PKGS", DEFAULT_SPM_PKGS),
+                    help="directory with the sentencepiece and protobuf packages (pip install --target DIR "
+                         "sentencepiece protobuf), needed for the *-spm entries")
     args = ap.parse_args()
 
     llama_dir = Path(args.llama_dir).expanduser()
@@ -731,6 +897,11 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
     for a in only:
         if a not in ARCHS:
             sys.exit(f"unknown arch {a}")
+    todo = [n for n in ARCHS if not only or n in only]
+    if any("spm" in ARCHS[n] for n in todo) and not spm_available(args.spm_pkgs):
+        sys.exit(f"the *-spm entries need sentencepiece + protobuf (not in the project venv): "
+                 f"{sys.executable} -m pip install --target {args.spm_pkgs} sentencepiece protobuf "
+                 f"(or --spm-pkgs DIR), or leave them out with --only")
     tok_dir = tmp / "tokenizer"
     vocab = train_tokenizer(tok_dir)
     log("tokenizer vocab", vocab)
@@ -743,17 +914,29 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
             continue
         failures.pop(name, None)
         try:
-            model = build_model(name, vocab)
-            calib = calibrate(model, name, tok_dir)
-            peak = hf_peakedness(model, tok_dir)
+            m_tok_dir, m_vocab, spm_pkgs, tok_extra = tok_dir, vocab, "", {}
+            if "spm" in spec:
+                m_tok_dir = tmp / f"spm-{spec['spm']}"
+                if not m_tok_dir.is_dir():
+                    train_spm_tokenizer(m_tok_dir, spec["spm"])
+                m_vocab = spm_vocab_size(m_tok_dir)
+                spm_pkgs = args.spm_pkgs
+                tok_extra = dict(tokenizer=spm_tokenizer_info(m_tok_dir, spec["spm"], m_vocab))
+            model = build_model(name, m_vocab)
+            if "spm" in spec:
+                for k, v in spm_token_ids(spec["spm"]).items():
+                    setattr(model.config, k, v)
+                    setattr(model.generation_config, k, v)
+            calib = calibrate(model, name, m_tok_dir)
+            peak = hf_peakedness(model, m_tok_dir)
             mdir = tmp / f"hf-{name}"
             model.save_pretrained(mdir, safe_serialization=True)
-            for f in tok_dir.iterdir():
+            for f in m_tok_dir.iterdir():
                 shutil.copy(f, mdir / f.name)
             arch_cfg = json.loads((mdir / "config.json").read_text())
             del model
             f32 = tmp / f"{name}-f32.gguf"
-            conv_cmd = convert(src, mdir, f32, tmp, f"tiny-random-{name}")
+            conv_cmd = convert(src, mdir, f32, tmp, f"tiny-random-{name}", spm_pkgs)
             # llama.cpp on the unquantized model, same settings: the yardstick for how much quantization (and
             # llama.cpp's own activation rounding on quantized weights) moves its answers
             f32_meta = gguf_meta(f32, src)
@@ -772,10 +955,15 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
                 add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
                 summ = summarize(ppl, meta.get("tokenizer.ggml.bos_token_id"), add_bos)
                 summ.update(compare_with_f32(summ, f32_summ))
-                extra = {}
+                extra = dict(tok_extra)
                 rs = rope_scaling_info(meta, per_tensor)
                 if rs is not None:
-                    extra = dict(rope_scaling=rs, notes=rs["notes"])
+                    extra.update(rope_scaling=rs, notes=rs["notes"])
+                if "spm" in spec:
+                    extra["tokenizer"] = dict(extra["tokenizer"], gguf=spm_gguf_info(dst))
+                    extra["tokenize"] = spm_tokenize_reference(llama_dir, dst)
+                    extra["notes"] = SPM_NOTES
+                    log(f"{fname}: {len(extra['tokenize'])} tokenize cases")
                 files[fname] = dict(
                     file=fname, arch=name, gguf_arch=meta.get("general.architecture"), hf_architecture=arch_cfg.get(
                         "architectures", [None])[0], hf_model_type=arch_cfg.get("model_type"), quant=q,
@@ -809,6 +997,50 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
     }
     ref_path.write_text(json.dumps(ref, separators=(",", ":")) + "\n")
     log("wrote", ref_path)
+
+
+def spm_vocab_size(tok_dir: Path) -> int:
+    import sentencepiece as spm
+    return spm.SentencePieceProcessor(model_file=str(tok_dir / "tokenizer.model")).vocab_size()
+
+
+def spm_tokenizer_info(tok_dir: Path, flavor: str, vocab: int) -> dict:
+    import hashlib
+    fl = SPM_FLAVORS[flavor]
+    return {"type": "sentencepiece BPE (sentencepiece package), byte_fallback, split_digits, identity normalization, "
+                    "remove_extra_whitespaces false", "flavor": flavor, "vocab_size": vocab,
+            "add_dummy_prefix": fl["add_dummy_prefix"], "ids": fl["ids"],
+            "bos": fl["bos"], "eos": fl["eos"], "unk": fl["unk"], "pad": fl["pad"],
+            "user_defined_symbols": SPM_USER_DEFINED, "control_symbols": SPM_CONTROL,
+            "required_chars": "0123456789", "trained_on": "tests/data/english.txt",
+            "tokenizer_model_sha256": hashlib.sha256((tok_dir / "tokenizer.model").read_bytes()).hexdigest()}
+
+
+def spm_gguf_info(path: Path) -> dict:
+    """The tokenizer keys of an SPM GGUF and its token-type counts (1 normal, 2 unknown, 3 control, 4 user defined,
+    5 unused, 6 byte)."""
+    import gguf
+    reader = gguf.GGUFReader(str(path))
+    out = {}
+    for k, f in reader.fields.items():
+        if k.startswith("tokenizer.ggml.") and k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
+                                                          "tokenizer.ggml.token_type"):
+            with contextlib.suppress(Exception):
+                out[k] = f.contents()
+    types = reader.fields["tokenizer.ggml.token_type"].contents()
+    tokens = reader.fields["tokenizer.ggml.tokens"].contents()
+    out["token_type_counts"] = {str(t): c for t, c in sorted(collections.Counter(int(x) for x in types).items())}
+    out["non_normal_tokens"] = {str(i): [tokens[i], int(t)] for i, t in enumerate(types)
+                                if int(t) not in (1, 6)}
+    return out
+
+
+SPM_NOTES = (
+    "SPM vocabulary (tokenizer.ggml.model 'llama'): tokenize = llama-server's POST /tokenize "
+    "{content, add_special, parse_special} (ids) and the same with with_pieces (pieces: a string, or a list of byte "
+    "values when the piece is not valid UTF-8, e.g. a lone byte-fallback token), llama-server -c 256 -t 2 --no-webui "
+    "--no-repack on 127.0.0.1. Every string with add_special true and false (parse_special true); strings containing "
+    "'<' also with parse_special false. add_special adds BOS (add_bos_token true), never EOS.")
 
 
 def gguf_meta(path: Path, gguf_src: Path) -> dict:

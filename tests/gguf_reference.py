@@ -17,6 +17,8 @@ Conventions (also in reference.json["conventions"]):
   * log-probs come from llama.cpp's uint16-quantized dump: exact to about +-1.3e-4, and anything more than 16 nats
     below the top log-prob reads as the row's floor (target_at_floor tells when the target token hit it).
   * llama.cpp ran with its default f16 KV cache and --no-repack (AMX repacking crashes on this CPU).
+  * llama-spm-* / gemma-spm-*: sentencepiece (tokenizer.ggml.model "llama") vocabularies; ref.tokenize holds
+    llama-server's /tokenize ids and pieces for a list of strings (ref.tokenize_cases()).
   * top1_f32 / f32_final_ppl / agreement_with_f32: llama.cpp's results on the unquantized f32 GGUF of the same model
     (same settings), i.e. how far quantization alone moves llama.cpp itself.
 """
@@ -110,10 +112,22 @@ class ReferenceFile:
     # the GGUF keys / factor tensors ({factor_set_used, n_ctx_seq, attn_factor, gguf_keys, factor_tensors, notes})
     rope_scaling: dict[str, Any] | None = field(default=None, repr=False)
     notes: str | None = field(default=None, repr=False)
+    # only for the sentencepiece-vocabulary files (llama-spm, gemma-spm): how the vocabulary was made and its GGUF
+    # tokenizer keys ({type, flavor, vocab_size, ids, user_defined_symbols, control_symbols, gguf: {...}}), and
+    # llama-server's POST /tokenize results: ({text, add_special, parse_special, tokens, pieces}, ...); pieces are
+    # strings, or lists of byte values where a piece is not valid UTF-8 (lone byte-fallback tokens)
+    tokenizer: dict[str, Any] | None = field(default=None, repr=False)
+    tokenize: tuple[dict[str, Any], ...] = field(default=(), repr=False)
 
     @property
     def exists(self) -> bool:
         return self.path.is_file()
+
+    def tokenize_cases(self, parse_special: bool | None = True) -> Iterator[dict[str, Any]]:
+        """llama.cpp's tokenization cases (empty for the BPE files); parse_special None: all of them."""
+        for t in self.tokenize:
+            if parse_special is None or t["parse_special"] == parse_special:
+                yield t
 
     def positions(self) -> Iterator[tuple[Chunk, ScoredPosition]]:
         for c in self.chunks:
@@ -169,7 +183,7 @@ def load_reference(path: Path | str = REFERENCE_JSON) -> dict[str, ReferenceFile
             f32_mean_top1_prob=f.get("f32_mean_top1_prob"), agreement_with_f32=f.get("agreement_with_f32"),
             agreement_with_f32_margin_gt_0_1=f.get("agreement_with_f32_margin_gt_0_1"),
             share_margin_gt_0_1=f.get("share_margin_gt_0_1"), rope_scaling=f.get("rope_scaling"),
-            notes=f.get("notes"))
+            notes=f.get("notes"), tokenizer=f.get("tokenizer"), tokenize=tuple(f.get("tokenize", ())))
     return out
 
 

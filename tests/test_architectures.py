@@ -105,3 +105,17 @@ def test_the_embedded_model_tokenizes_as_llama_server_does(hf_tokenizer):
     assert ref.tokenize
     for case in ref.tokenize:
         assert hf_tokenizer.encode(case["text"]) == list(case["tokens"]), case["text"]
+
+
+@pytest.mark.parametrize("name", sorted(n for n, ref in REFERENCE.items() if ref.tokenize))
+def test_an_spm_vocabulary_tokenizes_as_llama_cpp(name):
+    """SentencePiece vocabularies (Llama 2's and Gemma's kind: tokenizer.ggml.model "llama") against
+    llama-server's /tokenize on the same file: spaces, digits, byte fallback, non-ASCII text, control and
+    user-defined symbols inside text, with and without BOS."""
+    ref = REFERENCE[name]
+    engine, _ = serve(ref.path)
+    cases = list(ref.tokenize_cases(parse_special=True))
+    assert len(cases) > 40
+    for case in cases:
+        got = engine.tokenizer.encode(case["text"], add_special_tokens=case["add_special"])
+        assert got == list(case["tokens"]), (case["text"], case["add_special"])

@@ -55,13 +55,14 @@ COPY inference_api/ inference_api/
 COPY lifecycle/ lifecycle/
 COPY proxy/ proxy/
 COPY scripts/ scripts/
-# the embedded model converted once, at build time, so containers start in seconds; hub models (MODEL=...)
-# land in the same folder, which compose and Kubernetes mount as a volume
+# the embedded model's tokenizer and config prepared once, at build time (the weights are read straight from the
+# GGUF, no float32 copy), so containers start in seconds; hub models (MODEL=...) land in the same folder, which
+# compose and Kubernetes mount as a volume
 ENV MODEL_CACHE_DIR=/models HF_HOME=/models/huggingface PORT=8000 PROXY_HOST=0.0.0.0 PROXY_PORT=1223
 RUN python -c "from pathlib import Path; \
 from inference_api.config import DEFAULT_MODEL_NAME; \
-from inference_api.model_loader import convert_gguf, embedded_gguf; \
-convert_gguf(embedded_gguf(), Path('/models') / DEFAULT_MODEL_NAME)" \
+from inference_api.model_loader import embedded_gguf, gguf_folder; \
+gguf_folder(embedded_gguf(), Path('/models') / DEFAULT_MODEL_NAME, weights=False)" \
  && mkdir -p /models/huggingface \
  && chown -R app:app /models
 USER 10001:10001

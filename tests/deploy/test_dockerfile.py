@@ -53,14 +53,14 @@ def test_the_default_target_is_the_cpu_server_with_the_proxy_in_front():
     assert "g++" in install  # the quantized CPU kernels are compiled on the host at the first start
     assert re.search(r'--index-url "\$\{TORCH_INDEX_URL\}" "\$\(grep -E \'\^torch==\' requirements.txt\)"', install)
     assert "-r requirements.txt" in install and "requirements-test.txt" not in DOCKERFILE.read_text()
-    assert "convert_gguf(embedded_gguf()" in install  # the model converted at build time
+    assert "gguf_folder(embedded_gguf()" in install  # the model's tokenizer and config prepared at build time
     assert exec_form(server.last("CMD")) == ["python", "scripts/run_stack.py", "--require-secret"]
     assert server.all("EXPOSE") == ["1223"]  # the server's own port stays inside
 
 
 def test_the_build_time_conversion_command_runs(model_dir):
-    """The RUN that converts the model, with the image's /models replaced by this machine's model cache."""
-    run = next(a for a in stages()["server"].all("RUN") if "convert_gguf" in a)
+    """The RUN that prepares the model, with the image's /models replaced by this machine's model cache."""
+    run = next(a for a in stages()["server"].all("RUN") if "gguf_folder" in a)
     code = re.search(r'python -c "(.*?)"', run).group(1).replace("'/models'", repr(MODEL_CACHE))
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr

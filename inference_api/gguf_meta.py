@@ -6,17 +6,30 @@ from __future__ import annotations
 from collections import Counter
 from pathlib import Path
 
-# GGUF tensor types by the weight-only mode that keeps them: 4-bit blocks as int4, 5- to 8-bit as int8
-_INT4 = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"}
-_INT8 = {"Q5_0", "Q5_1", "Q5_K", "Q6_K", "Q8_0", "Q8_1", "Q8_K"}
+FLOAT_TYPES = {"F32", "F16", "BF16"}
+FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"}  # held as int4; 5 bits and more as int8
+
+
+def mode_of(types: list[str]) -> str:
+    """The weight-only mode that keeps tensors of these GGUF types (a fused layer's parts): none for float types,
+    int4 when every part has 4 bits or fewer, else int8."""
+    if all(t in FLOAT_TYPES for t in types):
+        return "none"
+    return "int4" if all(t in FOUR_BIT for t in types) else "int8"
 # llama.cpp's architecture names that transformers calls otherwise
 MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
-def read_header(path: Path) -> dict:
+def open_gguf(source):
+    """A GGUFReader for a path, or the reader given: a first start parses the file (its whole vocabulary: 8 s for
+    Gemma's 262k tokens) once for the header, the tokenizer and the weights."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(path))
+    return source if isinstance(source, GGUFReader) else GGUFReader(str(source))
+
+
+def read_header(source) -> dict:
+    reader = open_gguf(source)
 
     def field(key: str, default=None):
         f = reader.fields.get(key)
@@ -30,7 +43,7 @@ def read_header(path: Path) -> dict:
     hidden = field(f"{arch}.embedding_length") or 0
     sizes = {t.name: int(t.n_elements) for t in reader.tensors}
     return {"arch": arch, "chat_template": field("tokenizer.chat_template"),
-            "quantize": "int4" if kind in _INT4 else "int8" if kind in _INT8 else "none",
+            "quantize": mode_of([kind]) if kind else "none",
             "num_params": sum(sizes.values()), "num_layers": field(f"{arch}.block_count"),
             "num_kv_heads": field(f"{arch}.attention.head_count_kv") or heads,
             "head_dim": field(f"{arch}.attention.key_length") or hidden // heads,

@@ -3,7 +3,8 @@ token is added to every prompt, and which tokens end generation. Metadata only; 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
+
+from .gguf_meta import open_gguf
 
 # pre-tokenizers of the BPE ("gpt2") vocabularies whose prompts llama.cpp starts with BOS when the file is silent
 _BPE_BOS_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
@@ -22,10 +23,9 @@ class GGUFVocab:
     eog_ids: frozenset[int]  # every token that ends generation: EOS, EOT, EOM and the end tokens found by text
 
 
-def read_vocab(path: Path) -> GGUFVocab:
-    from gguf import GGUFReader
-
-    fields = GGUFReader(str(path)).fields
+def read_vocab(source) -> GGUFVocab:
+    """source: a GGUF's path or its GGUFReader (gguf_meta.open_gguf)."""
+    fields = open_gguf(source).fields
 
     def get(key: str):
         f = fields.get(key)
@@ -51,16 +51,15 @@ def read_vocab(path: Path) -> GGUFVocab:
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
 
-def spm_backend(path: Path):
+def spm_backend(source):
     """A tokenizers Tokenizer that splits as llama.cpp's SPM tokenizer (the "llama" vocabulary type: Gemma,
     Llama 2, Mistral's older files): spaces as "▁", the adjacent pair whose merged piece scores highest merged
     first (as BPE merges ranked by that score), bytes for what no piece covers, control and user-defined pieces
     matched whole. transformers' own GGUF conversion reads these scores as a unigram model's, which splits words
     where llama.cpp does not ("capital" as "▁c ap it al")."""
-    from gguf import GGUFReader
     from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers
 
-    fields = GGUFReader(str(path)).fields
+    fields = open_gguf(source).fields
     tok_field, score_field = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.scores"]
     type_field = fields["tokenizer.ggml.token_type"]
     pieces = [bytes(tok_field.parts[i]).decode("utf-8", "replace") for i in tok_field.data]
@@ -121,13 +120,12 @@ _TOKENIZER_KEYS = {"model": "tokenizer_type", "tokens": "tokens", "scores": "sco
                    "add_space_prefix": "add_prefix_space"}
 
 
-def bpe_backend(path: Path, arch: str):
+def bpe_backend(source, arch: str):
     """A BPE vocabulary's tokenizer, through transformers' converter for the architecture (GPT-2's where it has
     none that reads BPE)."""
-    from gguf import GGUFReader
     from transformers.integrations.ggml import convert_gguf_tokenizer
 
-    fields = GGUFReader(str(path)).fields
+    fields = open_gguf(source).fields
     spec = {}
     for key, name in _TOKENIZER_KEYS.items():
         f = fields.get(f"tokenizer.ggml.{key}")
@@ -137,14 +135,15 @@ def bpe_backend(path: Path, arch: str):
     return backend
 
 
-def gguf_tokenizer(path: Path, arch: str, chat_template: str | None = None):
+def gguf_tokenizer(source, arch: str, chat_template: str | None = None):
     """The tokenizer llama.cpp would run for a GGUF, as a transformers tokenizer to save beside the model: an SPM
     vocabulary by its merges (spm_backend), a BPE one by transformers' conversion, BOS and EOS added as the file
     says, the file's chat template."""
     from transformers import PreTrainedTokenizerFast
 
-    vocab = read_vocab(path)
-    backend = spm_backend(path) if vocab.model == "llama" else bpe_backend(path, arch)
+    reader = open_gguf(source)
+    vocab = read_vocab(reader)
+    backend = spm_backend(reader) if vocab.model == "llama" else bpe_backend(reader, arch)
     names = {i: backend.id_to_token(i) for i in (vocab.bos_id, vocab.eos_id) if i is not None}
     backend = with_bos_eos(backend, vocab, names)
     special = {k: names.get(i) for k, i in (("bos_token", vocab.bos_id), ("eos_token", vocab.eos_id))}

@@ -105,12 +105,13 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
     with ``weights`` the float32 checkpoint transformers' layers load."""
     if is_converted(gguf, target, weights):
         return target
-    from .gguf_meta import read_header
+    from .gguf_meta import open_gguf, read_header
     from .gguf_vocab import gguf_tokenizer
 
     log.warning("preparing %s in %s (first start only%s)", gguf, target, "; float32 weights" if weights else "")
-    header = read_header(gguf)
-    tok, vocab = gguf_tokenizer(gguf, header["arch"], header["chat_template"])
+    reader = open_gguf(gguf)  # parsed once for the header, the tokenizer and the config
+    header = read_header(reader)
+    tok, vocab = gguf_tokenizer(reader, header["arch"], header["chat_template"])
     eos = ([vocab.eos_id] if vocab.eos_id is not None else []) + sorted(vocab.eog_ids - {vocab.eos_id})
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=target.parent))
@@ -128,7 +129,7 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
 
             from .engine.gguf_model import GGUFModel
 
-            config = GGUFModel(gguf).config
+            config = GGUFModel(gguf, reader=reader).config
             config.save_pretrained(tmp)
             GenerationConfig(bos_token_id=vocab.bos_id, eos_token_id=eos).save_pretrained(tmp)
             model_type = config.model_type

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .config import ServerConfig
-
-QUANTIZE_MODES = ("none", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -31,6 +29,7 @@ class ModelFacts:
     arch: str  # transformers' model_type ("llama", "gemma3_text", ...); "" when unknown
     gguf: bool = False  # the weights come from a GGUF file
     gguf_quantize: str = "none"  # the weight-only mode that keeps the GGUF's own linears: none | int8 | int4
+    config: dict | None = field(default=None, compare=False)  # a folder's config.json: its options are checked
 
 
 @dataclass(frozen=True)
@@ -86,7 +85,7 @@ def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> Exec
         quantize = config.quantize
     else:  # auto keeps a GGUF file's own quantization; a folder is served as it is
         quantize = model.gguf_quantize if model.gguf and config.dtype in ("auto", "float32") else "none"
-    compact = supported(model.arch, gguf=model.gguf)
+    compact = supported(model.arch, model.config, model.gguf)
     quantized_cpu = quantize != "none" and device == "cpu"
     # next to quantized weights on CPU the compact model holds its KV cache in int8 (transformers' layers
     # cannot read one, so they keep the model's dtype)
@@ -131,19 +130,15 @@ def probe_machine(device: str = "auto") -> Machine:
     return Machine(cpu_flags(), cuda, cuda and torch.cuda.is_bf16_supported())
 
 
-def folder_arch(folder: Path) -> str:
-    try:
-        cfg = json.loads((folder / "config.json").read_text())
-    except (OSError, ValueError):
-        return ""
-    return cfg.get("text_config", cfg).get("model_type", "") if cfg.get("model_type") != "gemma3" else "gemma3_text"
-
-
 def model_facts(gguf: Path | None, folder: Path | None) -> ModelFacts:
     """Facts from metadata only: for a GGUF, its folder's stamp when the folder holds its conversion, else the
     file's header; for a folder, its config.json."""
     if gguf is None:
-        return ModelFacts(folder_arch(folder) if folder is not None else "")
+        try:
+            cfg = json.loads((folder / "config.json").read_text()) if folder is not None else {}
+        except (OSError, ValueError):
+            cfg = {}
+        return ModelFacts(cfg.get("model_type", ""), config=cfg)
     from .gguf_meta import model_type, read_header
     from .model_loader import read_stamp
 

@@ -196,3 +196,36 @@ def test_the_same_prompt_gives_the_same_answer_whatever_the_load(default_server,
     differ = [i for i, t in enumerate(together) if t != alone[i % len(prompts)]]
     assert not differ, f"{len(differ)} of {len(together)} answers under load part from the prompt alone"
     assert server.wait_idle()["open_sessions"] == 0
+
+
+def test_a_victims_answer_alone_equals_its_answer_beside_adversarial_requests(default_server, model_name):
+    """Per-row isolation in the default mode: a greedy request answers token for token as it does alone while
+    other requests in the same steps sample hot with seeds, carry penalties, log-probs, stop strings, min_tokens
+    and ignore_eos, end after one token, or push long prompts through chunked prefill."""
+    server = default_server
+
+    def complete(body: dict) -> list[str]:
+        r = requests.post(f"{server.url}/v1/completions", json={"model": model_name, **body}, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"] if body.get("logprobs") is not None else []
+
+    victim = {"prompt": "Write two sentences about the history of the violin.", "max_tokens": 40,
+              "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    alone = complete(victim)
+    adversaries = [
+        {"prompt": "Tell me a story.", "max_tokens": 40, "temperature": 1.8, "top_p": 1.0, "seed": 7},
+        {"prompt": "List fruits:", "max_tokens": 40, "temperature": 0.9, "repetition_penalty": 1.9,
+         "frequency_penalty": 2.0, "presence_penalty": 2.0, "seed": 3, "logprobs": 5},
+        {"prompt": "Count: one, two,", "max_tokens": 40, "temperature": 0, "stop": [",", " "], "min_tokens": 30},
+        {"prompt": "Hi", "max_tokens": 1, "temperature": 0},
+        {"prompt": "word " * 700, "max_tokens": 8, "temperature": 0.5, "ignore_eos": True},
+        {"prompt": "Write two sentences about the history of the violin. No,", "max_tokens": 40,
+         "temperature": 0, "min_p": 0.2, "top_k": 3},
+    ]
+    with ThreadPoolExecutor(1 + 2 * len(adversaries)) as pool:
+        others = [pool.submit(complete, a) for a in adversaries * 2]
+        beside = pool.submit(complete, victim)
+        assert beside.result() == alone
+        for o in others:
+            o.result()
+    assert server.wait_idle()["open_sessions"] == 0

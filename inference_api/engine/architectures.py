@@ -61,7 +61,8 @@ def supported(arch: str, cfg: dict | None = None, gguf: bool = True) -> bool:
     if cfg is None:
         return True
     act = cfg.get("hidden_activation") or cfg.get("hidden_act") or "silu"
-    return act in _ACTIVATIONS and not cfg.get("mlp_bias") and not cfg.get("attention_bias_o", False)
+    head_dim = cfg.get("head_dim") or cfg.get("hidden_size", 0) // max(1, cfg.get("num_attention_heads", 1))
+    return act in _ACTIVATIONS and not cfg.get("mlp_bias") and head_dim % 2 == 0
 
 
 @dataclass(frozen=True)

@@ -70,12 +70,8 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x * cos + rotated * sin
 
 
-def _act_mul(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
-    """act(gate) * up for the fused projection's output [..., 2F] = [gate | up]."""
-    gate, up = gate_up.chunk(2, dim=-1)
-    if activation == "gelu_tanh":
-        return F.gelu(gate, approximate="tanh").mul_(up)
-    return F.silu(gate).mul_(up)
+def _act(x: torch.Tensor, activation: str) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh") if activation == "gelu_tanh" else F.silu(x)
 
 
 def _pad(x: torch.Tensor, tokens: torch.Tensor, total: int) -> torch.Tensor:
@@ -140,10 +136,11 @@ class CompactLM:
     def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
         up = layer.gate_up(h)
         if not self.spec.family.gated:  # act(up), no gate (falcon)
-            return layer.down(F.gelu(up, approximate="tanh") if self.spec.activation == "gelu_tanh" else F.silu(up))
+            return layer.down(_act(up, self.spec.activation))
         if self.kernels is not None and self.spec.activation == "silu":
             return layer.down(self.kernels.silu_mul(up))
-        return layer.down(_act_mul(up, self.spec.activation))
+        gate, up = up.chunk(2, dim=-1)  # [gate | up]
+        return layer.down(_act(gate, self.spec.activation).mul_(up))
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids).to(self.dtype)

@@ -94,17 +94,17 @@ class Engine:
 
     def _forward(self, step: Step) -> tuple[list[Sequence], torch.Tensor]:
         """Up to one chunk of prompt tokens and every decoding row: one runner call each."""
-        parts = []
+        prefill = decode = None
         if step.prefill:
-            logits = self.runner.prefill([s.row for s, _ in step.prefill],
-                                         [s.prompt_ids[s.num_cached:s.num_cached + n] for s, n in step.prefill],
-                                         [s.num_cached for s, _ in step.prefill])
-            done = [i for i, (s, n) in enumerate(step.prefill) if s.num_cached + n == s.num_prompt]
-            parts.append(logits[done])
+            prefill = self.runner.prefill([s.row for s, _ in step.prefill],
+                                          [s.prompt_ids[s.num_cached:s.num_cached + n] for s, n in step.prefill],
+                                          [s.num_cached for s, _ in step.prefill])
         if step.decode:
-            parts.append(self.runner.decode([s.row for s in step.decode], [s.last_token for s in step.decode],
-                                            [s.num_tokens - 1 for s in step.decode]))
-        seqs = self.scheduler.computed(step)
+            decode = self.runner.decode([s.row for s in step.decode], [s.last_token for s in step.decode],
+                                        [s.num_tokens - 1 for s in step.decode])
+        done = self.scheduler.computed(step)
+        seqs = [step.prefill[i][0] for i in done] + step.decode
+        parts = ([prefill[done]] if prefill is not None else []) + ([decode] if decode is not None else [])
         return seqs, parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:

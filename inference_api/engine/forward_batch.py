@@ -8,6 +8,7 @@ row of a decode step) writes to the cache's scratch position, which no row ever 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import torch
 
@@ -24,13 +25,29 @@ class ForwardBatch:
     last_only: bool = True  # logits of each entry's last token only ([B, V]); else of every token ([B, T, V])
     _masks: dict = field(default_factory=dict, repr=False)
 
-    def __post_init__(self):
-        self.real = self.write != self.scratch  # [B, T]
-        flat = self.real.reshape(-1)
-        self.tokens = flat.nonzero()[:, 0]  # [N] the real tokens' indices into B * T
-        self.token_rows = self.rows.repeat_interleave(self.ids.shape[1])[self.tokens]  # [N] each token's row
-        self.token_positions = self.positions.reshape(-1)[self.tokens]  # [N]
-        self.token_writes = self.write.reshape(-1)[self.tokens]  # [N]
+    # what the forward reads, computed when first read (the decode kernels' step reads none of the token views)
+    @cached_property
+    def real(self) -> torch.Tensor:
+        """[B, T] which entries are tokens (not padding, not an idle row)."""
+        return self.write != self.scratch
+
+    @cached_property
+    def tokens(self) -> torch.Tensor:
+        """[N] the real tokens' indices into B * T."""
+        return self.real.reshape(-1).nonzero()[:, 0]
+
+    @cached_property
+    def token_rows(self) -> torch.Tensor:
+        """[N] each real token's cache row."""
+        return self.rows.repeat_interleave(self.ids.shape[1])[self.tokens]
+
+    @cached_property
+    def token_positions(self) -> torch.Tensor:
+        return self.positions.reshape(-1)[self.tokens]
+
+    @cached_property
+    def token_writes(self) -> torch.Tensor:
+        return self.write.reshape(-1)[self.tokens]
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -54,5 +71,6 @@ class ForwardBatch:
         return self._masks[window]
 
     def lengths(self) -> torch.Tensor:
-        """[B] a decode step's positions attended per row (its position + 1; 1 for an idle row)."""
-        return self.visible()[:, 0].sum(-1)
+        """[B] a decode step's positions attended per row (its position + 1; 1 for an idle row, which sees
+        position 0 only)."""
+        return torch.where(self.real[:, 0], self.positions[:, 0] + 1, 1)

@@ -19,16 +19,6 @@ from .quant import Int4Weight, Int8Weight
 
 INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # taken as they are into the int4 layout
 INT8_TYPES = {"Q8_0"}  # taken as they are into the int8 layout
-FLOAT_TYPES = {"F32", "F16", "BF16"}
-FOUR_BIT = INT4_TYPES | {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS"}  # served as int4 when dequantized
-
-
-def mode_of(types: list[str]) -> str:
-    """The weight-only mode that keeps tensors of these GGUF types (a fused layer's parts): none for float types,
-    int4 when every part has 4 bits or fewer, else int8."""
-    if all(t in FLOAT_TYPES for t in types):
-        return "none"
-    return "int4" if all(t in FOUR_BIT for t in types) else "int8"
 
 
 def _rows(t) -> tuple[int, int, np.ndarray]:

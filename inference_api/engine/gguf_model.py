@@ -9,13 +9,13 @@ plan picked.
 """
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from .gguf_blocks import INT4_TYPES, INT8_TYPES, cat, mode_of, packed
+from ..gguf_meta import mode_of, open_gguf
+from .gguf_blocks import INT4_TYPES, INT8_TYPES, cat, packed
 from .quant import Int4Weight, Int8Weight
 
 # llama.cpp's architecture names -> transformers' model_type, for the architectures the compact decoder runs
@@ -30,11 +30,9 @@ SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 
 
 class GGUFModel:
-    def __init__(self, path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32):
-        from gguf import GGUFReader
-
+    def __init__(self, path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, reader=None):
         self.path = Path(path)
-        self.reader = GGUFReader(str(path))
+        self.reader = open_gguf(reader or path)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.arch = self._field("general.architecture")
         if self.arch not in ARCHS:
@@ -215,7 +213,3 @@ def gguf_config(m: GGUFModel):
     if attn_factor:
         config.rope_attn_factor = float(attn_factor)  # cos and sin scaled by it, as llama.cpp's mscale
     return config
-
-
-def gguf_params(m: GGUFModel) -> int:
-    return sum(math.prod(int(n) for n in t.shape) for t in m.reader.tensors)

@@ -57,7 +57,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
         plan = plan.without_cpu_kernels()
     # a GGUF of a described architecture is read straight from its file; anything else through transformers
     direct = gguf is not None and plan.model == "compact"
-    model_dir = resolve_model_dir(config, weights=not direct)
+    model_dir = resolve_model_dir(config, weights=not direct) if gguf is not None else folder
     dtype = plan.torch(plan.dtype)
     model = GGUFModel(gguf, plan.device, dtype) if direct else load_model(model_dir, plan.device, dtype)
     tokenizer = HFTokenizer(model_dir)

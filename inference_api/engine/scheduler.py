@@ -91,14 +91,14 @@ class Scheduler:
         step.decode = [s for s in by_row if s.status is Status.DECODE]
         return step
 
-    def computed(self, step: Step) -> list[Sequence]:
-        """Record a step's forward as done; return the sequences whose logits give a token (finished prefills,
-        then the decoding rows), in the order of the logits the runner returned."""
+    def computed(self, step: Step) -> list[int]:
+        """Record a step's forward as done; return which of its prefill chunks finished their prompt (their
+        logits give a first token, as every decoding row's do)."""
         for seq, n in step.prefill:
             seq.num_cached += n
         for seq in step.decode:
             seq.num_cached += 1
-        return [s for s, _ in step.prefill if s.prefill_remaining == 0] + step.decode
+        return [i for i, (s, _) in enumerate(step.prefill) if s.prefill_remaining == 0]
 
     def release(self, seq: Sequence, cache_valid: bool = True) -> None:
         """Free a sequence's row (waiting: drop it from the queue); the row's cache is kept for reuse."""

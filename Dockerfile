@@ -60,9 +60,10 @@ COPY scripts/ scripts/
 # compose and Kubernetes mount as a volume
 ENV MODEL_CACHE_DIR=/models HF_HOME=/models/huggingface PORT=8000 PROXY_HOST=0.0.0.0 PROXY_PORT=1223
 RUN python -c "from pathlib import Path; \
-from inference_api.config import DEFAULT_MODEL_NAME; \
-from inference_api.model_loader import embedded_gguf, gguf_folder; \
-gguf_folder(embedded_gguf(), Path('/models') / DEFAULT_MODEL_NAME, weights=False)" \
+from inference_api.config import ServerConfig; \
+from inference_api.model_loader import embedded_gguf, gguf_folder, gguf_target; \
+gguf = embedded_gguf(); \
+gguf_folder(gguf, gguf_target(ServerConfig(model_cache_dir=Path('/models')), gguf), weights=False)" \
  && mkdir -p /models/huggingface \
  && chown -R app:app /models
 USER 10001:10001

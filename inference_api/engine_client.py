@@ -40,6 +40,7 @@ class Session:
     finish_reason: FinishReason | None = None  # set by the demultiplexer when the last event arrives
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None  # monotonic time of the first generated token
+    last_token_at: float | None = None  # monotonic time the latest tokens arrived
     completion_tokens: int = 0
 
     @property
@@ -64,7 +65,7 @@ class EngineClient:
         self.restarts: list[float] = []  # monotonic times of the restarts within RESTART_WINDOW
         self.restart_count = 0  # engine restarts since the worker started
         self.tokenizer: Tokenizer | None = None
-        self.stats = EngineStats(rows_total=config.rows)
+        self.stats = self._idle_stats()
         self.metrics = Metrics(lambda: self.stats, lambda: self.open_sessions)
 
     # life cycle
@@ -181,6 +182,7 @@ class EngineClient:
             except (EOFError, OSError):
                 return self._engine_lost("engine connection lost")
             if isinstance(msg, StepOutput):
+                self.metrics.engine_stats(self.stats, msg.stats)
                 self.stats = msg.stats
                 for event in msg.events:
                     self._deliver(event)
@@ -201,7 +203,7 @@ class EngineClient:
         self.restarting = served
         if not served:
             self.failure = message
-        self.stats = EngineStats(rows_total=self.config.rows)
+        self.stats = self._idle_stats()  # a new engine's cumulative counters start from zero
         self._fail_all(message)
         return served
 
@@ -210,13 +212,20 @@ class EngineClient:
         if session is None:
             self.metrics.tokens(len(event.token_ids))
             return  # abandoned: the client has gone
-        self.metrics.tokens(len(event.token_ids), None if session.first_token_at is not None else session.started)
-        if event.token_ids and session.first_token_at is None:
-            session.first_token_at = time.monotonic()
+        first = session.first_token_at is None
+        at = self.metrics.tokens(len(event.token_ids), session.started if first else None, session.last_token_at)
+        if event.token_ids:
+            if first:
+                session.first_token_at = at
+            session.last_token_at = at
         session.completion_tokens = max(session.completion_tokens, event.completion_tokens)
         if event.finished:
             session.finish_reason = event.finish_reason
         session.events.put(event)
+
+    def _idle_stats(self) -> EngineStats:
+        """The stats before an engine has reported any (at start and after it is lost)."""
+        return EngineStats(rows_total=self.config.rows, kv_tokens_total=self.config.rows * self.config.context_length)
 
     def _load_tokenizer(self, ready: EngineReady) -> Tokenizer:
         if self.config.mock:

@@ -42,8 +42,12 @@ def read_header(source) -> dict:
     heads = field(f"{arch}.attention.head_count") or 1
     hidden = field(f"{arch}.embedding_length") or 0
     sizes = {t.name: int(t.n_elements) for t in reader.tensors}
+    by_bytes = Counter()  # the matrices' types, most bytes first
+    for t in reader.tensors:
+        if len(t.shape) == 2:
+            by_bytes[t.tensor_type.name] += int(t.n_bytes)
     return {"arch": arch, "chat_template": field("tokenizer.chat_template"),
-            "quantize": mode_of([kind]) if kind else "none",
+            "quantize": mode_of([kind]) if kind else "none", "types": [k for k, _ in by_bytes.most_common()],
             "num_params": sum(sizes.values()), "num_layers": field(f"{arch}.block_count"),
             "num_kv_heads": field(f"{arch}.attention.head_count_kv") or heads,
             "head_dim": field(f"{arch}.attention.key_length") or hidden // heads,

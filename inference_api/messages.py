@@ -76,9 +76,16 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class EngineStats:
+    """The engine's books after a step. The prefix counters are cumulative since that engine process started
+    (a restarted engine counts from zero again; the metrics fold them into counters that never go down)."""
+
     rows_in_use: int = 0
     rows_total: int = 0
     waiting: int = 0
+    kv_tokens_in_use: int = 0  # KV cache positions written for the rows in use (their prompt and output so far)
+    kv_tokens_total: int = 0  # KV cache positions of all user rows: rows x context length
+    prefix_queried_tokens: int = 0  # prompt tokens of admitted requests looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, the tokens found cached and reused (not computed again)
 
 
 @dataclass(frozen=True)

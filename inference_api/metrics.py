@@ -1,8 +1,9 @@
-"""Prometheus metrics for ``GET /metrics``: requests, tokens, latency, rows and queue.
+"""Prometheus metrics for ``GET /metrics``: requests, tokens, latency, rows, KV cache, prefix cache and queue.
 
 One registry per app (no process-wide default registry), fed from two places: the app's after-request
-hook (every HTTP answer) and the engine client's demultiplexer (every generation event), so the hot
-path adds a counter increment per event and nothing more.
+hook (every HTTP answer) and the engine client's demultiplexer (every generation event, and the engine's
+stats after each step), so the hot path adds a few counter increments per event and nothing more. Gauges
+read the latest stats when scraped.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from .messages import EngineStats, FinishReason
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                  0.5, 0.75, 1, 2.5)  # a decode step, from a small model alone to a large one under load
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
@@ -29,25 +32,64 @@ class Metrics:
                                 registry=r)
         self.ttft = Histogram("inference_time_to_first_token_seconds", "from submission to the first token",
                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("inference_time_per_output_token_seconds",
+                              "gap between a request's tokens, after its first: one observation per token",
+                              buckets=_TOKEN_BUCKETS, registry=r)
         self.duration = Histogram("inference_request_duration_seconds",
                                   "from submission until the request is released", buckets=_LATENCY_BUCKETS, registry=r)
         self.engine_restarts = Counter("inference_engine_restarts", "engine processes restarted after a crash",
                                        registry=r)
+        self.prefix_queries = Counter("inference_prefix_cache_queries",
+                                      "prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("inference_prefix_cache_hits",
+                                   "prompt tokens found in the prefix cache and reused", registry=r)
+        self._prefix_totals = [0, 0]  # the two counters' values: queried, hit (for the hit rate)
         gauges = {"inference_rows_in_use": ("user rows decoding or prefilling", lambda: stats().rows_in_use),
                   "inference_rows_total": ("user rows", lambda: stats().rows_total),
                   "inference_queue_length": ("requests waiting for a row", lambda: stats().waiting),
-                  "inference_open_sessions": ("sessions the app holds", open_sessions)}
+                  "inference_open_sessions": ("sessions the app holds", open_sessions),
+                  "inference_kv_cache_tokens_in_use": ("KV cache positions held by the rows in use",
+                                                       lambda: stats().kv_tokens_in_use),
+                  "inference_kv_cache_capacity_tokens": ("KV cache positions of all user rows",
+                                                         lambda: stats().kv_tokens_total),
+                  "inference_kv_cache_usage_ratio": ("KV cache positions in use / all of them (0..1)",
+                                                     lambda: _kv_usage(stats())),
+                  "inference_prefix_cache_hit_rate": ("prompt tokens reused / looked up in the prefix cache, "
+                                                      "since the worker started",
+                                                      lambda: _ratio(self._prefix_totals[1], self._prefix_totals[0]))}
         for name, (help_text, read) in gauges.items():
             Gauge(name, help_text, registry=r).set_function(read)
 
     def submitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
 
-    def tokens(self, count: int, first_since: float | None = None) -> None:
-        """``count`` new tokens; ``first_since``: the submission time, when these are the request's first."""
+    def tokens(self, count: int, first_since: float | None = None, previous_at: float | None = None) -> float:
+        """``count`` new tokens of one event, arrived at the (monotonic) time returned. ``first_since``: the
+        submission time, when these are the request's first (time to first token); else ``previous_at``: when
+        its previous tokens arrived (time per output token: each of these tokens is observed as an equal share of
+        the gap). Tokens that come in the same event as the first have no gap of their own and are not observed."""
+        now = time.monotonic()
         self.generated_tokens.inc(count)
         if count and first_since is not None:
-            self.ttft.observe(time.monotonic() - first_since)
+            self.ttft.observe(now - first_since)
+        elif count and previous_at is not None:
+            share = (now - previous_at) / count
+            for _ in range(count):
+                self.tpot.observe(share)
+        return now
+
+    def engine_stats(self, previous: EngineStats, current: EngineStats) -> None:
+        """Fold the engine's cumulative counters into this worker's: what they grew by since the previous stats.
+        An engine restarted after a crash counts from zero again (the client resets its stats when the engine is
+        lost, and a counter found lower than before counts as restarted), so the exposed counters never go down."""
+        if current.prefix_queried_tokens < previous.prefix_queried_tokens:  # a new engine, counting from zero
+            previous = EngineStats()
+        pairs = ((self.prefix_queries, previous.prefix_queried_tokens, current.prefix_queried_tokens),
+                 (self.prefix_hits, previous.prefix_hit_tokens, current.prefix_hit_tokens))
+        for i, (counter, before, now) in enumerate(pairs):
+            if now > before:
+                counter.inc(now - before)
+                self._prefix_totals[i] += now - before
 
     def ended(self, reason: FinishReason, started: float) -> None:
         """A request left the server: finished, failed, or abandoned by its client (cancelled)."""
@@ -60,3 +102,11 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _ratio(part: float, whole: float) -> float:
+    return part / whole if whole else 0.0
+
+
+def _kv_usage(stats: EngineStats) -> float:
+    return _ratio(stats.kv_tokens_in_use, stats.kv_tokens_total)

@@ -29,6 +29,7 @@ class ModelFacts:
     arch: str  # transformers' model_type ("llama", "gemma3_text", ...); "" when unknown
     gguf: bool = False  # the weights come from a GGUF file
     gguf_quantize: str = "none"  # the weight-only mode that keeps the GGUF's own linears: none | int8 | int4
+    gguf_types: tuple[str, ...] = ()  # the GGUF's matrices' tensor types, most bytes first
     config: dict | None = field(default=None, compare=False)  # a folder's config.json: its options are checked
 
 
@@ -47,6 +48,7 @@ class ExecutionPlan:
     cpu_kernels: bool = False  # the compiled CPU kernels run norms, rotary, attention and quantized linears
     model: str = "compact"  # compact (engine/compact.py, described by engine/architectures.py) | transformers
     arch: str = ""
+    gguf_types: tuple[str, ...] = ()  # a GGUF's tensor types the compact model serves in their own blocks
 
     @property
     def matmul_dtype(self) -> str:
@@ -61,13 +63,15 @@ class ExecutionPlan:
 
     def without_cpu_kernels(self) -> "ExecutionPlan":
         """The plan when the kernels cannot be compiled here: quantized weights are served dequantized."""
-        return replace(self, cpu_kernels=False, int8_inputs=False, vnni=False)
+        return replace(self, cpu_kernels=False, int8_inputs=False, vnni=False, gguf_types=())
 
     def describe(self) -> str:
         inputs = "every row's inputs int8 (VNNI tiles)" if self.vnni else "inputs of up to 16 rows " + (
             "int8" if self.int8_inputs else self.dtype)
         kind = f"{self.arch} {self.model} layers" if self.arch else f"{self.model} layers"
-        return (f"{self.device} ({self.dtype}, weights {self.quantize}, {kind}, multi-row matmuls "
+        weights = (f"the GGUF's own blocks ({', '.join(self.gguf_types)})" if self.gguf_types
+                   else self.quantize)
+        return (f"{self.device} ({self.dtype}, weights {weights}, {kind}, multi-row matmuls "
                 f"{self.matmul_dtype}, {inputs}, KV cache {self.kv_dtype})")
 
 
@@ -105,7 +109,8 @@ def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> Exec
         device=device, dtype=dtype, quantize=quantize, group=32 if model.gguf else None, kv_dtype=kv,
         batch_dtype="bfloat16" if quantized_cpu and config.dtype == "auto" and bf16 else None,
         int8_inputs=int8_inputs, vnni=int8_inputs and "avx512_vnni" in flags, cpu_kernels=cpu_kernels,
-        model="compact" if compact else "transformers", arch=model.arch)
+        model="compact" if compact else "transformers", arch=model.arch,
+        gguf_types=model.gguf_types if compact and quantized_cpu and cpu_kernels else ())
 
 
 # the facts, gathered
@@ -143,4 +148,4 @@ def model_facts(gguf: Path | None, folder: Path | None) -> ModelFacts:
     from .model_loader import read_stamp
 
     header = (read_stamp(gguf, folder) if folder is not None else None) or read_header(gguf)
-    return ModelFacts(model_type(header["arch"]), True, header["quantize"])
+    return ModelFacts(model_type(header["arch"]), True, header["quantize"], tuple(header.get("types", ())))

@@ -18,6 +18,12 @@ llama-server) answer without computing them again; --fresh-prompts starts every 
 sent before, so that no server finds any of it cached. --ignore-eos makes every stream run to --max-tokens on
 both servers (answers that end early make tokens/s lean on the time to first token).
 
+One stream at the memory bound: decoding one row reads every weight once per token, so its ceiling is the
+machine's read bandwidth. With a one-stream load (concurrency 1) it prints the bytes each decode step reads,
+from the GGUF being served (--gguf; default: the embedded model's file when the server serves it), the GB/s
+that makes at the measured tokens/s, a read-bandwidth probe taken in this process at the start and the end
+of the run, and the resulting ceiling in tokens/s and the fraction of it reached, for our server and the peer.
+
     python scripts/bench.py --url http://127.0.0.1:8000 --baseline --offline --repeat 3
 """
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import math
 import os
 import re
 import statistics
@@ -139,14 +146,20 @@ def print_row(label: str, r: dict) -> None:
 class Baseline:
     """transformers generate, greedy, in this process, on the same model and prompts as the server load."""
 
-    def __init__(self, model_dir: str, max_tokens: int, chat: bool = True):
+    def __init__(self, model_dir: str, max_tokens: int, chat: bool = True, gguf: Path | None = None):
+        """The weights come from the model folder, or from the GGUF file (dequantized by transformers) when
+        the folder holds none (the server reads a GGUF's weights straight from the file)."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         self.torch, self.max_tokens, self.chat = torch, max_tokens, chat
         self.tok = AutoTokenizer.from_pretrained(model_dir, padding_side="left")
         self.tok.pad_token = self.tok.pad_token or self.tok.eos_token
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        weights = any(next(Path(model_dir).glob(pattern), None) for pattern in ("*.safetensors", "*.bin"))
+        where = dict(pretrained_model_name_or_path=model_dir)
+        if not weights and gguf is not None:
+            where = dict(pretrained_model_name_or_path=str(gguf.parent), gguf_file=gguf.name)
+        self.model = AutoModelForCausalLM.from_pretrained(**where, dtype=torch.float32).eval()
         self.eos = self.model.generation_config.eos_token_id
 
     def run(self, batch: int) -> float:
@@ -230,6 +243,125 @@ def long_prompt(model_dir: str, length: int) -> str:
     return text
 
 
+def decode_bytes(path: str | Path) -> int:
+    """Bytes of the GGUF's weights one decode step of one row reads: every tensor once, except the token
+    embedding table, of which the step reads one row (its token), unless the file has no ``output.weight``:
+    then the table is the output head too (tied embeddings), read whole."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    total = sum(int(t.n_bytes) for t in tensors.values())
+    embd = tensors.get("token_embd.weight")
+    if embd is not None and "output.weight" in tensors:
+        rows = math.prod(int(n) for n in embd.shape[1:]) or 1  # the shape lists ne0 (a row's length) first
+        total -= int(embd.n_bytes) - int(embd.n_bytes) // rows
+    return total
+
+
+def served_gguf(path: str | None, health: dict) -> tuple[Path | None, str]:
+    """The GGUF file the servers serve: --gguf, else the embedded model's file when the server serves the
+    default model (the mock included); else None, with the reason."""
+    if path:
+        return Path(path), path
+    try:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from inference_api.config import DEFAULT_MODEL_NAME
+        from inference_api.model_loader import embedded_gguf
+
+        if health.get("model") != DEFAULT_MODEL_NAME:
+            return None, f"the server serves {health.get('model')}, not the embedded model: pass --gguf"
+        return embedded_gguf(), "the embedded model"
+    except Exception as exc:  # noqa: BLE001 - no wheel, or the package not importable: no file, never a failure
+        return None, f"{type(exc).__name__}: {exc}"
+
+
+def step_bytes(gguf: Path | None, note: str) -> int | None:
+    """decode_bytes of the served GGUF, printed; None (and a line saying so) when it cannot be read."""
+    if gguf is not None:
+        try:
+            n = decode_bytes(gguf)
+            print(f"decode step reads {n / 1e6:.1f} MB of weights per token ({gguf.name})")
+            return n
+        except Exception as exc:  # noqa: BLE001 - a figure we cannot compute never fails the run
+            note = f"{gguf}: {type(exc).__name__}: {exc}"
+    print(f"decode step bytes unknown ({note}); the one-stream bandwidth figures are left out")
+    return None
+
+
+def last_level_cache() -> int:
+    """The largest CPU cache's size in bytes (0 when the system does not say)."""
+    sizes = [0]
+    for f in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*/size"):
+        m = re.fullmatch(r"(\d+)([KMG]?)", f.read_text().strip())
+        if m:
+            sizes.append(int(m[1]) * {"": 1, "K": 2**10, "M": 2**20, "G": 2**30}[m[2]])
+    return max(sizes)
+
+
+def available_memory() -> int:
+    try:
+        return int(re.search(r"^MemAvailable:\s+(\d+) kB", Path("/proc/meminfo").read_text(), re.M)[1]) * 1024
+    except (OSError, TypeError):
+        return 8 * 2**30
+
+
+def probe_size(model_bytes: int | None) -> int:
+    """The probe's buffer: well past the last-level cache and the model (1 GiB, 4x the model, 4x the cache,
+    whichever is largest), at most a quarter of the available memory and 8 GiB."""
+    want = max(2**30, 4 * (model_bytes or 0), 4 * last_level_cache())
+    return max(64 * 2**20, min(want, available_memory() // 4, 8 * 2**30))
+
+
+def read_bandwidth(nbytes: int, budget_s: float = 3.0, repeats: int = 5) -> float:
+    """GB/s (1e9 bytes a second) reading an nbytes buffer with every core: the best of a few timed sums of
+    float32 elements (a read-only stream; the sum's additions cost far less than the loads), stopped once
+    the time budget is spent. The torch thread count is restored afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)
+    try:
+        buffer = torch.ones(nbytes // 4, dtype=torch.float32)  # written once: every page resident
+        buffer.sum()  # warm: threads up, pages in the TLB's reach
+        best, spent = 0.0, 0.0
+        for _ in range(repeats):
+            started = time.perf_counter()
+            buffer.sum()
+            elapsed = time.perf_counter() - started
+            best, spent = max(best, buffer.numel() * 4 / elapsed / 1e9), spent + elapsed
+            if spent > budget_s:
+                break
+        return best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def probe(model_bytes: int | None, when: str) -> float | None:
+    """read_bandwidth printed; None when it cannot run (never fails the run)."""
+    size = probe_size(model_bytes)
+    try:
+        gbps = read_bandwidth(size)
+    except Exception as exc:  # noqa: BLE001
+        print(f"read-bandwidth probe ({when}) failed: {type(exc).__name__}: {exc}")
+        return None
+    print(f"read-bandwidth probe ({when}): {gbps:.1f} GB/s reading {size / 2**30:.2f} GiB with "
+          f"{os.cpu_count()} threads")
+    return gbps
+
+
+def memory_bound_line(label: str, r: dict, model_bytes: int, bandwidth: float) -> str:
+    """One stream against the machine's read bandwidth: bytes a token, the GB/s reached, the ceiling and
+    the fraction of it, end to end (tokens/s of the load) and for the decode steps alone (1 / ITL p50)."""
+    ceiling = bandwidth * 1e9 / model_bytes
+    line = (f"one stream, {label}: {model_bytes / 1e6:.1f} MB read per token, {r['tps']:.1f} tok/s = "
+            f"{r['tps'] * model_bytes / 1e9:.1f} GB/s of {bandwidth:.1f} GB/s probe "
+            f"(ceiling {ceiling:.0f} tok/s, {100 * r['tps'] / ceiling:.0f} % of it)")
+    if r.get("itl_p50", 0) > 0 and math.isfinite(r["itl_p50"]):
+        steps = 1 / r["itl_p50"]
+        line += f"; decode steps alone (1 / ITL p50) {steps:.1f} tok/s = {100 * steps / ceiling:.0f} %"
+    return line
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--url", default="http://127.0.0.1:8000")
@@ -249,6 +381,8 @@ def main() -> None:
     ap.add_argument("--ignore-eos", action="store_true",
                     help="send ignore_eos (vLLM's and llama-server's extra; --api openai): every stream runs to "
                          "--max-tokens, so both servers generate the same number of tokens")
+    ap.add_argument("--gguf", help="the GGUF file the servers serve, for the bytes a decode step reads "
+                    "(default: the embedded model's file, when the server serves the embedded model)")
     ap.add_argument("--api", choices=["native", "openai"], help="native: /predictions; openai: /v1/completions "
                     "(default: openai with --peer-url, else native)")
     args = ap.parse_args()
@@ -265,9 +399,15 @@ def main() -> None:
     model = health["model"]
     print(f"server {args.url}: model {model}, {health['rows_total']} rows")
     count = token_counter(health, args.max_tokens)
+    gguf, gguf_note = served_gguf(args.gguf, health)
+    one_stream = 1 in args.concurrency
+    model_bytes = step_bytes(gguf, gguf_note) if one_stream else None
+    if model_bytes and health.get("quantize") == "none" and not health.get("mock"):
+        print("  (this server dequantized the file's weights: its steps read more than the file's blocks)")
+    bandwidth = [probe(model_bytes, "start")] if one_stream else []
 
     headers = proxy_headers(args.jwt_secret) if args.proxy_url else {}
-    base = Baseline(health["model_dir"], args.max_tokens, chat=api == "native") if args.baseline else None
+    base = Baseline(health["model_dir"], args.max_tokens, chat=api == "native", gguf=gguf) if args.baseline else None
     offline = Offline(health, args.max_tokens, chat=api == "native") if args.offline else None
     pairs = {1: 1, 32: 32}  # server concurrency -> generate batch it is compared with
     run_load(args.url, model, 2, 4, count, api=api)  # warm-up
@@ -301,6 +441,9 @@ def main() -> None:
             if base and c in pairs:
                 generated[pairs[c]].append(base.run(pairs[c]))
 
+    if one_stream:
+        bandwidth.append(probe(model_bytes, "end"))
+    bandwidth = max(filter(None, bandwidth), default=None)  # the machine's best: the ceiling
     print(f"\nmedians of {args.repeat} run(s):")
     for c in args.concurrency:
         d = median_row(direct[c])
@@ -321,6 +464,10 @@ def main() -> None:
         if c in pairs and generated[pairs[c]]:
             g = statistics.median(generated[pairs[c]])
             print(f"ratio: server c={c} / generate b={pairs[c]} = {d['tps']:.1f} / {g:.1f} = {d['tps'] / g:.2f}")
+        if c == 1 and model_bytes and bandwidth:
+            print(memory_bound_line("server", d, model_bytes, bandwidth))
+            if args.peer_url:
+                print(memory_bound_line("peer", median_row(peer[c]), model_bytes, bandwidth))
     for label, pid in (("engine", health.get("backend_pid")), ("peer", args.peer_pid)):
         memory = process_memory(pid)
         if memory:

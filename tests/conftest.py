@@ -51,10 +51,11 @@ def model_name() -> str:
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The default model converted into the model cache (the folder the real server loads)."""
-    from inference_api.config import DEFAULT_MODEL_NAME
-    from inference_api.model_loader import convert_gguf, embedded_gguf
+    from inference_api.config import ServerConfig
+    from inference_api.model_loader import convert_gguf, embedded_gguf, gguf_target
 
-    return convert_gguf(embedded_gguf(), Path(MODEL_CACHE) / DEFAULT_MODEL_NAME)
+    gguf = embedded_gguf()
+    return convert_gguf(gguf, gguf_target(ServerConfig(model_cache_dir=Path(MODEL_CACHE)), gguf))
 
 
 @pytest.fixture(scope="session")

@@ -76,24 +76,23 @@ def test_the_file_decides_bos_and_the_tokenizer_splits_as_llama_cpp():
     assert ids[:ref.n_ctx] == list(ref.chunks[0].tokens)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q8_0"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
 def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
-    """Q4_0, Q4_K and Q8_0 tensors go into the kernels' layouts without rounding a weight again: equal to
-    gguf-py's dequantization (Q4_K: each sub-block's scale and minimum rounded to float16)."""
+    """The tensors of llama-quantize's files are served in their own blocks without rounding a weight again:
+    equal to gguf-py's dequantization, through gguf-py's and through the kernels' own dequantization."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
 
     from inference_api.engine.gguf_blocks import packed
+    from inference_api.engine.kernels import load_kernels
+    from servers import MODEL_CACHE
 
     files = [ref.path for ref in REFERENCE.values() if kind in ref.tensor_types]
     tensor = next(t for f in files for t in GGUFReader(str(f)).tensors
                   if t.tensor_type.name == kind and len(t.shape) == 2)
     want = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).reshape(int(tensor.shape[1]), -1)
-    got = packed(tensor).dequantize()
-    if kind == "Q4_K":
-        assert (got - want).abs().max() <= 2e-3 * want.abs().max()
-    else:
-        assert torch.equal(got, want)
+    assert torch.equal(packed(tensor).dequantize(), want)
+    assert torch.equal(packed(tensor).dequantize(load_kernels(Path(MODEL_CACHE))), want)
 
 
 def test_the_embedded_model_tokenizes_as_llama_server_does(hf_tokenizer):

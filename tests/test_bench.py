@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import math
 import re
 import subprocess
 import sys
@@ -12,6 +13,10 @@ import pytest
 from servers import MODEL_CACHE, ServerProcess
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+GGUF_DIR = Path(__file__).resolve().parent / "data" / "gguf"
+ONE_STREAM = (r"one stream, {}: ([\d.]+) MB read per token, ([\d.]+) tok/s = ([\d.]+) GB/s of ([\d.]+) GB/s probe "
+              r"\(ceiling (\d+) tok/s, (\d+) % of it\)")
+PROBE = r"read-bandwidth probe \((start|end)\): ([\d.]+) GB/s reading ([\d.]+) GiB"
 
 
 def bench(*args: str) -> subprocess.CompletedProcess:
@@ -33,6 +38,95 @@ def test_mock_server_figures(mock_server):
     assert "medians of 2 run(s)" in result.stdout
     assert "TTFT p50" in result.stdout and "ITL p50" in result.stdout
     assert re.search(r"engine memory: [\d.]+ GiB resident, peak [\d.]+ GiB", result.stdout)
+    assert re.search(ONE_STREAM.format("server"), result.stdout), result.stdout  # the medians' one-stream line
+
+
+@pytest.fixture
+def module(monkeypatch):
+    """scripts/bench.py imported as a module."""
+    spec = importlib.util.spec_from_file_location("bench", SCRIPT)
+    loaded = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "bench", loaded)  # its dataclasses look their module up
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+def write_gguf(path: Path, vocab: int, dim: int, head: bool) -> None:
+    """A GGUF of float32 tensors: the token embedding table, one layer's weight and, with head, its own output head."""
+    import numpy as np
+    from gguf import GGUFWriter
+
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.ones((vocab, dim), np.float32))
+    writer.add_tensor("blk.0.attn_q.weight", np.ones((dim, dim), np.float32))
+    if head:
+        writer.add_tensor("output.weight", np.ones((vocab, dim), np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_decode_bytes_count_one_embedding_row_unless_the_head_is_tied(module, tmp_path):
+    write_gguf(tmp_path / "untied.gguf", vocab=10, dim=4, head=True)
+    write_gguf(tmp_path / "tied.gguf", vocab=10, dim=4, head=False)
+    # untied: one row of the table (4 floats), the layer (16), the head (40); tied: the table whole is the head
+    assert module.decode_bytes(tmp_path / "untied.gguf") == (4 + 16 + 40) * 4
+    assert module.decode_bytes(tmp_path / "tied.gguf") == (40 + 16) * 4
+
+
+@pytest.mark.parametrize("name, tied", [("llama-q4_0", False), ("mistral-q4_k_m", False), ("qwen2-q4_k_m", True),
+                                        ("gemma3-q4_k_m", True)])
+def test_decode_bytes_of_quantized_files(module, name, tied):
+    from gguf import GGUFReader
+
+    tensors = {t.name: int(t.n_bytes) for t in GGUFReader(str(GGUF_DIR / f"{name}.gguf")).tensors}
+    assert ("output.weight" not in tensors) == tied
+    embd = tensors.pop("token_embd.weight")
+    row = embd // 512  # the tiny models' vocabulary: 512 tokens
+    assert module.decode_bytes(GGUF_DIR / f"{name}.gguf") == sum(tensors.values()) + (embd if tied else row)
+
+
+def test_decode_bytes_of_the_embedded_model(module):
+    """The embedded SmolLM2 ties its head to the table: the step reads the whole file's tensors, ~97 MB."""
+    gguf, _ = module.served_gguf(None, {"model": "SmolLM2-135M-Instruct"})
+    if gguf is None:
+        pytest.skip("the embedded model's wheel is not installed")
+    n = module.decode_bytes(gguf)
+    assert 90e6 < n < 100e6 and n < gguf.stat().st_size
+    assert module.served_gguf(None, {"model": "another"})[0] is None  # another model: only --gguf says its file
+    assert module.step_bytes(GGUF_DIR / "README.md", "") is None  # not a GGUF: unknown, never an error
+
+
+def test_read_bandwidth_probe_gives_a_positive_figure(module):
+    gbps = module.read_bandwidth(64 * 2**20, budget_s=0.5, repeats=2)
+    assert gbps > 0 and math.isfinite(gbps)
+    size = module.probe_size(10**9)
+    assert 64 * 2**20 <= size <= 8 * 2**30
+
+
+def test_one_stream_against_the_read_bandwidth_for_server_and_peer(mock_server):
+    """The mock stands in for the peer too; both are measured against the embedded model's bytes."""
+    result = bench("--url", mock_server.url, "--peer-url", mock_server.url, "--concurrency", "1",
+                   "--max-tokens", "8")
+    assert result.returncode == 0, result.stderr
+    probes = re.findall(PROBE, result.stdout)
+    assert [w for w, _, _ in probes] == ["start", "end"] and all(float(g) > 0 for _, g, _ in probes), result.stdout
+    best = max(float(g) for _, g, _ in probes)
+    for label in ("server", "peer"):
+        m = re.search(ONE_STREAM.format(label), result.stdout)
+        assert m, result.stdout
+        mb, tps, gbps, probe, ceiling, _ = map(float, m.groups())
+        assert 90 < mb < 100 and tps > 0 and probe == best
+        assert math.isclose(gbps, tps * mb / 1e3, rel_tol=0.05, abs_tol=0.06)
+        assert math.isclose(ceiling, probe * 1e3 / mb, rel_tol=0.01, abs_tol=1.5)
+
+
+def test_unknown_decode_bytes_leave_the_figures_out(mock_server):
+    result = bench("--url", mock_server.url, "--concurrency", "1", "--max-tokens", "4", "--gguf", "/nonexistent.gguf")
+    assert result.returncode == 0, result.stderr
+    assert "decode step bytes unknown" in result.stdout and "one stream," not in result.stdout
+    assert len(rows(result.stdout)) == 2
 
 
 def test_fresh_prompts_start_with_a_tag_of_their_own_in_every_run(mock_server, monkeypatch):

@@ -1,4 +1,5 @@
-"""GET /metrics: Prometheus counters for answers, tokens and endings, latency histograms, row gauges."""
+"""GET /metrics: Prometheus counters for answers, tokens, endings and the prefix cache, latency histograms, row and
+KV cache gauges."""
 from __future__ import annotations
 
 import time
@@ -25,17 +26,22 @@ def test_api_labels_never_carry_the_raw_path():
 
 
 def test_counters_histograms_and_gauges():
-    metrics = Metrics(lambda: EngineStats(rows_in_use=3, rows_total=32, waiting=5), lambda: 8)
+    stats = EngineStats(rows_in_use=3, rows_total=32, waiting=5, kv_tokens_in_use=512, kv_tokens_total=32 * 2048)
+    metrics = Metrics(lambda: stats, lambda: 8)
     started = time.monotonic() - 0.2
     metrics.submitted(12)
-    metrics.tokens(1, started)
-    metrics.tokens(4)
+    first = metrics.tokens(1, started)
+    metrics.tokens(4, previous_at=first - 0.02)  # 4 tokens in one event, 20 ms after the first: 5 ms each
+    metrics.tokens(2)  # an abandoned session's: counted, never timed
     metrics.ended(FinishReason.LENGTH, started)
     metrics.answered("openai", 200)
     metrics.answered("native", 400)
     got = samples(metrics.exposition().decode())
     assert got[("inference_prompt_tokens_total", ())] == 12
-    assert got[("inference_generated_tokens_total", ())] == 5
+    assert got[("inference_generated_tokens_total", ())] == 7
+    assert got[("inference_time_per_output_token_seconds_count", ())] == 4
+    assert got[("inference_time_per_output_token_seconds_bucket", (("le", "0.0025"),))] == 0
+    assert got[("inference_time_per_output_token_seconds_bucket", (("le", "0.05"),))] == 4  # slack for a busy machine
     assert got[("inference_generations_finished_total", (("reason", "length"),))] == 1
     assert got[("inference_time_to_first_token_seconds_count", ())] == 1
     assert got[("inference_time_to_first_token_seconds_bucket", (("le", "0.1"),))] == 0
@@ -45,16 +51,49 @@ def test_counters_histograms_and_gauges():
     assert got[("inference_http_requests_total", (("api", "native"), ("status", "400")))] == 1
     assert (got[("inference_rows_in_use", ())], got[("inference_rows_total", ())], got[("inference_queue_length", ())],
             got[("inference_open_sessions", ())]) == (3, 32, 5, 8)
+    assert (got[("inference_kv_cache_tokens_in_use", ())], got[("inference_kv_cache_capacity_tokens", ())],
+            got[("inference_kv_cache_usage_ratio", ())]) == (512, 65536, 512 / 65536)
+    assert got[("inference_prefix_cache_hit_rate", ())] == 0  # nothing looked up yet
+
+
+def test_engine_counters_fold_into_counters_that_never_go_down_across_engine_restarts():
+    metrics = Metrics(EngineStats, lambda: 0)
+
+    def fold(*steps: tuple[int, int]) -> tuple[float, float, float]:
+        previous = EngineStats()
+        for queried, hit in steps:
+            current = EngineStats(prefix_queried_tokens=queried, prefix_hit_tokens=hit)
+            metrics.engine_stats(previous, current)
+            previous = current
+        got = samples(metrics.exposition().decode())
+        return (got[("inference_prefix_cache_queries_total", ())], got[("inference_prefix_cache_hits_total", ())],
+                got[("inference_prefix_cache_hit_rate", ())])
+
+    assert fold((10, 0), (10, 0), (30, 15)) == (30, 15, 0.5)
+    # the client resets its stats when an engine is lost: the next engine's counts add from zero
+    assert fold((20, 5)) == (50, 20, 0.4)
+    # stats that went down without that reset are a new engine's too: added as they are, never subtracted
+    metrics.engine_stats(EngineStats(prefix_queried_tokens=100, prefix_hit_tokens=90),
+                         EngineStats(prefix_queried_tokens=10, prefix_hit_tokens=10))
+    assert fold() == (60, 30, 0.5)
+
+
+def scrape(server) -> dict[tuple, float]:
+    r = requests.get(server.url + "/metrics", timeout=10)
+    assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain; version=")
+    return samples(r.text)
+
+
+def never_decrease(earlier: dict[tuple, float], later: dict[tuple, float]) -> None:
+    """Every counter and histogram series of ``earlier`` is at least as high in ``later``."""
+    for key, value in earlier.items():
+        if key[0].endswith(("_total", "_count", "_sum", "_bucket")):
+            assert later[key] >= value, key
 
 
 def test_server_metrics_follow_finished_bad_and_abandoned_requests(mock_server, model_name):
-    def scrape() -> dict[tuple, float]:
-        r = requests.get(mock_server.url + "/metrics", timeout=10)
-        assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain; version=")
-        return samples(r.text)
-
     mock_server.wait_idle()
-    before = scrape()
+    before = scrape(mock_server)
     url = f"{mock_server.url}/inference/{model_name}"
     assert requests.post(url, json={"text": "abc", "max_tokens": 7, "stream": False}, timeout=30).status_code == 200
     assert requests.post(url, json={"text": "abc", "top_k": 0}, timeout=30).status_code == 400
@@ -62,7 +101,7 @@ def test_server_metrics_follow_finished_bad_and_abandoned_requests(mock_server, 
     next(r.iter_content(chunk_size=None))
     r.close()
     mock_server.wait_idle(timeout=10)
-    after = scrape()
+    after = scrape(mock_server)
 
     def delta(name: str, **labels) -> float:
         key = (name, tuple(sorted(labels.items())))
@@ -77,3 +116,46 @@ def test_server_metrics_follow_finished_bad_and_abandoned_requests(mock_server, 
     assert delta("inference_time_to_first_token_seconds_count") == 2
     assert delta("inference_request_duration_seconds_count") == 2
     assert after[("inference_open_sessions", ())] == 0 and after[("inference_rows_total", ())] == 4
+
+
+def test_server_times_each_token_and_reports_kv_cache_and_prefix_cache_use(mock_server, model_name):
+    url = f"{mock_server.url}/inference/{model_name}"
+    mock_server.wait_idle()
+    scrapes = [scrape(mock_server)]
+
+    def grown(name: str) -> float:
+        return scrapes[-1].get((name, ()), 0) - scrapes[-2].get((name, ()), 0)
+
+    # streamed: "Echo: abc — " is 14 tokens, one event each but the dash's 3 bytes, which arrive together
+    r = requests.post(url, json={"text": "abc", "max_tokens": 14}, stream=True, timeout=30)
+    assert r.status_code == 200 and r.text == "Echo: abc — "
+    scrapes.append(scrape(mock_server))
+    assert grown("inference_generated_tokens_total") == 14 and grown("inference_prompt_tokens_total") == 3
+    assert grown("inference_time_to_first_token_seconds_count") == 1
+    assert grown("inference_time_per_output_token_seconds_count") == 14 - 1
+    assert grown("inference_time_per_output_token_seconds_sum") > 0
+    assert grown("inference_prefix_cache_queries_total") == 3
+
+    # the same prompt again: all of it but its last token (always computed, for the first token's logits) reused
+    r = requests.post(url, json={"text": "abc", "max_tokens": 4, "stream": False}, timeout=30)
+    assert r.status_code == 200
+    scrapes.append(scrape(mock_server))
+    assert grown("inference_prefix_cache_queries_total") == 3 and grown("inference_prefix_cache_hits_total") == 2
+    assert 0 < scrapes[-1][("inference_prefix_cache_hit_rate", ())] <= 1
+
+    # while a request runs its row holds at least its prompt's positions
+    prompt = "how full is the cache?"
+    r = requests.post(url, json={"text": prompt, "max_tokens": 1000}, stream=True, timeout=30)
+    next(r.iter_content(chunk_size=None))
+    scrapes.append(scrape(mock_server))
+    r.close()
+    in_use = scrapes[-1][("inference_kv_cache_tokens_in_use", ())]
+    capacity = scrapes[-1][("inference_kv_cache_capacity_tokens", ())]
+    assert capacity == 4 * 2048 and len(prompt) <= in_use <= capacity  # the mock server: 4 rows of 2048 positions
+    assert 0 < scrapes[-1][("inference_kv_cache_usage_ratio", ())] <= 1
+    mock_server.wait_idle(timeout=10)
+    scrapes.append(scrape(mock_server))
+    assert scrapes[-1][("inference_kv_cache_tokens_in_use", ())] == 0
+    assert scrapes[-1][("inference_kv_cache_usage_ratio", ())] == 0
+    for earlier, later in zip(scrapes, scrapes[1:]):
+        never_decrease(earlier, later)

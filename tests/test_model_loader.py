@@ -87,13 +87,39 @@ def test_gguf_path_is_converted_once_into_the_model_cache(tmp_path):
     gguf.symlink_to(embedded_gguf())
     config = ServerConfig(model=str(gguf), model_cache_dir=tmp_path / "cache")
     folder = resolve_model_dir(config)
-    assert folder == tmp_path / "cache" / "smol"
+    assert folder.parent == tmp_path / "cache" and folder.name.startswith("smol-")
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in folder.iterdir()}
     stamp = (folder / "model.safetensors").stat().st_mtime_ns
     assert resolve_model_dir(config) == folder  # the second start loads the cache, converting nothing
     assert (folder / "model.safetensors").stat().st_mtime_ns == stamp
     with pytest.raises(RuntimeError, match="no such GGUF file"):
         resolve_model_dir(ServerConfig(model=str(tmp_path / "missing.gguf"), model_cache_dir=tmp_path))
+
+
+def test_the_model_cache_is_keyed_by_the_files_content(tmp_path):
+    """Two files of one name hold different models: each gets its own folder; the same bytes under another name or
+    path share one digest; a file changed in place gets a new folder (its old one is never served for it)."""
+    import hashlib
+    import shutil
+
+    from inference_api.model_loader import content_digest, gguf_target
+
+    data = Path(__file__).with_name("data") / "gguf"
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    a, b = tmp_path / "a" / "model.gguf", tmp_path / "b" / "model.gguf"
+    shutil.copy(data / "llama-q4_0.gguf", a)
+    shutil.copy(data / "qwen2-q4_k_m.gguf", b)
+    cache = tmp_path / "cache"
+    target = lambda f: gguf_target(ServerConfig(model=str(f), model_cache_dir=cache), f)  # noqa: E731
+    assert target(a) != target(b) and target(a).name.startswith("model-")
+    assert content_digest(a, cache) == hashlib.sha256(a.read_bytes()).hexdigest()[:16]
+    renamed = tmp_path / "renamed.gguf"
+    shutil.copy(a, renamed)
+    assert content_digest(renamed, cache) == content_digest(a, cache)
+    before = target(a)
+    shutil.copy(data / "mistral-q4_k_m.gguf", a)  # replaced in place: another size and time
+    assert target(a) != before
+    assert content_digest(a, cache) == hashlib.sha256(a.read_bytes()).hexdigest()[:16]
 
 
 def test_hub_id_loads_from_the_local_hub_cache_and_never_downloads(tmp_path, monkeypatch, model_dir):

@@ -9,6 +9,7 @@ import time
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 
 from servers import ServerProcess
 
@@ -118,6 +119,7 @@ def test_engine_death_ends_streams_with_an_error_and_a_new_engine_takes_over(mod
         r = post(server, model_name, {"text": "doomed", "max_tokens": 1000}, stream=True)
         chunks = r.iter_content(chunk_size=None)
         assert next(chunks)
+        before = counters(server)
         old_pid = server.health()["backend_pid"]
         os.kill(old_pid, signal.SIGKILL)
         with pytest.raises(requests.exceptions.ChunkedEncodingError):
@@ -138,9 +140,19 @@ def test_engine_death_ends_streams_with_an_error_and_a_new_engine_takes_over(mod
         assert post(server, model_name, {"text": "after", "max_tokens": 4}).text == "Echo"
         metrics = requests.get(server.url + "/metrics", timeout=5).text
         assert "inference_engine_restarts_total 1.0" in metrics
+        after = counters(server)  # the new engine counts from zero: what it counted adds to what the old one did
+        assert all(after[name] >= value for name, value in before.items()), (before, after)
+        assert after["inference_prefix_cache_queries_total"] == before["inference_prefix_cache_queries_total"] + 5
         assert server.wait_idle()["open_sessions"] == 0
     finally:
         server.stop()
+
+
+def counters(server) -> dict[str, float]:
+    """The server's unlabelled counters (``*_total``) by name."""
+    text = requests.get(server.url + "/metrics", timeout=5).text
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.endswith("_total") and not s.labels}
 
 
 def test_stopping_the_server_stops_the_engine_process(model_name):

@@ -120,6 +120,8 @@ class CompactLM:
         self.ropes = [tuple(t.to(dtype) for t in rotary_tables(c, length, device)) for c in spec.ropes]
         # the kernels that take a llama-shaped layer whole: rotary + cache write, decode attention, the Decoder
         self.fast = self.kernels is not None and spec.plain
+        # rotary + cache write in one kernel call for any family whose rotary turns whole heads
+        self.rope_kernel = self.kernels is not None and spec.rot_dim == spec.head_dim
         self.fused, self.fused_max_rows = fused_decoder(self.kernels if self.fast else None, layers, self.heads,
                                                         self.eps)
 
@@ -162,7 +164,7 @@ class CompactLM:
         # the same whatever else is in the batch and however its prompt was chunked
         tokens, rows, pos, write = batch.tokens, batch.token_rows, batch.token_positions, batch.token_writes
         x = self._embed(batch.ids.reshape(-1)[tokens])
-        flat = None if self.fast else cache.flat_index(rows, write)  # where each token's heads go in the cache
+        flat = None if self.rope_kernel else cache.flat_index(rows, write)  # where each token's heads go in the cache
         cos_sin = [(cos[pos], sin[pos]) for cos, sin in self.ropes]  # [N, rotary dims], once for every layer
         per_token = k is not None and spec.attn_softcap is None  # the attention kernel, one query at a time
         if per_token:
@@ -175,7 +177,11 @@ class CompactLM:
             h = self._norm(x, layer.attn_norm, layer.attn_norm_b)
             qkv = layer.qkv(h)
             cos, sin = cos_sin[spec.rope[i]]
-            if self.fast:  # every token's rotary and cache write in one kernel call
+            if self.rope_kernel:  # every token's rotary and cache write in one kernel call
+                if layer.q_norm is not None:  # the per-head norms before the rotary, written back into qkv
+                    heads = qkv.view(-1, hq + 2 * hk, d)
+                    heads[:, :hq] = self._norm(heads[:, :hq], layer.q_norm)
+                    heads[:, hq:hq + hk] = self._norm(heads[:, hq:hq + hk], layer.k_norm)
                 q = k.rope_store(qkv, cos, sin, cache.keys[i], cache.values[i], *cache.scales(i), write, hq, rows)
             else:
                 q, key, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)

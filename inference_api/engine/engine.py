@@ -38,7 +38,7 @@ class Engine:
                  prefill_chunk: int, eos_ids: frozenset[int], prefix_cache: bool = True):
         self.runner = runner
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(rows, prefill_chunk, prefix_cache)
+        self.scheduler = Scheduler(rows, prefill_chunk, prefix_cache, context_length)
         self.context_length = context_length
         self.eos_ids = eos_ids
         self.params = RowParams.allocate(rows, runner.vocab_size, runner.device)

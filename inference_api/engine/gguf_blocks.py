@@ -1,24 +1,24 @@
-"""A GGUF tensor's own blocks taken into the kernels' layouts (quant.py) without rounding any weight again.
+"""A GGUF tensor's own blocks taken as the kernels serve them, without rounding any weight again.
 
-- Q4_0, Q4_1 and Q4_K map onto the int4 layout (per 32 weights a float16 scale d, a float16 minimum m and 16
-  bytes of nibbles, weights 0..15 in the low nibbles and 16..31 in the high ones; w = d * nibble + m):
-  Q4_0 is d (nibble - 8), so m = -8 d; Q4_1 is the layout itself; a Q4_K super-block of 256 holds eight
-  sub-blocks of 32 with 6-bit scales and minimums under a float16 d and dmin, so each sub-block's d is
-  d x scale and its m is -dmin x min, rounded to float16 (about 2^-11 of themselves; the nibbles are exact).
-- Q8_0 maps onto the int8 layout (groups of 32 with a scale): exact.
-
-Other types (Q5_0, Q5_1, Q5_K, Q6_K, Q2_K, Q3_K, IQ4_NL, ...) are dequantized and held as int8 groups of 32
-(5 bits and more) or int4 blocks, which rounds them once more (issue 24 serves them in their own blocks).
+- Q4_0 and Q4_1 map onto quant.py's int4 layout (per 32 weights a float16 scale d, a float16 minimum m and 16
+  bytes of nibbles, weights 0..15 in the low nibbles and 16..31 in the high ones; w = d * nibble + m): Q4_0 is
+  d (nibble - 8), so m = -8 d, exact in float16; Q4_1 is the layout itself. That layout has VNNI tiles over a
+  copy packed at load.
+- Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, F16 and BF16 stay in the file's own bytes (BlockWeight):
+  the kernels read them as they are (csrc/block_form.h), no copy beside them.
+- F32 and any other type are served as float32, dequantized by gguf-py; a type gguf-py cannot read stops the
+  start with its name.
 """
 from __future__ import annotations
 
 import numpy as np
 import torch
 
-from .quant import Int4Weight, Int8Weight
+from .quant import BlockWeight, Int4Weight
 
-INT4_TYPES = {"Q4_0", "Q4_1", "Q4_K"}  # taken as they are into the int4 layout
-INT8_TYPES = {"Q8_0"}  # taken as they are into the int8 layout
+INT4_TYPES = {"Q4_0", "Q4_1"}  # taken as they are into the int4 layout
+# served in the file's own blocks (csrc/block_form.h; tests/engine/test_gguf_kernels.py checks every one)
+BLOCK_TYPES = {"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "F16", "BF16"}
 
 
 def _rows(t) -> tuple[int, int, np.ndarray]:
@@ -32,7 +32,7 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 
 def int4_weight(t) -> Int4Weight:
-    """A Q4_0, Q4_1 or Q4_K tensor [N, K] as an Int4Weight."""
+    """A Q4_0 or Q4_1 tensor [N, K] as an Int4Weight."""
     n, k, raw = _rows(t)
     kind = t.tensor_type.name
     if kind in ("Q4_0", "Q4_1"):
@@ -41,19 +41,6 @@ def int4_weight(t) -> Int4Weight:
         d = _f16(blocks[..., 0:2])
         m = (d * np.float16(-8)) if kind == "Q4_0" else _f16(blocks[..., 2:4])
         q = blocks[..., size - 16:]  # the layout's own nibble order
-    elif kind == "Q4_K":
-        from gguf.quants import Q4_K
-
-        blocks = raw.reshape(-1, 144)
-        sb = blocks.shape[0]
-        dd, dmin = (_f16(blocks[:, i:i + 2]).astype(np.float32) for i in (0, 2))
-        sc, mn = Q4_K.get_scale_min(np.ascontiguousarray(blocks[:, 4:16]))
-        d = (dd[:, None] * sc.astype(np.float32)).astype(np.float16)  # [super-blocks, 8]
-        m = (-(dmin[:, None] * mn.astype(np.float32))).astype(np.float16)
-        qs = blocks[:, 16:].reshape(sb, 4, 32)  # 64 weights per 32 bytes: low nibbles, then high nibbles
-        v = np.stack([qs & 15, qs >> 4], axis=2).reshape(sb, 8, 32)  # each sub-block's 32 nibbles in order
-        q = v[..., :16] | (v[..., 16:] << 4)
-        d, m, q = d.reshape(n, k // 32), m.reshape(n, k // 32), q.reshape(n, k // 32, 16)
     else:
         raise ValueError(f"{kind} is not a 4-bit block type taken as it is")
     return Int4Weight(torch.from_numpy(np.ascontiguousarray(q).reshape(n, k // 2)),
@@ -61,27 +48,17 @@ def int4_weight(t) -> Int4Weight:
                       torch.from_numpy(np.ascontiguousarray(m).reshape(n, k // 32)))
 
 
-def int8_weight(t) -> Int8Weight:
-    """A Q8_0 tensor [N, K] as an Int8Weight (groups of 32)."""
+def block_weight(t) -> BlockWeight:
+    """A tensor [N, K] of a BLOCK_TYPES type in its own bytes, row by row."""
     n, k, raw = _rows(t)
-    blocks = raw.reshape(n, k // 32, 34)
-    s = _f16(blocks[..., 0:2]).astype(np.float32)
-    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
-    return Int8Weight(torch.from_numpy(q.copy()), torch.from_numpy(np.ascontiguousarray(s)))
+    return BlockWeight(torch.from_numpy(raw.copy()), int(t.tensor_type), k)  # a copy: the file is mapped read-only
 
 
-def packed(t) -> Int4Weight | Int8Weight | None:
-    """The tensor's blocks as the kernels take them, or None when its type is not taken as it is."""
+def packed(t) -> Int4Weight | BlockWeight | None:
+    """The tensor's blocks as the kernels take them, or None when its type is served as float32."""
     kind = t.tensor_type.name
     if kind in INT4_TYPES:
         return int4_weight(t)
-    if kind in INT8_TYPES:
-        return int8_weight(t)
+    if kind in BLOCK_TYPES:
+        return block_weight(t)
     return None
-
-
-def cat(parts: list[Int4Weight | Int8Weight]) -> Int4Weight | Int8Weight:
-    """Packed weights of one kind stacked along their rows (a fused QKV)."""
-    if isinstance(parts[0], Int4Weight):
-        return Int4Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "d", "m")))
-    return Int8Weight(*(torch.cat([getattr(p, f) for p in parts]) for f in ("q", "s")))

@@ -4,19 +4,23 @@ at a time, so no float32 checkpoint is ever written or held whole.
 
 ``GGUFModel`` stands where a transformers model stands for the runner: ``config`` (a transformers config
 built from the metadata, which architectures.describe reads), ``device``, ``dtype``, and the weights by role
-(``weights()``) for compact.build_compact. Tensors are dequantized with gguf-py and handed to the linears the
-plan picked.
+(``weights()``) for compact.build_compact. Linear weights keep their own blocks (gguf_blocks); norms and
+other float tensors are read as float32.
 """
 from __future__ import annotations
 
 from pathlib import Path
 
+import logging
+
 import numpy as np
 import torch
 
-from ..gguf_meta import mode_of, open_gguf
-from .gguf_blocks import INT4_TYPES, INT8_TYPES, cat, packed
-from .quant import Int4Weight, Int8Weight
+from ..gguf_meta import open_gguf
+from .gguf_blocks import packed
+from .quant import QUANTIZED, stack
+
+log = logging.getLogger(__name__)
 
 # llama.cpp's architecture names -> transformers' model_type, for the architectures the compact decoder runs
 ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
@@ -63,8 +67,8 @@ class GGUFModel:
         each row-first tensor of packed blocks."""
         if w is None or self.arch not in ROPE_NORM:
             return w
-        if isinstance(w, (Int4Weight, Int8Weight)):
-            return type(w)(*(self._unpermute(getattr(w, f), heads) for f in w.__dataclass_fields__))
+        if isinstance(w, QUANTIZED):
+            return w.map_rows(lambda t: self._unpermute(t, heads))
         rest = w.shape[1:]
         return w.reshape(heads, w.shape[0] // heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
 
@@ -101,18 +105,25 @@ class GGUFWeights:
         return self.m.tensor("output_norm.bias")
 
     def linear(self, names: list[str], heads: list[int | None]):
-        """(weight, mode) of one linear fused from these tensors (rows stacked): their own 4-bit or Q8_0 blocks
-        when every part has them (gguf_blocks), else the dequantized float32 weight and the mode that keeps
-        their types (int8 for 5 bits and more); q and k rows back in the half-split rotary's order."""
+        """(weight, mode) of one linear fused from these tensors (rows stacked): each part in its own blocks
+        (gguf_blocks; parts of different types as pieces of one layer), or, when a part has a type served as
+        float (F32, or one the kernels lack), the float32 weight served unquantized (mode none); q and k rows back
+        in the half-split rotary's order."""
         tensors = [self.m.tensors[n] for n in names]
-        kinds = [t.tensor_type.name for t in tensors]
-        mode = mode_of(kinds)
-        as_blocks = all(k in INT4_TYPES for k in kinds) or all(k in INT8_TYPES for k in kinds)
+        blocks = [packed(t) for t in tensors]
+        as_blocks = all(b is not None for b in blocks)
+        if not as_blocks:
+            odd = sorted({t.tensor_type.name for t, b in zip(tensors, blocks) if b is None} - {"F32"})
+            if odd:
+                log.warning("GGUF tensors %s of type %s are served dequantized to float32 (no kernel takes them "
+                            "in their own blocks)", ", ".join(names), "/".join(odd))
         parts = []
-        for t, h in zip(tensors, heads):
-            w = packed(t) if as_blocks else self.m.tensor(t.name)
+        for t, b, h in zip(tensors, blocks, heads):
+            w = b if as_blocks else self.m.tensor(t.name)
             parts.append(self.m._unpermute(w, h) if h else w)
-        return (cat(parts) if as_blocks else torch.cat(parts)) if len(parts) > 1 else parts[0], mode
+        if as_blocks:
+            return stack(parts), None
+        return (torch.cat(parts) if len(parts) > 1 else parts[0]), "none"
 
     def layer(self, i: int) -> dict[str, torch.Tensor | None]:
         t = lambda name: self.m.tensor(f"blk.{i}.{name}")  # noqa: E731

@@ -1,4 +1,5 @@
-"""Builds the weight-only quantized CPU kernels (csrc/woq.cpp) with the machine's C++ compiler, once.
+"""Builds the CPU kernels (csrc/: the quantized linears, attention, the decoder) with the machine's C++ compiler,
+once.
 
 The build goes into a folder of the model cache, so later starts load it in well under a second; the
 set-up command builds it ahead of the first start. Returns None when no compiler is available: the
@@ -14,14 +15,19 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "woq.cpp"
+CSRC = Path(__file__).with_name("csrc")
+
+
+def sources() -> list[Path]:
+    """The compiled units (each .cpp; the headers they include count towards the build's digest)."""
+    return sorted(CSRC.glob("*.cpp"))
 
 
 def load_kernels(cache_dir: Path):
     try:
         from torch.utils import cpp_extension
 
-        digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+        digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))).hexdigest()[:12]
         # resolved: torch's extension versioner hashes the folder's name, so a relative and an absolute name
         # of one cache in one process would otherwise compile a second version over the first one's objects
         # (a minute each, and again for the next process that loads the first)
@@ -31,7 +37,7 @@ def load_kernels(cache_dir: Path):
         bin_dir = str(Path(sys.executable).parent)
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        return cpp_extension.load(f"woq_{digest}", [str(SOURCE)], build_directory=str(build),
+        return cpp_extension.load(f"woq_{digest}", [str(p) for p in sources()], build_directory=str(build),
                                   extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
     except Exception as exc:  # no compiler, no headers, a read-only cache: serve without the kernels
         log.warning("quantized CPU kernels unavailable (%s); weights are served dequantized", exc)

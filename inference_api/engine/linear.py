@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .quant import Int4Weight, Int8Weight, QuantLinear, can_quantize, quantize_int4, quantize_int8
+from .quant import QUANTIZED, Int4Weight, Int8Weight, QuantLinear, can_quantize, quantize_int4, quantize_int8
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +108,7 @@ class SplitLinear:
     def __init__(self, quantized: QuantLinear, dense: OneDNNLinear):
         self.quantized, self.dense = quantized, dense
         self.weight = quantized.weight  # the quantized form: embedding lookups of a tied head read its rows
+        self.rows = quantized.rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self.quantized(x) if x.numel() == x.shape[-1] else self.dense(x)
@@ -126,25 +127,24 @@ def linear_factory(device: torch.device, dtype: torch.dtype, mode: str, kernels,
     kernels run them); int8_inputs: the kernels round up to 16 rows' inputs to int8 blocks (QuantLinear)."""
     onednn = device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
-    def make_linear(weight: torch.Tensor | Int8Weight | Int4Weight, bias: torch.Tensor | None,
-                    group: int | None = None, as_mode: str | None = None):
+    def make_linear(weight, bias: torch.Tensor | None, group: int | None = None, as_mode: str | None = None):
         """weight: a float weight, quantized here as as_mode (or the plan's mode) says, or a GGUF's own blocks
         (gguf_blocks), kept as they are; with --quantize none both are served dense."""
         bias = None if bias is None else bias.detach().to(dtype).clone()
-        if isinstance(weight, (Int8Weight, Int4Weight)):
+        if isinstance(weight, QUANTIZED):
             packed = weight if mode != "none" else None
-            weight = weight if packed is not None else weight.dequantize()
+            weight = weight if packed is not None else weight.dequantize(kernels)
         else:
             packed = quantize(weight, (as_mode or mode) if mode != "none" else "none", group)
         if packed is not None and kernels is not None and device.type == "cpu" and dtype == torch.float32:
             if onednn and batch_dtype is not None:
-                dense = OneDNNLinear(packed.dequantize(), bias, batch_dtype)
+                dense = OneDNNLinear(packed.dequantize(kernels), bias, batch_dtype)
                 return SplitLinear(QuantLinear(packed, bias, kernels, int8_inputs), dense)
             return QuantLinear(packed, bias, kernels, int8_inputs)
         if isinstance(packed, Int4Weight) and dtype == torch.bfloat16 and Int4CudaLinear.fits(packed, device):
             return Int4CudaLinear(packed, bias, device)
         if packed is not None:
-            weight = packed.dequantize()
+            weight = packed.dequantize(kernels if device.type == "cpu" else None)
         if onednn:
             return OneDNNLinear(weight, bias)
         return DenseLinear(weight.detach().to(device=device, dtype=dtype).clone(), bias)

@@ -16,7 +16,7 @@ from .compact import build_compact
 from .forward_batch import ForwardBatch
 from .kv_cache import RowKVCache
 from .linear import linear_factory, use_linears
-from .quant import Int4Weight, Int8Weight
+from .quant import QUANTIZED
 
 
 def kv_geometry(config) -> tuple[int, int, int]:
@@ -53,10 +53,10 @@ def build_model(model, plan: ExecutionPlan, kernels, length: int):
         def embed_fn(embed_w, head_w):
             head_mode = "int8" if plan.quantize != "none" else None
             head = make_linear(head_w, None, group=plan.group or 32, as_mode=head_mode)
-            if head_w is embed_w and hasattr(head, "weight") and hasattr(head.weight, "rows"):
-                return head.weight.rows, head  # a tied quantized head: embeddings read from its rows
-            if isinstance(embed_w, (Int4Weight, Int8Weight)):  # a GGUF's own blocks: rows dequantized when read
-                return embed_w.rows, head
+            if head_w is embed_w and hasattr(head, "rows"):
+                return head.rows, head  # a tied quantized head: embeddings read from its rows
+            if isinstance(embed_w, QUANTIZED):  # a GGUF's own blocks: rows dequantized when read
+                return (lambda ids: embed_w.rows(ids, kernels)), head
             table = embed_w.detach().clone()
             return (lambda ids: F.embedding(ids, table)), head
         return build_compact(model, make_linear, embed_fn, length, kernels)

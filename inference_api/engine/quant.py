@@ -1,18 +1,21 @@
-"""Weight-only quantized linears: 8-bit and 4-bit weight groups, float32 activations and accumulation.
+"""Weight-only quantized linears: float32 activations and accumulation over weights in one of three forms.
 
-Layouts follow GGUF's blocks, so a GGUF model keeps the weights it was quantized to:
 - int8: ``q`` [N, K] int8 and one float scale per group of G inputs (G = 32 as in Q8_0, or K: per
   output channel); w = q * s.
 - int4: ``q`` [N, K/2] uint8 in blocks of 32 weights (low nibbles are weights 0..15, high nibbles
   16..31, as in Q4_1) with a float16 scale d and minimum m per block; w = d * nibble + m.
+- blocks: a GGUF tensor's own bytes, row by row, of any type the kernels serve (Q4_K, Q5_0, Q6_K, IQ4_NL, F16,
+  ...: ``kernels.gguf_types()``); nothing is rounded again. Rows of different types stacked in one layer (a
+  Q4_K_M file's q, k and v) are pieces of one layer (``StackedWeight``).
 
-The kernels (``csrc/woq.cpp``) compute float32 ``F.linear`` on the dequantized weight, up to summation
-order, while reading a quarter or an eighth of the float32 bytes.
+The kernels (``csrc/``: linear.cpp's one ladder over int_forms.h and block_form.h) compute float32 ``F.linear``
+on the dequantized weight, up to summation order, while reading the quantized bytes.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
+import numpy as np
 import torch
 
 MODES = ("none", "int8", "int4")
@@ -23,14 +26,17 @@ class Int8Weight:
     q: torch.Tensor  # [N, K] int8
     s: torch.Tensor  # [N, K / G] float32
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, kernels=None) -> torch.Tensor:
         n, k = self.q.shape
         return (self.q.view(n, self.s.shape[1], -1).float() * self.s[..., None]).view(n, k)
 
-    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+    def rows(self, ids: torch.Tensor, kernels=None) -> torch.Tensor:
         """Dequantized rows (an embedding lookup)."""
         q, s = self.q[ids], self.s[ids]
         return (q.view(*q.shape[:-1], s.shape[-1], -1).float() * s[..., None]).flatten(-2)
+
+    def map_rows(self, fn) -> "Int8Weight":
+        return Int8Weight(fn(self.q), fn(self.s))
 
 
 @dataclass
@@ -39,15 +45,83 @@ class Int4Weight:
     d: torch.Tensor  # [N, K / 32] float16
     m: torch.Tensor  # [N, K / 32] float16
 
-    def dequantize(self) -> torch.Tensor:
+    def dequantize(self, kernels=None) -> torch.Tensor:
         return self.rows(slice(None))
 
-    def rows(self, ids) -> torch.Tensor:
+    def rows(self, ids, kernels=None) -> torch.Tensor:
         """Dequantized rows (an embedding lookup; a slice: all of them)."""
         q = self.q[ids]
         q = q.view(*q.shape[:-1], -1, 16)
         nib = torch.cat([q & 15, q >> 4], dim=-1).float()  # [..., K/32, 32]
         return (nib * self.d[ids].float()[..., None] + self.m[ids].float()[..., None]).flatten(-2)
+
+    def map_rows(self, fn) -> "Int4Weight":
+        return Int4Weight(fn(self.q), fn(self.d), fn(self.m))
+
+
+@dataclass
+class BlockWeight:
+    """A GGUF tensor [N, K] in its own blocks: ``raw`` [N, bytes per row] uint8, ``ggml_type`` its type's number."""
+    raw: torch.Tensor
+    ggml_type: int
+    k: int
+
+    @property
+    def type_name(self) -> str:
+        from gguf import GGMLQuantizationType
+
+        return GGMLQuantizationType(self.ggml_type).name
+
+    def dequantize(self, kernels=None) -> torch.Tensor:
+        return self.rows(slice(None), kernels)
+
+    def rows(self, ids, kernels=None) -> torch.Tensor:
+        """Dequantized rows (an embedding lookup; a slice: all of them): the kernels' own dequantization where
+        given, else gguf-py's (the same numbers)."""
+        raw = self.raw[ids]
+        flat = raw.reshape(-1, raw.shape[-1]).contiguous()
+        if kernels is not None:
+            out = kernels.dequantize_gguf(flat, self.ggml_type)
+        else:
+            from gguf import GGMLQuantizationType
+            from gguf.quants import dequantize
+
+            out = torch.from_numpy(np.asarray(dequantize(flat.numpy(), GGMLQuantizationType(self.ggml_type)),
+                                              dtype=np.float32).reshape(flat.shape[0], self.k))
+        return out.view(*raw.shape[:-1], self.k)
+
+    def map_rows(self, fn) -> "BlockWeight":
+        return BlockWeight(fn(self.raw), self.ggml_type, self.k)
+
+
+@dataclass
+class StackedWeight:
+    """Weights of different forms or types stacked along their rows: one layer's pieces (a fused QKV whose v is
+    Q6_K while q and k are Q4_K), each served in its own form."""
+    pieces: list
+
+    def dequantize(self, kernels=None) -> torch.Tensor:
+        return torch.cat([p.dequantize(kernels) for p in self.pieces])
+
+    def rows(self, ids, kernels=None) -> torch.Tensor:
+        return self.dequantize(kernels)[ids]
+
+
+QUANTIZED = (Int8Weight, Int4Weight, BlockWeight, StackedWeight)  # the forms a linear takes as they are
+
+
+def stack(parts: list) -> Int8Weight | Int4Weight | BlockWeight | StackedWeight:
+    """Weights stacked along their rows: one weight where every part has one form (and type), else the pieces."""
+    first = parts[0]
+    if len(parts) == 1:
+        return first
+    if all(type(p) is type(first) for p in parts) and not isinstance(first, StackedWeight) and (
+            not isinstance(first, BlockWeight) or all(p.ggml_type == first.ggml_type for p in parts)) and (
+            not isinstance(first, Int8Weight) or len({p.s.shape[1] for p in parts}) == 1):
+        if isinstance(first, BlockWeight):
+            return BlockWeight(torch.cat([p.raw for p in parts]), first.ggml_type, first.k)
+        return type(first)(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(first)))
+    return StackedWeight([q for p in parts for q in (p.pieces if isinstance(p, StackedWeight) else [p])])
 
 
 def quantize_int8(w: torch.Tensor, group: int | None = None) -> Int8Weight:
@@ -109,27 +183,49 @@ def can_quantize(w: torch.Tensor, mode: str) -> bool:
     return mode == "int8" or (mode == "int4" and w.shape[1] % 32 == 0)
 
 
-class QuantLinear:
-    """A linear layer over an Int8Weight or Int4Weight, through the compiled kernels. int8_inputs: the inputs
-    of up to 16 rows are rounded to int8 per block of 32 (127 steps of the block's own scale, llama.cpp's
-    Q8 activations) and the kernel multiplies integers, within half a step of each input
-    (docs/performance.md). More rows stay float32."""
+# the forms as the kernels' Decoder names them (csrc/kernels.h); a GGUF tensor's blocks go by their type's number
+FORM_INT8, FORM_INT4 = -1, -2
 
-    def __init__(self, weight: Int8Weight | Int4Weight, bias: torch.Tensor | None, kernels, int8_inputs: bool = False):
+
+class QuantLinear:
+    """A linear layer over a weight in one of the forms above, through the compiled kernels. int8_inputs: the
+    inputs are rounded to int8 per block of 32 (127 steps of the block's own scale, llama.cpp's Q8 activations)
+    and the kernels multiply integers, within half a step of each input (docs/performance.md); the float
+    types keep float32 inputs. A StackedWeight runs piece by piece, the outputs side by side."""
+
+    def __init__(self, weight, bias: torch.Tensor | None, kernels, int8_inputs: bool = False):
         self.weight, self.bias, self.kernels, self.int8_inputs = weight, bias, kernels, int8_inputs
+        self.pieces = None
+        if isinstance(weight, StackedWeight):
+            sizes = [p.raw.shape[0] if isinstance(p, BlockWeight) else p.q.shape[0] for p in weight.pieces]
+            biases = [None] * len(sizes) if bias is None else list(bias.split(sizes))
+            self.pieces = [QuantLinear(p, b, kernels, int8_inputs) for p, b in zip(weight.pieces, biases)]
         self.vnni = (None, None)  # several rows' int8 inputs go to the VNNI tiles where the kernels have them
-        if int8_inputs and kernels.vnni() and can_vnni(weight):
+        if int8_inputs and isinstance(weight, (Int8Weight, Int4Weight)) and kernels.vnni() and can_vnni(weight):
             self.vnni = vnni_int4(weight) if isinstance(weight, Int4Weight) else vnni_int8(weight)
 
-    def parts(self) -> tuple:
-        """The layer as the kernels' Decoder takes it: (q, scales, minimums or None, bias, int8_inputs, VNNI
-        weights or None, their scales or None)."""
+    def parts(self) -> list[tuple]:
+        """The layer as the kernels' Decoder takes it, a tuple per piece: (form, q or the blocks' bytes, scales or
+        None, minimums or None, bias, int8_inputs, VNNI weights or None, their scales or None)."""
+        if self.pieces is not None:
+            return [part for p in self.pieces for part in p.parts()]
         w = self.weight
-        scales, mins = (w.s, None) if isinstance(w, Int8Weight) else (w.d, w.m)
-        return w.q, scales, mins, self.bias, self.int8_inputs, *self.vnni
+        if isinstance(w, BlockWeight):
+            return [(w.ggml_type, w.raw, None, None, self.bias, self.int8_inputs, None, None)]
+        if isinstance(w, Int8Weight):
+            return [(FORM_INT8, w.q, w.s, None, self.bias, self.int8_inputs, *self.vnni)]
+        return [(FORM_INT4, w.q, w.d, w.m, self.bias, self.int8_inputs, *self.vnni)]
+
+    def rows(self, ids) -> torch.Tensor:
+        """Rows of the dequantized weight (a tied head's embedding lookups)."""
+        return self.weight.rows(ids, self.kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
+        if self.pieces is not None:
+            return torch.cat([p(x) for p in self.pieces], dim=-1)
+        if isinstance(w, BlockWeight):
+            return self.kernels.linear_gguf(x, w.raw, w.ggml_type, self.bias, self.int8_inputs)
         if isinstance(w, Int8Weight):
             return self.kernels.linear_int8(x, w.q, w.s, self.bias, self.int8_inputs, *self.vnni)
         return self.kernels.linear_int4(x, w.q, w.d, w.m, self.bias, self.int8_inputs, *self.vnni)

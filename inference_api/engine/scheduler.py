@@ -33,12 +33,15 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, rows: int, prefill_chunk: int, prefix_cache: bool = True):
+    def __init__(self, rows: int, prefill_chunk: int, prefix_cache: bool = True, context_length: int = 0):
         self.rows = RowTable(rows)
         self.prefill_chunk = prefill_chunk
+        self.context_length = context_length  # KV positions per row (for the stats' cache occupancy)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # row -> sequence
         self.prefixes = PrefixIndex(rows) if prefix_cache else None
+        self.prefix_queried = 0  # prompt tokens of admitted requests looked up in the prefix cache, ever
+        self.prefix_hits = 0  # of them, the tokens reused from some row's cache
 
     @property
     def has_work(self) -> bool:
@@ -46,7 +49,11 @@ class Scheduler:
 
     @property
     def stats(self) -> EngineStats:
-        return EngineStats(rows_in_use=self.rows.num_used, rows_total=self.rows.num_rows, waiting=len(self.waiting))
+        """Built after every step: one pass over the rows in use for the cache positions they hold."""
+        return EngineStats(rows_in_use=self.rows.num_used, rows_total=self.rows.num_rows, waiting=len(self.waiting),
+                           kv_tokens_in_use=sum(s.num_cached for s in self.running.values()),
+                           kv_tokens_total=self.rows.num_rows * self.context_length,
+                           prefix_queried_tokens=self.prefix_queried, prefix_hit_tokens=self.prefix_hits)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -64,6 +71,8 @@ class Scheduler:
             if self.prefixes is not None:
                 held = {row: s.all_ids[:s.num_cached] for row, s in self.running.items()}
                 src, length = self.prefixes.longest(seq.prompt_ids, held, limit=seq.num_prompt - 1)
+                self.prefix_queried += seq.num_prompt
+                self.prefix_hits += length
                 if length:
                     seq.num_cached = seq.num_reused = length
                     admission = Admission(seq, None if src == seq.row else src, length)
@@ -72,7 +81,9 @@ class Scheduler:
         return admitted
 
     def forget_prefix(self, seq: Sequence) -> None:
-        """The prefix could not be copied: the prompt is computed in full."""
+        """The prefix could not be copied: the prompt is computed in full (and the hit is taken back, in the same
+        step as admit counted it, so the stats never see it)."""
+        self.prefix_hits -= seq.num_reused
         seq.num_cached = seq.num_reused = 0
 
     def schedule(self) -> Step:

@@ -179,6 +179,8 @@ def test_a_repeated_prompt_computes_only_its_last_token_in_the_row_that_still_ho
     engine.add(request("again", prompt, max_tokens=10))
     assert text(run(engine)["again"]) == first == ("Echo: " + prompt)[:10]
     assert runner.prefills == [[len(prompt)], [1]] and runner.copies == []  # row 0 both times: nothing to copy
+    stats = engine.stats  # every prompt token is looked up; all but the last are found the second time
+    assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (2 * len(prompt), len(prompt) - 1)
 
 
 def test_a_shared_prefix_is_copied_from_a_busy_row_and_each_stream_keeps_its_own_text():
@@ -188,7 +190,7 @@ def test_a_shared_prefix_is_copied_from_a_busy_row_and_each_stream_keeps_its_own
     engine.step()  # "a" is prefilled in row 0 and decoding
     engine.add(request("b", system + "What about B?", max_tokens=60))
     events = run(engine)
-    assert runner.copies == [(0, 1, len(system))]
+    assert runner.copies == [(0, 1, len(system))] and engine.stats.prefix_hit_tokens == len(system)
     assert runner.prefills[-1] == [len("What about B?")]
     assert text(events["b"]) == ("Echo: " + system + "What about B?")[:60]
     assert engine.stats.rows_in_use == 0
@@ -212,6 +214,7 @@ def test_without_the_prefix_cache_or_after_a_failed_forward_prompts_are_computed
         engine.add(request(sid, "same prompt", max_tokens=3))
         run(engine)
     assert runner.prefills == [[11], [11]]
+    assert engine.stats.prefix_queried_tokens == engine.stats.prefix_hit_tokens == 0  # no cache, no look-up
     engine, runner = make_engine(rows=2)
     engine.add(request("lost", "same prompt", max_tokens=30))
     engine.step()
@@ -220,3 +223,33 @@ def test_without_the_prefix_cache_or_after_a_failed_forward_prompts_are_computed
     runner.fail_decode = False
     engine.add(request("after", "same prompt", max_tokens=3))
     assert text(run(engine)["after"]) == "Ech" and runner.prefills[-1] == [11]
+
+
+def test_stats_count_the_cache_positions_the_rows_in_use_hold():
+    engine, _ = make_engine(rows=2, context=64)
+    assert (engine.stats.kv_tokens_in_use, engine.stats.kv_tokens_total) == (0, 2 * 64)
+    engine.add(request("a", "hello", max_tokens=4))
+    engine.add(request("b", "hi", max_tokens=50))
+    engine.step()  # both prompts are written; their first tokens are sampled, not written yet
+    assert engine.stats.kv_tokens_in_use == 5 + 2
+    engine.step()
+    assert engine.stats.kv_tokens_in_use == 6 + 3
+    run(engine)
+    assert engine.stats.kv_tokens_in_use == 0 and engine.stats.rows_in_use == 0  # freed rows hold no live positions
+
+
+class CopyFailsRunner(SpyRunner):
+    def copy_prefix(self, src, dst, length):
+        raise RuntimeError("copy failed")
+
+
+def test_a_prefix_that_could_not_be_copied_is_not_counted_as_a_hit():
+    runner = CopyFailsRunner(2)
+    engine = Engine(runner, ByteTokenizer(), 2, 4096, 64, frozenset([EOS]))
+    engine.add(request("a", "shared prefix, then a", max_tokens=30))
+    engine.step()  # "a" decodes in row 0
+    engine.add(request("b", "shared prefix, then b", max_tokens=3))
+    engine.step()  # "b" would copy row 0's prefix into row 1: the copy fails and its prompt is computed in full
+    assert runner.prefills[-1] == [len("shared prefix, then b")]
+    stats = engine.stats
+    assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (2 * len("shared prefix, then a"), 0)

@@ -1,0 +1,27 @@
+// The kernels as a Python module (kernels.py builds it): the names quant.py, compact.py and the tests call.
+#include "kernels.h"
+
+using namespace woq;
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_decoder(m);
+  m.def("linear_int8", &linear_int8, "x @ (q * s)^T, 8-bit weight groups", py::arg("x"), py::arg("q"), py::arg("s"),
+        py::arg("bias"), py::arg("int8_inputs") = false, py::arg("vnni_q") = py::none(), py::arg("vnni_s") = py::none());
+  m.def("linear_int4", &linear_int4, "x @ (d * q + m)^T, 4-bit weight groups of 32", py::arg("x"), py::arg("q"),
+        py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_inputs") = false, py::arg("vnni_q") = py::none(),
+        py::arg("vnni_s") = py::none());
+  m.def("linear_gguf", &linear_gguf, "x @ W^T for W a GGUF tensor's rows in their own blocks (raw [N, row bytes])",
+        py::arg("x"), py::arg("raw"), py::arg("type"), py::arg("bias"), py::arg("int8_inputs") = false);
+  m.def("dequantize_gguf", &dequantize_gguf, "rows of a GGUF tensor's blocks as float32 [R, K]", py::arg("raw"),
+        py::arg("type"));
+  m.def("gguf_types", &gguf_types, "ggml's type numbers of the block types served in their own blocks");
+  m.def("vnni", &vnni, "whether the VNNI tiles were built (AVX512-VNNI)");
+  m.def("decode_attention", &decode_attention, "one query token per entry over its row's cached positions",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("ks"), py::arg("vs"), py::arg("lengths"), py::arg("scale"),
+        py::arg("rows") = py::none(), py::arg("starts") = py::none());
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over the last dimension's halves [gate | up]");
+  m.def("rope_store", &rope_store, "rotary embedding, each token's key and value into the cache", py::arg("qkv"),
+        py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("key_scales"),
+        py::arg("value_scales"), py::arg("positions"), py::arg("heads"), py::arg("rows") = py::none());
+}

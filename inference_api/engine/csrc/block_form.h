@@ -1,0 +1,306 @@
+// A GGUF tensor served in its own blocks: the kernels over any block type of gguf_legacy.h, gguf_kquants.h and
+// gguf_float.h, read through the traits those give. The weight is the file's bytes, row by row: raw [N, row_bytes].
+//
+// - int8 inputs (--dtype auto), any number of rows: each chunk of 32 weights' codes multiplies the inputs'
+//   int8 block in integers (vpdpbusd with AVX512-VNNI, else u8 x s8 pairs), scaled by the sub-blocks' scales
+//   and the input block's step; the minimums multiply the inputs' exact sums per sub-block, once per block.
+//   Each weight block is unpacked once for up to 4 input rows.
+// - float inputs (the exact mode, and the float types): blocks dequantized into a buffer in L1, then the
+//   float kernels of drivers.h.
+#pragma once
+#include "drivers.h"
+#include "gguf_float.h"
+#include "gguf_kquants.h"
+#include "q8.h"
+
+namespace woq {
+#ifdef WOQ_SIMD
+
+template <typename B, typename = void>
+struct has_codes : std::false_type {};
+template <typename B>
+struct has_codes<B, std::void_t<decltype(&B::codes)>> : std::true_type {};
+
+// a block of an integer type dequantized into out [QK]
+template <typename B>
+inline void deq_block(const uint8_t* b, float* out) {
+  if constexpr (!has_codes<B>::value) {
+    B::deq(b, out);
+  } else {
+    float d[B::QK / B::SUB], m[B::QK / B::SUB];
+    B::scales(b, d, m);
+    for (int c = 0; c < B::QK / 32; ++c) {
+      const __m256i codes = B::codes(b, c);
+      const __m128i half[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
+      for (int g = 0; g < 4; ++g) {
+        const __m128i part = g % 2 ? _mm_srli_si128(half[g / 2], 8) : half[g / 2];
+        const __m256i wide = B::SIGNED ? _mm256_cvtepi8_epi32(part) : _mm256_cvtepu8_epi32(part);
+        const int s = (c * 32 + g * 8) / B::SUB;
+        _mm256_storeu_ps(out + c * 32 + g * 8,
+                         _mm256_fmadd_ps(_mm256_cvtepi32_ps(wide), _mm256_set1_ps(d[s]), _mm256_set1_ps(m[s])));
+      }
+    }
+  }
+}
+
+// the scales of chunk c as the 8 int32 lanes of its dot products hold them (lanes 0..3: weights 0..15)
+template <typename B>
+inline __m256 lane_scales(const float* d, int c) {
+  if constexpr (B::SUB == 16) return _mm256_set_m128(_mm_set1_ps(d[2 * c + 1]), _mm_set1_ps(d[2 * c]));
+  else return _mm256_set1_ps(d[c * 32 / B::SUB]);
+}
+
+// weights per scale: a sub-block (the float types: a block)
+template <typename B>
+constexpr int sub_of() {
+  if constexpr (has_codes<B>::value) return B::SUB;
+  else return B::QK;
+}
+
+template <typename B>
+struct BlockForm {
+  const uint8_t* w;  // raw [N, row_bytes]
+  int64_t N, K, row_bytes;
+  static constexpr bool Q8 = has_codes<B>::value;
+#ifdef WOQ_VNNI
+  static constexpr bool VNNI = Q8;  // integer codes: the VNNI tiles, each group of 16 rows packed on the fly
+#else
+  static constexpr bool VNNI = false;
+#endif
+  static constexpr bool PLUS128 = false;
+  static constexpr bool HALVES = sub_of<B>() == 16;
+
+  BlockForm(const uint8_t* raw, int64_t n, int64_t row) : w(raw), N(n), K(row / B::BYTES * B::QK), row_bytes(row) {}
+  bool vnni_ready() const { return VNNI; }
+  bool q8_ready() const { return Q8; }
+  bool vec_ready() const { return true; }
+
+  // weight row n's inputs k0 .. k0 + kc into out
+  void deq(int64_t n, int64_t k0, int64_t kc, float* out) const {
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t k = k0; k < k0 + kc;) {
+      const int64_t blk = k / B::QK, off = k % B::QK, take = std::min<int64_t>(B::QK - off, k0 + kc - k);
+      if (take == B::QK) {
+        deq_block<B>(row + blk * B::BYTES, out + k - k0);
+      } else {
+        alignas(64) float t[B::QK];
+        deq_block<B>(row + blk * B::BYTES, t);
+        std::memcpy(out + k - k0, t + off, take * sizeof(float));
+      }
+      k += take;
+    }
+  }
+
+  std::vector<float> one_row_inputs(const float*) const { return {}; }
+  float dot_row(const float* x, const std::vector<float>& aux, int64_t n) const {
+    float y;
+    dot_rows(x, aux, n, 1, &y);
+    return y;
+  }
+
+  // float inputs, one row: y[r] for weight rows n .. n + rows, each block dequantized into L1 first
+  void dot_rows(const float* x, const std::vector<float>&, int64_t n, int64_t rows, float* y) const {
+    alignas(64) float t[B::QK];
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* row = w + (n + r) * row_bytes;
+      Vec::T acc = Vec::zero();
+      for (int64_t blk = 0; blk < K / B::QK; ++blk) {
+        deq_block<B>(row + blk * B::BYTES, t);
+        for (int j = 0; j < B::QK; j += W) acc = Vec::fma(Vec::load(t + j), Vec::load(x + blk * B::QK + j), acc);
+      }
+      y[r] = Vec::sum(acc);
+    }
+  }
+
+#ifdef WOQ_VNNI
+  // The VNNI tiles over GGUF blocks: a group of 16 weight rows is packed once per call into this thread's buffer
+  // (vnni_prepare): the codes as the tiles read them ([K / 4 steps][16 rows][4], unsigned: signed codes plus 128,
+  // taken back through the inputs' integer sums), and each sub-block's scales and minimums [K / SUB][16]; then every
+  // tile of input rows passes over it (vnni_tile): per sub-block, vpdpbusd sums of the codes and the int8 inputs,
+  // scaled by the rows' scales times the input block's step, plus the minimums times the inputs' exact sums: the
+  // numbers of dot_q8, summed in another order. A row's numbers are the same whatever the rows beside it.
+  struct Group {
+    std::vector<uint8_t> codes;
+    std::vector<float> d, m;
+    int64_t rows = 0;
+  };
+  static constexpr int64_t PREFETCH_GROUPS = 2;  // how far ahead the packing prefetches
+
+  static Group& group_buffer() {
+    thread_local Group g;
+    return g;
+  }
+
+  void vnni_prepare(int64_t grp) const {
+    if constexpr (Q8) {
+      constexpr int CH = B::QK / 32, NS = B::QK / B::SUB;
+      Group& g = group_buffer();
+      const int64_t n0 = grp * 16, nb = K / B::QK;
+      g.rows = std::min<int64_t>(16, N - n0);
+      g.codes.resize(K * 16);
+      g.d.resize(K / B::SUB * 16);
+      g.m.resize(K / B::SUB * 16);
+      const uint8_t* wr[16];
+      for (int r = 0; r < 16; ++r) wr[r] = w + (n0 + (r < g.rows ? r : 0)) * row_bytes;
+      const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
+      // the next groups' bytes fetched while this one is packed (16 rows are one run of 16 * row_bytes bytes)
+      const char* ahead = reinterpret_cast<const char*>(w + (n0 + 16 * PREFETCH_GROUPS) * row_bytes);
+      const int64_t lines = (16 * row_bytes + 63) / 64, per_block = (lines + nb - 1) / nb;
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        for (int64_t l = blk * per_block; l < std::min(lines, (blk + 1) * per_block); ++l)
+          _mm_prefetch(ahead + l * 64, _MM_HINT_T0);
+        for (int r = 0; r < 16; ++r) {
+          float d[NS], m[NS];
+          B::scales(wr[r] + blk * B::BYTES, d, m);
+          for (int j = 0; j < NS; ++j) {
+            g.d[(blk * NS + j) * 16 + r] = d[j];
+            g.m[(blk * NS + j) * 16 + r] = m[j];
+          }
+        }
+        for (int c = 0; c < CH; ++c) {
+          // rows i and i + 8 side by side, then an 8 x 8 transpose of 4-byte steps in each half
+          __m512i a[8];
+          for (int i = 0; i < 8; ++i) {
+            __m256i lo8 = B::codes(wr[i] + blk * B::BYTES, c), hi8 = B::codes(wr[i + 8] + blk * B::BYTES, c);
+            if constexpr (B::SIGNED) {
+              lo8 = _mm256_xor_si256(lo8, _mm256_set1_epi8(static_cast<char>(0x80)));
+              hi8 = _mm256_xor_si256(hi8, _mm256_set1_epi8(static_cast<char>(0x80)));
+            }
+            a[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo8), hi8, 1);
+          }
+          __m512i t[8], u[8];
+          for (int i = 0; i < 8; i += 2) t[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+          for (int q = 0; q < 8; q += 4) {
+            u[q] = _mm512_unpacklo_epi64(t[q], t[q + 2]);
+            u[q + 1] = _mm512_unpackhi_epi64(t[q], t[q + 2]);
+            u[q + 2] = _mm512_unpacklo_epi64(t[q + 1], t[q + 3]);
+            u[q + 3] = _mm512_unpackhi_epi64(t[q + 1], t[q + 3]);
+          }
+          uint8_t* out = g.codes.data() + (blk * B::QK + c * 32) * 16;  // 8 steps of 64 bytes
+          for (int s4 = 0; s4 < 4; ++s4) {
+            _mm512_storeu_si512(out + s4 * 64, _mm512_permutex2var_epi64(u[s4], lo, u[s4 + 4]));
+            _mm512_storeu_si512(out + (s4 + 4) * 64, _mm512_permutex2var_epi64(u[s4], hi, u[s4 + 4]));
+          }
+        }
+      }
+    }
+  }
+
+  // y[i * ldy + r] for the MR input rows from i0 and the group's rows r (its first g.rows written)
+  template <int MR>
+  void vnni_tile(const Q8Rows& x, int64_t, int64_t i0, float* y, int64_t ldy) const {
+    if constexpr (Q8) {
+      constexpr int STEPS = B::SUB / 4;
+      const Group& g = group_buffer();
+      const int64_t S = K / B::SUB;
+      const float* xs = HALVES ? x.half.data() : x.sum.data();
+      __m512 acc[MR];
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t j = 0; j < S; ++j) {
+        __m512i dot[MR];
+        for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
+        for (int s = 0; s < STEPS; ++s) {
+          const __m512i wv = _mm512_loadu_si512(g.codes.data() + (j * STEPS + s) * 64);
+          for (int i = 0; i < MR; ++i) {
+            int32_t v;
+            std::memcpy(&v, x.q.data() + (i0 + i) * K + j * B::SUB + s * 4, 4);
+            dot[i] = _mm512_dpbusd_epi32(dot[i], wv, _mm512_set1_epi32(v));
+          }
+        }
+        const __m512 dv = _mm512_loadu_ps(g.d.data() + j * 16), mv = _mm512_loadu_ps(g.m.data() + j * 16);
+        for (int i = 0; i < MR; ++i) {
+          const int64_t xb = (i0 + i) * (K / 32) + j * B::SUB / 32;
+          __m512 sums = _mm512_cvtepi32_ps(dot[i]);
+          if constexpr (B::SIGNED) sums = _mm512_sub_ps(sums, _mm512_set1_ps(128.f * x.qsum[xb]));  // the codes' + 128
+          acc[i] = _mm512_fmadd_ps(sums, _mm512_mul_ps(dv, _mm512_set1_ps(x.d[xb])), acc[i]);
+          if constexpr (B::MINS) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(i0 + i) * S + j]), acc[i]);
+        }
+      }
+      const __mmask16 keep = static_cast<__mmask16>((1u << g.rows) - 1);
+      for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy, keep, acc[i]);
+    }
+  }
+#endif
+
+  // int8 inputs: y[ii * ldy + r] for input rows i .. i + MR of x and weight rows n .. n + rows (rows <= RW)
+  template <int RW, int MR>
+  void dot_q8(const Q8Rows& x, int64_t i, int64_t n, int64_t rows, float* y, int64_t ldy) const {
+    if constexpr (Q8) {
+      constexpr int CH = B::QK / 32, NS = B::QK / B::SUB;
+      const int64_t nb = K / B::QK;
+      const uint8_t* wr[RW];
+      for (int r = 0; r < RW; ++r) wr[r] = w + (n + (r < rows ? r : 0)) * row_bytes;
+      const int8_t* xq[MR];
+      const float *dx[MR], *xs[MR];
+      for (int ii = 0; ii < MR; ++ii) {
+        xq[ii] = x.q.data() + (i + ii) * K;
+        dx[ii] = x.d.data() + (i + ii) * K / 32;
+        xs[ii] = HALVES ? x.half.data() + (i + ii) * K / 16 : x.sum.data() + (i + ii) * K / 32;
+      }
+      __m256 acc[RW][MR];
+      float macc[RW][MR];
+      for (int r = 0; r < RW; ++r)
+        for (int ii = 0; ii < MR; ++ii) acc[r][ii] = _mm256_setzero_ps(), macc[r][ii] = 0.f;
+      const uint8_t* ahead = w + (n + AHEAD * RW) * row_bytes;  // the rows of a pass AHEAD passes on
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        for (int r = 0; r < RW; ++r)
+          for (int64_t l = 0; l < B::BYTES; l += 64) _mm_prefetch((const char*)(ahead + r * row_bytes + blk * B::BYTES + l), _MM_HINT_T0);
+        float d[RW][NS], m[RW][NS];
+        for (int r = 0; r < RW; ++r) B::scales(wr[r] + blk * B::BYTES, d[r], m[r]);
+        for (int c = 0; c < CH; ++c) {
+          __m256i codes[RW];
+          __m256 sc[RW];
+          for (int r = 0; r < RW; ++r) {
+            codes[r] = B::codes(wr[r] + blk * B::BYTES, c);
+            sc[r] = lane_scales<B>(d[r], c);
+          }
+          for (int ii = 0; ii < MR; ++ii) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq[ii] + blk * B::QK + c * 32));
+            const __m256 step = _mm256_set1_ps(dx[ii][blk * CH + c]);
+            for (int r = 0; r < RW; ++r) {
+              const __m256i p = B::SIGNED ? dot_u8s8_i32(_mm256_sign_epi8(codes[r], codes[r]), _mm256_sign_epi8(xv, codes[r]))
+                                          : dot_u8s8_i32(codes[r], xv);
+              acc[r][ii] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sc[r], step), acc[r][ii]);
+            }
+          }
+        }
+        if constexpr (B::MINS) {
+          for (int r = 0; r < RW; ++r)
+            for (int ii = 0; ii < MR; ++ii) {
+              float t = 0.f;
+              const float* s = xs[ii] + blk * NS;
+#pragma omp simd reduction(+ : t)
+              for (int j = 0; j < NS; ++j) t += m[r][j] * s[j];
+              macc[r][ii] += t;
+            }
+        }
+      }
+      for (int r = 0; r < rows; ++r)
+        for (int ii = 0; ii < MR; ++ii) y[ii * ldy + r] = sum8(acc[r][ii]) + macc[r][ii];
+    }
+  }
+};
+
+// f(Block{}) for ggml's type number of a block type these kernels serve in its own blocks; false if none
+template <typename F>
+inline bool with_block(int64_t type, F f) {
+  switch (type) {
+    case Q4_0::TYPE: f(Q4_0{}); return true;
+    case Q4_1::TYPE: f(Q4_1{}); return true;
+    case Q5_0::TYPE: f(Q5_0{}); return true;
+    case Q5_1::TYPE: f(Q5_1{}); return true;
+    case Q8_0::TYPE: f(Q8_0{}); return true;
+    case IQ4_NL::TYPE: f(IQ4_NL{}); return true;
+    case Q2_K::TYPE: f(Q2_K{}); return true;
+    case Q3_K::TYPE: f(Q3_K{}); return true;
+    case Q4_K::TYPE: f(Q4_K{}); return true;
+    case Q5_K::TYPE: f(Q5_K{}); return true;
+    case Q6_K::TYPE: f(Q6_K{}); return true;
+    case F16::TYPE: f(F16{}); return true;
+    case BF16::TYPE: f(BF16{}); return true;
+    default: return false;
+  }
+}
+
+#endif  // WOQ_SIMD
+}  // namespace woq

@@ -1,0 +1,167 @@
+// What every unit of the CPU kernels shares: the vector unit (AVX-512, or AVX2 with FMA and F16C), a few
+// helpers over it, and the tensors' flattening. The units: common.h (this), q8.h (int8 inputs), drivers.h
+// (how rows of inputs pass over rows of weights), int_forms.h (the 4-bit and 8-bit layouts of quant.py),
+// gguf_legacy.h, gguf_kquants.h and gguf_float.h (a GGUF tensor's own blocks), block_form.h (the kernels over
+// any of those blocks), linear.cpp (the one kernel-choice ladder), ops.cpp (attention, norms, rotary),
+// decoder.cpp (a decode step's layers in one call) and bindings.cpp.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <tuple>
+#include <vector>
+
+// the BLAS that torch links (MKL in the x86 wheels): Fortran sgemm, column-major
+extern "C" void sgemm_(const char* transa, const char* transb, const int* m, const int* n, const int* k,
+                       const float* alpha, const float* a, const int* lda, const float* b, const int* ldb,
+                       const float* beta, float* c, const int* ldc);
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define WOQ_SIMD
+#endif
+#if defined(WOQ_SIMD) && defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define WOQ_VNNI
+#endif
+
+namespace woq {
+
+template <int V>
+using Int = std::integral_constant<int, V>;
+
+// f(Int<n>) for a run-time n in 1 .. MAX (a kernel's tile size picked at compile time)
+template <int MAX, typename F>
+inline void with_count(int64_t n, F f) {
+  if constexpr (MAX > 1) {
+    if (n < MAX) return with_count<MAX - 1>(n, f);
+  }
+  f(Int<MAX>{});
+}
+
+inline torch::Tensor flat(const torch::Tensor& x) { return x.reshape({-1, x.size(-1)}).contiguous(); }
+
+inline std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {
+  auto s = x.sizes().vec();
+  s.back() = N;
+  return s;
+}
+
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(c10::Half x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
+
+#ifdef WOQ_SIMD
+// the sum of 8 floats (AVX2, so on AVX-512 CPUs as well)
+inline float sum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// The few vector operations the kernels need, over W floats: AVX-512 or AVX2 (with FMA and F16C).
+#ifdef __AVX512F__
+struct Vec {
+  using T = __m512;
+  static constexpr int W = 16;
+  static T zero() { return _mm512_setzero_ps(); }
+  static T load(const float* p) { return _mm512_loadu_ps(p); }
+  static void store(float* p, T v) { _mm512_storeu_ps(p, v); }
+  static T set1(float x) { return _mm512_set1_ps(x); }
+  static T mul(T a, T b) { return _mm512_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm512_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(T v) { return _mm512_reduce_add_ps(v); }
+  // the sums of four vectors into out[0..4)
+  static void sum4(T a, T b, T c, T d, float* out) {
+    out[0] = sum(a), out[1] = sum(b), out[2] = sum(c), out[3] = sum(d);
+  }
+  static T halves(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+  static T int8s(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+  static T div(T a, T b) { return _mm512_div_ps(a, b); }
+  static T abs(T a) { return _mm512_abs_ps(a); }
+  static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  static T floor(T a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
+  // 2 ** n for whole numbers n in [-126, 127]
+  static T pow2(T n) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
+  }
+  // where c >= 0: a, else b
+  static T select_nonnegative(T c, T a, T b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, zero(), _CMP_GE_OQ), b, a); }
+  // W nibbles: the low (shift 0) or high (shift 4) halves of the W bytes at p
+  static T nibbles(const uint8_t* p, int shift) {
+    const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i*)p), shift), _mm_set1_epi8(15));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+  }
+};
+#else
+struct Vec {
+  using T = __m256;
+  static constexpr int W = 8;
+  static T zero() { return _mm256_setzero_ps(); }
+  static T load(const float* p) { return _mm256_loadu_ps(p); }
+  static void store(float* p, T v) { _mm256_storeu_ps(p, v); }
+  static T set1(float x) { return _mm256_set1_ps(x); }
+  static T mul(T a, T b) { return _mm256_mul_ps(a, b); }
+  static T add(T a, T b) { return _mm256_add_ps(a, b); }
+  static T sub(T a, T b) { return _mm256_sub_ps(a, b); }
+  static T fma(T a, T b, T c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(T v) { return sum8(v); }
+  static void sum4(T a, T b, T c, T d, float* out) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
+  }
+  static T halves(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+  static T int8s(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+  static T div(T a, T b) { return _mm256_div_ps(a, b); }
+  static T abs(T a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
+  static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static T floor(T a) { return _mm256_floor_ps(a); }
+  static T pow2(T n) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
+  }
+  static T select_nonnegative(T c, T a, T b) { return _mm256_blendv_ps(b, a, _mm256_cmp_ps(c, zero(), _CMP_GE_OQ)); }
+  static T nibbles(const uint8_t* p, int shift) {
+    const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadl_epi64((const __m128i*)p), shift), _mm_set1_epi8(15));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(b));
+  }
+};
+#endif
+constexpr int W = Vec::W;
+constexpr int R = 4;  // weight rows per pass of the one-row kernel: independent accumulators, x loaded once
+constexpr int AHEAD = 4;  // passes of R rows prefetched ahead
+
+inline float half_to_float(c10::Half h) { return _cvtsh_ss(h.x); }
+
+// sum over g of v[g] * w[g] for float16 v
+inline float dot_half(const c10::Half* v, const float* w, int64_t n) {
+  Vec::T acc = Vec::zero();
+  int64_t g = 0;
+  for (; g + W <= n; g += W) acc = Vec::fma(Vec::halves(v + g), Vec::load(w + g), acc);
+  float sum = Vec::sum(acc);
+  for (; g < n; ++g) sum += half_to_float(v[g]) * w[g];
+  return sum;
+}
+// One row with int8 inputs (--dtype auto): x rounded per block of 32 to 127 steps of its own scale, as
+// llama.cpp's Q8 activations, so a block's dot product is two integer instructions (u8 x s8 pairs, then
+// pairs of those) instead of float conversions of every weight. 256-bit AVX2, on AVX-512 CPUs too.
+
+// sum of the 32 products of u8 a and s8 b, as 8 int32 lanes, in float
+inline __m256 dot_u8s8(__m256i a, __m256i b) {
+  return _mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)));
+}
+
+// the same without the 16-bit saturation of the pairs: one vpdpbusd where the CPU has AVX512-VNNI, else pairs of
+// 16-bit sums, exact while each pair's sum fits (|a| * |b| * 2 < 32768: codes up to 127 against int8 inputs)
+inline __m256i dot_u8s8_i32(__m256i a, __m256i b) {
+#ifdef WOQ_VNNI
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b);
+#else
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
+#endif
+}
+#endif  // WOQ_SIMD
+
+}  // namespace woq

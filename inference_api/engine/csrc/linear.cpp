@@ -1,0 +1,162 @@
+// Weight-only quantized linear layers for CPU: y = x @ dequant(W)^T (+ bias), float32 activations and
+// accumulation, the weights read in their own form: quant.py's 8-bit groups or 4-bit blocks (int_forms.h), or a
+// GGUF tensor's own blocks of any type block_form.h serves. The math is that of float32 F.linear on the
+// dequantized weight, up to summation order (or, with int8 inputs, on inputs rounded to int8 blocks of 32).
+//
+// One ladder picks the kernel for every form (run_linear), from the most specific to the most general:
+// 1. int8 inputs and weights packed for the VNNI tiles (quant.py's forms packed at load, GGUF blocks packed a group of
+//    16 rows at a time on the fly): every row count on the integer tiles (AVX512-VNNI), so that each row's
+//    numbers are the same whatever the batch;
+// 2. int8 inputs, a form with integer kernels: each pass of weight rows read once for up to 4 input rows
+//    at a time (one row: the memory-bound decode of one stream);
+// 3. float inputs, at least a vector's width of rows: dequantized chunks multiplied in register tiles;
+// 4. fewer rows: dequantized chunks through the BLAS sgemm;
+// 5. one row: each weight row read once, straight from its bytes;
+// 6. a CPU without the vector units: one row at a time.
+#include "block_form.h"
+#include "int_forms.h"
+#include "kernels.h"
+
+namespace woq {
+namespace {
+
+template <typename F>
+torch::Tensor run_linear(const F& f, const torch::Tensor& x, const Bias& bias, bool int8_inputs) {
+  auto x2 = flat(x);
+  TORCH_CHECK(x2.scalar_type() == at::kFloat && x2.size(1) == f.K, "inputs of ", x2.size(1), " for a weight of ",
+              f.K);
+  const int64_t M = x2.size(0), N = f.N, K = f.K;
+  const float* xp = x2.data_ptr<float>();
+  const auto shape = out_shape(x, N);
+  auto deq = [&](int64_t n, int64_t k0, int64_t kc, float* out) { f.deq(n, k0, kc, out); };
+#ifdef WOQ_VNNI
+  if constexpr (F::VNNI) {
+    if (int8_inputs && f.vnni_ready()) {
+      const Q8Rows xr(xp, M, K, F::PLUS128, F::HALVES);
+      return vnni_rows(x2, N, bias, [&](int64_t grp) { f.vnni_prepare(grp); }, [&](auto mr, int64_t grp, int64_t i0, float* out) {
+               f.template vnni_tile<decltype(mr)::value>(xr, grp, i0, out, N);
+             }).reshape(shape);
+    }
+  }
+#endif
+#ifdef WOQ_SIMD
+  if constexpr (F::Q8) {
+    if (int8_inputs && f.q8_ready()) {
+      const Q8Rows xr(xp, M, K, false, F::HALVES);
+      auto pass = [&](auto rw, int64_t n, int64_t rows, float* out) {
+        row_groups(M, [&](auto mr, int64_t i) {
+          f.template dot_q8<decltype(rw)::value, decltype(mr)::value>(xr, i, n, rows, out + i * N, N);
+        });
+      };
+      return (M == 1 ? few_rows<R>(M, x2, N, bias, pass) : few_rows<2>(M, x2, N, bias, pass)).reshape(shape);
+    }
+  }
+  if (M >= W && f.vec_ready()) return tiled_rows(x2, N, bias, deq).reshape(shape);
+#endif
+  if (M > 1) return many_rows(x2, N, bias, deq).reshape(shape);
+  const auto aux = f.one_row_inputs(xp);
+#ifdef WOQ_SIMD
+  if (f.vec_ready())  // one row: memory-bound, each weight byte read once
+    return few_rows<R>(1, x2, N, bias, [&](auto, int64_t n, int64_t rows, float* out) {
+             f.dot_rows(xp, aux, n, rows, out);
+           }).reshape(shape);
+#endif
+  return each_row(x2, N, bias, [&](int64_t n) { return f.dot_row(xp, aux, n); }).reshape(shape);
+}
+
+// every row count with int8 inputs goes to the VNNI tiles when the weights were packed for them (4-bit: a
+// byte per two weights, float16 scales; 8-bit: a byte per weight, float scales)
+bool packed_for_vnni(const Packed& vq, const Packed& vs, int64_t N, int64_t K, at::ScalarType q_type) {
+  if (!vq.has_value()) return false;
+  const bool four = q_type == at::kByte;
+  TORCH_CHECK(vs.has_value() && vq->is_contiguous() && vs->is_contiguous() && vq->scalar_type() == q_type &&
+                  vs->scalar_type() == (four ? at::kHalf : at::kFloat) && N % 16 == 0 && K % 32 == 0,
+              "VNNI weights packed wrongly");
+  TORCH_CHECK(vq->numel() == N * K / (four ? 2 : 1) && vs->numel() == N / 16 * (K / 32) * 32,
+              "VNNI weights packed wrongly: their sizes do not fit the layer");
+  return vnni();
+}
+
+}  // namespace
+
+// Whether these kernels were built with the VNNI tiles (AVX512-VNNI): quant.py packs the weights for them only then.
+bool vnni() {
+#ifdef WOQ_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// ggml's type numbers of the block types served in their own blocks (none without the vector units)
+std::vector<int64_t> gguf_types() {
+  std::vector<int64_t> types;
+#ifdef WOQ_SIMD
+  for (int64_t t = 0; t < 64; ++t)
+    if (with_block(t, [](auto) {})) types.push_back(t);
+#endif
+  return types;
+}
+
+torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, const Bias& bias,
+                          bool int8_inputs, const Packed& vq, const Packed& vs) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && s.scalar_type() == at::kFloat && q.is_contiguous() && s.is_contiguous());
+  const int64_t N = q.size(0), K = q.size(1), G = K / s.size(1);
+  TORCH_CHECK(G * s.size(1) == K);
+  I8Form f{q.data_ptr<int8_t>(), s.data_ptr<float>(), N, K, G, s.size(1)};
+  if (packed_for_vnni(vq, vs, N, K, at::kChar)) f.vq = vq->data_ptr<int8_t>(), f.vs = vs->data_ptr<float>();
+  return run_linear(f, x, bias, int8_inputs);
+}
+
+torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
+                          const torch::Tensor& m, const Bias& bias, bool int8_inputs, const Packed& vq,
+                          const Packed& vs) {
+  TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && d.is_contiguous() && m.is_contiguous());
+  TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "int4 scales and minimums are float16");
+  const int64_t N = q.size(0), K = q.size(1) * 2, S = K / 32;
+  TORCH_CHECK(K % 32 == 0 && d.size(1) == S && m.size(1) == S);
+  I4Form f{q.data_ptr<uint8_t>(), d.data_ptr<c10::Half>(), m.data_ptr<c10::Half>(), N, K, S};
+  if (packed_for_vnni(vq, vs, N, K, at::kByte)) f.vq = vq->data_ptr<uint8_t>(), f.vs = vs->data_ptr<c10::Half>();
+  return run_linear(f, x, bias, int8_inputs);
+}
+
+// x @ W^T for W a GGUF tensor's rows in their own blocks: raw [N, row_bytes] uint8, type: ggml's type number
+torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& raw, int64_t type, const Bias& bias,
+                          bool int8_inputs) {
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(), "GGUF rows: uint8 [N, bytes]");
+  torch::Tensor y;
+#ifdef WOQ_SIMD
+  const bool served = with_block(type, [&](auto b) {
+    using B = decltype(b);
+    TORCH_CHECK(raw.size(1) % B::BYTES == 0, "rows of ", raw.size(1), " bytes are not whole blocks");
+    y = run_linear(BlockForm<B>(raw.data_ptr<uint8_t>(), raw.size(0), raw.size(1)), x, bias, int8_inputs);
+  });
+  TORCH_CHECK(served, "GGUF type ", type, " is not served in its own blocks");
+#else
+  TORCH_CHECK(false, "GGUF blocks need the vector units (AVX2 with FMA and F16C)");
+#endif
+  return y;
+}
+
+// rows of a GGUF tensor's blocks (raw [R, row_bytes]) dequantized: float [R, K]
+torch::Tensor dequantize_gguf(const torch::Tensor& raw, int64_t type) {
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(), "GGUF rows: uint8 [R, bytes]");
+  torch::Tensor y;
+#ifdef WOQ_SIMD
+  const bool served = with_block(type, [&](auto b) {
+    using B = decltype(b);
+    const BlockForm<B> f(raw.data_ptr<uint8_t>(), raw.size(0), raw.size(1));
+    y = torch::empty({f.N, f.K}, torch::kFloat);
+    float* yp = y.data_ptr<float>();
+    at::parallel_for(0, f.N, 64, [&](int64_t r0, int64_t r1) {
+      for (int64_t r = r0; r < r1; ++r) f.deq(r, 0, f.K, yp + r * f.K);
+    });
+  });
+  TORCH_CHECK(served, "GGUF type ", type, " is not served in its own blocks");
+#else
+  TORCH_CHECK(false, "GGUF blocks need the vector units (AVX2 with FMA and F16C)");
+#endif
+  return y;
+}
+
+}  // namespace woq

@@ -1,0 +1,451 @@
+// The decode step's other kernels: attention of one query token per entry over its cache row (grouped-query,
+// float32, bfloat16, float16 or int8 caches), RMSNorm, silu(gate) * up, and the rotary embedding with each
+// token's key and value stored into the cache.
+#include "common.h"
+#include "kernels.h"
+
+namespace woq {
+
+namespace {
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum): Cephes' expf, 2 ** n times a degree-6
+// polynomial on [-ln 2 / 2, ln 2 / 2], about 1e-7 relative; plain code the compiler vectorizes.
+struct ExpConstants {
+  static constexpr float lowest = -87.f, log2e = 1.44269504f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+  static constexpr float poly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                    4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+};
+
+inline float fast_exp(float x) {
+  using C = ExpConstants;
+  x = std::max(x, C::lowest);
+  const float n = std::floor(x * C::log2e + 0.5f);
+  const float r = x - n * C::ln2_hi - n * C::ln2_lo;
+  float p = C::poly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + C::poly[i];
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+#ifdef WOQ_SIMD
+// fast_exp over a vector, the same steps
+inline Vec::T fast_exp(Vec::T x) {
+  using C = ExpConstants;
+  x = Vec::max(x, Vec::set1(C::lowest));
+  const Vec::T n = Vec::floor(Vec::fma(x, Vec::set1(C::log2e), Vec::set1(0.5f)));
+  const Vec::T r = Vec::fma(n, Vec::set1(-C::ln2_lo), Vec::fma(n, Vec::set1(-C::ln2_hi), x));
+  Vec::T p = Vec::set1(C::poly[0]);
+  for (int i = 1; i < 6; ++i) p = Vec::fma(p, r, Vec::set1(C::poly[i]));
+  p = Vec::add(Vec::fma(Vec::mul(p, r), r, r), Vec::set1(1.f));
+  return Vec::mul(p, Vec::pow2(n));
+}
+#endif
+
+// silu(g) * u = g * sigmoid(g) * u, the sigmoid from one exponential of -|g|
+inline float silu_mul_one(float g, float u) {
+  const float e = fast_exp(-std::fabs(g)), r = 1.f / (1.f + e);
+  return g * (g >= 0.f ? r : e * r) * u;
+}
+
+// the caches the vector paths of decode attention read: float32 and int8
+template <typename T>
+constexpr bool vector_cache = std::is_same_v<T, float> || std::is_same_v<T, int8_t>;
+
+inline bool vector_rows(int64_t D) {
+#ifdef WOQ_SIMD
+  return D % W == 0;
+#else
+  return false;
+#endif
+}
+
+#ifdef WOQ_SIMD
+// rows [n, D] of an int8 cache into float out [n, D] (their scales are applied to the scores)
+inline void rows_to_float(const int8_t* p, int64_t n, int64_t D, float* out) {
+  for (int64_t j = 0; j < n * D; j += W) Vec::store(out + j, Vec::int8s(p + j));
+}
+
+// W elements of a float32 or int8 cache as floats
+template <typename T>
+inline Vec::T cache_vec(const T* p) {
+  if constexpr (std::is_same_v<T, float>) return Vec::load(p);
+  else return Vec::int8s(p);
+}
+
+// scores[g * stride + l] = (q_g . k_l) * scale * (ks[l], or 1) for the group's query heads q [group, D] and
+// float keys kf [n, D], four positions at a time (one horizontal reduction for the four)
+inline void vector_scores(const float* q, const float* kf, const c10::Half* ks, int64_t n, int64_t stride, int64_t D,
+                          int64_t group, float scale, float* scores) {
+  for (int64_t g = 0; g < group; ++g) {
+    const float* qg = q + g * D;
+    float* sg = scores + g * stride;
+    int64_t l = 0;
+    for (; l + 4 <= n; l += 4) {
+      const float* k0 = kf + l * D;
+      Vec::T a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+      for (int64_t j = 0; j < D; j += W) {
+        const Vec::T qv = Vec::load(qg + j);
+        a0 = Vec::fma(Vec::load(k0 + j), qv, a0);
+        a1 = Vec::fma(Vec::load(k0 + D + j), qv, a1);
+        a2 = Vec::fma(Vec::load(k0 + 2 * D + j), qv, a2);
+        a3 = Vec::fma(Vec::load(k0 + 3 * D + j), qv, a3);
+      }
+      Vec::sum4(a0, a1, a2, a3, sg + l);
+    }
+    for (; l < n; ++l) {
+      Vec::T acc = Vec::zero();
+      for (int64_t j = 0; j < D; j += W) acc = Vec::fma(Vec::load(kf + l * D + j), Vec::load(qg + j), acc);
+      sg[l] = Vec::sum(acc);
+    }
+    for (l = 0; l < n; ++l) sg[l] *= ks ? scale * half_to_float(ks[l]) : scale;
+  }
+}
+
+// p[0 .. n) <- softmax(p) * (vs[l], or 1): the weights of the values as the cache stores them
+inline void softmax_weights(float* p, const c10::Half* vs, int64_t n) {
+  int64_t l = 0;
+  Vec::T mv = Vec::set1(p[0]);
+  for (; l + W <= n; l += W) mv = Vec::max(mv, Vec::load(p + l));
+  float lanes[W], mx = p[0];
+  Vec::store(lanes, mv);
+  for (int64_t i = 0; i < W; ++i) mx = std::max(mx, lanes[i]);
+  for (; l < n; ++l) mx = std::max(mx, p[l]);
+  const Vec::T mxv = Vec::set1(mx);
+  Vec::T sv = Vec::zero();
+  for (l = 0; l + W <= n; l += W) {
+    const Vec::T e = fast_exp(Vec::sub(Vec::load(p + l), mxv));
+    Vec::store(p + l, e);
+    sv = Vec::add(sv, e);
+  }
+  float sum = Vec::sum(sv);
+  for (; l < n; ++l) sum += p[l] = fast_exp(p[l] - mx);
+  const float inv = 1.f / sum;
+  const Vec::T iv = Vec::set1(inv);
+  for (l = 0; l + W <= n; l += W)
+    Vec::store(p + l, vs ? Vec::mul(Vec::load(p + l), Vec::mul(iv, Vec::halves(vs + l))) : Vec::mul(Vec::load(p + l), iv));
+  for (; l < n; ++l) p[l] *= vs ? inv * half_to_float(vs[l]) : inv;
+}
+
+// out[g, j .. j + MV W) = sum over l of p[g * stride + l] * v[l, j .. j + MV W) for G heads: each value
+// converted once, in registers, for all G heads (G * MV accumulators, at most 12)
+template <int G, int MV, typename T>
+inline void weighted_values(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, int64_t j, float* out) {
+  Vec::T acc[G][MV];
+  for (int g = 0; g < G; ++g)
+    for (int u = 0; u < MV; ++u) acc[g][u] = Vec::zero();
+  for (int64_t l = 0; l < n; ++l) {
+    Vec::T vv[MV];
+    for (int u = 0; u < MV; ++u) vv[u] = cache_vec(v + l * D + j + u * W);
+    for (int g = 0; g < G; ++g) {
+      const Vec::T pl = Vec::set1(p[g * stride + l]);
+      for (int u = 0; u < MV; ++u) acc[g][u] = Vec::fma(pl, vv[u], acc[g][u]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int u = 0; u < MV; ++u) Vec::store(out + g * D + j + u * W, acc[g][u]);
+}
+
+// the group's outputs [group, D] from its weights p [group, stride] and the values v [n, D]: heads six at a time,
+// two vectors of each value at a time
+template <typename T>
+inline void vector_values(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, int64_t group, float* out) {
+  for (int64_t g0 = 0; g0 < group; g0 += 6)
+    with_count<6>(std::min<int64_t>(6, group - g0), [&](auto heads) {
+      constexpr int G = decltype(heads)::value;
+      int64_t j = 0;
+      for (; j + 2 * W <= D; j += 2 * W) weighted_values<G, 2>(p + g0 * stride, stride, v, n, D, j, out + g0 * D);
+      if (j < D) weighted_values<G, 1>(p + g0 * stride, stride, v, n, D, j, out + g0 * D);
+    });
+}
+
+#endif
+
+// positions whose int8 keys the vector path converts to float at a time: 16 KB for D = 64, in L1
+constexpr int64_t POSITION_BLOCK = 64;
+
+// One query token per entry b against cached positions starts[b] .. lengths[b] - 1 of its cache row rows[b]
+// (rows null: row b; starts null: from 0, else a sliding window's first position); each kv head's keys and
+// values are read once for all the query heads that share it (grouped-query attention). An int8 cache
+// (T = int8_t) carries one float16 scale per row, head and position in ks and vs; other caches pass null.
+// A query's result depends only on its own row, positions and values: never on the other entries (the same
+// numbers for a token whether it is decoded alone, among 32 rows, or prefilled in any chunk).
+template <typename T>
+void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Half* ks, const c10::Half* vs,
+                           const int64_t* lengths, const int64_t* rows, const int64_t* starts, float* out,
+                           int64_t B, int64_t Hq, int64_t Hk, int64_t S, int64_t D, float scale) {
+  const int64_t group = Hq / Hk;
+  at::parallel_for(0, B * Hk, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> scores, vf;
+    std::vector<float> kf(D), acc(D);
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / Hk, kh = t % Hk, row = rows ? rows[b] : b;
+      const int64_t end = std::max<int64_t>(1, std::min(lengths[b], S));
+      const int64_t first = starts ? std::min(std::max<int64_t>(0, starts[b]), end - 1) : 0, n = end - first;
+      const T* kp = k + ((row * Hk + kh) * S + first) * D;
+      const T* vp = v + ((row * Hk + kh) * S + first) * D;
+      const c10::Half* ksp = ks ? ks + (row * Hk + kh) * S + first : nullptr;
+      const c10::Half* vsp = vs ? vs + (row * Hk + kh) * S + first : nullptr;
+      scores.assign(group * n, 0.f);
+      const float* qb = q + (b * Hq + kh * group) * D;  // the group's query heads, one after another
+      float* ob = out + (b * Hq + kh * group) * D;
+#ifdef WOQ_SIMD
+      if constexpr (vector_cache<T>) {
+        if (vector_rows(D)) {
+          vf.resize(POSITION_BLOCK * D);
+          for (int64_t l0 = 0; l0 < n; l0 += POSITION_BLOCK) {
+            const int64_t nb = std::min(POSITION_BLOCK, n - l0);
+            const float* kf = vf.data();
+            if constexpr (std::is_same_v<T, float>) kf = kp + l0 * D;
+            else rows_to_float(kp + l0 * D, nb, D, vf.data());
+            vector_scores(qb, kf, ksp ? ksp + l0 : nullptr, nb, n, D, group, scale, scores.data() + l0);
+          }
+          for (int64_t g = 0; g < group; ++g) softmax_weights(scores.data() + g * n, vsp, n);
+          vector_values(scores.data(), n, vp, n, D, group, ob);
+          continue;
+        }
+      }
+#endif
+      for (int64_t l = 0; l < n; ++l) {
+        const float ksc = ksp ? static_cast<float>(ksp[l]) * scale : scale;
+        for (int64_t d = 0; d < D; ++d) kf[d] = to_float(kp[l * D + d]);
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qh = qb + g * D;
+          float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < D; ++d) dot += qh[d] * kf[d];
+          scores[g * n + l] = dot * ksc;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* sc = scores.data() + g * n;
+        float mx = sc[0];
+        for (int64_t l = 1; l < n; ++l) mx = std::max(mx, sc[l]);
+        float sum = 0.f;
+        for (int64_t l = 0; l < n; ++l) {
+          sc[l] = fast_exp(sc[l] - mx);
+          sum += sc[l];
+        }
+        const float inv = 1.f / sum;
+        for (int64_t l = 0; l < n; ++l) sc[l] *= inv;
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        const float* sc = scores.data() + g * n;
+        for (int64_t l = 0; l < n; ++l) {
+          const float p = vsp ? sc[l] * static_cast<float>(vsp[l]) : sc[l];
+          const T* vl = vp + l * D;
+#pragma omp simd
+          for (int64_t d = 0; d < D; ++d) acc[d] += p * to_float(vl[d]);
+        }
+        std::copy(acc.begin(), acc.end(), ob + g * D);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Scales of an int8 cache: float16 [rows, Hk, S] for keys and for values; none for other caches.
+
+const c10::Half* scales_of(const Scales& s, const torch::Tensor& cache) {
+  if (cache.scalar_type() != at::kChar) return nullptr;
+  TORCH_CHECK(s.has_value() && s->scalar_type() == at::kHalf && s->is_contiguous(), "an int8 cache needs float16 scales");
+  TORCH_CHECK(s->dim() == 3 && s->size(0) == cache.size(0) && s->size(1) == cache.size(1) && s->size(2) == cache.size(2));
+  return s->data_ptr<c10::Half>();
+}
+
+// Calls f with the element type of a float32, bfloat16, float16 or int8 cache.
+template <typename F>
+void dispatch_cache(const torch::Tensor& cache, F f) {
+  switch (cache.scalar_type()) {
+    case at::kFloat: f(float{}); break;
+    case at::kBFloat16: f(c10::BFloat16{}); break;
+    case at::kHalf: f(c10::Half{}); break;
+    case at::kChar: f(int8_t{}); break;
+    default: TORCH_CHECK(false, "KV cache type must be float32, bfloat16, float16 or int8");
+  }
+}
+
+// q [B, Hq, D] float; k, v [rows, Hk, S, D] float, bfloat16, float16 or int8 (with ks, vs); lengths [B];
+// rows [B] each query's cache row (none: rows 0 .. B-1); starts [B] its first attended position (none: 0)
+// -> [B, Hq, D]
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const Scales& ks, const Scales& vs, const torch::Tensor& lengths, double scale,
+                               const c10::optional<torch::Tensor>& rows, const c10::optional<torch::Tensor>& starts) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.is_contiguous() && v.is_contiguous() && k.dim() == 4);
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && lengths.scalar_type() == at::kLong);
+  auto qc = q.contiguous();
+  auto lc = lengths.contiguous();
+  const int64_t B = qc.size(0), Hq = qc.size(1), D = qc.size(2), Hk = k.size(1), S = k.size(2);
+  TORCH_CHECK(k.size(3) == D && Hq % Hk == 0 && lc.size(0) == B);
+  torch::Tensor rc, sc;
+  if (rows.has_value()) {
+    rc = rows->contiguous();
+    TORCH_CHECK(rc.scalar_type() == at::kLong && rc.numel() == B, "rows: one long per query");
+    TORCH_CHECK(B == 0 || (rc.min().item<int64_t>() >= 0 && rc.max().item<int64_t>() < k.size(0)), "rows out of range");
+  } else {
+    TORCH_CHECK(k.size(0) >= B);
+  }
+  if (starts.has_value()) {
+    sc = starts->contiguous();
+    TORCH_CHECK(sc.scalar_type() == at::kLong && sc.numel() == B, "starts: one long per query");
+  }
+  auto out = torch::empty({B, Hq, D}, qc.options());
+  const c10::Half *ksp = scales_of(ks, k), *vsp = scales_of(vs, v);
+  dispatch_cache(k, [&](auto zero) {
+    using T = decltype(zero);
+    decode_attention_impl<T>(qc.data_ptr<float>(), static_cast<const T*>(k.data_ptr()),
+                             static_cast<const T*>(v.data_ptr()), ksp, vsp, lc.data_ptr<int64_t>(),
+                             rows.has_value() ? rc.data_ptr<int64_t>() : nullptr,
+                             starts.has_value() ? sc.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(), B, Hq,
+                             Hk, S, D, static_cast<float>(scale));
+  });
+  return out;
+}
+
+// elements per piece of a parallel elementwise pass: a decode step's rows stay on one thread
+constexpr int64_t ELEMENTWISE_GRAIN = 32768;
+
+// RMSNorm of each row of x [M, H] (float32): x / sqrt(mean(x^2) + eps) * w
+torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat);
+  auto x2 = flat(x);
+  const int64_t M = x2.size(0), H = x2.size(1);
+  auto y = torch::empty_like(x2);
+  const float *xp = x2.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, ELEMENTWISE_GRAIN / H), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* r = xp + i * H;
+      float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+      for (int64_t j = 0; j < H; ++j) ss += r[j] * r[j];
+      const float inv = 1.f / std::sqrt(ss / H + static_cast<float>(eps));
+#pragma omp simd
+      for (int64_t j = 0; j < H; ++j) yp[i * H + j] = wp[j] * (r[j] * inv);
+    }
+  });
+  return y.view(x.sizes());
+}
+
+// silu(gate) * up of x [..., 2F] = [gate | up] -> [..., F] in one pass: gate * sigmoid(gate) * up, the
+// sigmoid from one exponential of -|gate|
+torch::Tensor silu_mul(const torch::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) % 2 == 0);
+  auto x2 = flat(x);
+  const int64_t M = x2.size(0), F = x2.size(1) / 2;
+  auto y = torch::empty({M, F}, x2.options());
+  const float* xp = x2.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, ELEMENTWISE_GRAIN / F), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float *g = xp + i * 2 * F, *u = g + F;
+      float* o = yp + i * F;
+      int64_t j = 0;
+#ifdef WOQ_SIMD
+      for (; j + W <= F; j += W) {
+        const Vec::T gv = Vec::load(g + j), one = Vec::set1(1.f);
+        const Vec::T e = fast_exp(Vec::sub(Vec::zero(), Vec::abs(gv))), r = Vec::div(one, Vec::add(one, e));
+        Vec::store(o + j, Vec::mul(Vec::mul(gv, Vec::select_nonnegative(gv, r, Vec::mul(e, r))), Vec::load(u + j)));
+      }
+#endif
+      for (; j < F; ++j) o[j] = silu_mul_one(g[j], u[j]);
+    }
+  });
+  return y.view(out_shape(x, F));
+}
+
+namespace {
+
+inline void rope_row(const float* x, const float* c, const float* s, int64_t D, float* out) {
+  const int64_t h = D / 2;
+  for (int64_t j = 0; j < h; ++j) {
+    out[j] = x[j] * c[j] - x[j + h] * s[j];
+    out[j + h] = x[j + h] * c[j + h] + x[j] * s[j + h];
+  }
+}
+
+// One head vector into a cache position: cast, or for an int8 cache rounded to 127 steps of its own
+// float16 scale (max |x| / 127), the scale stored beside it.
+template <typename T>
+inline void store_head(const float* x, int64_t D, T* dst, c10::Half* scale) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+    float mx = 0.f;
+    for (int64_t d = 0; d < D; ++d) mx = std::max(mx, std::fabs(x[d]));
+    const c10::Half s = static_cast<c10::Half>(mx / 127.f);
+    const float sf = static_cast<float>(s);
+    const float inv = sf > 0.f ? 1.f / sf : 0.f;
+    for (int64_t d = 0; d < D; ++d)
+      dst[d] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[d] * inv))));
+    *scale = s;
+  } else {
+    for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(x[d]);
+  }
+}
+
+// The heads are split between the threads (never the positions: a prefill's padding tokens all write
+// their row's scratch position); a decode step's rows stay on one thread.
+template <typename T>
+void rope_store_impl(const float* qkv, const float* cos, const float* sin, T* kc, T* vc, c10::Half* ks,
+                     c10::Half* vs, const int64_t* pos, const int64_t* rows, float* q, int64_t B, int64_t Hq,
+                     int64_t Hk, int64_t S, int64_t D) {
+  const int64_t width = (Hq + 2 * Hk) * D;
+  at::parallel_for(0, Hq + Hk, B * width < ELEMENTWISE_GRAIN ? Hq + Hk : 1, [&](int64_t h0, int64_t h1) {
+    std::vector<float> tmp(D);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* row = qkv + b * width;
+      const float *c = cos + b * D, *s = sin + b * D;
+      for (int64_t h = h0; h < h1; ++h) {
+        if (h < Hq) {
+          rope_row(row + h * D, c, s, D, q + (b * Hq + h) * D);
+          continue;
+        }
+        const int64_t kh = h - Hq, at = ((rows ? rows[b] : b) * Hk + kh) * S + pos[b];
+        rope_row(row + h * D, c, s, D, tmp.data());
+        store_head(tmp.data(), D, kc + at * D, ks ? ks + at : nullptr);
+        store_head(row + (Hq + Hk + kh) * D, D, vc + at * D, vs ? vs + at : nullptr);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// Rotary embedding on the query and key heads of qkv [B, (Hq + 2 Hk) * D] (B tokens: a decode step's rows,
+// or a prefill's tokens flattened), each token's key and value written into the caches [rows, Hk, S, D]
+// at position pos[b] of cache row rows[b] (none: row b), an int8 cache's float16 scales into ks, vs
+// [rows, Hk, S]; returns q [B, Hq, D].
+torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
+                         torch::Tensor& kc, torch::Tensor& vc, const Scales& ks, const Scales& vs,
+                         const torch::Tensor& pos, int64_t Hq, const c10::optional<torch::Tensor>& rows) {
+  TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && kc.is_contiguous());
+  TORCH_CHECK(pos.scalar_type() == at::kLong && kc.scalar_type() == vc.scalar_type() && vc.is_contiguous());
+  auto x = flat(qkv);
+  auto cc = flat(cos), sc = flat(sin), pc = pos.reshape({-1}).contiguous();
+  const int64_t B = x.size(0), Hk = kc.size(1), S = kc.size(2), D = kc.size(3);
+  TORCH_CHECK(x.size(1) == (Hq + 2 * Hk) * D && pc.size(0) == B && cc.size(0) == B && cc.size(1) == D);
+  torch::Tensor rc;
+  if (rows.has_value()) {
+    rc = rows->reshape({-1}).contiguous();
+    TORCH_CHECK(rc.scalar_type() == at::kLong && rc.size(0) == B);
+    const int64_t* r = rc.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; ++b) TORCH_CHECK(r[b] >= 0 && r[b] < kc.size(0), "cache row out of range");
+  } else {
+    TORCH_CHECK(kc.size(0) >= B);
+  }
+  const int64_t* p = pc.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(p[b] >= 0 && p[b] < S, "cache position out of range");
+  auto q = torch::empty({B, Hq, D}, x.options());
+  auto* ksp = const_cast<c10::Half*>(scales_of(ks, kc));
+  auto* vsp = const_cast<c10::Half*>(scales_of(vs, vc));
+  dispatch_cache(kc, [&](auto zero) {
+    using T = decltype(zero);
+    rope_store_impl<T>(x.data_ptr<float>(), cc.data_ptr<float>(), sc.data_ptr<float>(), static_cast<T*>(kc.data_ptr()),
+                       static_cast<T*>(vc.data_ptr()), ksp, vsp, p, rows.has_value() ? rc.data_ptr<int64_t>() : nullptr,
+                       q.data_ptr<float>(), B, Hq, Hk, S, D);
+  });
+  return q;
+}
+
+}  // namespace woq

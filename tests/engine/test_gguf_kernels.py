@@ -1,0 +1,122 @@
+"""Every GGUF tensor type the kernels serve in its own blocks, against gguf-py's dequantization of the same bytes.
+
+The blocks are random bytes with sane float16 scales (any bit pattern of the codes is a valid block), so every
+code, scale and minimum value is reached. Each type is checked through the float kernels (the exact mode: float32
+F.linear on gguf-py's weights, up to summation order) and the int8-input kernels (the codes multiply the inputs
+rounded to int8 blocks of 32, the minimums the exact inputs), for one row (the memory-bound decode of one stream)
+and for several (groups of 4 input rows, tiles, sgemm), on the ISA this machine builds (AVX-512 with VNNI here,
+or AVX2).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.quants import dequantize
+
+from inference_api.engine.kernels import load_kernels
+from servers import MODEL_CACHE
+
+# per type: where its float16 scales lie in a block, and the bytes of its codes (zeroed, a block dequantizes to
+# its minimums: w = d * code + m); signed types have no minimums
+LAYOUT = {T.Q4_0: ([0], (2, 18)), T.Q4_1: ([0, 2], (4, 20)), T.Q5_0: ([0], (2, 22)), T.Q5_1: ([0, 2], (4, 24)),
+          T.Q8_0: ([0], None), T.IQ4_NL: ([0], None), T.Q2_K: ([80, 82], (16, 80)), T.Q3_K: ([108], (0, 96)),
+          T.Q4_K: ([0, 2], (16, 144)), T.Q5_K: ([0, 2], (16, 176)), T.Q6_K: ([208], (0, 192))}
+FLOATS = (T.F16, T.BF16)
+TYPES = [*LAYOUT, *FLOATS]
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = load_kernels(Path(MODEL_CACHE))
+    assert k is not None
+    return k
+
+
+def _raw(t: T, n: int, k: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if t in FLOATS:
+        w = torch.from_numpy(rng.standard_normal((n, k), dtype=np.float32))
+        return (w.half() if t == T.F16 else w.bfloat16()).view(torch.uint8).numpy().reshape(n, -1)
+    size, block = GGML_QUANT_SIZES[t]
+    raw = rng.integers(0, 256, size=(n, k // size, block), dtype=np.uint8)
+    for i, at in enumerate(LAYOUT[t][0]):  # scales in [0.001, 0.021); Q4_1 and Q5_1's minimums negative
+        scale = (rng.random(raw.shape[:2]) * 0.02 + 0.001) * (-1 if i == 1 and t in (T.Q4_1, T.Q5_1) else 1)
+        raw[..., at:at + 2] = scale.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    return raw.reshape(n, -1)
+
+
+def _weights(t: T, raw: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gguf-py's float32 weights of the blocks, and their minimums (the blocks with their codes zeroed)."""
+    deq = lambda r: torch.from_numpy(np.asarray(dequantize(r, t), dtype=np.float32).reshape(r.shape[0], k))  # noqa: E731
+    codes = LAYOUT.get(t, (None, None))[1]
+    if codes is None:
+        return deq(raw), torch.zeros(raw.shape[0], k)
+    size, block = GGML_QUANT_SIZES[t]
+    zeroed = raw.reshape(raw.shape[0], -1, block).copy()
+    zeroed[..., codes[0]:codes[1]] = 0
+    return deq(raw), deq(zeroed.reshape(raw.shape))
+
+
+def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
+    blocks = x.view(*x.shape[:-1], -1, 32)
+    step = blocks.abs().amax(-1, keepdim=True) / 127
+    return (torch.round(blocks / torch.where(step > 0, step, 1)) * step).view(x.shape)
+
+
+def test_the_kernels_serve_every_common_type(kernels):
+    assert {int(t) for t in TYPES} <= set(kernels.gguf_types())
+
+
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_blocks_dequantize_as_gguf_py_does(kernels, t):
+    raw = _raw(t, 8, 768)  # three super-blocks of 256
+    w, _ = _weights(t, raw, 768)
+    torch.testing.assert_close(kernels.dequantize_gguf(torch.from_numpy(raw), int(t)), w, rtol=1e-6, atol=1e-7)
+
+
+# 70 weight rows: not a multiple of the passes' 4 or 2 rows, nor of the tiles' 12 or 6; 512 inputs: two
+# super-blocks, three passes of the tiles (192, 192, 128); rows: groups of 4 and every remainder, tiles from 8 (AVX2)
+# or 16 (AVX-512), a prefill
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 16, 33])
+@pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
+def test_linear_on_blocks_is_float32_linear_on_gguf_py_weights(kernels, t, rows):
+    raw = _raw(t, 70, 512, seed=rows)
+    w, mins = _weights(t, raw, 512)
+    torch.manual_seed(rows)
+    x, b = torch.randn(rows, 512), torch.randn(70)
+    raw_t = torch.from_numpy(raw)
+    scale = w.abs().max().item()
+    torch.testing.assert_close(kernels.linear_gguf(x, raw_t, int(t), b, False), F.linear(x, w, b),
+                               rtol=1e-5, atol=1e-5 * scale * 512 ** 0.5)
+    got = kernels.linear_gguf(x, raw_t, int(t), b, True)
+    if t in FLOATS:  # no integer codes: the float kernels whatever the inputs
+        want = F.linear(x, w, b)
+    else:  # the codes against the inputs rounded to int8 blocks, the minimums against the exact inputs
+        rounded = _int8_blocks(x)
+        want = F.linear(rounded, w - mins, b) + F.linear(x, mins)
+        assert not torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * scale * 512 ** 0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale * 512 ** 0.5)
+
+
+def test_an_unserved_type_is_refused_by_name(kernels):
+    with pytest.raises(RuntimeError, match="not served"):
+        kernels.linear_gguf(torch.randn(1, 256), torch.zeros(4, 144, dtype=torch.uint8), int(T.IQ2_XXS), None, False)
+
+
+@pytest.mark.parametrize("t", list(LAYOUT), ids=lambda t: t.name)
+def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it(kernels, t):
+    """With int8 inputs every row count runs one kernel (the VNNI tiles, or without VNNI the groups of 4 rows):
+    a row's outputs are bit for bit the same alone, in a decode step of 32 rows, or in a prefill of 70."""
+    raw = torch.from_numpy(_raw(t, 40, 512, seed=3))  # 40 rows: two groups of 16 and a part group
+    torch.manual_seed(3)
+    x = torch.randn(70, 512)
+    batch = kernels.linear_gguf(x, raw, int(t), None, True)
+    for rows in (x[:32], x[5:6]):
+        part = kernels.linear_gguf(rows, raw, int(t), None, True)
+        start = 0 if rows.shape[0] == 32 else 5
+        assert torch.equal(part, batch[start:start + rows.shape[0]])

@@ -23,11 +23,14 @@ def sources() -> list[Path]:
     return sorted(CSRC.glob("*.cpp"))
 
 
-def load_kernels(cache_dir: Path):
+def load_kernels(cache_dir: Path, cflags: tuple[str, ...] = ()):
+    """The compiled kernels for this machine (cflags: extra compiler flags, such as -mno-avx512f to check the AVX2
+    kernels on an AVX-512 machine), or None when they cannot be built."""
     try:
         from torch.utils import cpp_extension
 
-        digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))).hexdigest()[:12]
+        digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))
+                                + " ".join(cflags).encode()).hexdigest()[:12]
         # resolved: torch's extension versioner hashes the folder's name, so a relative and an absolute name
         # of one cache in one process would otherwise compile a second version over the first one's objects
         # (a minute each, and again for the next process that loads the first)
@@ -38,7 +41,7 @@ def load_kernels(cache_dir: Path):
         if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
         return cpp_extension.load(f"woq_{digest}", [str(p) for p in sources()], build_directory=str(build),
-                                  extra_cflags=["-O3", "-march=native", "-fopenmp"], extra_ldflags=["-fopenmp"])
+                                  extra_cflags=["-O3", "-march=native", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"])
     except Exception as exc:  # no compiler, no headers, a read-only cache: serve without the kernels
         log.warning("quantized CPU kernels unavailable (%s); weights are served dequantized", exc)
         return None

@@ -19,7 +19,7 @@ namespace woq {
 template <typename B, typename = void>
 struct has_codes : std::false_type {};
 template <typename B>
-struct has_codes<B, std::void_t<decltype(&B::codes)>> : std::true_type {};
+struct has_codes<B, std::void_t<decltype(&B::template codes<V256>)>> : std::true_type {};
 
 // a block of an integer type dequantized into out [QK]
 template <typename B>
@@ -30,7 +30,7 @@ inline void deq_block(const uint8_t* b, float* out) {
     float d[B::QK / B::SUB], m[B::QK / B::SUB];
     B::scales(b, d, m);
     for (int c = 0; c < B::QK / 32; ++c) {
-      const __m256i codes = B::codes(b, c);
+      const __m256i codes = B::template codes<V256>(b, b, c);
       const __m128i half[2] = {_mm256_castsi256_si128(codes), _mm256_extracti128_si256(codes, 1)};
       for (int g = 0; g < 4; ++g) {
         const __m128i part = g % 2 ? _mm_srli_si128(half[g / 2], 8) : half[g / 2];
@@ -161,12 +161,8 @@ struct BlockForm {
           // rows i and i + 8 side by side, then an 8 x 8 transpose of 4-byte steps in each half
           __m512i a[8];
           for (int i = 0; i < 8; ++i) {
-            __m256i lo8 = B::codes(wr[i] + blk * B::BYTES, c), hi8 = B::codes(wr[i + 8] + blk * B::BYTES, c);
-            if constexpr (B::SIGNED) {
-              lo8 = _mm256_xor_si256(lo8, _mm256_set1_epi8(static_cast<char>(0x80)));
-              hi8 = _mm256_xor_si256(hi8, _mm256_set1_epi8(static_cast<char>(0x80)));
-            }
-            a[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo8), hi8, 1);
+            a[i] = B::template codes<V512>(wr[i] + blk * B::BYTES, wr[i + 8] + blk * B::BYTES, c);
+            if constexpr (B::SIGNED) a[i] = _mm512_xor_si512(a[i], _mm512_set1_epi8(static_cast<char>(0x80)));
           }
           __m512i t[8], u[8];
           for (int i = 0; i < 8; i += 2) t[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
@@ -251,7 +247,7 @@ struct BlockForm {
           __m256i codes[RW];
           __m256 sc[RW];
           for (int r = 0; r < RW; ++r) {
-            codes[r] = B::codes(wr[r] + blk * B::BYTES, c);
+            codes[r] = B::template codes<V256>(wr[r] + blk * B::BYTES, wr[r] + blk * B::BYTES, c);
             sc[r] = lane_scales<B>(d[r], c);
           }
           for (int ii = 0; ii < MR; ++ii) {

@@ -7,11 +7,6 @@
 namespace woq {
 #ifdef WOQ_SIMD
 
-// bits shift .. shift + 1 (width 2) or shift (width 1) of each of the 32 bytes at p
-inline __m256i bit_field(const uint8_t* p, int shift, int mask) {
-  return _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)p), shift), _mm256_set1_epi8(mask));
-}
-
 // Q4_K and Q5_K's eight 6-bit scales and minimums packed in 12 bytes (llama.cpp's get_scale_min_k4)
 inline void scale_min_k4(const uint8_t* q, int j, int& sc, int& mn) {
   if (j < 4) {
@@ -29,7 +24,10 @@ struct Q2_K {  // scales[16] (4-bit scale, 4-bit minimum), qs[64] (2 bits), d, d
     const float dd = f16_at(b + 80), dmin = f16_at(b + 82);
     for (int j = 0; j < 16; ++j) d[j] = dd * (b[j] & 15), m[j] = -dmin * (b[j] >> 4);
   }
-  static __m256i codes(const uint8_t* b, int c) { return bit_field(b + 16 + (c / 4) * 32, 2 * (c % 4), 3); }
+  template <typename V>
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
+    return bit_field<V>(a, b, 16 + (c / 4) * 32, 2 * (c % 4), 3);
+  }
 };
 
 struct Q3_K {  // hmask[32] (third bit), qs[64] (low 2 bits), scales[12] (6-bit, minus 32), d; w = d * sc * (code - 4)
@@ -47,9 +45,9 @@ struct Q3_K {  // hmask[32] (third bit), qs[64] (low 2 bits), scales[12] (6-bit,
     const float dd = f16_at(b + 108);
     for (int j = 0; j < 16; ++j) d[j] = dd * (sc[j] - 32), m[j] = -4.f * d[j];
   }
-  static __m256i codes(const uint8_t* b, int c) {
-    const __m256i high = _mm256_slli_epi16(bit_field(b, c, 1), 2);
-    return _mm256_or_si256(bit_field(b + 32 + (c / 4) * 32, 2 * (c % 4), 3), high);
+  template <typename V>
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
+    return V::or_(bit_field<V>(a, b, 32 + (c / 4) * 32, 2 * (c % 4), 3), V::slli(bit_field<V>(a, b, 0, c, 1), 2));
   }
 };
 
@@ -64,16 +62,19 @@ struct Q4_K {  // d, dmin, scales[12] (6-bit scales and minimums), qs[128] (nibb
       d[j] = dd * sc, m[j] = -dmin * mn;
     }
   }
-  static __m256i codes(const uint8_t* b, int c) { return bit_field(b + 16 + (c / 2) * 32, 4 * (c % 2), 15); }
+  template <typename V>
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
+    return bit_field<V>(a, b, 16 + (c / 2) * 32, 4 * (c % 2), 15);
+  }
 };
 
 struct Q5_K {  // d, dmin, scales[12], qh[32] (fifth bit), qs[128] (nibbles)
   static constexpr int TYPE = 13, QK = 256, BYTES = 176, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
   static void scales(const uint8_t* b, float* d, float* m) { Q4_K::scales(b, d, m); }
-  static __m256i codes(const uint8_t* b, int c) {
-    const __m256i high = _mm256_slli_epi16(bit_field(b + 16, c, 1), 4);
-    return _mm256_or_si256(bit_field(b + 48 + (c / 2) * 32, 4 * (c % 2), 15), high);
+  template <typename V>
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
+    return V::or_(bit_field<V>(a, b, 48 + (c / 2) * 32, 4 * (c % 2), 15), V::slli(bit_field<V>(a, b, 16, c, 1), 4));
   }
 };
 
@@ -85,10 +86,11 @@ struct Q6_K {  // ql[128] (low nibbles), qh[64] (high 2 bits), scales[16] (int8)
     const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
     for (int j = 0; j < 16; ++j) d[j] = dd * sc[j], m[j] = -32.f * d[j];
   }
-  static __m256i codes(const uint8_t* b, int c) {
+  template <typename V>
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
     const int h = c / 4, cc = c % 4;
-    const __m256i low = bit_field(b + h * 64 + (cc % 2) * 32, 4 * (cc / 2), 15);
-    return _mm256_or_si256(low, _mm256_slli_epi16(bit_field(b + 128 + h * 32, 2 * cc, 3), 4));
+    return V::or_(bit_field<V>(a, b, h * 64 + (cc % 2) * 32, 4 * (cc / 2), 15),
+                  V::slli(bit_field<V>(a, b, 128 + h * 32, 2 * cc, 3), 4));
   }
 };
 

@@ -12,22 +12,73 @@ inline float f16_at(const uint8_t* p) {
   return _cvtsh_ss(h);
 }
 
-// the 16 bytes at p as 32 nibbles: low nibbles are weights 0..15, high nibbles 16..31
-inline __m256i nibbles32(const uint8_t* p) {
-  const __m128i b = _mm_loadu_si128((const __m128i*)p), low = _mm_set1_epi8(15);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
-}
+// The byte operations the block types' codes are written in, over one block's 32 codes (V256) or, on AVX-512,
+// two blocks' side by side (V512: rows a and b in one register, the VNNI tiles' packing). Each reads its bytes at
+// a (and b).
+struct V256 {
+  using T = __m256i;
+  static T load(const uint8_t* a, const uint8_t*) { return _mm256_loadu_si256((const __m256i*)a); }
+  // the 16 bytes at a as 32 nibbles: low nibbles are weights 0..15, high nibbles 16..31
+  static T nibbles(const uint8_t* a, const uint8_t*) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)a), low = _mm_set1_epi8(15);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+  }
+  // the 32 bits at a as 32 bytes of 16 where the bit is set, else 0 (the fifth bit of Q5 weights)
+  static T fifth(const uint8_t* a, const uint8_t*) {
+    uint32_t bits;
+    std::memcpy(&bits, a, 4);
+    const T spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread_mask());
+    const T hit = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+    return _mm256_and_si256(hit, _mm256_set1_epi8(16));
+  }
+  static T spread_mask() {
+    return _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0x0000000000000000);
+  }
+  static T set1(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
+  static T srli(T v, int n) { return _mm256_srli_epi16(v, n); }
+  static T slli(T v, int n) { return _mm256_slli_epi16(v, n); }
+  static T and_(T a, T b) { return _mm256_and_si256(a, b); }
+  static T or_(T a, T b) { return _mm256_or_si256(a, b); }
+  static T lookup(__m128i table, T idx) { return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(table), idx); }
+};
 
-// the 32 bits at p as 32 bytes of 16 where the bit is set, else 0 (the fifth bit of Q5 weights)
-inline __m256i fifth_bits(const uint8_t* p) {
-  uint32_t bits;
-  std::memcpy(&bits, p, 4);
-  const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)),
-                                             _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
-                                                               0x0101010101010101, 0x0000000000000000));
-  const __m256i hit = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)),
-                                        _mm256_set1_epi64x(-1));
-  return _mm256_and_si256(hit, _mm256_set1_epi8(16));
+#ifdef WOQ_VNNI
+struct V512 {
+  using T = __m512i;
+  static T pair(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+  static T load(const uint8_t* a, const uint8_t* b) {
+    return pair(_mm256_loadu_si256((const __m256i*)a), _mm256_loadu_si256((const __m256i*)b));
+  }
+  static T nibbles(const uint8_t* a, const uint8_t* b) {  // [a a b b] in 128-bit lanes, shifted 0, 4, 0, 4
+    const T v = pair(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)a)),
+                     _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)b)));
+    const T shifts = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0, 0x0004000400040004,
+                                       0x0004000400040004);
+    return _mm512_and_si512(_mm512_srlv_epi16(v, shifts), _mm512_set1_epi8(15));
+  }
+  static T fifth(const uint8_t* a, const uint8_t* b) {
+    uint32_t ba, bb;
+    std::memcpy(&ba, a, 4);
+    std::memcpy(&bb, b, 4);
+    const T bits = pair(_mm256_set1_epi32(static_cast<int>(ba)), _mm256_set1_epi32(static_cast<int>(bb)));
+    const T spread = _mm512_shuffle_epi8(bits, pair(V256::spread_mask(), V256::spread_mask()));
+    const __mmask64 hit = _mm512_cmpeq_epi8_mask(_mm512_or_si512(spread, _mm512_set1_epi64(0x7fbfdfeff7fbfdfe)),
+                                                 _mm512_set1_epi64(-1));
+    return _mm512_maskz_mov_epi8(hit, _mm512_set1_epi8(16));
+  }
+  static T set1(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
+  static T srli(T v, int n) { return _mm512_srli_epi16(v, n); }
+  static T slli(T v, int n) { return _mm512_slli_epi16(v, n); }
+  static T and_(T a, T b) { return _mm512_and_si512(a, b); }
+  static T or_(T a, T b) { return _mm512_or_si512(a, b); }
+  static T lookup(__m128i table, T idx) { return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(table), idx); }
+};
+#endif
+
+// bits shift .. of each byte, under mask (the 2-bit or 4-bit fields of the k-quants), at a (and b) plus off
+template <typename V>
+inline typename V::T bit_field(const uint8_t* a, const uint8_t* b, int off, int shift, int mask) {
+  return V::and_(V::srli(V::load(a + off, b + off), shift), V::set1(mask));
 }
 
 // The traits every block type gives: TYPE (ggml's type number), QK weights in BYTES bytes, a scale (and minimum)
@@ -36,35 +87,44 @@ struct Q4_0 {
   static constexpr int TYPE = 2, QK = 32, BYTES = 18, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
   static void scales(const uint8_t* b, float* d, float* m) { d[0] = f16_at(b), m[0] = -8.f * d[0]; }
-  static __m256i codes(const uint8_t* b, int) { return nibbles32(b + 2); }
+  template <typename V>
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int) { return V::nibbles(a + 2, b + 2); }
 };
 
 struct Q4_1 {
   static constexpr int TYPE = 3, QK = 32, BYTES = 20, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
   static void scales(const uint8_t* b, float* d, float* m) { d[0] = f16_at(b), m[0] = f16_at(b + 2); }
-  static __m256i codes(const uint8_t* b, int) { return nibbles32(b + 4); }
+  template <typename V>
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int) { return V::nibbles(a + 4, b + 4); }
 };
 
 struct Q5_0 {
   static constexpr int TYPE = 6, QK = 32, BYTES = 22, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
   static void scales(const uint8_t* b, float* d, float* m) { d[0] = f16_at(b), m[0] = -16.f * d[0]; }
-  static __m256i codes(const uint8_t* b, int) { return _mm256_or_si256(nibbles32(b + 6), fifth_bits(b + 2)); }
+  template <typename V>
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int) {
+    return V::or_(V::nibbles(a + 6, b + 6), V::fifth(a + 2, b + 2));
+  }
 };
 
 struct Q5_1 {
   static constexpr int TYPE = 7, QK = 32, BYTES = 24, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
   static void scales(const uint8_t* b, float* d, float* m) { d[0] = f16_at(b), m[0] = f16_at(b + 2); }
-  static __m256i codes(const uint8_t* b, int) { return _mm256_or_si256(nibbles32(b + 8), fifth_bits(b + 4)); }
+  template <typename V>
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int) {
+    return V::or_(V::nibbles(a + 8, b + 8), V::fifth(a + 4, b + 4));
+  }
 };
 
 struct Q8_0 {
   static constexpr int TYPE = 8, QK = 32, BYTES = 34, SUB = 32;
   static constexpr bool SIGNED = true, MINS = false;
   static void scales(const uint8_t* b, float* d, float* m) { d[0] = f16_at(b), m[0] = 0.f; }
-  static __m256i codes(const uint8_t* b, int) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
+  template <typename V>
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int) { return V::load(a + 2, b + 2); }
 };
 
 // IQ4_NL: each nibble indexes llama.cpp's 16 non-linear int8 levels
@@ -72,10 +132,10 @@ struct IQ4_NL {
   static constexpr int TYPE = 20, QK = 32, BYTES = 18, SUB = 32;
   static constexpr bool SIGNED = true, MINS = false;
   static void scales(const uint8_t* b, float* d, float* m) { d[0] = f16_at(b), m[0] = 0.f; }
-  static __m256i codes(const uint8_t* b, int) {
-    const __m256i levels = _mm256_broadcastsi128_si256(
-        _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113));
-    return _mm256_shuffle_epi8(levels, nibbles32(b + 2));
+  template <typename V>
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int) {
+    return V::lookup(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
+                     V::nibbles(a + 2, b + 2));
   }
 };
 

@@ -149,13 +149,14 @@ struct BlockForm {
       for (int64_t blk = 0; blk < nb; ++blk) {
         for (int64_t l = blk * per_block; l < std::min(lines, (blk + 1) * per_block); ++l)
           _mm_prefetch(ahead + l * 64, _MM_HINT_T0);
-        for (int r = 0; r < 16; ++r) {
-          float d[NS], m[NS];
-          B::scales(wr[r] + blk * B::BYTES, d, m);
-          for (int j = 0; j < NS; ++j) {
-            g.d[(blk * NS + j) * 16 + r] = d[j];
-            g.m[(blk * NS + j) * 16 + r] = m[j];
-          }
+        // each row's scales side by side, then gathered a sub-block at a time into the 16 rows' lanes
+        alignas(64) float d[16][NS + 8], m[16][NS + 8];  // + 8: room for the 8-wide stores of a row's scales
+        for (int r = 0; r < 16; ++r) B::scales(wr[r] + blk * B::BYTES, d[r], m[r]);
+        const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                                _mm512_set1_epi32(NS + 8));
+        for (int j = 0; j < NS; ++j) {
+          _mm512_storeu_ps(g.d.data() + (blk * NS + j) * 16, _mm512_i32gather_ps(rows, &d[0][j], 4));
+          if constexpr (B::MINS) _mm512_storeu_ps(g.m.data() + (blk * NS + j) * 16, _mm512_i32gather_ps(rows, &m[0][j], 4));
         }
         for (int c = 0; c < CH; ++c) {
           // rows i and i + 8 side by side, then an 8 x 8 transpose of 4-byte steps in each half

@@ -7,22 +7,39 @@
 namespace woq {
 #ifdef WOQ_SIMD
 
-// Q4_K and Q5_K's eight 6-bit scales and minimums packed in 12 bytes (llama.cpp's get_scale_min_k4)
-inline void scale_min_k4(const uint8_t* q, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = q[j] & 63, mn = q[j + 4] & 63;
-  } else {
-    sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
-    mn = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
-  }
+// Q4_K and Q5_K's eight 6-bit scales and minimums packed in 12 bytes, unpacked 4 bytes at a time as llama.cpp
+// does: sc[j] = byte j of the first 8 bytes out, mn[j] of the last 8, each as a float times d or -dmin
+inline void scale_min_k4(const uint8_t* q, float dd, float dmin, float* d, float* m) {
+  uint32_t u0, u1, u2;
+  std::memcpy(&u0, q, 4);
+  std::memcpy(&u1, q + 4, 4);
+  std::memcpy(&u2, q + 8, 4);
+  const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  // in registers (a store of 4-byte halves read back as 8 bytes stalls the load)
+  const uint64_t sc = (u0 & k1) | static_cast<uint64_t>((u2 & k2) | (((u0 >> 6) & k3) << 4)) << 32;
+  const uint64_t mn = (u1 & k1) | static_cast<uint64_t>(((u2 >> 4) & k2) | (((u1 >> 6) & k3) << 4)) << 32;
+  const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc))));
+  const __m256 n = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mn))));
+  _mm256_storeu_ps(d, _mm256_mul_ps(s, _mm256_set1_ps(dd)));
+  _mm256_storeu_ps(m, _mm256_mul_ps(n, _mm256_set1_ps(-dmin)));
+}
+
+// 16 sub-block scales given as 16 bytes (signed or unsigned) into floats times f
+inline void scale16(__m128i bytes, bool is_signed, float f, float* out) {
+  const __m128i hi = _mm_srli_si128(bytes, 8);
+  const __m256i a = is_signed ? _mm256_cvtepi8_epi32(bytes) : _mm256_cvtepu8_epi32(bytes);
+  const __m256i b = is_signed ? _mm256_cvtepi8_epi32(hi) : _mm256_cvtepu8_epi32(hi);
+  _mm256_storeu_ps(out, _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_set1_ps(f)));
+  _mm256_storeu_ps(out + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(b), _mm256_set1_ps(f)));
 }
 
 struct Q2_K {  // scales[16] (4-bit scale, 4-bit minimum), qs[64] (2 bits), d, dmin
   static constexpr int TYPE = 10, QK = 256, BYTES = 84, SUB = 16;
   static constexpr bool SIGNED = false, MINS = true;
   static void scales(const uint8_t* b, float* d, float* m) {
-    const float dd = f16_at(b + 80), dmin = f16_at(b + 82);
-    for (int j = 0; j < 16; ++j) d[j] = dd * (b[j] & 15), m[j] = -dmin * (b[j] >> 4);
+    const __m128i sc = _mm_loadu_si128((const __m128i*)b), low = _mm_set1_epi8(15);
+    scale16(_mm_and_si128(sc, low), false, f16_at(b + 80), d);
+    scale16(_mm_and_si128(_mm_srli_epi16(sc, 4), low), false, -f16_at(b + 82), m);
   }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
@@ -34,16 +51,19 @@ struct Q3_K {  // hmask[32] (third bit), qs[64] (low 2 bits), scales[12] (6-bit,
   static constexpr int TYPE = 11, QK = 256, BYTES = 110, SUB = 16;
   static constexpr bool SIGNED = false, MINS = true;
   static void scales(const uint8_t* b, float* d, float* m) {
-    uint32_t aux[4];
-    std::memcpy(aux, b + 96, 12);
-    const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f, t = aux[2];
-    aux[2] = ((aux[0] >> 4) & k2) | (((t >> 4) & k1) << 4);
-    aux[3] = ((aux[1] >> 4) & k2) | (((t >> 6) & k1) << 4);
-    aux[0] = (aux[0] & k2) | (((t >> 0) & k1) << 4);
-    aux[1] = (aux[1] & k2) | (((t >> 2) & k1) << 4);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(aux);
+    uint32_t a0, a1, t;
+    std::memcpy(&a0, b + 96, 4);
+    std::memcpy(&a1, b + 100, 4);
+    std::memcpy(&t, b + 104, 4);
+    const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
+    const __m128i sc = _mm_sub_epi8(  // the 6-bit scales, minus 32, built in registers
+        _mm_setr_epi32(static_cast<int>((a0 & k2) | (((t >> 0) & k1) << 4)), static_cast<int>((a1 & k2) | (((t >> 2) & k1) << 4)),
+                       static_cast<int>(((a0 >> 4) & k2) | (((t >> 4) & k1) << 4)),
+                       static_cast<int>(((a1 >> 4) & k2) | (((t >> 6) & k1) << 4))),
+        _mm_set1_epi8(32));
     const float dd = f16_at(b + 108);
-    for (int j = 0; j < 16; ++j) d[j] = dd * (sc[j] - 32), m[j] = -4.f * d[j];
+    scale16(sc, true, dd, d);
+    scale16(sc, true, -4.f * dd, m);
   }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
@@ -55,12 +75,7 @@ struct Q4_K {  // d, dmin, scales[12] (6-bit scales and minimums), qs[128] (nibb
   static constexpr int TYPE = 12, QK = 256, BYTES = 144, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
   static void scales(const uint8_t* b, float* d, float* m) {
-    const float dd = f16_at(b), dmin = f16_at(b + 2);
-    for (int j = 0; j < 8; ++j) {
-      int sc, mn;
-      scale_min_k4(b + 4, j, sc, mn);
-      d[j] = dd * sc, m[j] = -dmin * mn;
-    }
+    scale_min_k4(b + 4, f16_at(b), f16_at(b + 2), d, m);
   }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
@@ -82,9 +97,10 @@ struct Q6_K {  // ql[128] (low nibbles), qh[64] (high 2 bits), scales[16] (int8)
   static constexpr int TYPE = 14, QK = 256, BYTES = 210, SUB = 16;
   static constexpr bool SIGNED = false, MINS = true;
   static void scales(const uint8_t* b, float* d, float* m) {
+    const __m128i sc = _mm_loadu_si128((const __m128i*)(b + 192));
     const float dd = f16_at(b + 208);
-    const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-    for (int j = 0; j < 16; ++j) d[j] = dd * sc[j], m[j] = -32.f * d[j];
+    scale16(sc, true, dd, d);
+    scale16(sc, true, -32.f * dd, m);
   }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {

@@ -65,6 +65,21 @@ def test_a_gguf_gives_llama_cpps_perplexity_and_next_tokens(name):
     assert agree >= 0.98
 
 
+def test_a_type_the_kernels_lack_is_served_dequantized_with_a_warning(monkeypatch, caplog):
+    """A tensor type outside the kernels' list is never rounded again nor silently served wrong: its layers are
+    served as float32 from gguf-py's dequantization, the start-up log names the tensors and the type, and the
+    answers stay llama.cpp's (here Q6_K taken off the list, on the Q6_K file)."""
+    from inference_api.engine import gguf_blocks
+
+    monkeypatch.setattr(gguf_blocks, "BLOCK_TYPES", gguf_blocks.BLOCK_TYPES - {"Q6_K"})
+    ref = REFERENCE["llama-q6_k.gguf"]
+    with caplog.at_level("WARNING"):
+        engine, _ = serve(ref.path)
+    assert any("Q6_K" in r.getMessage() and "dequantized" in r.getMessage() for r in caplog.records)
+    ppl, agree = score(engine, ref)
+    assert abs(ppl / ref.final_ppl - 1) < 0.01 and agree >= 0.98
+
+
 def test_the_file_decides_bos_and_the_tokenizer_splits_as_llama_cpp():
     """The tiny models' vocabularies add BOS (their GGUFs say so): the text encodes as llama-perplexity
     tokenized it, BOS first."""

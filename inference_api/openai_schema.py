@@ -17,6 +17,7 @@ from .validation import (SEED_RANGE, boolean, number, only_default, penalties, r
 _IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
             "prompt_cache_retention", "parallel_tool_calls"}
 # vLLM's sampling extras, which tools built for vLLM send (GuideLLM, h2oGPT's vLLM mode)
+MAX_STOP_TOKEN_IDS = 1024  # each is checked against every token of the request
 VLLM_EXTRAS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n",
@@ -94,7 +95,7 @@ def _request(body: dict, logprobs: int | None, max_field: str, vocab_size: int, 
         top_p=top_p or 1.0,
         min_p=number(body, "min_p", 0.0, 0, 1),
         stop=stop_list(body, "stop", max_stop),
-        stop_token_ids=token_ids(body, "stop_token_ids", vocab_size),
+        stop_token_ids=token_ids(body, "stop_token_ids", vocab_size, limit=MAX_STOP_TOKEN_IDS),
         min_tokens=number(body, "min_tokens", 0, 0, 1 << 31, integer=True),
         ignore_eos=boolean(body, "ignore_eos", False),
         seed=number(body, "seed", None, *SEED_RANGE, integer=True),

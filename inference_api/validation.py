@@ -94,8 +94,9 @@ def stop_list(body: dict, name: str, max_items: int = 4) -> tuple[str, ...]:
     return tuple(items)
 
 
-def token_ids(body: dict, name: str, vocab_size: int, *, required: bool = False) -> tuple[int, ...]:
-    """A list of token ids, each in [0, vocab_size)."""
+def token_ids(body: dict, name: str, vocab_size: int, *, required: bool = False,
+              limit: int | None = None) -> tuple[int, ...]:
+    """A list of token ids, each in [0, vocab_size), at most ``limit`` of them."""
     value = body.get(name)
     if value is None and not required:
         return ()
@@ -103,6 +104,8 @@ def token_ids(body: dict, name: str, vocab_size: int, *, required: bool = False)
             or not all(type(t) is int and 0 <= t < vocab_size for t in value)):
         raise ApiError(400, f"{name} must be a {'non-empty ' if required else ''}list of token ids in "
                             f"[0, {vocab_size})", param=name)
+    if limit is not None and len(value) > limit:
+        raise ApiError(400, f"{name} takes at most {limit} token ids ({len(value)} given)", param=name)
     return tuple(value)
 
 

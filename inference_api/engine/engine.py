@@ -114,11 +114,10 @@ class Engine:
                         for s in seqs)
         if penalised:
             logits = apply_penalties(logits, rows, p)
-        early = [s for s in seqs if s.num_output < s.params.min_tokens]
-        if early:  # no end or stop token before min_tokens
-            blocked = sorted(self.eos_ids.union(*(s.params.stop_token_ids for s in early)))
-            masked = torch.tensor([s.num_output < s.params.min_tokens for s in seqs], device=logits.device)
-            logits = mask_tokens(logits, masked, torch.tensor(blocked, device=logits.device))
+        early = [(i, s) for i, s in enumerate(seqs) if s.num_output < s.params.min_tokens]
+        if early:  # no end or stop token before min_tokens: each row its own (never another request's) tokens
+            cells = [(i, t) for i, s in early for t in self.eos_ids.union(s.params.stop_token_ids)]
+            logits = mask_tokens(logits, torch.tensor(cells, dtype=torch.long, device=logits.device).view(-1, 2))
         steps = torch.tensor([s.num_output for s in seqs], device=logits.device)
         min_p = p.min_p[rows] if any(s.params.min_p for s in seqs) else None
         tokens = sample(logits, p.temperature[rows], p.top_k[rows], p.top_p[rows], p.seed[rows], steps, min_p)

@@ -93,11 +93,13 @@ def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, p: RowParams) -> t
     return torch.where(p.seen[rows], penalised, logits)
 
 
-def mask_tokens(logits: torch.Tensor, masked: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
-    """Rows where ``masked`` is true cannot pick ``token_ids`` (the end and stop tokens before min_tokens)."""
-    blocked = torch.zeros_like(logits, dtype=torch.bool)
-    blocked[:, token_ids] = True
-    return logits.masked_fill(blocked & masked[:, None], float("-inf"))
+def mask_tokens(logits: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
+    """Each (row, token) of ``cells`` [n, 2] cannot be picked (a row's own end and stop tokens before its
+    min_tokens): the other rows' logits are untouched."""
+    if cells.numel() == 0:
+        return logits
+    return logits.index_put((cells[:, 0], cells[:, 1]), torch.tensor(float("-inf"), dtype=logits.dtype,
+                                                                      device=logits.device))
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,

@@ -168,6 +168,8 @@ def test_shortfin_stream(hub):
      lambda b: b["error"]["param"] == "min_tokens"),
     ("/v1/completions", {"model": HUB, "prompt": "x", "stop_token_ids": [999]}, 400,
      lambda b: b["error"]["param"] == "stop_token_ids"),
+    ("/v1/completions", {"model": HUB, "prompt": "x", "stop_token_ids": [1] * 1025}, 400,
+     lambda b: b["error"]["param"] == "stop_token_ids" and "at most 1024" in b["error"]["message"]),
 ])
 def test_errors_in_each_dialects_shape(hub, path, body, status, shape):
     r = requests.post(hub.url + path, json=body, timeout=10)

@@ -171,6 +171,22 @@ def test_stop_token_ids_end_the_output_without_showing_the_token():
     assert events["m"][-1].completion_tokens > 4
 
 
+def test_another_requests_min_tokens_never_masks_this_rows_tokens():
+    """A victim's greedy answer, alone and beside a request whose min_tokens masks every id but one: each row
+    masks only its own end and stop tokens, so the victim's answer does not change."""
+    alone, _ = make_engine()
+    alone.add(GenerateRequest("victim", tuple(b"hi"), SamplingParams(temperature=0, max_tokens=10, min_tokens=10)))
+    want = text(run(alone)["victim"])
+    engine, _ = make_engine()
+    everything_but_x = tuple(t for t in range(256) if t != ord("X"))
+    engine.add(GenerateRequest("hostile", tuple(b"ho"), SamplingParams(temperature=0, max_tokens=40, min_tokens=40,
+                                                                       stop_token_ids=everything_but_x)))
+    engine.add(GenerateRequest("victim", tuple(b"hi"), SamplingParams(temperature=0, max_tokens=10, min_tokens=10)))
+    events = run(engine)
+    assert text(events["victim"]) == want and "X" not in want
+    assert set(text(events["hostile"])) == {"X"}  # the hostile row itself gets only what it left open
+
+
 def test_a_repeated_prompt_computes_only_its_last_token_in_the_row_that_still_holds_it():
     engine, runner = make_engine(rows=4)
     prompt = "the same question, asked twice"

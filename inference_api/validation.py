@@ -21,6 +21,8 @@ def json_body(request: Request) -> dict:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError):
         raise ApiError(400, "Malformed JSON request body") from None
+    except RecursionError:  # "[" * 5000: nesting past the parser's depth
+        raise ApiError(400, "Malformed JSON request body: nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
     return body

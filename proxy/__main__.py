@@ -47,8 +47,6 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as exc:
         print(f"python -m proxy: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    for warning in config.warnings():
-        print(f"\n{'!' * 78}\nWARNING: {warning}\n{'!' * 78}\n", file=sys.stderr, flush=True)
     ProxyServer(config).run()
 
 

@@ -1,7 +1,10 @@
 """Bearer-token checks. Every rejection is an AuthError whose message names the reason (never the token)."""
 from __future__ import annotations
 
+import os
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jwt
@@ -40,9 +43,37 @@ def bearer_token(authorization: str | None) -> str:
     return token
 
 
+class RevokedTokens:
+    """The token_ids of a revocation file (one per line, '#' starts a comment), re-read when the file's size or
+    time changes, checked at most once a second: an operator revokes a token by adding its token_id, no restart.
+    A file that cannot be read keeps the last list it gave (and a missing file at start is an empty list)."""
+
+    CHECK_SECONDS = 1.0
+
+    def __init__(self, path: Path | None):
+        self._path, self._ids, self._version, self._checked = path, frozenset(), None, -1.0
+
+    def __contains__(self, token_id: str | None) -> bool:
+        if self._path is None or token_id is None:
+            return False
+        now = time.monotonic()
+        if now - self._checked >= self.CHECK_SECONDS:
+            self._checked = now
+            try:
+                st = os.stat(self._path)
+                if (st.st_size, st.st_mtime_ns) != self._version:
+                    lines = Path(self._path).read_text(encoding="utf-8").splitlines()
+                    self._ids = frozenset(x for x in (line.split("#", 1)[0].strip() for line in lines) if x)
+                    self._version = (st.st_size, st.st_mtime_ns)
+            except OSError:
+                pass
+        return token_id in self._ids
+
+
 class TokenVerifier:
     def __init__(self, config: ProxyConfig):
         self._config = config
+        self._revoked = RevokedTokens(config.jwt_revoked_file)
 
     def verify(self, token: str) -> Identity:
         c = self._config
@@ -82,7 +113,10 @@ class TokenVerifier:
             raise AuthError(f"invalid token: {exc}") from None
         if not isinstance(claims, dict):
             raise AuthError("malformed token")
-        return Identity(**{name: _identity_claim(claims, name) for name in IDENTITY_CLAIMS})
+        identity = Identity(**{name: _identity_claim(claims, name) for name in IDENTITY_CLAIMS})
+        if identity.token_id in self._revoked:
+            raise AuthError("token revoked")
+        return identity
 
 
 def _identity_claim(claims: dict[str, Any], name: str) -> str | None:

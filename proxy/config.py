@@ -34,7 +34,8 @@ class ProxyConfig:
     jwt_algorithms: tuple[str, ...] = ("HS256",)
     jwt_public_key: str | None = field(default=None, repr=False)  # PEM text, for RS*/PS*/ES*/EdDSA
     jwt_required_claims: tuple[str, ...] = ("team_id", "token_id")
-    jwt_require_exp: bool = False
+    jwt_require_exp: bool = True  # tokens must end; --no-jwt-require-exp accepts tokens without exp
+    jwt_revoked_file: Path | None = None  # token_ids refused from now on, one per line, re-read when it changes
     jwt_leeway: float = 30.0  # seconds of clock skew tolerated on exp, nbf and iat
     jwt_audience: str | None = None  # when set, tokens must carry this aud
     jwt_issuer: str | None = None  # when set, tokens must carry this iss
@@ -45,14 +46,6 @@ class ProxyConfig:
     retry_after: int = 1  # the Retry-After seconds sent with a 429
     max_body_bytes: int = 16 << 20  # larger request bodies get 413
     log_level: str = "info"
-
-    def warnings(self) -> list[str]:
-        """Problems that do not stop the proxy but that an operator must see."""
-        found = []
-        if self.jwt_secret is not None and len(self.jwt_secret.encode()) < MIN_SECRET_BYTES:
-            found.append(f"JWT_SECRET is only {len(self.jwt_secret.encode())} bytes long: anyone who guesses it can "
-                         f"mint tokens. Use at least {MIN_SECRET_BYTES} random bytes.")
-        return found
 
     @classmethod
     def from_args(cls, argv: Sequence[str], env: Mapping[str, str]) -> "ProxyConfig":
@@ -72,6 +65,10 @@ class ProxyConfig:
                               f"{', '.join(sorted(HMAC_ALGORITHMS | PUBLIC_KEY_ALGORITHMS))}")
         if any(a in HMAC_ALGORITHMS for a in algorithms) and not secret:
             raise ConfigError("JWT_SECRET is required (set it in the environment)")
+        if any(a in HMAC_ALGORITHMS for a in algorithms) and len(secret.encode()) < MIN_SECRET_BYTES:
+            raise ConfigError(f"JWT_SECRET is only {len(secret.encode())} bytes long: anyone who guesses it can mint "
+                              f"tokens. Use at least {MIN_SECRET_BYTES} random bytes (python3 -c 'import secrets; "
+                              f"print(secrets.token_urlsafe(48))').")
         public_key = None
         if any(a in PUBLIC_KEY_ALGORITHMS for a in algorithms):
             if jwt_public_key_file is None:
@@ -144,7 +141,10 @@ _OPTIONS = [
      "PEM public key for RS*/PS*/ES*/EdDSA tokens"),
     ("--jwt-required-claims", "jwt_required_claims", "JWT_REQUIRED_CLAIMS", _names,
      "claims every token must carry, comma-separated"),
-    ("--jwt-require-exp", "jwt_require_exp", "JWT_REQUIRE_EXP", bool, "reject tokens without an exp claim"),
+    ("--jwt-require-exp", "jwt_require_exp", "JWT_REQUIRE_EXP", bool,
+     "reject tokens without an exp claim (the default; --no-jwt-require-exp accepts tokens that never end)"),
+    ("--jwt-revoked-file", "jwt_revoked_file", "JWT_REVOKED_FILE", Path,
+     "a file of revoked token_ids, one per line ('#' starts a comment), re-read within a second of a change"),
     ("--jwt-leeway", "jwt_leeway", "JWT_LEEWAY_SECONDS", float, "clock skew tolerated on exp/nbf/iat, seconds"),
     ("--jwt-audience", "jwt_audience", "JWT_AUDIENCE", str, "required aud claim"),
     ("--jwt-issuer", "jwt_issuer", "JWT_ISSUER", str, "required iss claim"),

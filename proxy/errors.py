@@ -44,7 +44,7 @@ def request_api() -> str:
         try:
             data = watchdog.read_body(request.environ, lambda: request.get_data(cache=True), SHAPE_BODY_SECONDS)
             body = json.loads(data) if data else None
-        except (BodyTimeout, ValueError):
+        except (BodyTimeout, ValueError, RecursionError):  # too slow, not JSON, or nested past the parser's depth
             body = None
     return api_of(request.path, body)
 

@@ -500,7 +500,8 @@ def median_row(runs: list[dict]) -> dict:
 def proxy_headers(secret: str | None) -> dict[str, str]:
     import jwt
 
-    token = jwt.encode({"team_id": "bench", "token_id": "bench"}, secret or os.environ["JWT_SECRET"], algorithm="HS256")
+    token = jwt.encode({"team_id": "bench", "token_id": "bench", "exp": int(time.time()) + 86400},
+                       secret or os.environ["JWT_SECRET"], algorithm="HS256")
     return {"Authorization": f"Bearer {token}"}
 
 

@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
 """Make and check the proxy's JSON Web Tokens (HMAC).
 
-    ./scripts/jwt_util.py --secret "$JWT_SECRET" encode '{"team_id": "tenstorrent", "token_id": "debug-test"}'
-    ./scripts/jwt_util.py encode '{"team_id": "t", "token_id": "k"}' --expires-in 3600   # secret from JWT_SECRET
+    export JWT_SECRET=...                                                            # never a flag: process lists show flags
+    ./scripts/jwt_util.py encode '{"team_id": "tenstorrent", "token_id": "debug-test"}'   # expires in 24 h
+    ./scripts/jwt_util.py encode '{"team_id": "t", "token_id": "k"}' --expires-in 3600    # in an hour
     ./scripts/jwt_util.py decode "$TOKEN"                                                  # verified claims as JSON
 
-The secret comes from --secret, else from the JWT_SECRET environment variable.
+The secret comes from the JWT_SECRET environment variable only. Every token gets iat and exp (the proxy requires
+exp by default): --expires-in SECONDS (default 86400), or --no-expiry for a token that never ends (accepted
+only by a proxy started with --no-jwt-require-exp).
 """
 from __future__ import annotations
 
@@ -20,20 +23,23 @@ import jwt
 HMAC_ALGORITHMS = ("HS256", "HS384", "HS512")
 
 
+DEFAULT_LIFETIME = 86400  # seconds: a day
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Encode or decode the proxy's JWTs.")
-    # --secret and --algorithm are accepted before or after the command
+    parser = argparse.ArgumentParser(description="Encode or decode the proxy's JWTs (secret: $JWT_SECRET).")
+    # --algorithm is accepted before or after the command
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--secret", default=argparse.SUPPRESS, help="HMAC secret (default: $JWT_SECRET)")
     common.add_argument("--algorithm", default=argparse.SUPPRESS, choices=HMAC_ALGORITHMS,
                         help="signing algorithm (default HS256)")
-    parser.add_argument("--secret", default=None, help="HMAC secret (default: $JWT_SECRET)")
     parser.add_argument("--algorithm", default="HS256", choices=HMAC_ALGORITHMS, help="default HS256")
     commands = parser.add_subparsers(dest="command", required=True)
     encode = commands.add_parser("encode", parents=[common], help="print a signed token for a JSON claims object")
     encode.add_argument("payload", help='claims as a JSON object, e.g. \'{"team_id": "t", "token_id": "k"}\'')
-    encode.add_argument("--expires-in", type=int, default=None, metavar="SECONDS",
-                        help="add iat and exp = now + SECONDS")
+    life = encode.add_mutually_exclusive_group()
+    life.add_argument("--expires-in", type=int, default=DEFAULT_LIFETIME, metavar="SECONDS",
+                      help=f"iat = now and exp = now + SECONDS (default {DEFAULT_LIFETIME})")
+    life.add_argument("--no-expiry", action="store_true", help="no exp claim (a token that never ends)")
     decode = commands.add_parser("decode", parents=[common], help="verify a token and print its claims as JSON")
     decode.add_argument("token")
     return parser
@@ -41,9 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    secret = args.secret or os.environ.get("JWT_SECRET")
+    secret = os.environ.get("JWT_SECRET")
     if not secret:
-        print("error: no secret: pass --secret or set JWT_SECRET", file=sys.stderr)
+        print("error: no secret: set JWT_SECRET in the environment", file=sys.stderr)
         return 2
     if args.command == "encode":
         try:
@@ -54,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(claims, dict):
             print("error: payload must be a JSON object", file=sys.stderr)
             return 2
-        if args.expires_in is not None:
+        if not args.no_expiry:
             now = int(time.time())
             claims = {**claims, "iat": now, "exp": now + args.expires_in}
         print(jwt.encode(claims, secret, algorithm=args.algorithm))

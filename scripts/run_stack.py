@@ -43,7 +43,9 @@ def ensure_secret(env: dict[str, str], env_file: Path) -> str:
     if env.get("JWT_SECRET"):
         return env["JWT_SECRET"]
     secret = secrets.token_urlsafe(48)
-    with env_file.open("a") as f:
+    # readable by its owner only (0600), a file that existed before included
+    with os.fdopen(os.open(env_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as f:
+        os.fchmod(f.fileno(), 0o600)
         f.write(f"JWT_SECRET={secret}\n")
     print(f"created a random JWT_SECRET in {env_file}")
     return secret

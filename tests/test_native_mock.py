@@ -40,6 +40,7 @@ def test_max_tokens_and_stop_sequence(mock_server, model_name):
 
 @pytest.mark.parametrize("kwargs,status,fragment", [
     (dict(data="{not json", headers={"Content-Type": "application/json"}), 400, "Malformed JSON"),
+    (dict(data="[" * 5000, headers={"Content-Type": "application/json"}), 400, "nested too deeply"),
     (dict(data="[1, 2]", headers={"Content-Type": "application/json"}), 400, "JSON object"),
     (dict(data='{"text": "hi"}', headers={"Content-Type": "text/plain"}), 400, "Content-Type"),
     (dict(json={"text": "hi", "top_k": "many"}), 400, "top_k"),

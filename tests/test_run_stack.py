@@ -46,6 +46,7 @@ def test_first_run_writes_a_secret_prints_a_working_curl_and_ctrl_c_stops_both(s
     assert "Ready:" in output, output
     secret = re.fullmatch(r"JWT_SECRET=(\S+)\n", env_file.read_text()).group(1)
     assert len(secret) >= 32
+    assert env_file.stat().st_mode & 0o777 == 0o600  # the secret's file: its owner's alone
 
     command = output[output.index("curl -N"):output.index("\n\nOr chat in a browser")]
     token = re.search(r"Bearer (\S+)'", command).group(1)

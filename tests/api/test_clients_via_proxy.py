@@ -51,7 +51,8 @@ def proxy_url(real_server):
 def token(**claims) -> str:
     import jwt
 
-    return jwt.encode({"team_id": "team-a", "token_id": "key-1", **claims}, SECRET, algorithm="HS256")
+    return jwt.encode({"team_id": "team-a", "token_id": "key-1", "exp": int(time.time()) + 3600, **claims}, SECRET,
+                      algorithm="HS256")
 
 
 def test_openai_client_through_the_proxy(proxy_url, oai, model_name):

@@ -53,7 +53,8 @@ def test_the_default_target_is_the_cpu_server_with_the_proxy_in_front():
     assert "g++" in install  # the quantized CPU kernels are compiled on the host at the first start
     assert re.search(r'--index-url "\$\{TORCH_INDEX_URL\}" "\$\(grep -E \'\^torch==\' requirements.txt\)"', install)
     assert "-r requirements.txt" in install and "requirements-test.txt" not in DOCKERFILE.read_text()
-    assert "gguf_folder(embedded_gguf()" in install  # the model's tokenizer and config prepared at build time
+    # the model's tokenizer and config prepared at build time, in the folder the server looks in (keyed by content)
+    assert "gguf_folder(gguf, gguf_target(" in install and "gguf = embedded_gguf()" in install
     assert exec_form(server.last("CMD")) == ["python", "scripts/run_stack.py", "--require-secret"]
     assert server.all("EXPOSE") == ["1223"]  # the server's own port stays inside
 

@@ -52,7 +52,7 @@ def stack():
 def test_with_jwt_secret_both_come_up_and_a_token_streams_an_answer(stack):
     health = requests.get(f"{stack.url}/health", timeout=10).json()  # public, through the proxy
     assert health["status"] == "ready" and health["mock"] is True
-    token = jwt.encode({"team_id": "docker", "token_id": "run"}, SECRET, algorithm="HS256")
+    token = jwt.encode({"team_id": "docker", "token_id": "run", "exp": int(time.time()) + 3600}, SECRET, algorithm="HS256")
     with requests.post(f"{stack.url}/predictions/{health['model']}", json={"text": "container", "max_tokens": 30},
                        headers={"Authorization": f"Bearer {token}"}, stream=True, timeout=60) as answer:
         assert answer.status_code == 200, answer.text
@@ -88,7 +88,8 @@ def test_the_proxy_image_command_fronts_the_server(stack):
         check = subprocess.run(local_argv(healthcheck(proxy)), cwd=ROOT, env=env, capture_output=True, timeout=30)
         assert check.returncode == 0, check.stderr
         model = requests.get(f"{process.url}/health", timeout=10).json()["model"]
-        token = jwt.encode({"team_id": "docker", "token_id": "proxy"}, SECRET, algorithm="HS256")
+        token = jwt.encode({"team_id": "docker", "token_id": "proxy", "exp": int(time.time()) + 3600}, SECRET,
+                           algorithm="HS256")
         answer = requests.post(f"{process.url}/inference/{model}", json={"text": "slim", "max_tokens": 10},
                                headers={"Authorization": f"Bearer {token}"}, timeout=60)
         assert answer.status_code == 200 and answer.content.startswith(b"Echo: slim")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import sys
+import time
 
 import jwt
 
@@ -11,9 +12,10 @@ SECRET = "proxy-tests-secret-" + "0123456789abcdef" * 4  # 83 bytes: long enough
 
 
 def make_token(claims: dict | None = None, secret: str | bytes = SECRET, algorithm: str = "HS256", **extra) -> str:
+    """A signed token; it expires in an hour unless the claims say otherwise (exp=None: a token without exp)."""
     payload = {"team_id": "team-a", "token_id": "token-1"} if claims is None else dict(claims)
-    payload.update(extra)
-    return jwt.encode(payload, secret, algorithm=algorithm)
+    payload = {"exp": int(time.time()) + 3600, **payload, **extra}
+    return jwt.encode({k: v for k, v in payload.items() if v is not None}, secret, algorithm=algorithm)
 
 
 def bearer(token: str) -> dict[str, str]:

@@ -16,6 +16,27 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 
+def read_capped(request) -> bytes:
+    """A Flask request's whole body. One without a Content-Length (chunked) is read up to the app's
+    MAX_CONTENT_LENGTH and refused with 413 beyond it, as a declared length over it is: werkzeug would cut it
+    there silently and the request would go on with part of its body."""
+    limit = request.max_content_length
+    if request.content_length is not None or limit is None:
+        return request.get_data(cache=False)
+    from werkzeug.exceptions import RequestEntityTooLarge
+
+    stream = request.environ["wsgi.input"]
+    parts, total = [], 0
+    while True:
+        chunk = stream.read(min(1 << 16, limit + 1 - total))
+        if not chunk:
+            return b"".join(parts)
+        parts.append(chunk)
+        total += len(chunk)
+        if total > limit:
+            raise RequestEntityTooLarge()
+
+
 class BodyTimeout(Exception):
     """The client did not send its request body within the deadline."""
 

@@ -1,6 +1,7 @@
 """The Flask app factory: one catch-all route that authenticates, applies the team limit and forwards."""
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from urllib.parse import quote, urlsplit
@@ -9,7 +10,7 @@ from flask import Flask, Response, g, request
 from werkzeug.routing import BaseConverter
 
 from lifecycle.access_log import AccessLog, request_id
-from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked
+from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked, read_capped
 from lifecycle.drain import RETRY_AFTER, Drain
 
 from .auth import Identity, TokenVerifier, bearer_token
@@ -66,7 +67,8 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
     @app.route("/<anypath:path>", methods=METHODS)
     def forward(path: str):
         identity = None
-        if (request.method, request.path) not in PUBLIC:
+        public = (request.method, request.path) in PUBLIC
+        if not public or request.headers.get("Authorization"):  # a public path with a token: the full answer
             identity = verifier.verify(bearer_token(request.headers.get("Authorization")))
         g.identity = identity
         slot = limiter.acquire(identity.team_id) if identity is not None else Slot(None, None)
@@ -77,7 +79,7 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         active.add(forwarding)
         try:
             try:
-                body = watchdog.read_body(request.environ, lambda: request.get_data(cache=False), config.body_timeout)
+                body = watchdog.read_body(request.environ, lambda: read_capped(request), config.body_timeout)
             except BodyTimeout as exc:
                 raise ProxyError(408, str(exc), {"Connection": "close"}) from None
             headers = upstream_request_headers(request.headers.items(), client_addr=request.remote_addr,
@@ -98,6 +100,15 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         answer = forwarded.response
         g.stream = stream = StreamBody(answer, on_close=closed)
         streams.add(stream)
+        if public and identity is None:  # the public /health: the status only (details need a token)
+            try:
+                raw = b"".join(stream) if request.method == "GET" else b""
+            finally:
+                stream.close()
+            return Response(json.dumps({"status": _status_of(raw)}) if request.method == "GET" else b"",
+                            status=answer.status_code, content_type="application/json",
+                            headers={k: v for k, v in client_response_headers(list(answer.raw.headers.items()))
+                                     if k.lower() == "retry-after"})
         upstream_headers = list(answer.raw.headers.items())
         response = Response(stream, status=answer.status_code, headers=client_response_headers(upstream_headers))
         if not any(name.lower() == "content-type" for name, _ in upstream_headers):
@@ -153,3 +164,13 @@ def _target() -> str:
     target = quote(request.environ.get("SCRIPT_NAME", "") + request.environ.get("PATH_INFO", "")) or "/"
     query = request.environ.get("QUERY_STRING")
     return f"{target}?{query}" if query else target
+
+
+def _status_of(raw: bytes) -> str | None:
+    """The "status" of a health answer's JSON body (None when it has none)."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+    status = body.get("status") if isinstance(body, dict) else None
+    return status if isinstance(status, str) else None

@@ -44,7 +44,7 @@ class ProxyConfig:
     stream_idle_timeout: float = 600.0  # longest silence between two body chunks once streaming; 0: no limit
     max_concurrent_per_team: int = 0  # open requests per team_id; beyond it 429; 0: no limit
     retry_after: int = 1  # the Retry-After seconds sent with a 429
-    max_body_bytes: int = 16 << 20  # larger request bodies get 413
+    max_body_bytes: int = 1 << 20  # larger request bodies get 413 (the server's own limit: no larger)
     log_level: str = "info"
 
     @classmethod

@@ -46,6 +46,9 @@ def test_max_tokens_and_stop_sequence(mock_server, model_name):
     (dict(json={"text": "hi", "top_k": "many"}), 400, "top_k"),
     (dict(json={"text": "hi", "max_tokens": 5000}), 400, "max_tokens"),
     (dict(data=b'{"text": "' + b"x" * (2 << 20) + b'"}', headers={"Content-Type": "application/json"}), 413, "large"),
+    # the same without a Content-Length (chunked): refused too, never cut and served
+    (dict(data=iter([b'{"text": "', b"x" * (2 << 20), b'"}']), headers={"Content-Type": "application/json"}), 413,
+     "large"),
 ])
 def test_bad_requests_get_json_errors(mock_server, model_name, kwargs, status, fragment):
     r = requests.post(f"{mock_server.url}/inference/{model_name}", timeout=30, **kwargs)

@@ -52,7 +52,7 @@ def context(browser):
 
 @pytest.fixture(scope="module")
 def model(inference_proxy) -> str:
-    return requests.get(inference_proxy.url + "/health", timeout=10).json()["model"]
+    return requests.get(inference_proxy.url + "/health", headers=bearer(make_token()), timeout=10).json()["model"]
 
 
 def open_playground(context, url: str, token: str | None = None):

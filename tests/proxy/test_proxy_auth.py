@@ -113,10 +113,15 @@ def test_a_body_nested_past_the_parsers_depth_gets_the_401_json(proxy):
     assert response.status_code == 401 and response.json()["error"] == MISSING
 
 
-def test_health_is_public(proxy):
+def test_health_is_public_with_the_status_only(proxy):
+    """Without a token /health says only whether the service is up (the server's details, its pid, model path,
+    memory and failures, need a token); with a valid token it is the server's whole answer."""
     response = requests.get(proxy.url + "/health", timeout=10)
-    assert response.status_code == 200
-    assert response.json()["model"] == "stub-model"
+    assert response.status_code == 200 and response.json() == {"status": "ready"}
+    assert requests.head(proxy.url + "/health", timeout=10).status_code == 200
+    full = requests.get(proxy.url + "/health", headers=bearer(make_token()), timeout=10)
+    assert full.status_code == 200 and full.json()["model"] == "stub-model"
+    assert_401(requests.get(proxy.url + "/health", headers={"Authorization": "Bearer x.y.z"}, timeout=10), "malformed")
 
 
 def test_valid_token_passes(proxy):

@@ -110,6 +110,9 @@ def test_proxy_errors_are_json(proxy, stub, make_proxy):
     response = requests.post(small.url + "/echo", data=b"x" * 5000, headers=bearer(make_token()), timeout=10)
     assert response.status_code == 413
     assert response.json() == {"status_code": 413, "message": "request body too large"}
+    # the same bytes chunked (no Content-Length): refused too, never cut and forwarded
+    chunked = requests.post(small.url + "/echo", data=iter([b"x" * 1000] * 5), headers=bearer(make_token()), timeout=10)
+    assert chunked.status_code == 413 and chunked.json()["message"] == "request body too large"
 
 
 def _log_lines(process) -> list[dict]:

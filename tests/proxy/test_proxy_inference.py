@@ -14,7 +14,7 @@ from proxy_helpers import bearer, make_token, wait_idle
 
 @pytest.fixture(scope="module")
 def model(inference_proxy) -> str:
-    health = requests.get(inference_proxy.url + "/health", timeout=10)  # public: no token
+    health = requests.get(inference_proxy.url + "/health", headers=bearer(make_token()), timeout=10)  # details: a token
     assert health.status_code == 200
     return health.json()["model"]
 

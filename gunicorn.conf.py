@@ -36,3 +36,5 @@ def on_starting(server):
 
 def post_worker_init(worker):
     drain_on_signals(worker, worker.wsgi.extensions["drain"])
+# no peer may set SCRIPT_NAME, PATH_INFO or the scheme through headers (gunicorn trusts loopback by default)
+forwarded_allow_ips = ""

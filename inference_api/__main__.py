@@ -26,7 +26,10 @@ class Server(BaseApplication):
                    **gunicorn_timeouts(c.drain_timeout),
                    "post_worker_init": lambda worker: drain_on_signals(worker, worker.wsgi.extensions["drain"]),
                    # the control socket has one default path per user: two servers (or the proxy) would share it
-                   "control_socket_disable": True}
+                   "control_socket_disable": True,
+                   # no peer may set SCRIPT_NAME, PATH_INFO or the scheme through headers (gunicorn trusts
+                   # loopback by default: a SCRIPT_NAME header walked a path around the proxy's token check)
+                   "forwarded_allow_ips": ""}
         for key, value in options.items():
             self.cfg.set(key, value)
 

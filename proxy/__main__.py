@@ -28,7 +28,10 @@ class ProxyServer(BaseApplication):
                    "accesslog": None,  # the app writes its own JSON access log
                    # gunicorn's control socket has one default path per user: a second gunicorn (the inference
                    # server, another proxy) would take it over
-                   "control_socket_disable": True}
+                   "control_socket_disable": True,
+                   # no peer may set SCRIPT_NAME, PATH_INFO or the scheme through headers (gunicorn trusts
+                   # loopback by default: a SCRIPT_NAME header walked a path around the proxy's token check)
+                   "forwarded_allow_ips": ""}
         for key, value in options.items():
             self.cfg.set(key, value)
 

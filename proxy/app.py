@@ -58,7 +58,8 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
     @app.before_request
     def start() -> None:
         g.started = time.monotonic()
-        g.request_id = request_id(request.headers.get("X-Request-Id"))
+        g.request_id = request_id(None)  # the proxy's own: a client's X-Request-Id is logged apart, never trusted
+        g.client_request_id = request.headers.get("X-Request-Id", "")[:128] or None
         if drain.active:
             if (request.method, request.path) in PUBLIC:
                 raise ProxyError(503, "draining", {"Retry-After": str(RETRY_AFTER)}, {"status": "draining"})
@@ -121,7 +122,7 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         identity: Identity | None = g.get("identity")
         stream: StreamBody | None = g.get("stream")
         started = g.get("started", time.monotonic())
-        fields = {"request_id": response.headers["X-Request-Id"],
+        fields = {"request_id": response.headers["X-Request-Id"], "client_request_id": g.get("client_request_id"),
                   "team_id": identity.team_id if identity else None,
                   "token_id": identity.token_id if identity else None,
                   "method": request.method, "path": request.path, "status": response.status_code,

@@ -23,7 +23,10 @@ HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy
                         "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
 # set by the proxy itself (or by requests from the body), never copied from the client
 _REPLACED_REQUEST = frozenset({"host", "authorization", "content-length", "expect", "x-team-id", "x-token-id",
-                               "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-request-id"})
+                               "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-request-id",
+                               # a client's word on its address, path or mount point is not passed on as fact
+                               "forwarded", "x-real-ip", "x-original-url", "x-rewrite-url", "script_name",
+                               "script-name", "x-forwarded-prefix"})
 # gunicorn writes its own Date and Server; two of each would confuse clients
 _REPLACED_RESPONSE = frozenset({"date", "server", "x-request-id"})
 READ_SIZE = 64 * 1024
@@ -45,9 +48,7 @@ def upstream_request_headers(client_headers: Iterable[tuple[str, str]], *, clien
     for name, value in client_headers:
         if name.lower() not in dropped:
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
-    prior = ", ".join(v for n, v in client_headers if n.lower() == "x-forwarded-for")
-    client = client_addr or "unknown"
-    headers["X-Forwarded-For"] = f"{prior}, {client}" if prior else client
+    headers["X-Forwarded-For"] = client_addr or "unknown"  # the peer this proxy saw, never a client's claim
     headers["X-Forwarded-Proto"] = scheme
     original_host = next((v for n, v in client_headers if n.lower() == "host"), None)
     if original_host:

@@ -105,6 +105,13 @@ def test_401_body_speaks_the_api_of_the_request(proxy, path, sent, expected):
     assert requests.post(proxy.url + path, json=sent, timeout=10).json() == expected
 
 
+def test_a_script_name_header_does_not_walk_a_path_around_the_token_check(proxy, stub):
+    """gunicorn trusted SCRIPT_NAME from loopback: /v1/models/x/health with SCRIPT_NAME /v1/models/x looked like the
+    public /health to the check and reached the upstream without a token."""
+    response = requests.get(proxy.url + "/v1/models/x/health", headers={"SCRIPT_NAME": "/v1/models/x"}, timeout=10)
+    assert response.status_code == 401 and "missing Authorization" in response.json()["error"]["message"]
+
+
 def test_a_body_nested_past_the_parsers_depth_gets_the_401_json(proxy):
     """The proxy reads a shared path's small body for its error shape: "[" * 5000 must not raise (it was an HTML
     500 and a traceback per request)."""

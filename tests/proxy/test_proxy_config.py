@@ -94,7 +94,7 @@ def test_request_headers_rewritten():
               ("Accept", "*/*")]
     headers = upstream_request_headers(client, upstream_host="127.0.0.1:8000", client_addr="127.0.0.2",
                                        scheme="http", request_id="r1", identity=Identity("t", "k"))
-    assert headers == {"Accept": "*/*", "X-Forwarded-For": "10.0.0.1, 127.0.0.2", "X-Forwarded-Proto": "http",
+    assert headers == {"Accept": "*/*", "X-Forwarded-For": "127.0.0.2", "X-Forwarded-Proto": "http",
                        "X-Forwarded-Host": "proxy.example:1223", "X-Request-Id": "r1", "Host": "127.0.0.1:8000",
                        "X-Team-Id": "t", "X-Token-Id": "k"}
     assert upstream_request_headers([], upstream_host="h", client_addr="c", scheme="https", request_id="r",

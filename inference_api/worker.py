@@ -1,5 +1,5 @@
 """The server's gunicorn worker: gthread, with a deadline on each request's headers, so a client that sends
-them slowly (or never) holds a thread for ``--header-timeout`` seconds at most."""
+them slowly (or never) holds a thread for ``--header-timeout`` seconds at most; gunicorn's own errors in JSON."""
 from __future__ import annotations
 
 import socket
@@ -9,13 +9,14 @@ import time
 from gunicorn.workers.gthread import ThreadWorker
 
 from lifecycle.deadlines import Watchdog
+from lifecycle.raw_errors import JsonErrors
 
 
 def _shut_read(sock: socket.socket) -> None:
     sock.shutdown(socket.SHUT_RD)  # the blocked header read sees EOF and the connection is closed
 
 
-class ServerWorker(ThreadWorker):
+class ServerWorker(JsonErrors, ThreadWorker):
     def init_process(self):
         self._deadlines = Watchdog()
         self._header_deadline = threading.local()

@@ -173,3 +173,16 @@ def test_stopping_the_server_stops_the_engine_process(model_name):
             return
         time.sleep(0.2)
     pytest.fail("the engine process outlived the server")
+
+
+def test_gunicorns_own_errors_are_json(mock_server):
+    import socket
+
+    with socket.create_connection(("127.0.0.1", mock_server.port), timeout=10) as sock:
+        sock.sendall(b"NOT A REQUEST LINE\r\n\r\n")
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"content-type: application/json" in head.lower(), head
+    assert json.loads(body)["status_code"] == 400

@@ -147,3 +147,25 @@ def test_one_json_log_line_per_request_without_the_token(stub, make_proxy):
     assert rejected["status"] == 401 and rejected["team_id"] is None and "missing" in rejected["error"]
     assert token not in proxy.output()
     assert token.split(".")[2] not in proxy.output()
+
+
+def _raw_answer(port: int, request: bytes) -> tuple[int, dict]:
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+        sock.sendall(request)
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head.lower(), head
+    return int(head.split()[1]), json.loads(body)
+
+
+def test_gunicorns_own_errors_are_json(proxy):
+    """A request gunicorn refuses before the app runs (a bad request line, a header line over its limit) gets
+    JSON, not gunicorn's HTML page."""
+    status, body = _raw_answer(proxy.port, b"NOT A REQUEST LINE\r\n\r\n")
+    assert status == 400 and body["status_code"] == 400 and "Invalid" in body["message"]
+    status, body = _raw_answer(proxy.port, b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 10000 + b"\r\n\r\n")
+    assert status in (400, 431) and body["status_code"] == status

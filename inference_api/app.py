@@ -84,7 +84,8 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
                                              else "cancelled")}
             access_log.write(**fields, **outcome, duration_ms=round((time.monotonic() - started) * 1000, 1))
 
-        response.call_on_close(write)
+        if not (request.path == "/health" and request.method in ("GET", "HEAD")):  # probes: not a line each
+            response.call_on_close(write)
         return response
 
     serving = Serving(client, config, drain, estimate)

@@ -190,7 +190,7 @@ class EngineClient:
                 self.tokenizer = self._load_tokenizer(msg)
                 self.ready = msg
                 self.restarting = False
-                log.warning("engine ready: %s on %s (pid %d)", msg.model_name, msg.device, self.process.pid)
+                log.info("engine ready: %s on %s (pid %d)", msg.model_name, msg.device, self.process.pid)
             elif isinstance(msg, EngineFailed):
                 self.failure = msg.message
                 self._fail_all(msg.message)

@@ -145,7 +145,7 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
     from .gguf_meta import open_gguf, read_header
     from .gguf_vocab import gguf_tokenizer
 
-    log.warning("preparing %s in %s (first start only%s)", gguf, target, "; float32 weights" if weights else "")
+    log.info("preparing %s in %s (first start only%s)", gguf, target, "; float32 weights" if weights else "")
     reader = open_gguf(gguf)  # parsed once for the header, the tokenizer and the config
     header = read_header(reader)
     tok, vocab = gguf_tokenizer(reader, header["arch"], header["chat_template"])

@@ -148,7 +148,8 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
                     outcome["error"] = error
             access_log.write(**fields, **outcome, duration_ms=round((time.monotonic() - started) * 1000, 1))
 
-        response.call_on_close(write)
+        if not (request.path == "/health" and request.method in ("GET", "HEAD")):  # probes: not a line each
+            response.call_on_close(write)
         return response
 
     return app

@@ -82,7 +82,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     if plan.model != "compact":
         log.warning("architecture %r is not described for the compact decoder: it runs on transformers' layers "
                     "(correct, slower)", plan.arch)
-    log.warning("model %s on %s; KV cache %.0f MiB for %d rows x %d tokens", model_dir, plan.describe(),
+    log.info("model %s on %s; KV cache %.0f MiB for %d rows x %d tokens", model_dir, plan.describe(),
                 runner.cache.nbytes / 2**20, config.rows, config.context_length)
     engine = _engine(config, runner, tokenizer, config.rows, config.context_length, config.prefill_chunk, eos,
                      prefix_cache=config.prefix_cache)

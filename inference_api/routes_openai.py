@@ -78,7 +78,7 @@ def tokenize_openai(serving: Serving, body: dict):
     if req.messages is not None:
         ids = serving.encode_chat(list(req.messages))
     else:
-        ids = serving.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens)
+        ids = serving.tokenizer.encode(serving.tokenizable(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens)
     out = {"count": len(ids), "max_model_len": serving.ready().context_length, "tokens": ids}
     if req.return_token_strs:
         out["token_strs"] = [serving.tokenizer.decode([t]) for t in ids]

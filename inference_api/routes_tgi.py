@@ -71,7 +71,7 @@ def tokenize_tgi(serving: Serving, body: dict):
     """TGI's POST /tokenize: ``{"inputs"}`` into ``[{id, text, start, stop}]`` (character offsets)."""
     g.api = TGI
     reject_unknown(body, {"inputs", "parameters", "stream"})
-    text = string(body, "inputs", required=True)
+    text = serving.tokenizable(string(body, "inputs", required=True), "inputs")
     return jsonify([{"id": t, "text": text[a:b], "start": a, "stop": b} for t, a, b in serving.tokenizer.offsets(text)])
 
 

@@ -67,6 +67,14 @@ class Serving:
     def model_name(self) -> str:
         return self.ready().model_name
 
+    def tokenizable(self, text: str, name: str) -> str:
+        """Text for /tokenize, at most 16 characters per context token (64 KiB at least): more can never fit a
+        request, and tokenizing a 1 MB body took over a second of the web worker's CPU."""
+        limit = max(1 << 16, 16 * self.ready().context_length)
+        if len(text) > limit:
+            raise ApiError(400, f"{name} is {len(text)} characters long; /tokenize takes at most {limit}", param=name)
+        return text
+
     def check_model(self, name: str, code: str | None = None) -> None:
         """404 unless ``name`` is the served model (``code``: OpenAI's machine-readable error code)."""
         served = self.model_name

@@ -168,6 +168,8 @@ def test_shortfin_stream(hub):
      lambda b: b["error"]["param"] == "min_tokens"),
     ("/v1/completions", {"model": HUB, "prompt": "x", "stop_token_ids": [999]}, 400,
      lambda b: b["error"]["param"] == "stop_token_ids"),
+    ("/tokenize", {"prompt": "x" * 70000}, 400, lambda b: b["error"]["param"] == "prompt" and "at most" in b["error"]["message"]),
+    ("/tokenize", {"inputs": "x" * 70000}, 422, lambda b: "at most" in b["error"]),
     ("/v1/completions", {"model": HUB, "prompt": "x", "stop_token_ids": [1] * 1025}, 400,
      lambda b: b["error"]["param"] == "stop_token_ids" and "at most 1024" in b["error"]["message"]),
 ])

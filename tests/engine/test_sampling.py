@@ -89,8 +89,10 @@ def test_min_p_drops_tokens_below_a_share_of_the_best():
     assert set(sample(logits, t, k, p, torch.arange(400), st, torch.zeros(400)).tolist()) == {0, 1, 2, 3}
 
 
-def test_mask_tokens_only_in_masked_rows():
-    logits = torch.zeros(2, 5)
-    logits[:, 4] = 10.0
-    out = mask_tokens(logits, torch.tensor([True, False]), torch.tensor([4]))
-    assert out.argmax(-1).tolist() == [0, 4]
+def test_mask_tokens_only_in_each_rows_own_cells():
+    logits = torch.zeros(3, 5)
+    logits[:, 4], logits[:, 3] = 10.0, 5.0
+    out = mask_tokens(logits, torch.tensor([[0, 4], [2, 3], [2, 4]]))  # row 0: token 4; row 2: tokens 3 and 4
+    assert out.argmax(-1).tolist() == [3, 4, 0]
+    assert logits[0, 4] == 10.0  # the caller's logits are untouched
+    assert torch.equal(mask_tokens(logits, torch.zeros(0, 2, dtype=torch.long)), logits)

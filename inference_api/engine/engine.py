@@ -30,6 +30,10 @@ class Detokenizer(Protocol):
     def decode(self, ids: Seq[int]) -> str: ...
 
 
+# what a client sees when a step fails: the exception's text (paths, shapes, internals) stays in the log
+ENGINE_ERROR = "engine error: this request failed on the server (its log has the details, under the request id)"
+
+
 class Engine:
     """Each step: the scheduler admits and plans, the runner computes logits, the engine samples every row and
     turns tokens into events."""
@@ -77,7 +81,7 @@ class Engine:
             tokens = self._sample(seqs, logits)
         except Exception as exc:  # a failed forward must not take the process (and every stream) down
             log.exception("engine step failed")
-            return self._fail_running(f"engine error: {exc}")
+            return self._fail_running(ENGINE_ERROR)
         return self._postprocess(seqs, tokens, logits)
 
     def _admit(self) -> None:
@@ -142,7 +146,7 @@ class Engine:
                 events.extend(self._advance(seq, token, logprobs.get(i)))
             except Exception as exc:
                 log.exception("post-processing failed for request %s", seq.session_id)
-                events.append(self._fail(seq, f"engine error: {exc}"))
+                events.append(self._fail(seq, ENGINE_ERROR))
         return events
 
     def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> list[TokenEvent]:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import atexit
+import hmac
 import logging
 import os
 import time
@@ -11,6 +12,7 @@ from flask import Flask, g, has_request_context, request
 from lifecycle.access_log import AccessLog, request_id
 from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked
 from lifecycle.drain import Drain
+from lifecycle.internal import INTERNAL_HEADER
 
 from .config import ServerConfig
 from .engine_client import EngineClient, Session
@@ -54,6 +56,10 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
     def admit():
         g.started = time.monotonic()
         g.request_id = request_id(request.headers.get("X-Request-Id"))
+        if config.internal_secret and not (request.path == "/health" and request.method in ("GET", "HEAD")) \
+                and not hmac.compare_digest(request.headers.get(INTERNAL_HEADER, "").encode(),
+                                            config.internal_secret.encode()):
+            raise ApiError(403, "this server answers its proxy only (the request lacks the internal secret)")
         if request.method == "POST":  # the whole body within its deadline (cached for the route)
             try:
                 watchdog.read_body(request.environ, lambda: request.get_data(cache=True), config.body_timeout)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -41,6 +41,9 @@ class ServerConfig:
     header_timeout: float = 10.0  # seconds a client has to send its request headers
     body_timeout: float = 30.0  # seconds a client has to send its request body
     test_fault_text: str | None = None  # TESTS ONLY: fail post-processing of requests whose prompt contains this
+    # INTERNAL_SECRET (environment only, never a flag): every request but GET/HEAD /health must carry it in
+    # X-Internal-Secret, which the proxy adds; None (the one-process dev stack): no check
+    internal_secret: str | None = field(default=None, repr=False)
 
     @property
     def max_open_sessions(self) -> int:
@@ -53,7 +56,7 @@ class ServerConfig:
     @classmethod
     def from_args(cls, argv: Sequence[str], env: Mapping[str, str] | None = None) -> "ServerConfig":
         env = os.environ if env is None else env
-        return cls(**vars(build_parser(env).parse_args(list(argv))))
+        return cls(**vars(build_parser(env).parse_args(list(argv))), internal_secret=env.get("INTERNAL_SECRET") or None)
 
 
 def _bool(value: str | bool) -> bool:
@@ -105,6 +108,8 @@ _CHOICES = {
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m inference_api", description="Serve an LLM over HTTP.")
     for f in fields(ServerConfig):
+        if f.name == "internal_secret":  # from the environment only: a flag would show it in the process list
+            continue
         var, help_text = _ENV[f.name]
         default = f.default
         flag = "--" + f.name.replace("_", "-")

@@ -84,7 +84,8 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
             except BodyTimeout as exc:
                 raise ProxyError(408, str(exc), {"Connection": "close"}) from None
             headers = upstream_request_headers(request.headers.items(), client_addr=request.remote_addr,
-                                               scheme=request.scheme, request_id=g.request_id, identity=identity)
+                                               scheme=request.scheme, request_id=g.request_id, identity=identity,
+                                               internal_secret=config.internal_secret)
             forwarded = upstream.send(request.method, _target(), headers, body)
         except BaseException:
             active.discard(forwarding)

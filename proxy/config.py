@@ -20,6 +20,8 @@ class ConfigError(ValueError):
 @dataclass(frozen=True)
 class ProxyConfig:
     jwt_secret: str | None = field(default=None, repr=False)  # HMAC key; required when an HS* algorithm is accepted
+    # INTERNAL_SECRET (environment only): added to every upstream request as lifecycle.internal.INTERNAL_HEADER
+    internal_secret: str | None = field(default=None, repr=False)
     host: str = "0.0.0.0"
     port: int = 1223
     # inference servers' base URLs; a host name may resolve to several addresses, each one an upstream
@@ -51,7 +53,8 @@ class ProxyConfig:
     def from_args(cls, argv: Sequence[str], env: Mapping[str, str]) -> "ProxyConfig":
         args = build_parser(env).parse_args(list(argv))
         values = {k: v for k, v in vars(args).items() if not k.startswith("_given_")}
-        return cls.build(secret=env.get("JWT_SECRET") or None, **values)
+        return cls.build(secret=env.get("JWT_SECRET") or None, internal_secret=env.get("INTERNAL_SECRET") or None,
+                         **values)
 
     @classmethod
     def build(cls, *, secret: str | None, jwt_public_key_file: Path | None = None, **values) -> "ProxyConfig":

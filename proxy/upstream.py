@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 import requests
 from requests.adapters import HTTPAdapter
 
+from lifecycle.internal import INTERNAL_HEADER
+
 from .auth import Identity
 from .config import ProxyConfig
 from .errors import ProxyError
@@ -26,7 +28,7 @@ _REPLACED_REQUEST = frozenset({"host", "authorization", "content-length", "expec
                                "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-request-id",
                                # a client's word on its address, path or mount point is not passed on as fact
                                "forwarded", "x-real-ip", "x-original-url", "x-rewrite-url", "script_name",
-                               "script-name", "x-forwarded-prefix"})
+                               "script-name", "x-forwarded-prefix", INTERNAL_HEADER.lower()})
 # gunicorn writes its own Date and Server; two of each would confuse clients
 _REPLACED_RESPONSE = frozenset({"date", "server", "x-request-id"})
 READ_SIZE = 64 * 1024
@@ -40,7 +42,7 @@ def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
 
 def upstream_request_headers(client_headers: Iterable[tuple[str, str]], *, client_addr: str | None, scheme: str,
                              request_id: str, identity: Identity | None,
-                             upstream_host: str | None = None) -> dict[str, str]:
+                             upstream_host: str | None = None, internal_secret: str | None = None) -> dict[str, str]:
     """The headers sent upstream. Host is the chosen upstream's (``Upstream.send`` sets it when not given here)."""
     client_headers = list(client_headers)
     dropped = HOP_BY_HOP | _REPLACED_REQUEST | _connection_tokens(client_headers)
@@ -56,6 +58,8 @@ def upstream_request_headers(client_headers: Iterable[tuple[str, str]], *, clien
     headers["X-Request-Id"] = request_id
     if upstream_host is not None:
         headers["Host"] = upstream_host
+    if internal_secret:  # the server answers only requests that carry it (a client's own copy was dropped)
+        headers[INTERNAL_HEADER] = internal_secret
     if identity is not None:
         if identity.team_id is not None:
             headers["X-Team-Id"] = identity.team_id

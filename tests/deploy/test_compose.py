@@ -15,6 +15,7 @@ from servers import ROOT
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 SECRET = "compose-test-secret-" + "0" * 40
+INTERNAL = "compose-internal-secret-" + "1" * 40
 
 
 def compose_binary() -> Path:
@@ -27,19 +28,19 @@ def compose_binary() -> Path:
 
 
 def compose(path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
-    clean = {k: v for k, v in os.environ.items() if k not in ("JWT_SECRET", "MOCK_MODEL", "MODEL")}
+    clean = {k: v for k, v in os.environ.items() if k not in ("JWT_SECRET", "INTERNAL_SECRET", "MOCK_MODEL", "MODEL")}
     return subprocess.run([str(compose_binary()), "-f", str(path), "config", *args], capture_output=True, text=True,
                           timeout=60, env={**clean, **env})
 
 
 def rendered(**env: str) -> dict:
-    result = compose(COMPOSE_FILE, "--format", "json", **{"JWT_SECRET": SECRET, **env})
+    result = compose(COMPOSE_FILE, "--format", "json", **{"JWT_SECRET": SECRET, "INTERNAL_SECRET": INTERNAL, **env})
     assert result.returncode == 0, result.stderr
     return json.loads(result.stdout)
 
 
 def test_the_compose_file_is_valid():
-    result = compose(COMPOSE_FILE, "--quiet", JWT_SECRET=SECRET)
+    result = compose(COMPOSE_FILE, "--quiet", JWT_SECRET=SECRET, INTERNAL_SECRET=INTERNAL)
     assert result.returncode == 0, result.stderr
 
 
@@ -49,13 +50,15 @@ def test_the_validator_rejects_what_the_schema_does_not_allow(tmp_path):
                                                      "\"python\", \"scripts/healthcheck.py\", \"PORT\"]",
                                                      "helthcheck:\n      test: []", 1))
     assert bad.read_text() != COMPOSE_FILE.read_text()
-    result = compose(bad, "--quiet", JWT_SECRET=SECRET)
+    result = compose(bad, "--quiet", JWT_SECRET=SECRET, INTERNAL_SECRET=INTERNAL)
     assert result.returncode != 0 and "helthcheck" in result.stderr
 
 
 def test_without_jwt_secret_compose_refuses_with_a_message():
-    result = compose(COMPOSE_FILE, "--quiet")
+    result = compose(COMPOSE_FILE, "--quiet", INTERNAL_SECRET=INTERNAL)
     assert result.returncode != 0 and "JWT_SECRET" in result.stderr
+    result = compose(COMPOSE_FILE, "--quiet", JWT_SECRET=SECRET)  # the proxy-to-server secret is required too
+    assert result.returncode != 0 and "INTERNAL_SECRET" in result.stderr
 
 
 def test_only_the_proxy_is_published_and_it_waits_for_a_healthy_server():
@@ -66,6 +69,9 @@ def test_only_the_proxy_is_published_and_it_waits_for_a_healthy_server():
     assert services["proxy"]["depends_on"]["inference"]["condition"] == "service_healthy"
     assert services["proxy"]["environment"]["UPSTREAM_URL"] == "http://inference:8000"
     assert services["proxy"]["environment"]["JWT_SECRET"] == SECRET
+    # the server answers only requests carrying the secret the proxy adds
+    assert services["proxy"]["environment"]["INTERNAL_SECRET"] == services["inference"]["environment"][
+        "INTERNAL_SECRET"] == INTERNAL
 
 
 def test_both_services_have_health_checks_and_build_existing_targets():

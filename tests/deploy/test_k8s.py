@@ -138,3 +138,20 @@ def test_disruption_budgets_and_autoscaler_target_the_deployments():
                                              "name": server["metadata"]["name"]}
     assert hpa["spec"]["minReplicas"] >= 2 and hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
     assert container(server)["resources"]["requests"]["cpu"]  # CPU utilisation needs a request
+
+
+def test_only_the_proxy_pods_reach_the_servers_and_both_share_the_internal_secret():
+    policy = load("server-networkpolicy.yaml")
+    server, proxy = load("server-deployment.yaml"), load("proxy-deployment.yaml")
+    pod_labels = lambda d: d["spec"]["template"]["metadata"]["labels"]  # noqa: E731
+    assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels(server).items()
+    assert policy["spec"]["policyTypes"] == ["Ingress"]
+    (rule,) = policy["spec"]["ingress"]
+    (source,) = rule["from"]
+    assert source["podSelector"]["matchLabels"].items() <= pod_labels(proxy).items()
+    assert [p["port"] for p in rule["ports"]] == [port_number(container(server), "http")]
+    secret = load("secret.yaml")
+    assert "INTERNAL_SECRET" in secret["stringData"]
+    for deployment in (server, proxy):
+        ref = {e["name"]: e for e in container(deployment)["env"]}["INTERNAL_SECRET"]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == (secret["metadata"]["name"], "INTERNAL_SECRET")

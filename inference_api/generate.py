@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="{}", help="default sampling parameters as a JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = vars(parser.parse_args(argv))
-    options = {f.name: args[f.name] for f in fields(ServerConfig)}
+    options = {f.name: args[f.name] for f in fields(ServerConfig) if f.name in args}  # the flags (no env-only secret)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the engine on the way out
     try:
         defaults = SamplingParams(**json.loads(args["params"]))

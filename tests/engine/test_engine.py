@@ -192,6 +192,40 @@ def test_another_requests_min_tokens_never_masks_this_rows_tokens():
     assert set(text(events["hostile"])) == {"X"}  # the hostile row itself gets only what it left open
 
 
+@pytest.mark.parametrize("trial", range(12))
+def test_random_parameter_mixes_beside_a_victim_never_change_its_answer(trial):
+    """Brute force over the per-row parameters: three requests with random mixes (hot seeded or unseeded
+    sampling, top-k/top-p/min-p, penalties, log-probs, min_tokens with random stop ids, stop strings, ignore_eos)
+    in the same steps as a victim; every victim (greedy, or seeded hot sampling) answers as it does alone."""
+    import random
+
+    rng = random.Random(trial)
+
+    def params(victim: bool) -> SamplingParams:
+        if victim:
+            hot = rng.random() < 0.5
+            return SamplingParams(temperature=0.9 if hot else 0, seed=rng.randrange(1 << 30) if hot else None,
+                                  max_tokens=12, min_tokens=rng.choice([0, 6]))
+        return SamplingParams(
+            temperature=rng.choice([0, 0.5, 1.5, 3.0]), top_k=rng.choice([0, 1, 5, 50]), top_p=rng.choice([1.0, 0.5]),
+            min_p=rng.choice([0.0, 0.2]), max_tokens=rng.randrange(1, 30), min_tokens=rng.choice([0, 10, 40]),
+            stop=tuple(rng.sample(["E", "o", ": ", "x"], rng.randrange(0, 3))),
+            stop_token_ids=tuple(rng.sample(range(256), rng.choice([0, 5, 200]))),
+            seed=rng.choice([None, rng.randrange(1 << 30)]), presence_penalty=rng.choice([0.0, 2.0, -2.0]),
+            frequency_penalty=rng.choice([0.0, 1.5]), repetition_penalty=rng.choice([1.0, 1.3, 0.7]),
+            logprobs=rng.choice([None, 0, 5]), ignore_eos=rng.random() < 0.3)
+
+    victim = GenerateRequest("victim", tuple(b"abc"), params(True))
+    alone, _ = make_engine()
+    alone.add(victim)
+    want = text(run(alone)["victim"])
+    crowd, _ = make_engine()
+    for i in range(3):
+        crowd.add(GenerateRequest(f"h{i}", tuple(rng.choice([b"abc", b"ab", b"hello", b"x" * 70])), params(False)))
+    crowd.add(victim)
+    assert text(run(crowd)["victim"]) == want
+
+
 def test_a_repeated_prompt_computes_only_its_last_token_in_the_row_that_still_holds_it():
     engine, runner = make_engine(rows=4)
     prompt = "the same question, asked twice"

@@ -10,7 +10,7 @@ import sys
 
 from inference_api.config import ServerConfig
 from inference_api.preflight import PreflightError, preflight
-from lifecycle.drain import drain_on_signals, gunicorn_timeouts
+from lifecycle.drain import drain_on_signals, gunicorn_settings
 
 _server = ServerConfig.from_env(os.environ)
 
@@ -20,10 +20,12 @@ workers = 1
 worker_class = "inference_api.worker.ServerWorker"  # gthread with a header deadline
 threads = _server.threads
 timeout = 120
-graceful_timeout = gunicorn_timeouts(_server.drain_timeout)["graceful_timeout"]
+_shared = gunicorn_settings(_server.drain_timeout)  # what the proxy's gunicorn has too
+graceful_timeout = _shared["graceful_timeout"]
 keepalive = 5
 loglevel = _server.log_level
-control_socket_disable = True  # its default path is shared by every gunicorn of the same user
+control_socket_disable = _shared["control_socket_disable"]
+forwarded_allow_ips = _shared["forwarded_allow_ips"]
 
 
 def on_starting(server):
@@ -36,5 +38,3 @@ def on_starting(server):
 
 def post_worker_init(worker):
     drain_on_signals(worker, worker.wsgi.extensions["drain"])
-# no peer may set SCRIPT_NAME, PATH_INFO or the scheme through headers (gunicorn trusts loopback by default)
-forwarded_allow_ips = ""

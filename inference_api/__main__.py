@@ -6,7 +6,7 @@ import sys
 
 from gunicorn.app.base import BaseApplication
 
-from lifecycle.drain import DrainingArbiter, drain_on_signals, gunicorn_timeouts
+from lifecycle.drain import DrainingArbiter, drain_on_signals, gunicorn_settings
 
 from .config import ServerConfig
 from .preflight import PreflightError, Estimate, preflight
@@ -23,13 +23,8 @@ class Server(BaseApplication):
         options = {"bind": f"{c.host}:{c.port}", "workers": 1, "worker_class": "inference_api.worker.ServerWorker",
                    "threads": c.threads, "timeout": 120, "keepalive": 5, "loglevel": c.log_level,
                    "accesslog": None,  # the app writes one structured line per request
-                   **gunicorn_timeouts(c.drain_timeout),
-                   "post_worker_init": lambda worker: drain_on_signals(worker, worker.wsgi.extensions["drain"]),
-                   # the control socket has one default path per user: two servers (or the proxy) would share it
-                   "control_socket_disable": True,
-                   # no peer may set SCRIPT_NAME, PATH_INFO or the scheme through headers (gunicorn trusts
-                   # loopback by default: a SCRIPT_NAME header walked a path around the proxy's token check)
-                   "forwarded_allow_ips": ""}
+                   **gunicorn_settings(c.drain_timeout),
+                   "post_worker_init": lambda worker: drain_on_signals(worker, worker.wsgi.extensions["drain"])}
         for key, value in options.items():
             self.cfg.set(key, value)
 

@@ -10,7 +10,7 @@ import time
 from flask import Flask, g, has_request_context, request
 
 from lifecycle.access_log import AccessLog, request_id
-from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked
+from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked, read_capped
 from lifecycle.drain import Drain
 from lifecycle.internal import INTERNAL_HEADER
 
@@ -62,7 +62,7 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
             raise ApiError(403, "this server answers its proxy only (the request lacks the internal secret)")
         if request.method == "POST":  # the whole body within its deadline (cached for the route)
             try:
-                watchdog.read_body(request.environ, lambda: request.get_data(cache=True), config.body_timeout)
+                watchdog.read_body(request.environ, lambda: read_capped(request), config.body_timeout)
             except BodyTimeout as exc:
                 response = error_response(ApiError(408, str(exc)))
                 response.headers["Connection"] = "close"

@@ -8,8 +8,6 @@ from typing import Any
 
 from flask import Request
 
-from lifecycle.deadlines import read_capped
-
 from .config import DEFAULT_MAX_STOP_SEQUENCES
 from .errors import ApiError
 from .messages import SamplingParams
@@ -18,7 +16,7 @@ from .messages import SamplingParams
 def json_body(request: Request) -> dict:
     if request.mimetype != "application/json":
         raise ApiError(400, f"Content-Type must be application/json, got {request.mimetype or 'none'!r}")
-    data = read_capped(request)
+    data = request.get_data(cache=False)  # read (capped) by the app's admit step
     try:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError):

@@ -8,6 +8,7 @@ the body, a 408) makes gunicorn close the connection instead of reading the rest
 from __future__ import annotations
 
 import heapq
+import io
 import itertools
 import socket
 import threading
@@ -16,25 +17,32 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 
-def read_capped(request) -> bytes:
-    """A Flask request's whole body. One without a Content-Length (chunked) is read up to the app's
-    MAX_CONTENT_LENGTH and refused with 413 beyond it, as a declared length over it is: werkzeug would cut it
-    there silently and the request would go on with part of its body."""
+def read_capped(request, cache: bool = True) -> bytes:
+    """A Flask request's whole body, read once (``cache``: kept for the route's own ``get_data``). One without a
+    Content-Length (chunked) is read up to the app's MAX_CONTENT_LENGTH and refused with 413 beyond it, as a
+    declared length over it is (werkzeug would cut it there silently); what was read then stands in for the
+    stream, with its length, so werkzeug reads it as any body."""
     limit = request.max_content_length
-    if request.content_length is not None or limit is None:
-        return request.get_data(cache=False)
+    environ = request.environ
+    if environ.get("CONTENT_LENGTH") or limit is None or "_cached_data" in request.__dict__:
+        return request.get_data(cache=cache)
     from werkzeug.exceptions import RequestEntityTooLarge
 
-    stream = request.environ["wsgi.input"]
+    stream = environ["wsgi.input"]
     parts, total = [], 0
     while True:
         chunk = stream.read(min(1 << 16, limit + 1 - total))
         if not chunk:
-            return b"".join(parts)
+            break
         parts.append(chunk)
         total += len(chunk)
         if total > limit:
             raise RequestEntityTooLarge()
+    data = b"".join(parts)
+    environ["wsgi.input"], environ["CONTENT_LENGTH"] = io.BytesIO(data), str(len(data))
+    environ.pop("HTTP_TRANSFER_ENCODING", None)
+    environ.pop("wsgi.input_terminated", None)
+    return request.get_data(cache=cache)
 
 
 class BodyTimeout(Exception):

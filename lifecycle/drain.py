@@ -93,6 +93,10 @@ class DrainingArbiter(Arbiter):
         self.handle_term()
 
 
-def gunicorn_timeouts(drain_timeout: float) -> dict:
-    """The master's graceful timeout follows the drain timeout."""
-    return {"graceful_timeout": math.ceil(drain_timeout + EXIT_MARGIN)}
+def gunicorn_settings(drain_timeout: float) -> dict:
+    """The settings the server's and the proxy's gunicorn share: the master's graceful timeout follows the drain
+    timeout; the control socket is off (its default path is one per user, which a second gunicorn would take
+    over); and no peer may set SCRIPT_NAME, PATH_INFO or the scheme through headers (gunicorn trusts loopback
+    by default: a SCRIPT_NAME header walked a path around the proxy's token check)."""
+    return {"graceful_timeout": math.ceil(drain_timeout + EXIT_MARGIN), "control_socket_disable": True,
+            "forwarded_allow_ips": ""}

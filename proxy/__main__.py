@@ -6,7 +6,7 @@ import sys
 
 from gunicorn.app.base import BaseApplication
 
-from lifecycle.drain import DrainingArbiter, drain_on_signals, gunicorn_timeouts
+from lifecycle.drain import DrainingArbiter, drain_on_signals, gunicorn_settings
 
 from .config import ConfigError, ProxyConfig
 
@@ -23,15 +23,9 @@ class ProxyServer(BaseApplication):
         # idle or trickling clients cost little and never starve a legitimate request
         options = {"bind": f"{host}:{c.port}", "workers": 1, "worker_class": "proxy.worker.ProxyWorker",
                    "worker_connections": c.max_connections, "timeout": 30, "keepalive": 5,
-                   **gunicorn_timeouts(c.drain_timeout), "loglevel": c.log_level,
+                   **gunicorn_settings(c.drain_timeout), "loglevel": c.log_level,
                    "post_worker_init": lambda worker: drain_on_signals(worker, worker.wsgi.extensions["drain"]),
-                   "accesslog": None,  # the app writes its own JSON access log
-                   # gunicorn's control socket has one default path per user: a second gunicorn (the inference
-                   # server, another proxy) would take it over
-                   "control_socket_disable": True,
-                   # no peer may set SCRIPT_NAME, PATH_INFO or the scheme through headers (gunicorn trusts
-                   # loopback by default: a SCRIPT_NAME header walked a path around the proxy's token check)
-                   "forwarded_allow_ips": ""}
+                   "accesslog": None}  # the app writes its own JSON access log
         for key, value in options.items():
             self.cfg.set(key, value)
 

@@ -80,7 +80,7 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         active.add(forwarding)
         try:
             try:
-                body = watchdog.read_body(request.environ, lambda: read_capped(request), config.body_timeout)
+                body = watchdog.read_body(request.environ, lambda: read_capped(request, cache=False), config.body_timeout)
             except BodyTimeout as exc:
                 raise ProxyError(408, str(exc), {"Connection": "close"}) from None
             headers = upstream_request_headers(request.headers.items(), client_addr=request.remote_addr,

@@ -170,3 +170,12 @@ def test_gunicorns_own_errors_are_json(proxy):
     assert status == 400 and body["status_code"] == 400 and "Invalid" in body["message"]
     status, body = _raw_answer(proxy.port, b"GET /echo HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 10000 + b"\r\n\r\n")
     assert status in (400, 431) and body["status_code"] == status
+
+
+def test_a_chunked_body_within_the_limit_is_forwarded_whole(proxy):
+    import base64
+
+    response = requests.post(proxy.url + "/echo", data=iter([b"part one, ", b"part two"]), headers=bearer(make_token()),
+                             timeout=10)
+    assert response.status_code == 200
+    assert base64.b64decode(response.json()["body"]) == b"part one, part two"

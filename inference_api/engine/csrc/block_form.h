@@ -8,6 +8,7 @@
 // - float inputs (the exact mode, and the float types): blocks dequantized into a buffer in L1, then the
 //   float kernels of drivers.h.
 #pragma once
+#include <tuple>
 #include "drivers.h"
 #include "gguf_float.h"
 #include "gguf_kquants.h"
@@ -278,25 +279,13 @@ struct BlockForm {
   }
 };
 
-// f(Block{}) for ggml's type number of a block type these kernels serve in its own blocks; false if none
+// The block types served in their own blocks, and f(Block{}) for one of them by ggml's type number (false if none)
+using BlockTypes = std::tuple<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16>;
+
 template <typename F>
 inline bool with_block(int64_t type, F f) {
-  switch (type) {
-    case Q4_0::TYPE: f(Q4_0{}); return true;
-    case Q4_1::TYPE: f(Q4_1{}); return true;
-    case Q5_0::TYPE: f(Q5_0{}); return true;
-    case Q5_1::TYPE: f(Q5_1{}); return true;
-    case Q8_0::TYPE: f(Q8_0{}); return true;
-    case IQ4_NL::TYPE: f(IQ4_NL{}); return true;
-    case Q2_K::TYPE: f(Q2_K{}); return true;
-    case Q3_K::TYPE: f(Q3_K{}); return true;
-    case Q4_K::TYPE: f(Q4_K{}); return true;
-    case Q5_K::TYPE: f(Q5_K{}); return true;
-    case Q6_K::TYPE: f(Q6_K{}); return true;
-    case F16::TYPE: f(F16{}); return true;
-    case BF16::TYPE: f(BF16{}); return true;
-    default: return false;
-  }
+  return std::apply([&](auto... b) { return ((decltype(b)::TYPE == type ? (f(b), true) : false) || ...); },
+                    BlockTypes{});
 }
 
 #endif  // WOQ_SIMD

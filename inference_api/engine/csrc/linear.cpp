@@ -92,8 +92,7 @@ bool vnni() {
 std::vector<int64_t> gguf_types() {
   std::vector<int64_t> types;
 #ifdef WOQ_SIMD
-  for (int64_t t = 0; t < 64; ++t)
-    if (with_block(t, [](auto) {})) types.push_back(t);
+  std::apply([&](auto... b) { (types.push_back(decltype(b)::TYPE), ...); }, BlockTypes{});
 #endif
   return types;
 }

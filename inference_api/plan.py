@@ -55,6 +55,13 @@ class ExecutionPlan:
         """What several rows' matmuls run in: int8 on the VNNI tiles, a oneDNN copy's dtype, else the model's."""
         return "int8" if self.vnni else self.batch_dtype or self.dtype
 
+    @property
+    def kv_ring(self) -> bool:
+        """Sliding-window layers keep a ring of window + prefill chunk positions per row instead of the whole
+        context: where the compact model's attention runs on the CPU kernels (they read a window across the ring's
+        wrap; SDPA and transformers' layers read a row's first positions)."""
+        return self.cpu_kernels and self.model == "compact"
+
     def torch(self, name: str | None):
         """A dtype name of this plan as torch's dtype (None stays None)."""
         import torch

@@ -164,9 +164,11 @@ class CompactLM:
         # the same whatever else is in the batch and however its prompt was chunked
         tokens, rows, pos, write = batch.tokens, batch.token_rows, batch.token_positions, batch.token_writes
         x = self._embed(batch.ids.reshape(-1)[tokens])
-        flat = None if self.rope_kernel else cache.flat_index(rows, write)  # where each token's heads go in the cache
+        # each token's slot in each layer's cache (a sliding-window layer's ring wraps), once per cache geometry
+        slots = {n: cache.slots_of(n, write) for n in set(cache.layer_slots)}
+        flats = None if self.rope_kernel else {n: cache.flat_index(rows, s, n) for n, s in slots.items()}
         cos_sin = [(cos[pos], sin[pos]) for cos, sin in self.ropes]  # [N, rotary dims], once for every layer
-        per_token = k is not None and spec.attn_softcap is None  # the attention kernel, one query at a time
+        per_token = k is not None  # the attention kernel, one query at a time
         if per_token:
             lengths = pos + 1
             starts = {w: None if w is None else (pos - (w - 1)).clamp(min=0) for w in set(spec.windows)}
@@ -182,17 +184,19 @@ class CompactLM:
                     heads = qkv.view(-1, hq + 2 * hk, d)
                     heads[:, :hq] = self._norm(heads[:, :hq], layer.q_norm)
                     heads[:, hq:hq + hk] = self._norm(heads[:, hq:hq + hk], layer.k_norm)
-                q = k.rope_store(qkv, cos, sin, cache.keys[i], cache.values[i], *cache.scales(i), write, hq, rows)
+                q = k.rope_store(qkv, cos, sin, cache.keys[i], cache.values[i], *cache.scales(i),
+                                 slots[cache.layer_slots[i]], hq, rows)
             else:
                 q, key, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
                 q, key, v = q.reshape(-1, hq, d), key.reshape(-1, hk, d), v.reshape(-1, hk, d)
                 if layer.q_norm is not None:
                     q, key = self._norm(q, layer.q_norm), self._norm(key, layer.k_norm)
                 q, key = _rope(q, cos[:, None], sin[:, None]), _rope(key, cos[:, None], sin[:, None])
-                cache.write(i, key, v, flat)
+                cache.write(i, key, v, flats[cache.layer_slots[i]])
             if per_token:
                 a = k.decode_attention(q.reshape(-1, hq, d), cache.keys[i], cache.values[i], *cache.scales(i),
-                                       lengths, spec.attn_scale, rows, starts[spec.windows[i]]).view(-1, hq * d)
+                                       lengths, spec.attn_scale, rows, starts[spec.windows[i]],
+                                       spec.attn_softcap or 0.0, cache.ring(i)).view(-1, hq * d)
             else:
                 keys, values = cache.read(i, batch.rows, batch.attend, q.dtype)
                 if keys.dtype != q.dtype:  # a 16-bit cache: attention itself in the model's dtype

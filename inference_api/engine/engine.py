@@ -25,6 +25,9 @@ class Runner(Protocol):
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None: ...
 
+    # optional: holds(cached, length), whether a row that wrote cached positions still holds a prefix of length
+    # (ModelRunner: its cache's rings); a runner without it holds every prefix it wrote
+
 
 class Detokenizer(Protocol):
     def decode(self, ids: Seq[int]) -> str: ...
@@ -42,7 +45,8 @@ class Engine:
                  prefill_chunk: int, eos_ids: frozenset[int], prefix_cache: bool = True):
         self.runner = runner
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(rows, prefill_chunk, prefix_cache, context_length)
+        self.scheduler = Scheduler(rows, prefill_chunk, prefix_cache, context_length,
+                                   getattr(runner, "holds", None))
         self.context_length = context_length
         self.eos_ids = eos_ids
         self.params = RowParams.allocate(rows, runner.vocab_size, runner.device)

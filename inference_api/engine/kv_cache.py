@@ -1,6 +1,9 @@
 """One preallocated KV cache for all user rows, plugged into transformers through its Cache interface.
 
-Storage per layer is [rows, kv_heads, length, head_dim], allocated once at start-up. An int8 cache also
+Storage per layer is [rows, kv_heads, slots, head_dim], allocated once at start-up: slots = the context's length,
+or, for a sliding-window layer when the plan says so (``ExecutionPlan.kv_ring``), a ring of the window plus one
+prefill chunk (position p at slot p % slots), as llama.cpp keeps its SWA layers; the attention kernel reads a
+window's positions across the ring's wrap in position order. An int8 cache also
 holds one float16 scale per row, head and position ([rows, kv_heads, length], for keys and for values):
 each head vector is stored as round(x / s) with s = max |x| / 127, and read back as q * s. Nothing is bound to
 the cache between calls: each forward passes its rows, the position each new token is written to and how many
@@ -10,7 +13,7 @@ token this step write there, and no row ever attends to it.
 from __future__ import annotations
 
 import mmap
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from transformers.cache_utils import Cache
@@ -30,18 +33,31 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
 
 class RowKVCache:
     def __init__(self, num_layers: int, rows: int, kv_heads: int, length: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device):
-        shape = (rows, kv_heads, length + 1, head_dim)  # +1: the scratch slot
-        self.keys = [_zeros(shape, dtype, device) for _ in range(num_layers)]
-        self.values = [_zeros(shape, dtype, device) for _ in range(num_layers)]
+                 dtype: torch.dtype, device: torch.device, windows: Sequence[int | None] | None = None,
+                 chunk: int = 0):
+        """windows: each layer's sliding window, to keep those layers in rings of window + chunk slots (chunk:
+        the most tokens one forward writes into a row: a prefill chunk's queries still read the window before
+        it while the chunk is written); None: every layer as long as the context."""
+        self.windows = list(windows) if windows else [None] * num_layers
+        # a ring's slots (position p at slot p % n), or the context's length
+        self.layer_slots = [w + chunk if w and w + chunk < length else length for w in self.windows]
+        self.chunk = chunk if any(n < length for n in self.layer_slots) else 0
+        self.keys, self.values, self.key_scales, self.value_scales = [], [], [], []
         scaled = dtype == torch.int8
-        self.key_scales = [_zeros(shape[:3], torch.float16, device) for _ in range(num_layers if scaled else 0)]
-        self.value_scales = [_zeros(shape[:3], torch.float16, device) for _ in range(num_layers if scaled else 0)]
+        for n in self.layer_slots:
+            shape = (rows, kv_heads, n + 1, head_dim)  # +1: the scratch slot
+            self.keys.append(_zeros(shape, dtype, device))
+            self.values.append(_zeros(shape, dtype, device))
+            if scaled:
+                self.key_scales.append(_zeros(shape[:3], torch.float16, device))
+                self.value_scales.append(_zeros(shape[:3], torch.float16, device))
         self.length = length
         self.dtype = dtype
 
     @property
     def scratch(self) -> int:
+        """The scratch slot of the layers as long as the context (padding writes there; rings never see padding:
+        only the compact model's real tokens reach them)."""
         return self.length
 
     @property
@@ -55,15 +71,35 @@ class RowKVCache:
             return None, None
         return self.key_scales[layer_idx], self.value_scales[layer_idx]
 
-    def copy_prefix(self, src: int, dst: int, length: int) -> None:
-        """Copy positions 0..length-1 of row src into row dst, every layer, keys, values and scales."""
-        for store in self.keys + self.values + self.key_scales + self.value_scales:
-            store[dst, :, :length] = store[src, :, :length]
+    def ring(self, layer_idx: int) -> int:
+        """The slots of a layer's ring (0: the layer is as long as the context)."""
+        n = self.layer_slots[layer_idx]
+        return n if n < self.length else 0
 
-    def flat_index(self, rows: torch.Tensor, write: torch.Tensor) -> torch.Tensor:
-        """For tokens [N] of cache rows ``rows`` written at positions ``write``: each head's row [N * kv_heads]
-        in a [-1, head_dim] view of a layer's store."""
-        _, heads, length, _ = self.keys[0].shape
+    def slots_of(self, slots: int, positions: torch.Tensor) -> torch.Tensor:
+        """The slots positions are written at in layers of ``slots`` slots (a ring wraps; the scratch position
+        stays the scratch slot of the full layers)."""
+        return positions if slots == self.length else positions % slots
+
+    def holds(self, cached: int, length: int) -> bool:
+        """Whether a row that has written ``cached`` positions still holds what a request reusing its first
+        ``length`` needs: each ring the window before position ``length`` (it holds the last n positions)."""
+        return all(cached <= n or cached - n <= length - w for n, w in zip(self.layer_slots, self.windows)
+                   if n < self.length)
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Copy positions 0..length-1 of row src into row dst, every layer, keys, values and scales (a ring: its
+        slots, which hold the window before length when ``holds`` said so)."""
+        layers = len(self.layer_slots)
+        for i, store in enumerate(self.keys + self.values + self.key_scales + self.value_scales):
+            n = min(length, self.layer_slots[i % layers])
+            store[dst, :, :n] = store[src, :, :n]
+
+    def flat_index(self, rows: torch.Tensor, write: torch.Tensor, slots: int | None = None) -> torch.Tensor:
+        """For tokens [N] of cache rows ``rows`` written at slots ``write`` of layers with ``slots`` slots (None:
+        the full layers): each head's row [N * kv_heads] in a [-1, head_dim] view of such a layer's store."""
+        heads = self.keys[0].shape[1]
+        length = (slots or self.length) + 1
         h = torch.arange(heads, device=rows.device)
         return ((rows[:, None] * heads + h) * length + write[:, None]).reshape(-1)
 

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from ..plan import ExecutionPlan
 from .attention import use_row_attention
-from .compact import build_compact
+from .compact import CompactLM, build_compact
 from .forward_batch import ForwardBatch
 from .kv_cache import RowKVCache
 from .linear import linear_factory, use_linears
@@ -69,15 +69,17 @@ def build_model(model, plan: ExecutionPlan, kernels, length: int):
 class ModelRunner:
     """Owns the KV cache and every batch tensor: the scheduler's step in, logits out."""
 
-    def __init__(self, model, rows: int, context_length: int, plan: ExecutionPlan, kernels=None):
+    def __init__(self, model, rows: int, context_length: int, plan: ExecutionPlan, kernels=None,
+                 prefill_chunk: int = 512):
         self.device = model.device
         self.dtype = model.dtype
         self.vocab_size = model.config.vocab_size
         self.plan = plan
         self.model = build_model(model, plan, kernels, context_length + 1)
         layers, kv_heads, head_dim = kv_geometry(model.config)
+        windows = self.model.spec.windows if plan.kv_ring and isinstance(self.model, CompactLM) else None
         self.cache = RowKVCache(layers, rows, kv_heads, context_length, head_dim, plan.torch(plan.kv_dtype),
-                                self.device)
+                                self.device, windows, prefill_chunk)
 
     def _batch(self, rows: list[int], chunks: list[list[int]], starts: list[int], last_only: bool) -> ForwardBatch:
         """Chunks left-padded so every row's last token is last; padding writes to the scratch slot and sees
@@ -104,8 +106,11 @@ class ModelRunner:
 
     @torch.inference_mode()
     def score(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor:
-        """Write ids at positions start.. of a row; return the logits after every one of them [len(ids), V]."""
-        return self.model.forward(self._batch([row], [ids], [start], False), self.cache)[0]
+        """Write ids at positions start.. of a row; return the logits after every one of them [len(ids), V]
+        (in pieces of at most a prefill chunk where the cache has rings)."""
+        piece = self.cache.chunk or len(ids)
+        return torch.cat([self.model.forward(self._batch([row], [ids[i:i + piece]], [start + i], False),
+                                             self.cache)[0] for i in range(0, len(ids), piece)])
 
     @torch.inference_mode()
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -125,6 +130,10 @@ class ModelRunner:
                              self.cache.scratch, decode=True)
         logits = self.model.forward(batch, self.cache)
         return logits if len(rows) == width and rows == sorted(rows) else logits[index.to(logits.device)]
+
+    def holds(self, cached: int, length: int) -> bool:
+        """Whether a row that wrote cached positions still holds a reuse of its first length (its rings)."""
+        return self.cache.holds(cached, length)
 
     @torch.inference_mode()
     def copy_prefix(self, src: int, dst: int, length: int) -> None:

@@ -5,7 +5,7 @@ rows are recorded here when released; rows in use are passed in by the engine (t
 """
 from __future__ import annotations
 
-from typing import Mapping, Sequence as Seq
+from typing import Callable, Mapping, Sequence as Seq
 
 CHUNK = 64  # tokens compared per slice: C-speed comparisons, one Python step per chunk
 
@@ -29,14 +29,17 @@ class PrefixIndex:
         """Record what a row's cache holds as the row is freed ([] if it cannot be trusted)."""
         self._held[row] = tokens
 
-    def longest(self, prompt: Seq[int], in_use: Mapping[int, Seq[int]], limit: int) -> tuple[int, int]:
+    def longest(self, prompt: Seq[int], in_use: Mapping[int, Seq[int]], limit: int,
+                holds: Callable[[int, int], bool] | None = None) -> tuple[int, int]:
         """(row, length) of the longest prefix of prompt, at most limit tokens, that a row holds; rows in use
-        are given by in_use (row -> tokens cached), the others by what they held when freed. (-1, 0) if none."""
+        are given by in_use (row -> tokens cached), the others by what they held when freed. holds(cached,
+        length): whether a row that wrote cached positions still holds a reuse of length (a sliding-window
+        layer's ring keeps only its last positions); None: always. (-1, 0) if none."""
         best_row, best = -1, 0
         for row, held in enumerate(self._held):
             tokens = in_use.get(row, held)
             if len(tokens) > best and tokens[0:1] == prompt[0:1]:
                 n = common_prefix(prompt, tokens)
-                if n > best:
+                if n > best and (holds is None or holds(len(tokens), min(n, limit))):
                     best_row, best = row, n
         return (best_row, min(best, limit)) if best_row >= 0 and limit > 0 else (-1, 0)

@@ -76,14 +76,16 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     model = GGUFModel(gguf, plan.device, dtype) if direct else load_model(model_dir, plan.device, dtype)
     tokenizer = HFTokenizer(model_dir)
     eos = eos_ids(model_dir, tokenizer.tok)
-    runner = ModelRunner(model, config.rows, config.context_length, plan, kernels)
+    runner = ModelRunner(model, config.rows, config.context_length, plan, kernels, config.prefill_chunk)
     del model  # the runner holds its own (packed or quantized) copies of the weights
     release_freed_memory()
     if plan.model != "compact":
         log.warning("architecture %r is not described for the compact decoder: it runs on transformers' layers "
                     "(correct, slower)", plan.arch)
-    log.info("model %s on %s; KV cache %.0f MiB for %d rows x %d tokens", model_dir, plan.describe(),
-                runner.cache.nbytes / 2**20, config.rows, config.context_length)
+    rings = sorted({n for n in runner.cache.layer_slots if n < config.context_length})
+    log.info("model %s on %s; KV cache %.0f MiB for %d rows x %d tokens%s", model_dir, plan.describe(),
+             runner.cache.nbytes / 2**20, config.rows, config.context_length,
+             f" (sliding-window layers in rings of {', '.join(map(str, rings))})" if rings else "")
     engine = _engine(config, runner, tokenizer, config.rows, config.context_length, config.prefill_chunk, eos,
                      prefix_cache=config.prefix_cache)
     ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, plan.device,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 from ..messages import EngineStats
 from .prefix import PrefixIndex
@@ -33,13 +34,15 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, rows: int, prefill_chunk: int, prefix_cache: bool = True, context_length: int = 0):
+    def __init__(self, rows: int, prefill_chunk: int, prefix_cache: bool = True, context_length: int = 0,
+                 holds: Callable[[int, int], bool] | None = None):
         self.rows = RowTable(rows)
         self.prefill_chunk = prefill_chunk
         self.context_length = context_length  # KV positions per row (for the stats' cache occupancy)
         self.waiting: deque[Sequence] = deque()
         self.running: dict[int, Sequence] = {}  # row -> sequence
         self.prefixes = PrefixIndex(rows) if prefix_cache else None
+        self.holds = holds  # whether a row's cache still holds a prefix (PrefixIndex.longest)
         self.prefix_queried = 0  # prompt tokens of admitted requests looked up in the prefix cache, ever
         self.prefix_hits = 0  # of them, the tokens reused from some row's cache
 
@@ -70,7 +73,7 @@ class Scheduler:
             admission = Admission(seq)
             if self.prefixes is not None:
                 held = {row: s.all_ids[:s.num_cached] for row, s in self.running.items()}
-                src, length = self.prefixes.longest(seq.prompt_ids, held, limit=seq.num_prompt - 1)
+                src, length = self.prefixes.longest(seq.prompt_ids, held, seq.num_prompt - 1, self.holds)
                 self.prefix_queried += seq.num_prompt
                 self.prefix_hits += length
                 if length:

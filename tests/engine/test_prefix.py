@@ -24,3 +24,14 @@ def test_longest_prefers_the_longest_match_counts_rows_in_use_and_respects_the_l
     assert index.longest([7, 2, 3], {}, limit=2) == (-1, 0)
     index.hold(1, [])  # a row whose cache cannot be trusted
     assert index.longest([1, 2, 3, 4, 9], {}, limit=4) == (0, 3)
+
+
+def test_a_row_that_no_longer_holds_the_prefix_is_passed_over():
+    index = PrefixIndex(2)
+    index.hold(0, list(range(1, 101)))  # wrote 100 positions; a ring keeps only the last of them
+    index.hold(1, list(range(1, 11)) + [99])
+    def holds(cached: int, length: int) -> bool:
+        return cached - 40 <= length - 16  # a ring of 40 slots over a window of 16
+    assert index.longest(list(range(1, 21)), {}, limit=19, holds=holds) == (1, 10)  # row 0's match is gone
+    assert index.longest(list(range(1, 101)) + [5], {}, limit=100, holds=holds) == (0, 100)
+    assert index.longest(list(range(1, 21)), {}, limit=19) == (0, 19)  # without rings: the longest

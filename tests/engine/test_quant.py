@@ -150,6 +150,49 @@ def test_decode_attention_equals_sdpa_over_each_rows_length(kernels, dtype, head
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [(2, 6, 16), (1, 4, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_decode_attention_reads_a_window_across_a_rings_wrap_with_the_same_numbers(kernels, dtype, heads):
+    """A sliding-window layer's ring (position p at slot p % ring) gives bit for bit what a cache as long as the
+    context gives over the same window: across the wrap, within and across the blocks of 64 positions; and
+    Gemma 2's soft-capping matches the formula."""
+    torch.manual_seed(1)
+    (hk, hq, dim), rows, length, window, ring = heads, 5, 400, 96, 150
+    keys, key_scales, _ = _cache_form(torch.randn(rows, hk, length + 1, dim), dtype)
+    values, value_scales, _ = _cache_form(torch.randn(rows, hk, length + 1, dim), dtype)
+    written = torch.tensor([400, 390, 301, 273, 251])  # windows that wrap at every offset against the blocks
+
+    def ringed(store):  # each row's ring after it wrote its positions 0 .. length - 1
+        if store is None:
+            return None
+        out = torch.zeros(store.shape[0], store.shape[1], ring + 1, *store.shape[3:], dtype=store.dtype)
+        for row, n in enumerate(written.tolist()):
+            for p in range(n - ring, n):
+                out[row, :, p % ring] = store[row, :, p]
+        return out
+
+    q = torch.randn(5, hq, dim)
+    rows_of = torch.tensor([4, 0, 2, 3, 1])
+    lengths = written[rows_of]
+    starts = lengths - window
+    for cap in (0.0, 5.0):
+        full = kernels.decode_attention(q, keys, values, key_scales, value_scales, lengths, dim ** -0.5, rows_of,
+                                        starts, cap)
+        wrapped = kernels.decode_attention(q, ringed(keys), ringed(values), ringed(key_scales), ringed(value_scales),
+                                           lengths, dim ** -0.5, rows_of, starts, cap, ring)
+        assert torch.equal(full, wrapped)
+    k = keys[rows_of[:, None], :, torch.arange(window) + starts[:, None]]  # [5, window, hk, dim]
+    k_ref = (k.float() * key_scales[rows_of[:, None], :, torch.arange(window) + starts[:, None]].float()[..., None]
+             if key_scales is not None else k.float())
+    v = values[rows_of[:, None], :, torch.arange(window) + starts[:, None]]
+    v_ref = (v.float() * value_scales[rows_of[:, None], :, torch.arange(window) + starts[:, None]].float()[..., None]
+             if value_scales is not None else v.float())
+    k_ref, v_ref = (t.repeat_interleave(hq // hk, dim=2) for t in (k_ref, v_ref))
+    scores = torch.einsum("bhd,blhd->bhl", q, k_ref) * dim ** -0.5
+    ref = torch.einsum("bhl,blhd->bhd", (torch.tanh(scores / 5.0) * 5.0).softmax(-1), v_ref)
+    torch.testing.assert_close(wrapped, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_int8_cache_rounds_each_head_to_its_own_scale():
     torch.manual_seed(0)
     x = torch.randn(5, 3, 64) * torch.tensor([0.01, 1.0, 30.0])[None, :, None]

@@ -18,7 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vnni", &vnni, "whether the VNNI tiles were built (AVX512-VNNI)");
   m.def("decode_attention", &decode_attention, "one query token per entry over its row's cached positions",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("ks"), py::arg("vs"), py::arg("lengths"), py::arg("scale"),
-        py::arg("rows") = py::none(), py::arg("starts") = py::none());
+        py::arg("rows") = py::none(), py::arg("starts") = py::none(), py::arg("softcap") = 0.0, py::arg("ring") = 0);
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over the last dimension's halves [gate | up]");
   m.def("rope_store", &rope_store, "rotary embedding, each token's key and value into the cache", py::arg("qkv"),

@@ -71,7 +71,7 @@ class Decoder {
       const Scales vs = value_scales.empty() ? Scales() : Scales(value_scales[i]);
       auto q = rope_store(l.qkv(rms_norm(h, l.attn_norm, eps_)), cos, sin, keys[i], values[i], ks, vs, write, heads_, c10::nullopt);
       auto a = decode_attention(q, keys[i], values[i], ks, vs, lengths, 1.0 / std::sqrt(double(keys[i].size(3))),
-                                c10::nullopt, c10::nullopt);
+                                c10::nullopt, c10::nullopt, 0.0, 0);
       h.add_(l.o(a.view({B, -1})));
       h.add_(l.down(silu_mul(l.gate_up(rms_norm(h, l.mlp_norm, eps_)))));
     }

@@ -127,16 +127,19 @@ inline void softmax_weights(float* p, const c10::Half* vs, int64_t n) {
   for (; l < n; ++l) p[l] *= vs ? inv * half_to_float(vs[l]) : inv;
 }
 
-// out[g, j .. j + MV W) = sum over l of p[g * stride + l] * v[l, j .. j + MV W) for G heads: each value
-// converted once, in registers, for all G heads (G * MV accumulators, at most 12)
+// out[g, j .. j + MV W) = sum over l of p[g * stride + l] * value l [j .. j + MV W) for G heads, the values the
+// ring's two runs (v0: values 0 .. n0 - 1, v1: the rest); each value converted once, in registers, for all G heads
+// (G * MV accumulators, at most 12), in position order whatever the runs
 template <int G, int MV, typename T>
-inline void weighted_values(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, int64_t j, float* out) {
+inline void weighted_values(const float* p, int64_t stride, const T* v0, int64_t n0, const T* v1, int64_t n, int64_t D,
+                            int64_t j, float* out) {
   Vec::T acc[G][MV];
   for (int g = 0; g < G; ++g)
     for (int u = 0; u < MV; ++u) acc[g][u] = Vec::zero();
   for (int64_t l = 0; l < n; ++l) {
+    const T* v = l < n0 ? v0 + l * D : v1 + (l - n0) * D;
     Vec::T vv[MV];
-    for (int u = 0; u < MV; ++u) vv[u] = cache_vec(v + l * D + j + u * W);
+    for (int u = 0; u < MV; ++u) vv[u] = cache_vec(v + j + u * W);
     for (int g = 0; g < G; ++g) {
       const Vec::T pl = Vec::set1(p[g * stride + l]);
       for (int u = 0; u < MV; ++u) acc[g][u] = Vec::fma(pl, vv[u], acc[g][u]);
@@ -146,16 +149,17 @@ inline void weighted_values(const float* p, int64_t stride, const T* v, int64_t 
     for (int u = 0; u < MV; ++u) Vec::store(out + g * D + j + u * W, acc[g][u]);
 }
 
-// the group's outputs [group, D] from its weights p [group, stride] and the values v [n, D]: heads six at a time,
-// two vectors of each value at a time
+// the group's outputs [group, D] from its weights p [group, stride] and the values (two runs, as weighted_values
+// reads them): heads six at a time, two vectors of each value at a time
 template <typename T>
-inline void vector_values(const float* p, int64_t stride, const T* v, int64_t n, int64_t D, int64_t group, float* out) {
+inline void vector_values(const float* p, int64_t stride, const T* v0, int64_t n0, const T* v1, int64_t n, int64_t D,
+                          int64_t group, float* out) {
   for (int64_t g0 = 0; g0 < group; g0 += 6)
     with_count<6>(std::min<int64_t>(6, group - g0), [&](auto heads) {
       constexpr int G = decltype(heads)::value;
       int64_t j = 0;
-      for (; j + 2 * W <= D; j += 2 * W) weighted_values<G, 2>(p + g0 * stride, stride, v, n, D, j, out + g0 * D);
-      if (j < D) weighted_values<G, 1>(p + g0 * stride, stride, v, n, D, j, out + g0 * D);
+      for (; j + 2 * W <= D; j += 2 * W) weighted_values<G, 2>(p + g0 * stride, stride, v0, n0, v1, n, D, j, out + g0 * D);
+      if (j < D) weighted_values<G, 1>(p + g0 * stride, stride, v0, n0, v1, n, D, j, out + g0 * D);
     });
 }
 
@@ -164,31 +168,68 @@ inline void vector_values(const float* p, int64_t stride, const T* v, int64_t n,
 // positions whose int8 keys the vector path converts to float at a time: 16 KB for D = 64, in L1
 constexpr int64_t POSITION_BLOCK = 64;
 
+// Where a query's positions first .. first + n - 1 lie in its cache row of R slots: a ring holds position p at slot
+// p % R (a cache as long as the context never wraps, so there slot = position). At most two runs of slots:
+// n0 positions from slot s0, then the rest from slot 0.
+struct Runs {
+  int64_t s0, n0, n;
+  template <typename T>
+  const T* at(const T* base, int64_t l, int64_t D) const { return base + (l < n0 ? s0 + l : l - n0) * D; }
+  // positions l .. l + count - 1 in one run
+  bool within(int64_t l, int64_t count) const { return l + count <= n0 || l >= n0; }
+};
+
+inline Runs runs_of(int64_t first, int64_t n, int64_t R) {
+  const int64_t s0 = first % R;
+  return {s0, std::min(n, R - s0), n};
+}
+
+// per-position float16 scales of a query's runs, in position order (a pointer into the cache when one run holds them)
+inline const c10::Half* run_scales(const c10::Half* base, const Runs& r, std::vector<c10::Half>& tmp) {
+  if (!base || r.n0 == r.n) return base ? base + r.s0 : nullptr;
+  tmp.resize(r.n);
+  std::copy(base + r.s0, base + r.s0 + r.n0, tmp.begin());
+  std::copy(base, base + (r.n - r.n0), tmp.begin() + r.n0);
+  return tmp.data();
+}
+
 // One query token per entry b against cached positions starts[b] .. lengths[b] - 1 of its cache row rows[b]
 // (rows null: row b; starts null: from 0, else a sliding window's first position); each kv head's keys and
-// values are read once for all the query heads that share it (grouped-query attention). An int8 cache
-// (T = int8_t) carries one float16 scale per row, head and position in ks and vs; other caches pass null.
-// A query's result depends only on its own row, positions and values: never on the other entries (the same
-// numbers for a token whether it is decoded alone, among 32 rows, or prefilled in any chunk).
+// values are read once for all the query heads that share it (grouped-query attention). A row holds S slots
+// (ring > 0: a sliding-window layer's ring of that many slots, position p at slot p % ring, and the scratch slot;
+// else as long as the context, slot = position). An int8 cache (T = int8_t) carries one float16 scale per row, head
+// and slot in ks and vs; other caches pass null. softcap > 0: scores become tanh(score / softcap) * softcap
+// (Gemma 2). A query's result depends only on its own row, positions and values: never on the other entries (the
+// same numbers for a token whether it is decoded alone, among 32 rows, or prefilled in any chunk), nor on where
+// a ring's runs split its positions.
 template <typename T>
 void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Half* ks, const c10::Half* vs,
                            const int64_t* lengths, const int64_t* rows, const int64_t* starts, float* out,
-                           int64_t B, int64_t Hq, int64_t Hk, int64_t S, int64_t D, float scale) {
-  const int64_t group = Hq / Hk;
+                           int64_t B, int64_t Hq, int64_t Hk, int64_t S, int64_t D, float scale, float softcap,
+                           int64_t ring) {
+  const int64_t group = Hq / Hk, R = ring > 0 ? ring : S;
   at::parallel_for(0, B * Hk, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores, vf;
+    std::vector<c10::Half> kst, vst;
     std::vector<float> kf(D), acc(D);
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t b = t / Hk, kh = t % Hk, row = rows ? rows[b] : b;
-      const int64_t end = std::max<int64_t>(1, std::min(lengths[b], S));
-      const int64_t first = starts ? std::min(std::max<int64_t>(0, starts[b]), end - 1) : 0, n = end - first;
-      const T* kp = k + ((row * Hk + kh) * S + first) * D;
-      const T* vp = v + ((row * Hk + kh) * S + first) * D;
-      const c10::Half* ksp = ks ? ks + (row * Hk + kh) * S + first : nullptr;
-      const c10::Half* vsp = vs ? vs + (row * Hk + kh) * S + first : nullptr;
+      const int64_t end = std::max<int64_t>(1, ring > 0 ? lengths[b] : std::min(lengths[b], S));
+      int64_t first = starts ? std::min(std::max<int64_t>(0, starts[b]), end - 1) : 0;
+      first = std::max(first, end - R);  // a ring holds the last R positions
+      const int64_t n = end - first;
+      const Runs runs = runs_of(first, n, R);
+      const T* kp = k + (row * Hk + kh) * S * D;  // slot 0 of the row's head
+      const T* vp = v + (row * Hk + kh) * S * D;
+      const c10::Half* ksp = run_scales(ks ? ks + (row * Hk + kh) * S : nullptr, runs, kst);
+      const c10::Half* vsp = run_scales(vs ? vs + (row * Hk + kh) * S : nullptr, runs, vst);
       scores.assign(group * n, 0.f);
       const float* qb = q + (b * Hq + kh * group) * D;  // the group's query heads, one after another
       float* ob = out + (b * Hq + kh * group) * D;
+      auto cap = [&] {
+        if (softcap > 0.f)
+          for (int64_t i = 0; i < group * n; ++i) scores[i] = std::tanh(scores[i] / softcap) * softcap;
+      };
 #ifdef WOQ_SIMD
       if constexpr (vector_cache<T>) {
         if (vector_rows(D)) {
@@ -196,19 +237,30 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
           for (int64_t l0 = 0; l0 < n; l0 += POSITION_BLOCK) {
             const int64_t nb = std::min(POSITION_BLOCK, n - l0);
             const float* kf = vf.data();
-            if constexpr (std::is_same_v<T, float>) kf = kp + l0 * D;
-            else rows_to_float(kp + l0 * D, nb, D, vf.data());
+            const int64_t split = runs.within(l0, nb) ? nb : runs.n0 - l0;  // positions before the ring's wrap
+            if constexpr (std::is_same_v<T, float>) {
+              if (split == nb) kf = runs.at(kp, l0, D);
+              else {
+                std::copy(runs.at(kp, l0, D), runs.at(kp, l0, D) + split * D, vf.data());
+                std::copy(kp, kp + (nb - split) * D, vf.data() + split * D);
+              }
+            } else {
+              rows_to_float(runs.at(kp, l0, D), split, D, vf.data());
+              if (split < nb) rows_to_float(kp, nb - split, D, vf.data() + split * D);
+            }
             vector_scores(qb, kf, ksp ? ksp + l0 : nullptr, nb, n, D, group, scale, scores.data() + l0);
           }
+          cap();
           for (int64_t g = 0; g < group; ++g) softmax_weights(scores.data() + g * n, vsp, n);
-          vector_values(scores.data(), n, vp, n, D, group, ob);
+          vector_values(scores.data(), n, runs.at(vp, 0, D), runs.n0, vp, n, D, group, ob);
           continue;
         }
       }
 #endif
       for (int64_t l = 0; l < n; ++l) {
         const float ksc = ksp ? static_cast<float>(ksp[l]) * scale : scale;
-        for (int64_t d = 0; d < D; ++d) kf[d] = to_float(kp[l * D + d]);
+        const T* kl = runs.at(kp, l, D);
+        for (int64_t d = 0; d < D; ++d) kf[d] = to_float(kl[d]);
         for (int64_t g = 0; g < group; ++g) {
           const float* qh = qb + g * D;
           float dot = 0.f;
@@ -217,6 +269,7 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
           scores[g * n + l] = dot * ksc;
         }
       }
+      cap();
       for (int64_t g = 0; g < group; ++g) {
         float* sc = scores.data() + g * n;
         float mx = sc[0];
@@ -234,7 +287,7 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
         const float* sc = scores.data() + g * n;
         for (int64_t l = 0; l < n; ++l) {
           const float p = vsp ? sc[l] * static_cast<float>(vsp[l]) : sc[l];
-          const T* vl = vp + l * D;
+          const T* vl = runs.at(vp, l, D);
 #pragma omp simd
           for (int64_t d = 0; d < D; ++d) acc[d] += p * to_float(vl[d]);
         }
@@ -268,11 +321,13 @@ void dispatch_cache(const torch::Tensor& cache, F f) {
 }
 
 // q [B, Hq, D] float; k, v [rows, Hk, S, D] float, bfloat16, float16 or int8 (with ks, vs); lengths [B];
-// rows [B] each query's cache row (none: rows 0 .. B-1); starts [B] its first attended position (none: 0)
-// -> [B, Hq, D]
+// rows [B] each query's cache row (none: rows 0 .. B-1); starts [B] its first attended position (none: 0);
+// softcap: Gemma 2's soft-capping of the scores (0: none); ring: the cache's first ring slots are a ring
+// (decode_attention_impl; 0: none) -> [B, Hq, D]
 torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                                const Scales& ks, const Scales& vs, const torch::Tensor& lengths, double scale,
-                               const c10::optional<torch::Tensor>& rows, const c10::optional<torch::Tensor>& starts) {
+                               const c10::optional<torch::Tensor>& rows, const c10::optional<torch::Tensor>& starts,
+                               double softcap, int64_t ring) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.is_contiguous() && v.is_contiguous() && k.dim() == 4);
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && lengths.scalar_type() == at::kLong);
   auto qc = q.contiguous();
@@ -291,6 +346,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     sc = starts->contiguous();
     TORCH_CHECK(sc.scalar_type() == at::kLong && sc.numel() == B, "starts: one long per query");
   }
+  TORCH_CHECK(ring >= 0 && ring <= S, "a ring of ", ring, " slots in a cache of ", S);
   auto out = torch::empty({B, Hq, D}, qc.options());
   const c10::Half *ksp = scales_of(ks, k), *vsp = scales_of(vs, v);
   dispatch_cache(k, [&](auto zero) {
@@ -299,7 +355,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
                              static_cast<const T*>(v.data_ptr()), ksp, vsp, lc.data_ptr<int64_t>(),
                              rows.has_value() ? rc.data_ptr<int64_t>() : nullptr,
                              starts.has_value() ? sc.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(), B, Hq,
-                             Hk, S, D, static_cast<float>(scale));
+                             Hk, S, D, static_cast<float>(scale), static_cast<float>(softcap), ring);
   });
   return out;
 }

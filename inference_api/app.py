@@ -13,6 +13,7 @@ from lifecycle.access_log import AccessLog, request_id
 from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked, read_capped
 from lifecycle.drain import Drain
 from lifecycle.internal import INTERNAL_HEADER
+from lifecycle.quota import Store, TeamLimits
 
 from .config import ServerConfig
 from .engine_client import EngineClient, Session
@@ -49,6 +50,10 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
     app.extensions["drain"] = drain  # gunicorn's post_worker_init starts it on SIGTERM/SIGINT
     access_log = AccessLog()
     watchdog = Watchdog()
+    # each team's generated tokens per minute (the team: the proxy's X-Team-Id), shared through Redis when given
+    limits = TeamLimits(Store(config.redis_url), tokens_per_minute=config.tokens_per_minute_per_team)
+    client.metrics.watch("inference_quota_redis_fallbacks", "team-quota operations counted in this process "
+                         "because Redis failed (0 without Redis)", lambda: limits.store.fallbacks)
     app.wsgi_app = close_when_asked(app.wsgi_app)
     register_error_handlers(app)
 
@@ -83,6 +88,7 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
             session: Session | None = environ.get(SESSION_KEY)
             outcome = {}
             if session is not None:
+                limits.charge(fields["team_id"], session.completion_tokens)
                 outcome = {"prompt_tokens": session.prompt_tokens, "tokens_out": session.completion_tokens,
                            "ttft_ms": None if session.first_token_at is None
                            else round((session.first_token_at - session.started) * 1000, 1),
@@ -94,7 +100,7 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
             response.call_on_close(write)
         return response
 
-    serving = Serving(client, config, drain, estimate)
+    serving = Serving(client, config, drain, estimate, limits)
     # /inference/completion and /inference/chat_completion (llama-stack) are fixed paths: they win over the
     # native API's /inference/<path:model>
     for blueprint in (llama_stack_blueprint, native_blueprint, openai_blueprint, tgi_blueprint, shared_blueprint):

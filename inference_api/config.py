@@ -40,6 +40,9 @@ class ServerConfig:
     engine_max_restarts: int = 5  # engine crashes restarted within ENGINE_RESTART_WINDOW before the worker exits
     header_timeout: float = 10.0  # seconds a client has to send its request headers
     body_timeout: float = 30.0  # seconds a client has to send its request body
+    # generated tokens per team (the proxy's X-Team-Id) in any 60 seconds before new requests get 429; 0: off
+    tokens_per_minute_per_team: int = 60000
+    redis_url: str | None = None  # Redis shared by every server replica for the token quota (None: in-process)
     test_fault_text: str | None = None  # TESTS ONLY: fail post-processing of requests whose prompt contains this
     # INTERNAL_SECRET (environment only, never a flag): every request but GET/HEAD /health must carry it in
     # X-Internal-Secret, which the proxy adds; None (the one-process dev stack): no check
@@ -95,6 +98,10 @@ _ENV = {
                                                    "exits (and gunicorn replaces it)"),
     "header_timeout": ("HEADER_TIMEOUT", "seconds a client has to send its request headers"),
     "body_timeout": ("BODY_TIMEOUT", "seconds a client has to send its request body"),
+    "tokens_per_minute_per_team": ("TOKENS_PER_MINUTE_PER_TEAM", "tokens a team (the proxy's X-Team-Id) may have "
+                                   "generated in the last 60 seconds before its new requests get 429 (0: no quota)"),
+    "redis_url": ("REDIS_URL", "Redis shared by every server replica for the team token quota (none: counted in "
+                               "this process; while Redis is unreachable each replica counts alone)"),
     "test_fault_text": ("TEST_FAULT_TEXT", "for tests only: fail post-processing of prompts containing this text"),
 }
 

@@ -100,6 +100,10 @@ class Metrics:
         """An HTTP answer of an API family (``error_shapes``), never labelled with the raw path."""
         self.requests.labels(api, str(status)).inc()
 
+    def watch(self, name: str, help_text: str, read: Callable[[], float]) -> None:
+        """A gauge read from elsewhere when scraped (e.g. the team limits' Redis fallbacks)."""
+        Gauge(name, help_text, registry=self.registry).set_function(read)
+
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 

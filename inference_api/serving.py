@@ -13,6 +13,7 @@ from typing import Iterator
 from flask import request
 
 from lifecycle.drain import RETRY_AFTER, Drain
+from lifecycle.quota import TeamLimits
 
 from .config import ServerConfig
 from .engine_client import EngineClient
@@ -44,8 +45,9 @@ class Run:
 
 class Serving:
     def __init__(self, client: EngineClient, config: ServerConfig, drain: Drain | None = None,
-                 preflight: Estimate | None = None):
+                 preflight: Estimate | None = None, limits: TeamLimits | None = None):
         self.client = client
+        self.limits = limits  # the teams' token quota (lifecycle.quota), checked before each submission
         self.config = config
         self.drain = drain  # while it is active, new generation requests get a 503 in their API's shape
         self.preflight = preflight  # the pre-flight memory estimate, shown by /health
@@ -89,6 +91,14 @@ class Serving:
         except TemplateError as err:  # e.g. a template that insists on alternating user/assistant turns
             raise ApiError(400, f"messages do not fit the model's chat template: {err}", param=field) from None
 
+    def check_quota(self) -> None:
+        """429 while the request's team (the proxy's X-Team-Id) has generated its quota in the last minute."""
+        team = request.headers.get("X-Team-Id")
+        wait = self.limits.check_tokens(team) if self.limits is not None else None
+        if wait is not None:
+            raise ApiError(429, f"team {team!r} has generated its quota of {self.limits.tokens_per_minute} tokens in "
+                                f"the last minute; retry in {wait} s", retry_after=wait)
+
     # submission
     def start(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None, default_max: int,
               field: str = "max_tokens") -> Run:
@@ -97,6 +107,7 @@ class Serving:
         if self.draining:
             raise ApiError(503, "server is shutting down; retry shortly (another instance takes over)",
                            retry_after=RETRY_AFTER)
+        self.check_quota()
         context = self.ready().context_length
         if not prompt_ids:
             raise ApiError(400, "the prompt is empty (no tokens)")

@@ -19,8 +19,8 @@ class ProxyServer(BaseApplication):
     def load_config(self) -> None:
         c = self.proxy_config
         host = f"[{c.host}]" if ":" in c.host else c.host
-        # one worker: the per-team limit is counted in-process; greenlets carry the connections, so a thousand
-        # idle or trickling clients cost little and never starve a legitimate request
+        # one worker: without Redis the per-team limit is counted in-process; greenlets carry the connections, so
+        # a thousand idle or trickling clients cost little and never starve a legitimate request
         options = {"bind": f"{host}:{c.port}", "workers": 1, "worker_class": "proxy.worker.ProxyWorker",
                    "worker_connections": c.max_connections, "timeout": 30, "keepalive": 5,
                    **gunicorn_settings(c.drain_timeout), "loglevel": c.log_level,

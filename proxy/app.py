@@ -12,11 +12,11 @@ from werkzeug.routing import BaseConverter
 from lifecycle.access_log import AccessLog, request_id
 from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked, read_capped
 from lifecycle.drain import RETRY_AFTER, Drain
+from lifecycle.quota import Store, TeamLimits
 
 from .auth import Identity, TokenVerifier, bearer_token
 from .config import ProxyConfig
 from .errors import ProxyError, register_error_handlers
-from .limits import Slot, TeamLimiter
 from .playground import register_playground
 from .upstream import StreamBody, Upstream, client_response_headers, upstream_request_headers
 
@@ -38,7 +38,9 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
     app.url_map.merge_slashes = False
     app.extensions["proxy_config"] = config
     verifier = TokenVerifier(config)
-    limiter = TeamLimiter(config.max_concurrent_per_team)
+    # per-team open requests, shared by every replica through Redis when configured (lifecycle/quota.py)
+    limiter = TeamLimits(Store(config.redis_url), max_concurrent=config.max_concurrent_per_team)
+    app.extensions["team_limits"] = limiter
     upstream = Upstream(config)
     access_log = access_log or AccessLog()
     app.extensions["watchdog"] = watchdog = Watchdog()  # read deadlines, also for the error shape's body peek
@@ -72,24 +74,28 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         if not public or request.headers.get("Authorization"):  # a public path with a token: the full answer
             identity = verifier.verify(bearer_token(request.headers.get("Authorization")))
         g.identity = identity
-        slot = limiter.acquire(identity.team_id) if identity is not None else Slot(None, None)
-        if slot is None:
-            raise ProxyError(429, f"team {identity.team_id!r} already has {limiter.max_per_team} requests in "
-                                  "progress; retry when one finishes", {"Retry-After": str(config.retry_after)})
         forwarding = object()
         active.add(forwarding)
+        slot = None
         try:
             try:
                 body = watchdog.read_body(request.environ, lambda: read_capped(request, cache=False), config.body_timeout)
             except BodyTimeout as exc:
                 raise ProxyError(408, str(exc), {"Connection": "close"}) from None
+            g.body = body  # for an error's shape (shared paths)
+            # the team's slot from the whole body to the answer's end: a slow upload holds none
+            slot = limiter.acquire(identity.team_id if identity is not None else None)
+            if slot is None:
+                raise ProxyError(429, f"team {identity.team_id!r} already has {limiter.max_concurrent} requests in "
+                                      "progress; retry when one finishes", {"Retry-After": str(config.retry_after)})
             headers = upstream_request_headers(request.headers.items(), client_addr=request.remote_addr,
                                                scheme=request.scheme, request_id=g.request_id, identity=identity,
                                                internal_secret=config.internal_secret)
             forwarded = upstream.send(request.method, _target(), headers, body)
         except BaseException:
             active.discard(forwarding)
-            slot.release()
+            if slot is not None:
+                slot.release()
             raise
 
         def closed() -> None:

@@ -44,7 +44,8 @@ class ProxyConfig:
     connect_timeout: float = 5.0  # seconds to open the upstream connection; then 504
     first_byte_timeout: float = 120.0  # seconds until upstream sends its response headers; then 504
     stream_idle_timeout: float = 600.0  # longest silence between two body chunks once streaming; 0: no limit
-    max_concurrent_per_team: int = 0  # open requests per team_id; beyond it 429; 0: no limit
+    max_concurrent_per_team: int = 16  # open requests per team_id; beyond it 429; 0: no limit
+    redis_url: str | None = field(default=None, repr=False)  # shared counts for every proxy replica (None: in-process)
     retry_after: int = 1  # the Retry-After seconds sent with a 429
     max_body_bytes: int = 1 << 20  # larger request bodies get 413 (the server's own limit: no larger)
     log_level: str = "info"
@@ -159,6 +160,9 @@ _OPTIONS = [
      "longest pause between streamed chunks before the stream is cut, seconds (0: none)"),
     ("--max-concurrent-per-team", "max_concurrent_per_team", "MAX_CONCURRENT_PER_TEAM", int,
      "open requests allowed per team_id before 429 (0: no limit)"),
+    ("--redis-url", "redis_url", "REDIS_URL", str,
+     "Redis shared by every proxy replica for the team limits, e.g. redis://redis:6379/0 (none: counted in this "
+     "process; while Redis is unreachable each replica counts alone)"),
     ("--retry-after", "retry_after", "RETRY_AFTER_SECONDS", int, "Retry-After seconds sent with a 429"),
     ("--max-body-bytes", "max_body_bytes", "PROXY_MAX_BODY_BYTES", int, "largest accepted request body"),
     ("--log-level", "log_level", "PROXY_LOG_LEVEL", str, "gunicorn log level"),

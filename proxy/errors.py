@@ -42,7 +42,9 @@ def request_api() -> str:
             and (request.content_length or 0) <= SHAPE_BODY_BYTES):
         watchdog: Watchdog = current_app.extensions["watchdog"]
         try:
-            data = watchdog.read_body(request.environ, lambda: request.get_data(cache=True), SHAPE_BODY_SECONDS)
+            data = g.get("body")  # the body the route already read, if it did
+            if data is None:
+                data = watchdog.read_body(request.environ, lambda: request.get_data(cache=True), SHAPE_BODY_SECONDS)
             body = json.loads(data) if data else None
         except (BodyTimeout, ValueError, RecursionError):  # too slow, not JSON, or nested past the parser's depth
             body = None

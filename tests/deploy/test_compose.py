@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 
 from image_spec import stages
+from inference_api.config import ServerConfig
+from proxy.config import ProxyConfig
 from servers import ROOT
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"
@@ -63,8 +65,8 @@ def test_without_jwt_secret_compose_refuses_with_a_message():
 
 def test_only_the_proxy_is_published_and_it_waits_for_a_healthy_server():
     services = rendered()["services"]
-    assert set(services) == {"inference", "proxy"}
-    assert "ports" not in services["inference"]
+    assert set(services) == {"inference", "proxy", "redis"}
+    assert "ports" not in services["inference"] and "ports" not in services["redis"]
     assert [(p["target"], p["published"]) for p in services["proxy"]["ports"]] == [(1223, "1223")]
     assert services["proxy"]["depends_on"]["inference"]["condition"] == "service_healthy"
     assert services["proxy"]["environment"]["UPSTREAM_URL"] == "http://inference:8000"
@@ -74,8 +76,20 @@ def test_only_the_proxy_is_published_and_it_waits_for_a_healthy_server():
         "INTERNAL_SECRET"] == INTERNAL
 
 
+def test_the_team_limits_are_on_and_shared_through_the_compose_redis():
+    services = rendered()["services"]
+    assert services["redis"]["healthcheck"]["test"] == ["CMD", "redis-cli", "ping"]
+    assert "--save" in services["redis"]["command"]  # counters only: nothing written to disk
+    for name in ("proxy", "inference"):
+        assert services[name]["environment"]["REDIS_URL"] == "redis://redis:6379/0"
+    assert int(services["proxy"]["environment"]["MAX_CONCURRENT_PER_TEAM"]) == ProxyConfig().max_concurrent_per_team
+    assert int(services["inference"]["environment"]["TOKENS_PER_MINUTE_PER_TEAM"]) == \
+        ServerConfig().tokens_per_minute_per_team
+
+
 def test_both_services_have_health_checks_and_build_existing_targets():
     services = rendered()["services"]
+    services.pop("redis")  # Redis's own image, checked above
     targets = stages()
     for name, service in services.items():
         test = service["healthcheck"]["test"]

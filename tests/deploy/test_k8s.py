@@ -155,3 +155,20 @@ def test_only_the_proxy_pods_reach_the_servers_and_both_share_the_internal_secre
     for deployment in (server, proxy):
         ref = {e["name"]: e for e in container(deployment)["env"]}["INTERNAL_SECRET"]["valueFrom"]["secretKeyRef"]
         assert (ref["name"], ref["key"]) == (secret["metadata"]["name"], "INTERNAL_SECRET")
+
+
+def test_the_team_limits_are_shared_through_the_clusters_redis():
+    deployment, service, policy = yaml.safe_load_all((K8S / "redis-deployment.yaml").read_text())
+    assert "redis-deployment.yaml" in (K8S / "kustomization.yaml").read_text()
+    env = {name: {e["name"]: e.get("value") for e in container(load(name))["env"]}
+           for name in ("proxy-deployment.yaml", "server-deployment.yaml")}
+    for values in env.values():
+        url = urlsplit(values["REDIS_URL"])
+        assert url.hostname == service["metadata"]["name"] and url.port == service["spec"]["ports"][0]["port"]
+    assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
+    assert int(env["proxy-deployment.yaml"]["MAX_CONCURRENT_PER_TEAM"]) == ProxyConfig().max_concurrent_per_team
+    assert int(env["server-deployment.yaml"]["TOKENS_PER_MINUTE_PER_TEAM"]) == \
+        ServerConfig().tokens_per_minute_per_team
+    allowed = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for peer in policy["spec"]["ingress"][0]["from"]}
+    assert allowed == {"llm-proxy", "llm-server"}
+    assert "--save" in container(deployment)["args"]  # counters only: nothing written to disk

@@ -1,11 +1,11 @@
-"""In-process checks of the proxy's building blocks: configuration, the team limiter, header rewriting."""
+"""In-process checks of the proxy's building blocks: configuration, the team limits, header rewriting."""
 from __future__ import annotations
 
 import pytest
 
 from proxy.auth import AuthError, Identity, TokenVerifier, bearer_token
 from proxy.config import ConfigError, ProxyConfig
-from proxy.limits import TeamLimiter
+from lifecycle.quota import Store, TeamLimits
 from proxy.upstream import client_response_headers, upstream_request_headers
 from proxy_helpers import SECRET, make_token
 
@@ -17,7 +17,8 @@ def test_defaults():
     assert config.jwt_algorithms == ("HS256",)
     assert config.jwt_required_claims == ("team_id", "token_id")
     assert config.jwt_require_exp is True  # tokens must end unless --no-jwt-require-exp
-    assert config.max_concurrent_per_team == 0
+    assert config.max_concurrent_per_team == 16  # on by default: half the server's rows
+    assert config.redis_url is None
     assert SECRET not in repr(config)
 
 
@@ -62,16 +63,17 @@ def test_a_secret_under_32_bytes_is_refused():
     assert ProxyConfig.from_args([], {"JWT_SECRET": "x" * 32}).jwt_secret == "x" * 32
 
 
-def test_team_limiter_counts_and_releases_once():
-    limiter = TeamLimiter(2)
+def test_team_limits_count_in_process_without_redis_and_release_once():
+    limiter = TeamLimits(Store(None), max_concurrent=2)
     a1, a2 = limiter.acquire("a"), limiter.acquire("a")
     assert a1 and a2 and limiter.acquire("a") is None
     assert limiter.acquire("b") is not None
     a1.release()
     a1.release()  # idempotent: must not free a second slot
-    assert limiter.open_requests("a") == 1
+    assert limiter.open_leases() == 2  # a2 and b's
     assert limiter.acquire("a") is not None and limiter.acquire("a") is None
-    assert TeamLimiter(0).acquire("a") is not None  # off
+    assert TeamLimits(Store(None), max_concurrent=0).acquire("a") is not None  # off
+    assert limiter.store.fallbacks == 0 and not limiter.store.shared
 
 
 def test_bearer_and_verifier():

@@ -3,7 +3,10 @@ that keeps its linears' own quantization, its shape for pre-flight, its chat tem
 keeps these, so later starts do not parse the file again."""
 from __future__ import annotations
 
+import math
+import struct
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 
 FLOAT_TYPES = {"F32", "F16", "BF16"}
@@ -18,6 +21,113 @@ def mode_of(types: list[str]) -> str:
     return "int4" if all(t in FOUR_BIT for t in types) else "int8"
 # llama.cpp's architecture names that transformers calls otherwise
 MODEL_TYPES = {"gemma3": "gemma3_text"}
+
+
+# GGUF value types: (struct format, size) of the scalar ones; 8 is a string, 9 an array
+_SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
+            7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
+SMALL_ARRAY = 4096  # arrays up to this many items are read; longer ones (a vocabulary) are stepped over
+
+
+class GGUFIndex:
+    """A GGUF file's metadata and tensors without its vocabulary: the key-value pairs read with struct, arrays of
+    more than SMALL_ARRAY items stepped over (their length kept), the tensors as views of one read-only memory map,
+    shaped as gguf-py's GGUFReader shapes them. GGUFReader builds Python objects for every vocabulary entry
+    (Gemma 3's 262,144: about 0.6 GB, 8 s), which the weights never need; this reads Gemma 3's header in a
+    fraction of a second. ``fields`` maps a key to its value (a str, number, list, or ``LongArray``)."""
+
+    def __init__(self, path, small: int = SMALL_ARRAY):
+        import numpy as np
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+        from gguf.quants import quant_shape_to_byte_shape
+
+        self.path = Path(path)
+        self.data = np.memmap(self.path, mode="r")
+        buf = memoryview(self.data)
+        if bytes(buf[:4]) != b"GGUF":
+            raise ValueError(f"{path} is not a GGUF file")
+        version, tensor_count, kv_count = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise ValueError(f"{path}: GGUF version {version} (a big-endian file?) is not read here")
+        pos = 24
+        self.fields: dict = {}
+        for _ in range(kv_count):
+            key, pos = _string(buf, pos)
+            (kind,), pos = struct.unpack_from("<I", buf, pos), pos + 4
+            self.fields[key], pos = _value(buf, pos, kind, small)
+        infos = []
+        for _ in range(tensor_count):
+            name, pos = _string(buf, pos)
+            (n_dims,) = struct.unpack_from("<I", buf, pos)
+            dims = struct.unpack_from(f"<{n_dims}Q", buf, pos + 4)
+            kind, offset = struct.unpack_from("<IQ", buf, pos + 4 + 8 * n_dims)
+            pos += 4 + 8 * n_dims + 12
+            infos.append((name, dims, GGMLQuantizationType(kind), offset))
+        align = int(self.fields.get("general.alignment", 32))
+        start = (pos + align - 1) // align * align
+        floats = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
+                  "I32": np.int32, "I64": np.int64}
+        self.tensors = []
+        for name, dims, kind, offset in infos:
+            n = math.prod(dims)
+            block, size = GGML_QUANT_SIZES[kind]
+            shape = tuple(reversed(dims))
+            dtype = floats.get(kind.name)
+            if dtype is None:
+                dtype, count, shape = np.uint8, n * size // block, quant_shape_to_byte_shape(shape, kind)
+            else:
+                count = n
+            at = start + offset
+            data = self.data[at:at + count * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+            self.tensors.append(IndexTensor(name, kind, np.array(dims, dtype=np.uint64), n, n * size // block, data))
+
+
+@dataclass(frozen=True)
+class IndexTensor:
+    """One tensor of a GGUFIndex, with the attributes of gguf-py's ReaderTensor that the loaders read."""
+    name: str
+    tensor_type: object  # gguf.GGMLQuantizationType
+    shape: object  # its dimensions, innermost first (numpy, as gguf-py gives them)
+    n_elements: int
+    n_bytes: int
+    data: object  # a numpy view of the memory map
+
+
+@dataclass(frozen=True)
+class LongArray:
+    """An array stepped over: its item type and length."""
+    kind: int
+    length: int
+
+
+def _string(buf, pos: int) -> tuple[str, int]:
+    (n,) = struct.unpack_from("<Q", buf, pos)
+    return bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8", errors="replace"), pos + 8 + n
+
+
+def _value(buf, pos: int, kind: int, small: int = SMALL_ARRAY):
+    if kind in _SCALARS:
+        fmt, size = _SCALARS[kind]
+        return struct.unpack_from(fmt, buf, pos)[0], pos + size
+    if kind == 8:
+        return _string(buf, pos)
+    if kind != 9:
+        raise ValueError(f"GGUF value type {kind} unknown")
+    item, count = struct.unpack_from("<IQ", buf, pos)
+    pos += 12
+    if count > small:  # stepped over: fixed-size items at once, strings by their lengths
+        if item in _SCALARS:
+            return LongArray(item, count), pos + count * _SCALARS[item][1]
+        if item != 8:
+            raise ValueError(f"GGUF array of type {item} is not read here")
+        for _ in range(count):
+            pos += 8 + struct.unpack_from("<Q", buf, pos)[0]
+        return LongArray(item, count), pos
+    values = []
+    for _ in range(count):
+        value, pos = _value(buf, pos, item, small)
+        values.append(value)
+    return values, pos
 
 
 def open_gguf(source):

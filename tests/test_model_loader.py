@@ -204,3 +204,33 @@ def test_server_serves_a_local_model_folder(tmp_path, model_dir):
                              timeout=10).status_code == 404
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("path", [embedded_gguf(), *sorted((Path(__file__).parent / "data" / "gguf").glob("*.gguf"))],
+                         ids=lambda p: p.name)
+def test_the_light_gguf_index_reads_what_gguf_py_reads_but_the_vocabulary(path):
+    """The weights are read through GGUFIndex (no Python object per vocabulary entry): every key's value, every
+    tensor's type, shape and bytes as gguf-py's GGUFReader gives them; a long array only by its length."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    from inference_api.gguf_meta import SMALL_ARRAY, GGUFIndex, LongArray
+
+    small = SMALL_ARRAY if path == embedded_gguf() else 16  # the tiny files' vocabularies: a few hundred
+    index, reader = GGUFIndex(path, small), GGUFReader(str(path))
+    long_arrays = 0
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF."):  # gguf-py's own entries for the header's version and counts
+            continue
+        value = index.fields[key]
+        if isinstance(value, LongArray):
+            assert value.length == len(field.data) > small
+            long_arrays += 1
+        else:
+            assert value == pytest.approx(field.contents()), key
+    assert long_arrays >= 1  # the vocabulary, stepped over
+    assert [t.name for t in index.tensors] == [t.name for t in reader.tensors]
+    for ours, theirs in zip(index.tensors, reader.tensors):
+        assert (ours.tensor_type, ours.n_elements, ours.n_bytes, list(ours.shape)) == \
+            (theirs.tensor_type, theirs.n_elements, theirs.n_bytes, list(theirs.shape)), ours.name
+        assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data), ours.name

@@ -16,7 +16,7 @@ import logging
 import numpy as np
 import torch
 
-from ..gguf_meta import open_gguf
+from ..gguf_meta import GGUFIndex
 from .gguf_blocks import packed
 from .quant import QUANTIZED, stack
 
@@ -36,7 +36,10 @@ SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 class GGUFModel:
     def __init__(self, path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, reader=None):
         self.path = Path(path)
-        self.reader = open_gguf(reader or path)
+        # the weights need the header's numbers and the tensors, never the vocabulary: the light index, unless a
+        # first start's full reader is at hand
+        self.reader = reader if reader is not None else GGUFIndex(path)
+        self.fields = self.reader.fields
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.arch = self._field("general.architecture")
         if self.arch not in ARCHS:
@@ -45,8 +48,10 @@ class GGUFModel:
         self.device, self.dtype = torch.device(device), dtype
 
     def _field(self, key: str, default=None):
-        f = self.reader.fields.get(key)
-        return default if f is None else f.contents()
+        f = self.fields.get(key)
+        if f is None:
+            return default
+        return f.contents() if hasattr(f, "contents") else f  # gguf-py's ReaderField, or the index's value
 
     def hparam(self, key: str, default=None):
         return self._field(f"{self.arch}.{key}", default)

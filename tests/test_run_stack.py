@@ -7,6 +7,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import jwt
@@ -27,14 +28,20 @@ def stack(tmp_path):
                              "--mock", "--rows", "4"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
-    lines, deadline = [], time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("Ctrl-C drains and stops"):
-            break
+    # the stack's output is read to its end on a thread: a pipe nobody reads fills up (64 KiB of logs) and
+    # blocks the children's writes, so they could never finish their drain
+    lines, ready = [], threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("Ctrl-C drains and stops"):
+                ready.set()
+        ready.set()
+
+    threading.Thread(target=read, daemon=True).start()
+    ready.wait(120)
+    proc.lines = lines
     yield proc, "".join(lines), env_file, server_port, proxy_port
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGKILL)
@@ -63,7 +70,11 @@ def test_first_run_writes_a_secret_prints_a_working_curl_and_ctrl_c_stops_both(s
     assert requests.post(url, json={"text": "hi"}, timeout=10).status_code == 401  # no token: no answer
 
     proc.send_signal(signal.SIGINT)  # what Ctrl-C sends
-    assert proc.wait(30) == 0
+    try:
+        code = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        code = None
+    assert code == 0, "".join(proc.lines[-60:])
     for port in (server_port, proxy_port):
         with pytest.raises(requests.ConnectionError):
             requests.get(f"http://127.0.0.1:{port}/health", timeout=2)

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 
 from .config import ServerConfig
 from .engine.process import run_engine
-from .errors import ApiError
 from .messages import (CancelRequest, EngineFailed, EngineReady, EngineStats, FinishReason, GenerateRequest,
                        SamplingParams, Shutdown, StepOutput, TokenEvent)
 from .metrics import Metrics
+from .request_errors import Unavailable
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -131,12 +131,12 @@ class EngineClient:
     def check_ready(self) -> EngineReady:
         """The engine's description, or a 503 while stopping, restarting, loading or after it failed."""
         if self._stopping.is_set():
-            raise ApiError(503, "server is shutting down; retry shortly", retry_after=5)
+            raise Unavailable("server is shutting down; retry shortly", retry_after=5)
         if self.failure is not None:
-            raise ApiError(503, f"backend unavailable: {self.failure}", retry_after=30)
+            raise Unavailable(f"backend unavailable: {self.failure}", retry_after=30)
         if self.ready is None:
             what = "the engine is restarting" if self.restarting else "model is loading"
-            raise ApiError(503, f"{what}, try again shortly", retry_after=5)
+            raise Unavailable(f"{what}, try again shortly", retry_after=5)
         return self.ready
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Session:
@@ -144,8 +144,8 @@ class EngineClient:
         session = Session(uuid.uuid4().hex, len(prompt_ids))
         with self._lock:
             if len(self._sessions) >= self.config.max_open_sessions:
-                raise ApiError(503, f"server busy: all {self.config.rows} rows and {self.config.max_waiting} "
-                                    f"queue places are taken", retry_after=1)
+                raise Unavailable(f"server busy: all {self.config.rows} rows and {self.config.max_waiting} "
+                                  f"queue places are taken", retry_after=1)
             self._sessions[session.id] = session
         self.metrics.submitted(len(prompt_ids))
         self._inbox.put(GenerateRequest(session.id, tuple(prompt_ids), params))

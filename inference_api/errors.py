@@ -1,8 +1,10 @@
-"""API errors and the JSON bodies they become. Every error the server sends is JSON, never HTML.
+"""The HTTP edge of errors: ``ApiError`` and the JSON bodies errors become. Every error the server sends is JSON,
+never HTML.
 
-The body's shape is the API family's (``error_shapes``): the family of the handling route, set by its
-blueprint (or by a route that tells dialects apart by the body); for unrouted paths, the family the path
-belongs to.
+Everything below the routes raises the transport-free errors of ``request_errors``; this module alone gives
+each its status code (``STATUS``, by kind). The body's shape is the API family's (``error_shapes``): the family
+of the handling route, set by its blueprint (or by a route that tells dialects apart by the body); for unrouted
+paths, the family the path belongs to.
 """
 from __future__ import annotations
 
@@ -12,11 +14,17 @@ from flask import Flask, g, jsonify, request
 from werkzeug.exceptions import HTTPException
 
 from .error_shapes import api_of, error_body, status_for
+from .request_errors import RequestError
 
 log = logging.getLogger(__name__)
 
+# the status code of each kind of request error
+STATUS = {"invalid": 400, "not_found": 404, "rate_limited": 429, "unavailable": 503}
+
 
 class ApiError(Exception):
+    """An error with its HTTP status, raised by the HTTP edge itself (the app's admission, Werkzeug's errors)."""
+
     def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None,
                  code: str | None = None):
         super().__init__(message)
@@ -25,6 +33,10 @@ class ApiError(Exception):
         self.param = param
         self.retry_after = retry_after
         self.code = code  # OpenAI's machine-readable error code, e.g. "model_not_found"
+
+    @classmethod
+    def of(cls, err: RequestError) -> "ApiError":
+        return cls(STATUS[err.kind], err.message, param=err.field, retry_after=err.retry_after, code=err.code)
 
 
 def request_api() -> str:
@@ -47,6 +59,7 @@ def error_response(err: ApiError):
 
 def register_error_handlers(app: Flask) -> None:
     app.register_error_handler(ApiError, error_response)
+    app.register_error_handler(RequestError, lambda err: error_response(ApiError.of(err)))
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):

@@ -5,8 +5,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Iterator
 
-from .errors import ApiError
 from .messages import FinishReason, TokenEvent, TokenLogprob
+from .request_errors import Unavailable
 
 
 @dataclass
@@ -28,7 +28,7 @@ def collect(first: TokenEvent | None, events: Iterator[TokenEvent]) -> Generatio
     gen, parts = Generation(), []
     for event in all_events(first, events):
         if event.finish_reason is FinishReason.ERROR:
-            raise ApiError(503, event.error or "generation failed", retry_after=5)
+            raise Unavailable(event.error or "generation failed", retry_after=5)
         parts.append(event.text)
         gen.token_ids.extend(event.token_ids)
         gen.logprobs.extend(event.logprobs)

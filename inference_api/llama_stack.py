@@ -21,9 +21,9 @@ from typing import Iterator
 from flask import Blueprint, g, jsonify, request
 
 from .error_shapes import LLAMA_STACK
-from .errors import ApiError
 from .messages import FinishReason, SamplingParams, TokenEvent, TokenLogprob
 from .openai_responses import visible
+from .request_errors import RequestError
 from .serving import Serving, is_error
 from .sse import sse, sse_response
 from .validation import boolean, json_body, number, only_default, reject_unknown, string
@@ -53,19 +53,19 @@ def _text(content, where: str) -> str:
         return content
     if isinstance(content, list) and content and all(isinstance(c, str) for c in content):
         return "".join(content)
-    raise ApiError(400, f"{where} must be a string or a list of strings (images are not supported)", param=where)
+    raise RequestError(f"{where} must be a string or a list of strings (images are not supported)", where)
 
 
 def _sampling(body: dict) -> tuple[SamplingParams, int | None]:
     sp = body.get("sampling_params")
     sp = {} if sp is None else sp
     if not isinstance(sp, dict):
-        raise ApiError(400, "sampling_params must be an object", param="sampling_params")
+        raise RequestError("sampling_params must be an object", "sampling_params")
     reject_unknown(sp, SAMPLING_FIELDS)
     strategy = sp.get("strategy", "greedy")
     if strategy not in STRATEGIES:
-        raise ApiError(400, f"sampling_params.strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}",
-                       param="sampling_params.strategy")
+        raise RequestError(f"sampling_params.strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}",
+                           "sampling_params.strategy")
     temperature = number(sp, "temperature", 0.0, 0, 100)
     top_p = number(sp, "top_p", 0.95, 0, 1)
     top_k = number(sp, "top_k", 0, 0, 1_000_000, integer=True)
@@ -83,7 +83,7 @@ def _logprobs(body: dict) -> int | None:
     if lp is None:
         return None
     if not isinstance(lp, dict):
-        raise ApiError(400, "logprobs must be an object {\"top_k\": int}", param="logprobs")
+        raise RequestError("logprobs must be an object {\"top_k\": int}", "logprobs")
     reject_unknown(lp, {"top_k"})
     return number(lp, "top_k", 0, 0, 20, integer=True)
 
@@ -101,7 +101,7 @@ def _common(body: dict, serving: Serving, **prompt) -> LlamaStackRequest:
 def parse_completion(body: dict, serving: Serving) -> LlamaStackRequest:
     reject_unknown(body, COMPLETION_FIELDS)
     if body.get("content") is None:
-        raise ApiError(400, "content is required", param="content")
+        raise RequestError("content is required", "content")
     return _common(body, serving, content=_text(body["content"], "content"))
 
 
@@ -109,22 +109,22 @@ def parse_chat(body: dict, serving: Serving) -> LlamaStackRequest:
     reject_unknown(body, CHAT_FIELDS)
     only_default(body, "tools", [])
     if body.get("tool_choice") not in (None, "auto", "required"):
-        raise ApiError(400, "tool_choice must be auto or required", param="tool_choice")
+        raise RequestError("tool_choice must be auto or required", "tool_choice")
     if body.get("tool_prompt_format") not in (None, "json", "function_tag", "python_list"):
-        raise ApiError(400, "tool_prompt_format must be json, function_tag or python_list", param="tool_prompt_format")
+        raise RequestError("tool_prompt_format must be json, function_tag or python_list", "tool_prompt_format")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages is required: a non-empty list of {role, content}", param="messages")
+        raise RequestError("messages is required: a non-empty list of {role, content}", "messages")
     out = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict) or msg.get("role") not in ("user", "system", "assistant"):
             role = msg.get("role") if isinstance(msg, dict) else None
-            raise ApiError(400, f"{where}.role must be user, system or assistant, got {role!r}"
-                           + (" (tool responses are not supported)" if role == "ipython" else ""), param=where)
+            raise RequestError(f"{where}.role must be user, system or assistant, got {role!r}"
+                               + (" (tool responses are not supported)" if role == "ipython" else ""), where)
         reject_unknown(msg, MESSAGE_FIELDS)
         if msg.get("tool_calls"):
-            raise ApiError(400, f"{where}.tool_calls are not supported", param=f"{where}.tool_calls")
+            raise RequestError(f"{where}.tool_calls are not supported", f"{where}.tool_calls")
         text = _text(msg.get("content"), f"{where}.content")
         if msg.get("context") is not None:  # UserMessage.context: retrieved text shown with the question
             text = f"{text}\n\n{_text(msg['context'], f'{where}.context')}"

@@ -26,9 +26,9 @@ from typing import Any, Iterable, Iterator, Sequence
 
 from .config import ServerConfig
 from .engine_client import EngineClient, Session
-from .errors import ApiError
 from .messages import FinishReason, SamplingParams as EngineParams, TokenEvent, TokenLogprob
 from .openai_schema import COMPLETION_FIELDS, _messages, parse_completion
+from .request_errors import RateLimited, RequestError, Unavailable
 from .routes_openai import DEFAULT_MAX_TOKENS
 from .validation import check_fits
 
@@ -53,10 +53,10 @@ class EngineError(RuntimeError):
     """The engine cannot take or finish the request: closed, failed, or every row and queue place taken."""
 
 
-def _translate(err: ApiError) -> Exception:
-    if err.status in (400, 404, 413, 422):
-        return ParameterError(err.message, err.param)
-    return EngineError(err.message)
+def _translate(err: RequestError) -> Exception:
+    if isinstance(err, (Unavailable, RateLimited)):
+        return EngineError(err.message)
+    return ParameterError(err.message, err.field)
 
 
 class SamplingParams:
@@ -80,7 +80,7 @@ class SamplingParams:
         try:
             req = parse_completion({**self.params, "model": _MODEL, "prompt": [0] if prompt is None else prompt},
                                    vocab_size)
-        except ApiError as err:
+        except RequestError as err:
             raise _translate(err) from None
         return req.params, req.max_tokens, req.prompt_ids if req.prompt_ids is not None else req.prompt
 
@@ -363,7 +363,7 @@ class LLM:
                 raise EngineError("the LLM is closed")
             try:
                 session = self._client.submit(prompt_ids, engine_params)
-            except ApiError as err:
+            except RequestError as err:
                 raise _translate(err) from None
             queue = ResultQueue(self, session, engine_params.logprobs is not None)
             self._live[session.id] = queue
@@ -396,7 +396,7 @@ class LLM:
 
             try:
                 prompt_ids = tokenizer.encode_chat(list(_messages(prompt.messages)))
-            except ApiError as err:
+            except RequestError as err:
                 raise _translate(err) from None
             except TemplateError as err:
                 raise ParameterError(f"messages do not fit the model's chat template: {err}", "messages") from None
@@ -408,7 +408,7 @@ class LLM:
             max_tokens = max(1, min(DEFAULT_MAX_TOKENS, self.context_length - len(prompt_ids)))
         try:
             check_fits(len(prompt_ids), max_tokens, self.context_length)
-        except ApiError as err:
+        except RequestError as err:
             raise _translate(err) from None
         return prompt_ids, dataclasses.replace(engine_params, max_tokens=max_tokens)
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import DEFAULT_MAX_STOP_SEQUENCES
-from .errors import ApiError
 from .messages import SamplingParams
+from .request_errors import RequestError
 from .validation import (SEED_RANGE, boolean, number, only_default, penalties, reject_unknown, stop_list, string,
                          token_ids)
 
@@ -67,7 +67,7 @@ def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQ
     top = number(body, "top_logprobs", None, 0, 20, integer=True)
     want = boolean(body, "logprobs", False)
     if top is not None and not want:
-        raise ApiError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
+        raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     return _request(body, (top or 0) if want else None, field, vocab_size, max_stop, messages=messages)
 
@@ -77,11 +77,11 @@ def _request(body: dict, logprobs: int | None, max_field: str, vocab_size: int, 
     model = string(body, "model", required=True)
     n = body.get("n")
     if n is not None and (type(n) is not int or n != 1):
-        raise ApiError(400, f"n={n!r} is not supported: this server returns one choice per request (n must be 1)",
-                       param="n")
+        raise RequestError(f"n={n!r} is not supported: this server returns one choice per request (n must be 1)",
+                           "n")
     logit_bias = body.get("logit_bias")
     if logit_bias is not None and logit_bias != {}:
-        raise ApiError(400, "logit_bias is not supported by this server", param="logit_bias")
+        raise RequestError("logit_bias is not supported by this server", "logit_bias")
     stream = boolean(body, "stream", False)
     include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     boolean(body, "skip_special_tokens", True)  # accepted: special tokens are never shown
@@ -104,8 +104,8 @@ def _request(body: dict, logprobs: int | None, max_field: str, vocab_size: int, 
     )
     max_tokens = number(body, max_field, None, 1, 1 << 31, integer=True)
     if max_tokens is not None and params.min_tokens > max_tokens:
-        raise ApiError(400, f"min_tokens ({params.min_tokens}) must not exceed {max_field} ({max_tokens})",
-                       param="min_tokens")
+        raise RequestError(f"min_tokens ({params.min_tokens}) must not exceed {max_field} ({max_tokens})",
+                           "min_tokens")
     return OpenAIRequest(model=model, params=params, max_tokens=max_tokens, max_tokens_field=max_field,
                          stream=stream, include_usage=include_usage or continuous_usage,
                          continuous_usage=continuous_usage, **prompt)
@@ -116,9 +116,9 @@ def _stream_options(options, stream: bool) -> tuple[bool, bool]:
     if options is None:
         return False, False
     if not stream:
-        raise ApiError(400, "stream_options is only allowed when stream is true", param="stream_options")
+        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
     if not isinstance(options, dict):
-        raise ApiError(400, "stream_options must be an object", param="stream_options")
+        raise RequestError("stream_options must be an object", "stream_options")
     reject_unknown(options, {"include_usage", "include_obfuscation", "continuous_usage_stats"})
     boolean(options, "include_obfuscation", False)  # accepted; this server never pads chunks
     return boolean(options, "include_usage", False), boolean(options, "continuous_usage_stats", False)
@@ -130,38 +130,38 @@ def _prompt(prompt, vocab_size: int) -> tuple[str | None, tuple[int, ...] | None
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
-            raise ApiError(400, "prompt must not be empty", param="prompt")
+            raise RequestError("prompt must not be empty", "prompt")
         return prompt, None
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         if not all(0 <= t < vocab_size for t in prompt):
-            raise ApiError(400, f"prompt token ids must be in [0, {vocab_size})", param="prompt")
+            raise RequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
         return None, tuple(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
-        raise ApiError(400, "batched prompts are not supported: send one prompt (a string or a list of token ids) "
-                            "per request", param="prompt")
-    raise ApiError(400, "prompt is required: a non-empty string, a list of one string, or a list of token ids",
-                   param="prompt")
+        raise RequestError("batched prompts are not supported: send one prompt (a string or a list of token ids) "
+                           "per request", "prompt")
+    raise RequestError("prompt is required: a non-empty string, a list of one string, or a list of token ids",
+                       "prompt")
 
 
 def _messages(messages) -> tuple[dict, ...]:
     if not isinstance(messages, list) or not messages:
-        raise ApiError(400, "messages is required: a non-empty list of {role, content} objects", param="messages")
+        raise RequestError("messages is required: a non-empty list of {role, content} objects", "messages")
     out = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict):
-            raise ApiError(400, f"{where} must be an object with role and content", param=where)
+            raise RequestError(f"{where} must be an object with role and content", where)
         role = msg.get("role")
         if role not in ROLES:
-            raise ApiError(400, f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}"
-                           + (" (tool calling is not supported)" if role in ("tool", "function") else ""),
-                           param=f"{where}.role")
+            raise RequestError(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}"
+                               + (" (tool calling is not supported)" if role in ("tool", "function") else ""),
+                               f"{where}.role")
         unknown = sorted(set(msg) - _MESSAGE_FIELDS)
         if unknown:
-            raise ApiError(400, f"{where}: unknown field {unknown[0]!r}", param=f"{where}.{unknown[0]}")
+            raise RequestError(f"{where}: unknown field {unknown[0]!r}", f"{where}.{unknown[0]}")
         for name in ("tool_calls", "function_call", "audio"):
             if msg.get(name):
-                raise ApiError(400, f"{where}.{name} is not supported by this server", param=f"{where}.{name}")
+                raise RequestError(f"{where}.{name} is not supported by this server", f"{where}.{name}")
         string(msg, "name")  # accepted, not shown to the model
         out.append({"role": "system" if role == "developer" else role,
                     "content": _content(msg.get("content"), f"{where}.content")})
@@ -176,12 +176,12 @@ def _content(content, where: str) -> str:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else None
-                raise ApiError(400, f"{where}[{j}] must be {{\"type\": \"text\", \"text\": string}}"
-                               + (f"; {kind!r} parts are not supported" if kind and kind != "text" else ""),
-                               param=f"{where}[{j}]")
+                raise RequestError(f"{where}[{j}] must be {{\"type\": \"text\", \"text\": string}}"
+                                   + (f"; {kind!r} parts are not supported" if kind and kind != "text" else ""),
+                                   f"{where}[{j}]")
             texts.append(part["text"])
         return "\n".join(texts)
-    raise ApiError(400, f"{where} must be a string or a non-empty list of text parts", param=where)
+    raise RequestError(f"{where} must be a string or a non-empty list of text parts", where)
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ def openai_blueprint(serving: Serving) -> Blueprint:
         g.api = OPENAI
 
     def check_model(body: dict) -> None:
-        serving.check_model(string(body, "model", required=True), code="model_not_found")
+        serving.check_model(string(body, "model", required=True))
 
     def model_object() -> dict:
         return {"id": serving.model_name, "object": "model", "created": int(time.time()), "owned_by": "inference_api",
@@ -73,7 +73,7 @@ def tokenize_openai(serving: Serving, body: dict):
     """vLLM's POST /tokenize: ``prompt`` or ``messages`` into ``{count, max_model_len, tokens}``."""
     g.api = OPENAI
     if body.get("model") is not None:
-        serving.check_model(string(body, "model"), code="model_not_found")
+        serving.check_model(string(body, "model"))
     req = parse_tokenize(body)
     if req.messages is not None:
         ids = serving.encode_chat(list(req.messages))
@@ -89,6 +89,6 @@ def detokenize_openai(serving: Serving, body: dict):
     """vLLM's POST /detokenize: ``tokens`` into ``{prompt}``."""
     g.api = OPENAI
     if body.get("model") is not None:
-        serving.check_model(string(body, "model"), code="model_not_found")
+        serving.check_model(string(body, "model"))
     tokens = parse_detokenize(body, serving.ready().vocab_size)
     return jsonify(prompt=serving.tokenizer.decode(list(tokens)))

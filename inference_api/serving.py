@@ -17,10 +17,10 @@ from lifecycle.quota import TeamLimits
 
 from .config import ServerConfig
 from .engine_client import EngineClient
-from .errors import ApiError
 from .generation import Generation, all_events, collect
 from .messages import EngineReady, FinishReason, SamplingParams, TokenEvent
 from .preflight import Estimate
+from .request_errors import ModelNotFound, RateLimited, RequestError, Unavailable
 from .streaming import first_event, session_events
 from .tokenizer import Tokenizer
 from .validation import check_fits
@@ -39,7 +39,7 @@ class Run:
         return all_events(self.first, self.rest)
 
     def collect(self) -> Generation:
-        """The whole generation (a 503 ApiError if the engine fails on the way)."""
+        """The whole generation (Unavailable if the engine fails on the way)."""
         return collect(self.first, self.rest)
 
 
@@ -74,14 +74,14 @@ class Serving:
         request, and tokenizing a 1 MB body took over a second of the web worker's CPU."""
         limit = max(1 << 16, 16 * self.ready().context_length)
         if len(text) > limit:
-            raise ApiError(400, f"{name} is {len(text)} characters long; /tokenize takes at most {limit}", param=name)
+            raise RequestError(f"{name} is {len(text)} characters long; /tokenize takes at most {limit}", name)
         return text
 
-    def check_model(self, name: str, code: str | None = None) -> None:
-        """404 unless ``name`` is the served model (``code``: OpenAI's machine-readable error code)."""
+    def check_model(self, name: str) -> None:
+        """ModelNotFound unless ``name`` is the served model."""
         served = self.model_name
         if name != served:
-            raise ApiError(404, f"unknown model {name!r}; this server serves {served!r}", param="model", code=code)
+            raise ModelNotFound(f"unknown model {name!r}; this server serves {served!r}", "model")
 
     def encode_chat(self, messages: list[dict], field: str = "messages") -> list[int]:
         from jinja2 import TemplateError
@@ -89,15 +89,15 @@ class Serving:
         try:
             return self.tokenizer.encode_chat(messages)
         except TemplateError as err:  # e.g. a template that insists on alternating user/assistant turns
-            raise ApiError(400, f"messages do not fit the model's chat template: {err}", param=field) from None
+            raise RequestError(f"messages do not fit the model's chat template: {err}", field) from None
 
     def check_quota(self) -> None:
-        """429 while the request's team (the proxy's X-Team-Id) has generated its quota in the last minute."""
+        """RateLimited while the request's team (the proxy's X-Team-Id) has generated its quota in the last minute."""
         team = request.headers.get("X-Team-Id")
         wait = self.limits.check_tokens(team) if self.limits is not None else None
         if wait is not None:
-            raise ApiError(429, f"team {team!r} has generated its quota of {self.limits.tokens_per_minute} tokens in "
-                                f"the last minute; retry in {wait} s", retry_after=wait)
+            raise RateLimited(f"team {team!r} has generated its quota of {self.limits.tokens_per_minute} tokens in "
+                              f"the last minute; retry in {wait} s", retry_after=wait)
 
     # submission
     def start(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None, default_max: int,
@@ -105,12 +105,12 @@ class Serving:
         """Fill in max_tokens (``None``: as many as fit, at most ``default_max``), check that prompt and output
         fit the context, submit, and wait for the first event."""
         if self.draining:
-            raise ApiError(503, "server is shutting down; retry shortly (another instance takes over)",
-                           retry_after=RETRY_AFTER)
+            raise Unavailable("server is shutting down; retry shortly (another instance takes over)",
+                              retry_after=RETRY_AFTER)
         self.check_quota()
         context = self.ready().context_length
         if not prompt_ids:
-            raise ApiError(400, "the prompt is empty (no tokens)")
+            raise RequestError("the prompt is empty (no tokens)")
         if max_tokens is None:
             max_tokens = max(1, min(default_max, context - len(prompt_ids)))
         check_fits(len(prompt_ids), max_tokens, context, field)

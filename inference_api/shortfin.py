@@ -17,8 +17,8 @@ from typing import Iterator
 from flask import g, jsonify
 
 from .error_shapes import SHORTFIN
-from .errors import ApiError
 from .messages import SamplingParams, TokenEvent
+from .request_errors import RequestError
 from .serving import Serving, is_error
 from .sse import sse_response
 from .validation import boolean, number, only_default, reject_unknown, string, token_ids
@@ -51,16 +51,16 @@ def parse_shortfin(body: dict, vocab_size: int) -> ShortfinRequest:
     number(body, "top_logprobs_num", 0, 0, 20, integer=True)
     text, ids = body.get("text"), body.get("input_ids")
     if isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
-        raise ApiError(400, "batched prompts are not supported: send one text or one list of input_ids per request",
-                       param="text" if text is not None else "input_ids")
+        raise RequestError("batched prompts are not supported: send one text or one list of input_ids per request",
+                           "text" if text is not None else "input_ids")
     if (text is None) == (ids is None):
-        raise ApiError(400, "Either text or input_ids should be provided.", param="text")
+        raise RequestError("Either text or input_ids should be provided.", "text")
     sp = body.get("sampling_params")
     if isinstance(sp, list) and len(sp) == 1:
         sp = sp[0]
     sp = {} if sp is None else sp
     if not isinstance(sp, dict):
-        raise ApiError(400, "sampling_params must be an object", param="sampling_params")
+        raise RequestError("sampling_params must be an object", "sampling_params")
     reject_unknown(sp, SAMPLING_FIELDS)
     only_default(sp, "n", 1)
     only_default(sp, "num_beams", 1)
@@ -72,7 +72,7 @@ def parse_shortfin(body: dict, vocab_size: int) -> ShortfinRequest:
                             top_p=min(0.99, max(0.01, top_p)) if top_p is not None else 1.0)
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
-        raise ApiError(400, "rid must be a string", param="rid")
+        raise RequestError("rid must be a string", "rid")
     return ShortfinRequest(
         text=string(body, "text", required=True) if text is not None else None,
         input_ids=token_ids(body, "input_ids", vocab_size, required=True) if ids is not None else None,

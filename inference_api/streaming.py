@@ -7,8 +7,8 @@ import socket
 from typing import Iterator
 
 from .engine_client import EngineClient, Session
-from .errors import ApiError
 from .messages import FinishReason, TokenEvent
+from .request_errors import Unavailable
 
 SESSION_KEY = "inference_api.session"  # environ key: the request's engine session, read by the access log
 
@@ -50,5 +50,5 @@ def first_event(events: Iterator[TokenEvent]) -> TokenEvent | None:
     """Wait for the first event before sending headers, so an early failure can still get a proper status."""
     event = next(events, None)
     if event is not None and event.finish_reason is FinishReason.ERROR:
-        raise ApiError(503, event.error or "generation failed", retry_after=5)
+        raise Unavailable(event.error or "generation failed", retry_after=5)
     return event

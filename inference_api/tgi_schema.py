@@ -5,8 +5,8 @@ import random
 from dataclasses import dataclass
 
 from .config import DEFAULT_MAX_STOP_SEQUENCES
-from .errors import ApiError
 from .messages import SamplingParams
+from .request_errors import RequestError
 from .validation import boolean, number, only_default, reject_unknown, stop_list, string
 
 TGI_FIELDS = {"inputs", "parameters", "stream"}
@@ -40,7 +40,7 @@ def parse_tgi(body: dict, context_length: int, max_stop: int = DEFAULT_MAX_STOP_
     if p is None:
         p = {}
     if not isinstance(p, dict):
-        raise ApiError(400, "parameters must be an object", param="parameters")
+        raise RequestError("parameters must be an object", "parameters")
     reject_unknown(p, TGI_PARAMETERS)
     only_default(p, "watermark", False)
     only_default(p, "best_of", 1)

@@ -1,4 +1,4 @@
-"""Request validation: every bad field raises ApiError(400) naming the field and what it accepts."""
+"""Request validation: every bad field raises RequestError naming the field and what it accepts."""
 from __future__ import annotations
 
 import json
@@ -9,30 +9,30 @@ from typing import Any
 from flask import Request
 
 from .config import DEFAULT_MAX_STOP_SEQUENCES
-from .errors import ApiError
 from .messages import SamplingParams
+from .request_errors import RequestError
 
 
 def json_body(request: Request) -> dict:
     if request.mimetype != "application/json":
-        raise ApiError(400, f"Content-Type must be application/json, got {request.mimetype or 'none'!r}")
+        raise RequestError(f"Content-Type must be application/json, got {request.mimetype or 'none'!r}")
     data = request.get_data(cache=False)  # read (capped) by the app's admit step
     try:
         body = json.loads(data)
     except (ValueError, UnicodeDecodeError):
-        raise ApiError(400, "Malformed JSON request body") from None
+        raise RequestError("Malformed JSON request body") from None
     except RecursionError:  # "[" * 5000: nesting past the parser's depth
-        raise ApiError(400, "Malformed JSON request body: nested too deeply") from None
+        raise RequestError("Malformed JSON request body: nested too deeply") from None
     if not isinstance(body, dict):
-        raise ApiError(400, "request body must be a JSON object")
+        raise RequestError("request body must be a JSON object")
     return body
 
 
 def reject_unknown(body: dict, allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise ApiError(400, f"unknown field {unknown[0]!r}; accepted fields: {', '.join(sorted(allowed))}",
-                       param=unknown[0])
+        raise RequestError(f"unknown field {unknown[0]!r}; accepted fields: {', '.join(sorted(allowed))}",
+                           unknown[0])
 
 
 def number(body: dict, name: str, default: Any, lo: float, hi: float, *, integer: bool = False,
@@ -44,20 +44,20 @@ def number(body: dict, name: str, default: Any, lo: float, hi: float, *, integer
     bounds = f"{'(' if lo_open else '['}{lo:g}, {hi:g}]"
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise ApiError(400, f"{name} must be {kind} in {bounds}", param=name)
+        raise RequestError(f"{name} must be {kind} in {bounds}", name)
     try:
         text = value.strip() if isinstance(value, str) else ""
         parsed = value if not text else int(text) if integer and text.lstrip("+-").isdigit() else float(text)
     except ValueError:
-        raise ApiError(400, f"{name} must be {kind} in {bounds}, got {value!r}", param=name) from None
+        raise RequestError(f"{name} must be {kind} in {bounds}, got {value!r}", name) from None
     if isinstance(parsed, float) and not math.isfinite(parsed):
-        raise ApiError(400, f"{name} must be a finite number in {bounds}", param=name)
+        raise RequestError(f"{name} must be a finite number in {bounds}", name)
     if integer:
         if parsed != int(parsed):
-            raise ApiError(400, f"{name} must be {kind} in {bounds}, got {value!r}", param=name)
+            raise RequestError(f"{name} must be {kind} in {bounds}, got {value!r}", name)
         parsed = int(parsed)
     if parsed < lo or parsed > hi or (lo_open and parsed == lo):
-        raise ApiError(400, f"{name} must be {kind} in {bounds}, got {value!r}", param=name)
+        raise RequestError(f"{name} must be {kind} in {bounds}, got {value!r}", name)
     return parsed
 
 
@@ -66,7 +66,7 @@ def boolean(body: dict, name: str, default: bool) -> bool:
     if value is None:
         return default
     if not isinstance(value, bool):
-        raise ApiError(400, f"{name} must be true or false", param=name)
+        raise RequestError(f"{name} must be true or false", name)
     return value
 
 
@@ -74,10 +74,10 @@ def string(body: dict, name: str, *, required: bool = False, default: str | None
     value = body.get(name)
     if value is None:
         if required:
-            raise ApiError(400, f"{name} is required (a non-empty string)", param=name)
+            raise RequestError(f"{name} is required (a non-empty string)", name)
         return default
     if not isinstance(value, str) or (required and not value):
-        raise ApiError(400, f"{name} must be a non-empty string", param=name)
+        raise RequestError(f"{name} must be a non-empty string", name)
     return value
 
 
@@ -91,8 +91,8 @@ def stop_list(body: dict, name: str, max_items: int = 4) -> tuple[str, ...]:
     items = [value] if isinstance(value, str) else value
     if (not isinstance(items, list) or len(items) > max_items
             or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in items)):
-        raise ApiError(400, f"{name} must be a non-empty string or a list of up to {max_items} non-empty strings, "
-                            f"each at most {MAX_STOP_CHARS} characters", param=name)
+        raise RequestError(f"{name} must be a non-empty string or a list of up to {max_items} non-empty strings, "
+                           f"each at most {MAX_STOP_CHARS} characters", name)
     return tuple(items)
 
 
@@ -104,10 +104,10 @@ def token_ids(body: dict, name: str, vocab_size: int, *, required: bool = False,
         return ()
     if (not isinstance(value, list) or (required and not value)
             or not all(type(t) is int and 0 <= t < vocab_size for t in value)):
-        raise ApiError(400, f"{name} must be a {'non-empty ' if required else ''}list of token ids in "
-                            f"[0, {vocab_size})", param=name)
+        raise RequestError(f"{name} must be a {'non-empty ' if required else ''}list of token ids in "
+                           f"[0, {vocab_size})", name)
     if limit is not None and len(value) > limit:
-        raise ApiError(400, f"{name} takes at most {limit} token ids ({len(value)} given)", param=name)
+        raise RequestError(f"{name} takes at most {limit} token ids ({len(value)} given)", name)
     return tuple(value)
 
 
@@ -116,7 +116,7 @@ def only_default(body: dict, name: str, *neutral: Any) -> None:
     value = body.get(name)
     if value is None or any(type(value) is type(n) and value == n for n in neutral):
         return
-    raise ApiError(400, f"{name}={json.dumps(value)[:100]} is not supported by this server", param=name)
+    raise RequestError(f"{name}={json.dumps(value)[:100]} is not supported by this server", name)
 
 
 SEED_RANGE = (-(2**63), 2**64 - 1)
@@ -159,5 +159,5 @@ def parse_native(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> Nati
 
 def check_fits(prompt_tokens: int, max_tokens: int, context_length: int, field: str = "max_tokens") -> None:
     if prompt_tokens + max_tokens > context_length:
-        raise ApiError(400, f"prompt ({prompt_tokens} tokens) plus {field} ({max_tokens}) exceeds the context "
-                            f"length of {context_length} tokens", param=field)
+        raise RequestError(f"prompt ({prompt_tokens} tokens) plus {field} ({max_tokens}) exceeds the context "
+                           f"length of {context_length} tokens", field)

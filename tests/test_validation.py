@@ -1,7 +1,7 @@
 """Native request validation: a table of good and bad bodies."""
 import pytest
 
-from inference_api.errors import ApiError
+from inference_api.request_errors import RequestError
 from inference_api.validation import parse_native
 
 GOOD = [
@@ -66,7 +66,7 @@ BAD = [
 
 @pytest.mark.parametrize("body,field", BAD)
 def test_bad_bodies_name_the_field(body, field):
-    with pytest.raises(ApiError) as err:
+    with pytest.raises(RequestError) as err:
         parse_native(body)
-    assert err.value.status == 400
+    assert err.value.kind == "invalid"
     assert field in err.value.message

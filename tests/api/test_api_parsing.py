@@ -5,19 +5,19 @@ import json
 
 import pytest
 
-from inference_api.errors import ApiError
 from inference_api.messages import EngineReady, FinishReason, TokenEvent
 from inference_api.openai_responses import ChatFormat, stream_chunks
 from inference_api.openai_schema import parse_chat, parse_completion
+from inference_api.request_errors import RequestError
 from inference_api.tgi_schema import parse_tgi
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
 
 def rejects(parse, body: dict, param: str) -> str:
-    with pytest.raises(ApiError) as info:
+    with pytest.raises(RequestError) as info:
         parse(body)
-    assert info.value.status == 400 and info.value.param == param, info.value.message
+    assert info.value.kind == "invalid" and info.value.field == param, info.value.message
     return info.value.message
 
 

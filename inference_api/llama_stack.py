@@ -23,6 +23,7 @@ from flask import Blueprint, g, jsonify, request
 from .error_shapes import LLAMA_STACK
 from .messages import FinishReason, SamplingParams, TokenEvent, TokenLogprob
 from .openai_responses import visible
+from .prepare import Prompt
 from .request_errors import RequestError
 from .serving import Serving, is_error
 from .sse import sse, sse_response
@@ -35,7 +36,6 @@ COMPLETION_FIELDS = {"model", "content", "sampling_params", "stream", "logprobs"
 CHAT_FIELDS = {"model", "messages", "sampling_params", "stream", "logprobs", "response_format", "tools",
                "tool_choice", "tool_prompt_format"}
 MESSAGE_FIELDS = {"role", "content", "context", "stop_reason", "tool_calls"}
-DEFAULT_MAX_TOKENS = 1024  # max_tokens 0 (the default): as many as fit, at most this many
 
 
 @dataclass(frozen=True)
@@ -75,7 +75,7 @@ def _sampling(body: dict) -> tuple[SamplingParams, int | None]:
     params = SamplingParams(temperature=0.0 if greedy else temperature,
                             top_p=top_p if strategy == "top_p" else 1.0,
                             top_k=top_k if strategy == "top_k" else 0, repetition_penalty=repetition)
-    return params, max_tokens or None
+    return params, max_tokens or None  # 0 (the default): as many as fit, at most prepare's DEFAULT_MAX_TOKENS
 
 
 def _logprobs(body: dict) -> int | None:
@@ -146,15 +146,15 @@ def llama_stack_blueprint(serving: Serving) -> Blueprint:
     @bp.post("/inference/completion")
     def completion():
         req = parse_completion(json_body(request), serving)
-        return respond(req, serving.tokenizer.encode(req.content), chat=False)
+        return respond(req, Prompt(req.content), chat=False)
 
     @bp.post("/inference/chat_completion")
     def chat_completion():
         req = parse_chat(json_body(request), serving)
-        return respond(req, serving.encode_chat(list(req.messages)), chat=True)
+        return respond(req, Prompt(messages=req.messages), chat=True)
 
-    def respond(req: LlamaStackRequest, prompt_ids: list[int], chat: bool):
-        run = serving.start(prompt_ids, req.params, req.max_tokens, DEFAULT_MAX_TOKENS, "sampling_params.max_tokens")
+    def respond(req: LlamaStackRequest, prompt: Prompt, chat: bool):
+        run = serving.start(prompt, req.params, req.max_tokens, field="sampling_params.max_tokens")
         want = req.params.logprobs is not None
         if not req.stream:
             gen = run.collect()

@@ -8,13 +8,13 @@
             print(out.text, end="")
         print(llm.generate(["a", "b"], SamplingParams(temperature=0))[0].text)
 
-Requests go through the same ``EngineClient`` as the HTTP app; sampling parameters are checked by the
-same parser as ``/v1/completions`` (one validation), and a bad one raises ``ParameterError`` naming it.
+Requests go through the same ``EngineClient`` and the same preparation (``prepare``) as the HTTP app;
+sampling parameters and prompts are checked by the parsers of ``/v1/completions`` (one validation), and a bad
+one raises ``ParameterError`` naming it.
 """
 from __future__ import annotations
 
 import collections
-import dataclasses
 import enum
 import itertools
 import threading
@@ -27,18 +27,12 @@ from typing import Any, Iterable, Iterator, Sequence
 from .config import ServerConfig
 from .engine_client import EngineClient, Session
 from .messages import FinishReason, SamplingParams as EngineParams, TokenEvent, TokenLogprob
-from .openai_schema import COMPLETION_FIELDS, _messages, parse_completion
+from .openai_schema import (COMPLETION_SAMPLING_FIELDS as SAMPLING_FIELDS, completion_sampling, parse_messages,
+                            parse_prompt)
+from .prepare import Prompt, prepare
 from .request_errors import RateLimited, RequestError, Unavailable
-from .routes_openai import DEFAULT_MAX_TOKENS
-from .validation import check_fits
 
-# OpenAI completion fields that are about the HTTP request, not about sampling
-_NOT_SAMPLING = {"model", "prompt", "stream", "stream_options", "echo", "suffix", "user", "metadata", "store",
-                 "service_tier", "safety_identifier", "prompt_cache_key", "prompt_cache_retention",
-                 "parallel_tool_calls"}
-SAMPLING_FIELDS = frozenset(COMPLETION_FIELDS - _NOT_SAMPLING)
 _ANY_VOCAB = 1 << 31  # token-id checks need the model's vocabulary; they are made again at submission
-_MODEL = "offline"  # the OpenAI parser wants a model name; offline there is only one model
 
 
 class ParameterError(ValueError):
@@ -75,14 +69,12 @@ class SamplingParams:
         self.params = dict(params)
         self.resolve(_ANY_VOCAB)
 
-    def resolve(self, vocab_size: int, prompt: Any = None) -> tuple[EngineParams, int | None, Any]:
-        """(engine parameters, max_tokens or None, the prompt as parsed): the OpenAI parser, errors translated."""
+    def resolve(self, vocab_size: int) -> tuple[EngineParams, int | None]:
+        """(engine parameters, max_tokens or None): the OpenAI completions parser, errors translated."""
         try:
-            req = parse_completion({**self.params, "model": _MODEL, "prompt": [0] if prompt is None else prompt},
-                                   vocab_size)
+            return completion_sampling(self.params, vocab_size)
         except RequestError as err:
             raise _translate(err) from None
-        return req.params, req.max_tokens, req.prompt_ids if req.prompt_ids is not None else req.prompt
 
     def __repr__(self) -> str:
         return f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in self.params.items())})"
@@ -385,32 +377,21 @@ class LLM:
         return handle.queue.status
 
     def _prepare(self, prompt: Any, params: SamplingParams) -> tuple[list[int], EngineParams]:
-        tokenizer = self._client.tokenizer
+        """The HTTP APIs' preparation: the prompt parsed as /v1/completions parses it (a conversation as chat
+        messages), the parameters for this model's vocabulary, then ``prepare``."""
         if _is_conversation(prompt):
             prompt = Conversation(prompt)
-        conversation = isinstance(prompt, Conversation)
-        engine_params, max_tokens, parsed = params.resolve(
-            self.vocab_size, [0] if conversation else list(prompt) if isinstance(prompt, tuple) else prompt)
-        if conversation:
-            from jinja2 import TemplateError
-
-            try:
-                prompt_ids = tokenizer.encode_chat(list(_messages(prompt.messages)))
-            except RequestError as err:
-                raise _translate(err) from None
-            except TemplateError as err:
-                raise ParameterError(f"messages do not fit the model's chat template: {err}", "messages") from None
-        else:
-            prompt_ids = list(parsed) if isinstance(parsed, tuple) else tokenizer.encode(parsed)
-        if not prompt_ids:
-            raise ParameterError("the prompt is empty (no tokens)", "prompt")
-        if max_tokens is None:
-            max_tokens = max(1, min(DEFAULT_MAX_TOKENS, self.context_length - len(prompt_ids)))
         try:
-            check_fits(len(prompt_ids), max_tokens, self.context_length)
+            if isinstance(prompt, Conversation):
+                parsed = Prompt(messages=parse_messages(prompt.messages))
+            else:
+                text, ids = parse_prompt(list(prompt) if isinstance(prompt, tuple) else prompt, self.vocab_size)
+                parsed = Prompt(text=text, ids=ids)
+            engine_params, max_tokens = params.resolve(self.vocab_size)
+            return prepare(self._client.tokenizer, self.context_length, parsed, engine_params, max_tokens,
+                           prompt_field="prompt")
         except RequestError as err:
             raise _translate(err) from None
-        return prompt_ids, dataclasses.replace(engine_params, max_tokens=max_tokens)
 
     def _stop(self, queue: ResultQueue, message: str | None) -> None:
         if queue.ended:

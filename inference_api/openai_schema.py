@@ -2,6 +2,8 @@
 
 Fields the server implements are validated with their OpenAI ranges; fields it does not implement are
 accepted only at a value that changes nothing (``only_default``); anything else is a 400 naming the field.
+The offline ``SamplingParams`` are the completions API's sampling fields (``completion_sampling``), and its
+prompts are parsed as that API's (``parse_prompt``, ``parse_messages``).
 """
 from __future__ import annotations
 
@@ -20,8 +22,11 @@ _IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "p
 MAX_STOP_TOKEN_IDS = 1024  # each is checked against every token of the request
 VLLM_EXTRAS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
                "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "n",
-           "presence_penalty", "frequency_penalty", "logprobs", "logit_bias"} | VLLM_EXTRAS
+# what parse_sampling reads
+SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "stop", "seed", "n", "presence_penalty", "frequency_penalty",
+                   "logit_bias"} | VLLM_EXTRAS
+COMPLETION_SAMPLING_FIELDS = frozenset(SAMPLING_FIELDS | {"logprobs", "best_of"})  # what completion_sampling reads
+_COMMON = SAMPLING_FIELDS | {"model", "stream", "stream_options", "logprobs"}
 COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
                                     "tools", "tool_choice", "functions", "function_call", "modalities", "audio",
@@ -48,11 +53,18 @@ class OpenAIRequest:
 def parse_completion(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> OpenAIRequest:
     reject_unknown(body, COMPLETION_FIELDS)
     only_default(body, "echo", False)
-    only_default(body, "best_of", 1)
     only_default(body, "suffix", "")
-    prompt, prompt_ids = _prompt(body.get("prompt"), vocab_size)
+    prompt, prompt_ids = parse_prompt(body.get("prompt"), vocab_size)
+    params, max_tokens = completion_sampling(body, vocab_size, max_stop)
+    return _request(body, params, max_tokens, "max_tokens", prompt=prompt, prompt_ids=prompt_ids)
+
+
+def completion_sampling(body: dict, vocab_size: int,
+                        max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> tuple[SamplingParams, int | None]:
+    """The sampling fields of a /v1/completions body (``COMPLETION_SAMPLING_FIELDS``): (parameters, max_tokens)."""
+    only_default(body, "best_of", 1)
     logprobs = number(body, "logprobs", None, 0, 5, integer=True)
-    return _request(body, logprobs, "max_tokens", vocab_size, max_stop, prompt=prompt, prompt_ids=prompt_ids)
+    return parse_sampling(body, logprobs, "max_tokens", vocab_size, max_stop)
 
 
 def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> OpenAIRequest:
@@ -63,18 +75,29 @@ def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQ
     for name in ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options", "moderation",
                  "prompt_cache_options"):
         only_default(body, name)
-    messages = _messages(body.get("messages"))
+    messages = parse_messages(body.get("messages"))
     top = number(body, "top_logprobs", None, 0, 20, integer=True)
     want = boolean(body, "logprobs", False)
     if top is not None and not want:
         raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    return _request(body, (top or 0) if want else None, field, vocab_size, max_stop, messages=messages)
+    params, max_tokens = parse_sampling(body, (top or 0) if want else None, field, vocab_size, max_stop)
+    return _request(body, params, max_tokens, field, messages=messages)
 
 
-def _request(body: dict, logprobs: int | None, max_field: str, vocab_size: int, max_stop: int,
-             **prompt) -> OpenAIRequest:
+def _request(body: dict, params: SamplingParams, max_tokens: int | None, max_field: str, **prompt) -> OpenAIRequest:
     model = string(body, "model", required=True)
+    stream = boolean(body, "stream", False)
+    include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
+    return OpenAIRequest(model=model, params=params, max_tokens=max_tokens, max_tokens_field=max_field,
+                         stream=stream, include_usage=include_usage or continuous_usage,
+                         continuous_usage=continuous_usage, **prompt)
+
+
+def parse_sampling(body: dict, logprobs: int | None, max_field: str, vocab_size: int,
+                   max_stop: int) -> tuple[SamplingParams, int | None]:
+    """The sampling fields both endpoints share (``SAMPLING_FIELDS``, ``logprobs`` parsed by the endpoint):
+    (parameters, max_tokens from ``max_field``, None when absent)."""
     n = body.get("n")
     if n is not None and (type(n) is not int or n != 1):
         raise RequestError(f"n={n!r} is not supported: this server returns one choice per request (n must be 1)",
@@ -82,8 +105,6 @@ def _request(body: dict, logprobs: int | None, max_field: str, vocab_size: int, 
     logit_bias = body.get("logit_bias")
     if logit_bias is not None and logit_bias != {}:
         raise RequestError("logit_bias is not supported by this server", "logit_bias")
-    stream = boolean(body, "stream", False)
-    include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     boolean(body, "skip_special_tokens", True)  # accepted: special tokens are never shown
     boolean(body, "spaces_between_special_tokens", True)
     only_default(body, "include_stop_str_in_output", False)
@@ -106,9 +127,7 @@ def _request(body: dict, logprobs: int | None, max_field: str, vocab_size: int, 
     if max_tokens is not None and params.min_tokens > max_tokens:
         raise RequestError(f"min_tokens ({params.min_tokens}) must not exceed {max_field} ({max_tokens})",
                            "min_tokens")
-    return OpenAIRequest(model=model, params=params, max_tokens=max_tokens, max_tokens_field=max_field,
-                         stream=stream, include_usage=include_usage or continuous_usage,
-                         continuous_usage=continuous_usage, **prompt)
+    return params, max_tokens
 
 
 def _stream_options(options, stream: bool) -> tuple[bool, bool]:
@@ -124,8 +143,9 @@ def _stream_options(options, stream: bool) -> tuple[bool, bool]:
     return boolean(options, "include_usage", False), boolean(options, "continuous_usage_stats", False)
 
 
-def _prompt(prompt, vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]:
-    """A string, a list of one string, a list of token ids, or a list of one list of token ids."""
+def parse_prompt(prompt, vocab_size: int) -> tuple[str | None, tuple[int, ...] | None]:
+    """(text, token ids), one of them None: a string, a list of one string, a list of token ids, or a list of one
+    list of token ids."""
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]
     if isinstance(prompt, str):
@@ -143,7 +163,8 @@ def _prompt(prompt, vocab_size: int) -> tuple[str | None, tuple[int, ...] | None
                        "prompt")
 
 
-def _messages(messages) -> tuple[dict, ...]:
+def parse_messages(messages) -> tuple[dict, ...]:
+    """Chat messages as the template takes them: {role, content} with content a string."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages is required: a non-empty list of {role, content} objects", "messages")
     out = []
@@ -203,7 +224,7 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
     only_default(body, "continue_final_message", False)
     for name in ("chat_template", "chat_template_kwargs", "tools"):
         only_default(body, name)
-    messages = _messages(body["messages"]) if body.get("messages") is not None else None
+    messages = parse_messages(body["messages"]) if body.get("messages") is not None else None
     prompt = None if messages is not None else string(body, "prompt", required=True)
     return TokenizeRequest(prompt=prompt, messages=messages,
                            add_special_tokens=boolean(body, "add_special_tokens", messages is None),

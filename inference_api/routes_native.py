@@ -10,6 +10,7 @@ from lifecycle.drain import RETRY_AFTER
 
 from .error_shapes import NATIVE
 from .metrics import CONTENT_TYPE
+from .prepare import Prompt
 from .serving import Serving, is_error
 from .sse import sse_response
 from .validation import json_body, parse_native
@@ -31,10 +32,8 @@ def native_blueprint(serving: Serving) -> Blueprint:
         g.api = NATIVE  # /health and /metrics belong to no API family
         serving.check_model(model_name)
         req = parse_native(json_body(request), config.max_stop_sequences)
-        tokenizer = serving.tokenizer
-        prompt = [{"role": "user", "content": req.text}]
-        prompt_ids = serving.encode_chat(prompt, "text") if chat else tokenizer.encode(req.text)
-        run = serving.start(prompt_ids, req.params, req.params.max_tokens, req.params.max_tokens)
+        prompt = Prompt(messages=[{"role": "user", "content": req.text}], field="text") if chat else Prompt(req.text)
+        run = serving.start(prompt, req.params, req.params.max_tokens, req.params.max_tokens)
         prefix = req.text if req.return_prompt else ""
 
         if not req.stream:

@@ -9,13 +9,10 @@ from flask import Blueprint, g, jsonify, request
 from .error_shapes import OPENAI
 from .openai_responses import ChatFormat, CompletionFormat, stream_chunks
 from .openai_schema import OpenAIRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from .prepare import Prompt
 from .serving import Run, Serving
 from .sse import sse_response
 from .validation import json_body, string
-
-# max_tokens when the request has none: as many as fit in the context, at most this many
-DEFAULT_MAX_TOKENS = 1024
-
 
 def openai_blueprint(serving: Serving) -> Blueprint:
     api = Blueprint("openai", __name__)
@@ -47,8 +44,8 @@ def openai_blueprint(serving: Serving) -> Blueprint:
         check_model(body)
         ready = serving.ready()
         req = parse_completion(body, ready.vocab_size, max_stop)
-        prompt_ids = list(req.prompt_ids) if req.prompt_ids else serving.tokenizer.encode(req.prompt)
-        return respond(req, prompt_ids, CompletionFormat(ready, req.params.logprobs is not None))
+        prompt = Prompt(text=req.prompt, ids=req.prompt_ids)
+        return respond(req, prompt, CompletionFormat(ready, req.params.logprobs is not None))
 
     @api.post("/v1/chat/completions")
     def chat_completions():
@@ -56,11 +53,10 @@ def openai_blueprint(serving: Serving) -> Blueprint:
         check_model(body)
         ready = serving.ready()
         req = parse_chat(body, ready.vocab_size, max_stop)
-        prompt_ids = serving.encode_chat(list(req.messages))
-        return respond(req, prompt_ids, ChatFormat(ready, req.params.logprobs is not None))
+        return respond(req, Prompt(messages=req.messages), ChatFormat(ready, req.params.logprobs is not None))
 
-    def respond(req: OpenAIRequest, prompt_ids: list[int], fmt):
-        run: Run = serving.start(prompt_ids, req.params, req.max_tokens, DEFAULT_MAX_TOKENS, req.max_tokens_field)
+    def respond(req: OpenAIRequest, prompt: Prompt, fmt):
+        run: Run = serving.start(prompt, req.params, req.max_tokens, field=req.max_tokens_field)
         if not req.stream:
             return jsonify(fmt.response(run.collect(), run.prompt_tokens))
         return sse_response(stream_chunks(fmt, run.events(), run.prompt_tokens, req.include_usage,
@@ -76,7 +72,7 @@ def tokenize_openai(serving: Serving, body: dict):
         serving.check_model(string(body, "model"))
     req = parse_tokenize(body)
     if req.messages is not None:
-        ids = serving.encode_chat(list(req.messages))
+        ids = serving.encode(Prompt(messages=req.messages))
     else:
         ids = serving.tokenizer.encode(serving.tokenizable(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens)
     out = {"count": len(ids), "max_model_len": serving.ready().context_length, "tokens": ids}

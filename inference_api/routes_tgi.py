@@ -14,6 +14,7 @@ from flask import Blueprint, g, jsonify, request
 from .error_shapes import TGI, error_body
 from .generation import Generation
 from .messages import FinishReason, TokenEvent, TokenLogprob
+from .prepare import Prompt
 from .serving import Serving
 from .sse import sse, sse_response
 from .tgi_schema import DEFAULT_MAX_NEW_TOKENS, TgiRequest, parse_tgi
@@ -60,7 +61,8 @@ def generate_tgi(serving: Serving, body: dict, stream: bool | None):
     prompt_ids = serving.tokenizer.encode(req.inputs)
     if req.truncate is not None:
         prompt_ids = prompt_ids[-req.truncate:]
-    run = serving.start(prompt_ids, req.params, req.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, "max_new_tokens")
+    run = serving.start(Prompt(ids=prompt_ids), req.params, req.max_new_tokens, DEFAULT_MAX_NEW_TOKENS,
+                        "max_new_tokens")
     if stream is True or (stream is None and req.stream):
         return sse_response(_stream(req, run.events()))
     answer = _response(req, run.collect())

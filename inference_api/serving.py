@@ -1,12 +1,12 @@
 """The serving layer under every API (after vLLM's ``OpenAIServing``): readiness and the model check,
-the drain refusal, max-token defaults, the context-fit check, submission, and the event stream of one request.
+the drain refusal and the team quota, preparation (``prepare``: the prompt's tokens, max-token defaults, the
+context fit), submission, and the event stream of one request.
 
 Each API module is a parser (request body into the engine's ``SamplingParams``) and a formatter (events
 into its wire format); everything between the two lives here, once.
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -20,10 +20,10 @@ from .engine_client import EngineClient
 from .generation import Generation, all_events, collect
 from .messages import EngineReady, FinishReason, SamplingParams, TokenEvent
 from .preflight import Estimate
-from .request_errors import ModelNotFound, RateLimited, RequestError, Unavailable
+from .prepare import DEFAULT_MAX_TOKENS, Prompt, check_model, encode, engine_params
+from .request_errors import RateLimited, RequestError, Unavailable
 from .streaming import first_event, session_events
 from .tokenizer import Tokenizer
-from .validation import check_fits
 
 
 @dataclass
@@ -79,17 +79,10 @@ class Serving:
 
     def check_model(self, name: str) -> None:
         """ModelNotFound unless ``name`` is the served model."""
-        served = self.model_name
-        if name != served:
-            raise ModelNotFound(f"unknown model {name!r}; this server serves {served!r}", "model")
+        check_model(name, self.model_name)
 
-    def encode_chat(self, messages: list[dict], field: str = "messages") -> list[int]:
-        from jinja2 import TemplateError
-
-        try:
-            return self.tokenizer.encode_chat(messages)
-        except TemplateError as err:  # e.g. a template that insists on alternating user/assistant turns
-            raise RequestError(f"messages do not fit the model's chat template: {err}", field) from None
+    def encode(self, prompt: Prompt) -> list[int]:
+        return encode(self.tokenizer, prompt)
 
     def check_quota(self) -> None:
         """RateLimited while the request's team (the proxy's X-Team-Id) has generated its quota in the last minute."""
@@ -100,21 +93,19 @@ class Serving:
                               f"the last minute; retry in {wait} s", retry_after=wait)
 
     # submission
-    def start(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int | None, default_max: int,
-              field: str = "max_tokens") -> Run:
-        """Fill in max_tokens (``None``: as many as fit, at most ``default_max``), check that prompt and output
-        fit the context, submit, and wait for the first event."""
+    def start(self, prompt: Prompt, params: SamplingParams, max_tokens: int | None,
+              default_max: int = DEFAULT_MAX_TOKENS, field: str = "max_tokens") -> Run:
+        """Encode the prompt, refuse while draining or over the team's quota, prepare the engine's parameters
+        (``prepare.engine_params``: max_tokens filled in, the context fit), submit, and wait for the first
+        event."""
+        prompt_ids = self.encode(prompt)
         if self.draining:
             raise Unavailable("server is shutting down; retry shortly (another instance takes over)",
                               retry_after=RETRY_AFTER)
         self.check_quota()
-        context = self.ready().context_length
-        if not prompt_ids:
-            raise RequestError("the prompt is empty (no tokens)")
-        if max_tokens is None:
-            max_tokens = max(1, min(default_max, context - len(prompt_ids)))
-        check_fits(len(prompt_ids), max_tokens, context, field)
-        session = self.client.submit(prompt_ids, dataclasses.replace(params, max_tokens=max_tokens))
+        params = engine_params(prompt_ids, params, max_tokens, self.ready().context_length, default_max=default_max,
+                               field=field)
+        session = self.client.submit(prompt_ids, params)
         events = session_events(self.client, session, request.environ)
         return Run(len(prompt_ids), first_event(events), events)
 

@@ -18,6 +18,7 @@ from flask import g, jsonify
 
 from .error_shapes import SHORTFIN
 from .messages import SamplingParams, TokenEvent
+from .prepare import Prompt
 from .request_errors import RequestError
 from .serving import Serving, is_error
 from .sse import sse_response
@@ -86,9 +87,8 @@ def parse_shortfin(body: dict, vocab_size: int) -> ShortfinRequest:
 def generate_shortfin(serving: Serving, body: dict):
     g.api = SHORTFIN
     req = parse_shortfin(body, serving.ready().vocab_size)
-    prompt_ids = list(req.input_ids) if req.input_ids is not None else serving.tokenizer.encode(req.text)
-    run = serving.start(prompt_ids, req.params, req.max_completion_tokens, req.max_completion_tokens,
-                        "max_completion_tokens")
+    run = serving.start(Prompt(text=req.text, ids=req.input_ids), req.params, req.max_completion_tokens,
+                        req.max_completion_tokens, "max_completion_tokens")
     if req.stream:
         return sse_response(_stream(req, run.events()))
     gen = run.collect()

@@ -156,8 +156,3 @@ def parse_native(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> Nati
     return NativeRequest(text=string(body, "text", required=True), params=params,
                          return_prompt=boolean(body, "return_prompt", False), stream=boolean(body, "stream", True))
 
-
-def check_fits(prompt_tokens: int, max_tokens: int, context_length: int, field: str = "max_tokens") -> None:
-    if prompt_tokens + max_tokens > context_length:
-        raise RequestError(f"prompt ({prompt_tokens} tokens) plus {field} ({max_tokens}) exceeds the context "
-                           f"length of {context_length} tokens", field)

@@ -1,0 +1,75 @@
+"""Request preparation, with no transport: the step between a parsed request and the engine, the same for every
+HTTP dialect (through ``Serving``) and for the offline ``LLM``.
+
+A dialect's parser gives sampling parameters, a prompt (``Prompt``: text, token ids or chat messages) and
+``max_tokens`` (None: as many as fit); here the prompt becomes token ids (``encode``), ``max_tokens`` gets its
+default, the prompt and the output must fit the context, and the engine's ``SamplingParams`` are built
+(``engine_params``); ``prepare`` does both. Everything wrong raises ``request_errors``' plain errors.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+from .messages import SamplingParams
+from .request_errors import ModelNotFound, RequestError
+from .tokenizer import Tokenizer
+
+# max_tokens when the request has none (OpenAI, llama-stack, the offline API): as many as fit, at most this many
+DEFAULT_MAX_TOKENS = 1024
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What the model continues: token ids as given, text to encode, or messages for the chat template."""
+
+    text: str | None = None
+    ids: Sequence[int] | None = None
+    messages: Sequence[dict] | None = None
+    field: str = "messages"  # the request field a chat template's refusal names
+
+
+def check_model(name: str, served: str) -> None:
+    """ModelNotFound unless ``name`` is the served model."""
+    if name != served:
+        raise ModelNotFound(f"unknown model {name!r}; this server serves {served!r}", "model")
+
+
+def encode(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
+    """The prompt's token ids."""
+    if prompt.ids is not None:
+        return list(prompt.ids)
+    if prompt.messages is None:
+        return tokenizer.encode(prompt.text)
+    from jinja2 import TemplateError
+
+    try:
+        return tokenizer.encode_chat(list(prompt.messages))
+    except TemplateError as err:  # e.g. a template that insists on alternating user/assistant turns
+        raise RequestError(f"messages do not fit the model's chat template: {err}", prompt.field) from None
+
+
+def engine_params(prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None, context_length: int, *,
+                  default_max: int = DEFAULT_MAX_TOKENS, field: str = "max_tokens",
+                  prompt_field: str | None = None) -> SamplingParams:
+    """``params`` with max_tokens filled in (None: as many as fit, at most ``default_max``), once the prompt and
+    the output are known to fit the context. ``field``: the request's name for max_tokens; ``prompt_field``: the
+    field an empty prompt's error names (the HTTP APIs name none)."""
+    if not prompt_ids:
+        raise RequestError("the prompt is empty (no tokens)", prompt_field)
+    if max_tokens is None:
+        max_tokens = max(1, min(default_max, context_length - len(prompt_ids)))
+    if len(prompt_ids) + max_tokens > context_length:
+        raise RequestError(f"prompt ({len(prompt_ids)} tokens) plus {field} ({max_tokens}) exceeds the context "
+                           f"length of {context_length} tokens", field)
+    return dataclasses.replace(params, max_tokens=max_tokens)
+
+
+def prepare(tokenizer: Tokenizer, context_length: int, prompt: Prompt, params: SamplingParams,
+            max_tokens: int | None, *, default_max: int = DEFAULT_MAX_TOKENS, field: str = "max_tokens",
+            prompt_field: str | None = None) -> tuple[list[int], SamplingParams]:
+    """(prompt ids, engine parameters): ``encode``, then ``engine_params``."""
+    prompt_ids = encode(tokenizer, prompt)
+    return prompt_ids, engine_params(prompt_ids, params, max_tokens, context_length, default_max=default_max,
+                                     field=field, prompt_field=prompt_field)

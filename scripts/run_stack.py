@@ -116,6 +116,9 @@ def main() -> int:
                     p.kill()
 
     signal.signal(signal.SIGTERM, lambda *_: (stop(), sys.exit(0)))
+    # Ctrl-C drains and stops the stack even when started where SIGINT is ignored (a background job of a
+    # script: `cmd &` in a non-interactive shell starts it with SIGINT ignored, and Python then keeps it so)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         health = wait_ready(server_url, procs, args.ready_timeout)
         wait_ready(f"http://127.0.0.1:{args.proxy_port}", procs, 60)

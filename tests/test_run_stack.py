@@ -27,7 +27,9 @@ def stack(tmp_path):
                              "--proxy-port", str(proxy_port), "--proxy-host", "127.0.0.1", "--env-file", str(env_file),
                              "--mock", "--rows", "4"],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            # as a script's background job starts it (`cmd &` ignores SIGINT), whatever runs the tests
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     # the stack's output is read to its end on a thread: a pipe nobody reads fills up (64 KiB of logs) and
     # blocks the children's writes, so they could never finish their drain
     lines, ready = [], threading.Event()

@@ -16,14 +16,14 @@ from lifecycle.internal import INTERNAL_HEADER
 from lifecycle.quota import Store, TeamLimits
 
 from .config import ServerConfig
+from .dialects.llama_stack.routes import llama_stack_blueprint
+from .dialects.native.routes import health_blueprint, native_blueprint
+from .dialects.openai.routes import openai_blueprint
+from .dialects.shared import shared_blueprint
+from .dialects.tgi.routes import tgi_blueprint
 from .engine_client import EngineClient, Session
 from .errors import ApiError, error_response, register_error_handlers, request_api
-from .llama_stack import llama_stack_blueprint
 from .preflight import Estimate
-from .routes_native import native_blueprint
-from .routes_openai import openai_blueprint
-from .routes_shared import shared_blueprint
-from .routes_tgi import tgi_blueprint
 from .serving import Serving
 from .streaming import SESSION_KEY
 
@@ -103,6 +103,7 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
     serving = Serving(client, config, drain, estimate, limits)
     # /inference/completion and /inference/chat_completion (llama-stack) are fixed paths: they win over the
     # native API's /inference/<path:model>
-    for blueprint in (llama_stack_blueprint, native_blueprint, openai_blueprint, tgi_blueprint, shared_blueprint):
+    for blueprint in (llama_stack_blueprint, native_blueprint, health_blueprint, openai_blueprint, tgi_blueprint,
+                      shared_blueprint):
         app.register_blueprint(blueprint(serving))
     return app

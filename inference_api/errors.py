@@ -3,8 +3,8 @@ never HTML.
 
 Everything below the routes raises the transport-free errors of ``request_errors``; this module alone gives
 each its status code (``STATUS``, by kind). The body's shape is the API family's (``error_shapes``): the family
-of the handling route, set by its blueprint (or by a route that tells dialects apart by the body); for unrouted
-paths, the family the path belongs to.
+of the handling route, fixed where its routes are registered (``answer_as``: the dialect's blueprint, or the
+route that tells dialects apart by the body); for unrouted paths, the family the path belongs to.
 """
 from __future__ import annotations
 
@@ -37,6 +37,11 @@ class ApiError(Exception):
     @classmethod
     def of(cls, err: RequestError) -> "ApiError":
         return cls(STATUS[err.kind], err.message, param=err.field, retry_after=err.retry_after, code=err.code)
+
+
+def answer_as(api: str) -> None:
+    """Fix the API family of the current request: the shape of its errors and its label in the metrics."""
+    g.api = api
 
 
 def request_api() -> str:

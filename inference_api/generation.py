@@ -19,6 +19,10 @@ class Generation:
     cached_tokens: int = 0
 
 
+def is_error(event: TokenEvent) -> bool:
+    return event.finish_reason is FinishReason.ERROR
+
+
 def all_events(first: TokenEvent | None, events: Iterator[TokenEvent]) -> Iterator[TokenEvent]:
     """The events again, the one ``first_event`` took included."""
     return itertools.chain([first] if first is not None else [], events)

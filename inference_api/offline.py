@@ -25,10 +25,10 @@ from queue import Empty
 from typing import Any, Iterable, Iterator, Sequence
 
 from .config import ServerConfig
+from .dialects.openai.protocol import (COMPLETION_SAMPLING_FIELDS as SAMPLING_FIELDS, completion_sampling,
+                                      parse_messages, parse_prompt)
 from .engine_client import EngineClient, Session
 from .messages import FinishReason, SamplingParams as EngineParams, TokenEvent, TokenLogprob
-from .openai_schema import (COMPLETION_SAMPLING_FIELDS as SAMPLING_FIELDS, completion_sampling, parse_messages,
-                            parse_prompt)
 from .prepare import Prompt, prepare
 from .request_errors import RateLimited, RequestError, Unavailable
 

@@ -18,7 +18,7 @@ from lifecycle.quota import TeamLimits
 from .config import ServerConfig
 from .engine_client import EngineClient
 from .generation import Generation, all_events, collect
-from .messages import EngineReady, FinishReason, SamplingParams, TokenEvent
+from .messages import EngineReady, SamplingParams, TokenEvent
 from .preflight import Estimate
 from .prepare import DEFAULT_MAX_TOKENS, Prompt, check_model, encode, engine_params
 from .request_errors import RateLimited, RequestError, Unavailable
@@ -108,7 +108,3 @@ class Serving:
         session = self.client.submit(prompt_ids, params)
         events = session_events(self.client, session, request.environ)
         return Run(len(prompt_ids), first_event(events), events)
-
-
-def is_error(event: TokenEvent) -> bool:
-    return event.finish_reason is FinishReason.ERROR

@@ -1,31 +1,12 @@
-"""Request validation: every bad field raises RequestError naming the field and what it accepts."""
+"""Field validation for every dialect's parser (no transport): each bad field raises RequestError naming the
+field and what it accepts."""
 from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from typing import Any
 
-from flask import Request
-
-from .config import DEFAULT_MAX_STOP_SEQUENCES
-from .messages import SamplingParams
 from .request_errors import RequestError
-
-
-def json_body(request: Request) -> dict:
-    if request.mimetype != "application/json":
-        raise RequestError(f"Content-Type must be application/json, got {request.mimetype or 'none'!r}")
-    data = request.get_data(cache=False)  # read (capped) by the app's admit step
-    try:
-        body = json.loads(data)
-    except (ValueError, UnicodeDecodeError):
-        raise RequestError("Malformed JSON request body") from None
-    except RecursionError:  # "[" * 5000: nesting past the parser's depth
-        raise RequestError("Malformed JSON request body: nested too deeply") from None
-    if not isinstance(body, dict):
-        raise RequestError("request body must be a JSON object")
-    return body
 
 
 def reject_unknown(body: dict, allowed: set[str]) -> None:
@@ -128,31 +109,3 @@ def penalties(body: dict, presence: str = "presence_penalty", frequency: str = "
     return {"presence_penalty": number(body, presence, 0.0, -2, 2),
             "frequency_penalty": number(body, frequency, 0.0, -2, 2),
             "repetition_penalty": number(body, repetition, 1.0, 0, 10, lo_open=True)}
-
-
-NATIVE_FIELDS = {"text", "temperature", "top_k", "top_p", "max_tokens", "stop_sequence", "return_prompt", "seed",
-                 "stream", "session_id", "presence_penalty", "frequency_penalty", "repetition_penalty"}
-
-
-@dataclass(frozen=True)
-class NativeRequest:
-    text: str
-    params: SamplingParams
-    return_prompt: bool
-    stream: bool
-
-
-def parse_native(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> NativeRequest:
-    reject_unknown(body, NATIVE_FIELDS)
-    params = SamplingParams(
-        temperature=number(body, "temperature", 1.0, 0, 100),
-        top_k=number(body, "top_k", 10, 1, 1000, integer=True),
-        top_p=number(body, "top_p", 0.9, 0, 1, lo_open=True),
-        max_tokens=number(body, "max_tokens", 128, 1, 2048, integer=True),
-        stop=stop_list(body, "stop_sequence", max_stop),
-        seed=number(body, "seed", None, *SEED_RANGE, integer=True),
-        **penalties(body),
-    )
-    return NativeRequest(text=string(body, "text", required=True), params=params,
-                         return_prompt=boolean(body, "return_prompt", False), stream=boolean(body, "stream", True))
-

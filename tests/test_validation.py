@@ -1,8 +1,8 @@
 """Native request validation: a table of good and bad bodies."""
 import pytest
 
+from inference_api.dialects.native.protocol import parse_native
 from inference_api.request_errors import RequestError
-from inference_api.validation import parse_native
 
 GOOD = [
     ({"text": "hi"}, dict(temperature=1.0, top_k=10, top_p=0.9, max_tokens=128, stop=(), seed=None)),

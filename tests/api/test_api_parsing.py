@@ -5,11 +5,11 @@ import json
 
 import pytest
 
+from inference_api.dialects.openai.format import ChatFormat, stream_chunks
+from inference_api.dialects.openai.protocol import parse_chat, parse_completion
+from inference_api.dialects.tgi.protocol import parse_tgi
 from inference_api.messages import EngineReady, FinishReason, TokenEvent
-from inference_api.openai_responses import ChatFormat, stream_chunks
-from inference_api.openai_schema import parse_chat, parse_completion
 from inference_api.request_errors import RequestError
-from inference_api.tgi_schema import parse_tgi
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import DEFAULT_MAX_STOP_SEQUENCES
-from .messages import SamplingParams
-from .request_errors import RequestError
-from .validation import (SEED_RANGE, boolean, number, only_default, penalties, reject_unknown, stop_list, string,
-                         token_ids)
+from ...config import DEFAULT_MAX_STOP_SEQUENCES
+from ...messages import SamplingParams
+from ...request_errors import RequestError
+from ...validation import (SEED_RANGE, boolean, number, only_default, penalties, reject_unknown, stop_list,
+                           string, token_ids)
 
 # sent by clients, harmless to ignore: they do not change what the model generates
 _IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",

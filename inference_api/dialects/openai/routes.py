@@ -1,26 +1,23 @@
 """The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions, and vLLM's /tokenize and
-/detokenize (the /tokenize body with ``inputs`` is TGI's, answered by the TGI module)."""
+/detokenize (a /tokenize body with ``inputs`` is TGI's: ``dialects.shared`` tells them apart)."""
 from __future__ import annotations
 
 import time
 
-from flask import Blueprint, g, jsonify, request
+from flask import Blueprint, jsonify, request
 
-from .error_shapes import OPENAI
-from .openai_responses import ChatFormat, CompletionFormat, stream_chunks
-from .openai_schema import OpenAIRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize
-from .prepare import Prompt
-from .serving import Run, Serving
-from .sse import sse_response
-from .validation import json_body, string
+from ...error_shapes import OPENAI
+from ...prepare import Prompt
+from ...serving import Run, Serving
+from ...validation import string
+from ..http import family_blueprint, json_body, sse_response
+from .format import ChatFormat, CompletionFormat, stream_chunks
+from .protocol import OpenAIRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+
 
 def openai_blueprint(serving: Serving) -> Blueprint:
-    api = Blueprint("openai", __name__)
+    api = family_blueprint("openai", OPENAI)
     max_stop = serving.config.max_stop_sequences
-
-    @api.before_request
-    def family() -> None:
-        g.api = OPENAI
 
     def check_model(body: dict) -> None:
         serving.check_model(string(body, "model", required=True))
@@ -62,12 +59,20 @@ def openai_blueprint(serving: Serving) -> Blueprint:
         return sse_response(stream_chunks(fmt, run.events(), run.prompt_tokens, req.include_usage,
                                           req.continuous_usage))
 
+    @api.post("/detokenize")
+    def detokenize():
+        """vLLM's POST /detokenize: ``tokens`` into ``{prompt}``."""
+        body = json_body(request)
+        if body.get("model") is not None:
+            serving.check_model(string(body, "model"))
+        tokens = parse_detokenize(body, serving.ready().vocab_size)
+        return jsonify(prompt=serving.tokenizer.decode(list(tokens)))
+
     return api
 
 
 def tokenize_openai(serving: Serving, body: dict):
     """vLLM's POST /tokenize: ``prompt`` or ``messages`` into ``{count, max_model_len, tokens}``."""
-    g.api = OPENAI
     if body.get("model") is not None:
         serving.check_model(string(body, "model"))
     req = parse_tokenize(body)
@@ -79,12 +84,3 @@ def tokenize_openai(serving: Serving, body: dict):
     if req.return_token_strs:
         out["token_strs"] = [serving.tokenizer.decode([t]) for t in ids]
     return jsonify(out)
-
-
-def detokenize_openai(serving: Serving, body: dict):
-    """vLLM's POST /detokenize: ``tokens`` into ``{prompt}``."""
-    g.api = OPENAI
-    if body.get("model") is not None:
-        serving.check_model(string(body, "model"))
-    tokens = parse_detokenize(body, serving.ready().vocab_size)
-    return jsonify(prompt=serving.tokenizer.decode(list(tokens)))

@@ -4,20 +4,21 @@ Model names may contain ``/`` (hub ids such as ``org/name``): the routes take th
 """
 from __future__ import annotations
 
-from flask import Blueprint, Response, g, jsonify, request
+from flask import Blueprint, Response, jsonify, request
 
 from lifecycle.drain import RETRY_AFTER
 
-from .error_shapes import NATIVE
-from .metrics import CONTENT_TYPE
-from .prepare import Prompt
-from .serving import Serving, is_error
-from .sse import sse_response
-from .validation import json_body, parse_native
+from ...error_shapes import NATIVE, OTHER
+from ...metrics import CONTENT_TYPE
+from ...prepare import Prompt
+from ...serving import Serving
+from ..http import family_blueprint, json_body, sse_response
+from .format import answer, text_stream
+from .protocol import parse_native
 
 
 def native_blueprint(serving: Serving) -> Blueprint:
-    native = Blueprint("native", __name__)
+    native = family_blueprint("native", NATIVE)
     config = serving.config
 
     @native.post("/inference/<path:model_name>")
@@ -29,30 +30,24 @@ def native_blueprint(serving: Serving) -> Blueprint:
         return generate(model_name, chat=True)
 
     def generate(model_name: str, chat: bool):
-        g.api = NATIVE  # /health and /metrics belong to no API family
         serving.check_model(model_name)
         req = parse_native(json_body(request), config.max_stop_sequences)
         prompt = Prompt(messages=[{"role": "user", "content": req.text}], field="text") if chat else Prompt(req.text)
         run = serving.start(prompt, req.params, req.params.max_tokens, req.params.max_tokens)
         prefix = req.text if req.return_prompt else ""
-
         if not req.stream:
-            gen = run.collect()
-            return jsonify(text=prefix + gen.text, finish_reason=gen.finish_reason.value if gen.finish_reason else None,
-                           prompt_tokens=run.prompt_tokens, completion_tokens=gen.completion_tokens)
+            return jsonify(answer(prefix, run.collect(), run.prompt_tokens))
+        return sse_response(text_stream(prefix, run.events()), "text/plain")
 
-        def body():
-            if prefix:
-                yield prefix.encode()
-            for event in run.events():
-                if is_error(event):
-                    raise RuntimeError(event.error)  # cut the chunked stream: the client sees an incomplete response
-                if event.text:
-                    yield event.text.encode()
+    return native
 
-        return sse_response(body(), "text/plain")
 
-    @native.get("/health")
+def health_blueprint(serving: Serving) -> Blueprint:
+    """/health and /metrics, which serve every dialect and belong to no API family."""
+    server = family_blueprint("health", OTHER)
+    config = serving.config
+
+    @server.get("/health")
     def health():
         """200 only while serving; 503 while loading, restarting the engine, draining or failed."""
         client = serving.client
@@ -79,9 +74,9 @@ def native_blueprint(serving: Serving) -> Blueprint:
             response.headers["Retry-After"] = str(RETRY_AFTER)
         return response
 
-    @native.get("/metrics")
+    @server.get("/metrics")
     def metrics():
         """Prometheus text format: requests, tokens, latency histograms, rows and queue."""
         return Response(serving.client.metrics.exposition(), content_type=CONTENT_TYPE)
 
-    return native
+    return server

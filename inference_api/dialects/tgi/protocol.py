@@ -4,10 +4,10 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from .config import DEFAULT_MAX_STOP_SEQUENCES
-from .messages import SamplingParams
-from .request_errors import RequestError
-from .validation import boolean, number, only_default, reject_unknown, stop_list, string
+from ...config import DEFAULT_MAX_STOP_SEQUENCES
+from ...messages import SamplingParams
+from ...request_errors import RequestError
+from ...validation import boolean, number, only_default, reject_unknown, stop_list, string
 
 TGI_FIELDS = {"inputs", "parameters", "stream"}
 # every field text-generation 0.7's Parameters model serialises

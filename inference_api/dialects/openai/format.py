@@ -6,10 +6,10 @@ import time
 import uuid
 from typing import Iterator
 
-from .error_shapes import OPENAI, error_body
-from .generation import Generation
-from .messages import EngineReady, FinishReason, TokenEvent, TokenLogprob
-from .sse import sse
+from ...error_shapes import OPENAI, error_body
+from ...generation import Generation
+from ...messages import EngineReady, FinishReason, TokenEvent, TokenLogprob
+from ...sse import sse
 
 FINISH = {FinishReason.STOP: "stop", FinishReason.EOS: "stop", FinishReason.LENGTH: "length"}
 

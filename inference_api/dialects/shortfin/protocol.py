@@ -1,28 +1,12 @@
-"""shortfin's LLM server dialect (``shortfin_apps.llm``): POST /generate with ``text`` or ``input_ids``.
-
-Request and answer follow shortfin's own structs (``components/io_struct.py``): ``GenerateReqInput`` with
-``sampling_params`` (``SamplingParams``: ``n``, ``max_completion_tokens`` (50), ``temperature`` (1.0, clamped to
-[0.1, 2.0]), ``top_k``, ``top_p`` (clamped to [0.01, 0.99]), ``num_beams``). As in shortfin, decoding is
-greedy unless ``top_k`` or ``top_p`` is given. The answer is ``GenerateReqOutput``:
-``{"responses": [{"prompt": text, "responses": [{"text": ...}]}]}``, or the generated token ids when
-``return_input_ids`` is true; a stream is ``data(<rid>): <text>`` events ending with ``data: [DONE]``.
-Errors are ``{"error": message, "code": "INVALID_REQUEST_ARGS" | "QUEUE_FULL" | ...}``.
-"""
+"""shortfin request parsing: ``GenerateReqInput`` with its ``sampling_params`` (shapes: ``routes``)."""
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass
-from typing import Iterator
 
-from flask import g, jsonify
-
-from .error_shapes import SHORTFIN
-from .messages import SamplingParams, TokenEvent
-from .prepare import Prompt
-from .request_errors import RequestError
-from .serving import Serving, is_error
-from .sse import sse_response
-from .validation import boolean, number, only_default, reject_unknown, string, token_ids
+from ...messages import SamplingParams
+from ...request_errors import RequestError
+from ...validation import boolean, number, only_default, reject_unknown, string, token_ids
 
 FIELDS = {"text", "input_ids", "image_data", "sampling_params", "rid", "return_input_ids", "return_logprob",
           "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs", "stream", "modalities", "is_single"}
@@ -82,28 +66,3 @@ def parse_shortfin(body: dict, vocab_size: int) -> ShortfinRequest:
                                      integer=True),
         rid=rid or uuid.uuid4().hex, return_input_ids=boolean(body, "return_input_ids", False),
         stream=boolean(body, "stream", False))
-
-
-def generate_shortfin(serving: Serving, body: dict):
-    g.api = SHORTFIN
-    req = parse_shortfin(body, serving.ready().vocab_size)
-    run = serving.start(Prompt(text=req.text, ids=req.input_ids), req.params, req.max_completion_tokens,
-                        req.max_completion_tokens, "max_completion_tokens")
-    if req.stream:
-        return sse_response(_stream(req, run.events()))
-    gen = run.collect()
-    if req.return_input_ids:
-        return jsonify(gen.token_ids)
-    return jsonify(responses=[{"prompt": req.text, "responses": [{"text": gen.text}]}])
-
-
-def _stream(req: ShortfinRequest, events: Iterator[TokenEvent]) -> Iterator[bytes]:
-    for event in events:
-        if is_error(event):
-            raise RuntimeError(event.error)  # cut the stream: shortfin has no in-band error event
-        if req.return_input_ids:
-            for token in event.token_ids:
-                yield f"data({req.rid}): {token}\n\n".encode()
-        elif event.text:
-            yield f"data({req.rid}): {event.text}\n\n".encode()
-    yield b"data: [DONE]\n\n"

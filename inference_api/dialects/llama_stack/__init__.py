@@ -1,0 +1,1 @@
+"""llama-stack's inference API (0.0.x)."""

@@ -1,0 +1,114 @@
+"""llama-stack request parsing: the bodies of /inference/completion and /inference/chat_completion (their
+shapes: ``routes``). The model check is the caller's (``check_model``), made once the body's field names are
+known good and before their values are checked.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Callable
+
+from ...messages import SamplingParams
+from ...request_errors import RequestError
+from ...validation import boolean, number, only_default, reject_unknown, string
+
+STRATEGIES = ("greedy", "top_p", "top_k")
+SAMPLING_FIELDS = {"strategy", "temperature", "top_p", "top_k", "max_tokens", "repetition_penalty"}
+COMPLETION_FIELDS = {"model", "content", "sampling_params", "stream", "logprobs", "response_format"}
+CHAT_FIELDS = {"model", "messages", "sampling_params", "stream", "logprobs", "response_format", "tools",
+               "tool_choice", "tool_prompt_format"}
+MESSAGE_FIELDS = {"role", "content", "context", "stop_reason", "tool_calls"}
+
+
+@dataclass(frozen=True)
+class LlamaStackRequest:
+    params: SamplingParams
+    max_tokens: int | None
+    stream: bool
+    content: str | None = None
+    messages: tuple[dict, ...] | None = None
+
+
+def _text(content, where: str) -> str:
+    """InterleavedTextMedia: a string or a list of strings (images are not supported)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and content and all(isinstance(c, str) for c in content):
+        return "".join(content)
+    raise RequestError(f"{where} must be a string or a list of strings (images are not supported)", where)
+
+
+def _sampling(body: dict) -> tuple[SamplingParams, int | None]:
+    sp = body.get("sampling_params")
+    sp = {} if sp is None else sp
+    if not isinstance(sp, dict):
+        raise RequestError("sampling_params must be an object", "sampling_params")
+    reject_unknown(sp, SAMPLING_FIELDS)
+    strategy = sp.get("strategy", "greedy")
+    if strategy not in STRATEGIES:
+        raise RequestError(f"sampling_params.strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}",
+                           "sampling_params.strategy")
+    temperature = number(sp, "temperature", 0.0, 0, 100)
+    top_p = number(sp, "top_p", 0.95, 0, 1)
+    top_k = number(sp, "top_k", 0, 0, 1_000_000, integer=True)
+    max_tokens = number(sp, "max_tokens", 0, 0, 1 << 31, integer=True)
+    repetition = number(sp, "repetition_penalty", 1.0, 0, 10, lo_open=True)
+    greedy = strategy == "greedy" or temperature == 0 or (strategy == "top_p" and top_p == 0)
+    params = SamplingParams(temperature=0.0 if greedy else temperature,
+                            top_p=top_p if strategy == "top_p" else 1.0,
+                            top_k=top_k if strategy == "top_k" else 0, repetition_penalty=repetition)
+    return params, max_tokens or None  # 0 (the default): as many as fit, at most prepare's DEFAULT_MAX_TOKENS
+
+
+def _logprobs(body: dict) -> int | None:
+    lp = body.get("logprobs")
+    if lp is None:
+        return None
+    if not isinstance(lp, dict):
+        raise RequestError("logprobs must be an object {\"top_k\": int}", "logprobs")
+    reject_unknown(lp, {"top_k"})
+    return number(lp, "top_k", 0, 0, 20, integer=True)
+
+
+def _common(body: dict, check_model: Callable[[str], None], **prompt) -> LlamaStackRequest:
+    check_model(string(body, "model", required=True))
+    only_default(body, "response_format")
+    params, max_tokens = _sampling(body)
+    logprobs = _logprobs(body)
+    if logprobs is not None:
+        params = dataclasses.replace(params, logprobs=logprobs)
+    return LlamaStackRequest(params=params, max_tokens=max_tokens, stream=boolean(body, "stream", False), **prompt)
+
+
+def parse_completion(body: dict, check_model: Callable[[str], None]) -> LlamaStackRequest:
+    reject_unknown(body, COMPLETION_FIELDS)
+    if body.get("content") is None:
+        raise RequestError("content is required", "content")
+    return _common(body, check_model, content=_text(body["content"], "content"))
+
+
+def parse_chat(body: dict, check_model: Callable[[str], None]) -> LlamaStackRequest:
+    reject_unknown(body, CHAT_FIELDS)
+    only_default(body, "tools", [])
+    if body.get("tool_choice") not in (None, "auto", "required"):
+        raise RequestError("tool_choice must be auto or required", "tool_choice")
+    if body.get("tool_prompt_format") not in (None, "json", "function_tag", "python_list"):
+        raise RequestError("tool_prompt_format must be json, function_tag or python_list", "tool_prompt_format")
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("messages is required: a non-empty list of {role, content}", "messages")
+    out = []
+    for i, msg in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(msg, dict) or msg.get("role") not in ("user", "system", "assistant"):
+            role = msg.get("role") if isinstance(msg, dict) else None
+            raise RequestError(f"{where}.role must be user, system or assistant, got {role!r}"
+                               + (" (tool responses are not supported)" if role == "ipython" else ""), where)
+        reject_unknown(msg, MESSAGE_FIELDS)
+        if msg.get("tool_calls"):
+            raise RequestError(f"{where}.tool_calls are not supported", f"{where}.tool_calls")
+        text = _text(msg.get("content"), f"{where}.content")
+        if msg.get("context") is not None:  # UserMessage.context: retrieved text shown with the question
+            text = f"{text}\n\n{_text(msg['context'], f'{where}.context')}"
+        out.append({"role": msg["role"], "content": text})
+    return _common(body, check_model, messages=tuple(out))

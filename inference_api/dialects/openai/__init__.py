@@ -1,0 +1,1 @@
+"""The OpenAI API, with vLLM's extras (/tokenize, /detokenize, its sampling fields)."""

@@ -1,0 +1,1 @@
+"""shortfin's LLM server API."""

@@ -1,0 +1,1 @@
+"""The text-generation-inference (TGI) API."""

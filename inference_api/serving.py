@@ -2,8 +2,8 @@
 the drain refusal and the team quota, preparation (``prepare``: the prompt's tokens, max-token defaults, the
 context fit), submission, and the event stream of one request.
 
-Each API module is a parser (request body into the engine's ``SamplingParams``) and a formatter (events
-into its wire format); everything between the two lives here, once.
+Each dialect (``dialects/``) is a parser (request body into the engine's ``SamplingParams``) and a formatter
+(events into its wire format); everything between the two lives here, once.
 """
 from __future__ import annotations
 

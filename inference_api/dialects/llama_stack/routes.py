@@ -30,7 +30,7 @@ def llama_stack_blueprint(serving: Serving) -> Blueprint:
     @bp.post("/inference/completion")
     def completion():
         req = parse_completion(json_body(request), serving.check_model)
-        return respond(req, Prompt(req.content), chat=False)
+        return respond(req, Prompt(text=req.content), chat=False)
 
     @bp.post("/inference/chat_completion")
     def chat_completion():

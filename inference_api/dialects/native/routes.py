@@ -32,7 +32,7 @@ def native_blueprint(serving: Serving) -> Blueprint:
     def generate(model_name: str, chat: bool):
         serving.check_model(model_name)
         req = parse_native(json_body(request), config.max_stop_sequences)
-        prompt = Prompt(messages=[{"role": "user", "content": req.text}], field="text") if chat else Prompt(req.text)
+        prompt = Prompt(messages=[{"role": "user", "content": req.text}], field="text") if chat else Prompt(text=req.text)
         run = serving.start(prompt, req.params, req.params.max_tokens, req.params.max_tokens)
         prefix = req.text if req.return_prompt else ""
         if not req.stream:

@@ -7,6 +7,7 @@ import time
 from flask import Blueprint, jsonify, request
 
 from ...error_shapes import OPENAI
+from ...messages import EngineReady
 from ...prepare import Prompt
 from ...serving import Run, Serving
 from ...validation import string
@@ -35,21 +36,22 @@ def openai_blueprint(serving: Serving) -> Blueprint:
         check_model({"model": model_name})
         return jsonify(model_object())
 
-    @api.post("/v1/completions")
-    def completions():
+    def parsed(parse) -> tuple[OpenAIRequest, EngineReady]:
+        """The body, its model checked, through ``parse``."""
         body = json_body(request)
         check_model(body)
         ready = serving.ready()
-        req = parse_completion(body, ready.vocab_size, max_stop)
+        return parse(body, ready.vocab_size, max_stop), ready
+
+    @api.post("/v1/completions")
+    def completions():
+        req, ready = parsed(parse_completion)
         prompt = Prompt(text=req.prompt, ids=req.prompt_ids)
         return respond(req, prompt, CompletionFormat(ready, req.params.logprobs is not None))
 
     @api.post("/v1/chat/completions")
     def chat_completions():
-        body = json_body(request)
-        check_model(body)
-        ready = serving.ready()
-        req = parse_chat(body, ready.vocab_size, max_stop)
+        req, ready = parsed(parse_chat)
         return respond(req, Prompt(messages=req.messages), ChatFormat(ready, req.params.logprobs is not None))
 
     def respond(req: OpenAIRequest, prompt: Prompt, fmt):

@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from .grammar import Grammar
+
 
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # a stop sequence matched
@@ -29,6 +31,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's logprob plus the top N
     ignore_eos: bool = False
+    grammar: Grammar | None = None  # the output must match it (JSON schema, regex, choice, EBNF)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from inference_api import LLM, SamplingParams
+from inference_api import LLM, ParameterError, SamplingParams
 from servers import MODEL_CACHE
 from test_native_real import MAX_TOKENS, PROMPTS, assert_greedy_equivalent, reference  # noqa: F401 (fixture)
 
@@ -59,3 +59,21 @@ def test_greedy_offline_answers_equal_the_servers(llm, real_server, model_name, 
         assert r.finish_reason in ("length", "eos") and 0 < r.completion_tokens <= MAX_TOKENS
         assert r.prompt_tokens == len(r.prompt_token_ids) == len(llm.tokenizer.encode_chat(
             [{"role": "user", "content": r.prompt[0]["content"]}]) if chat else llm.tokenizer.encode(r.prompt))
+
+
+def test_structured_output_offline(llm):
+    """The same constraint fields as /v1/completions, in SamplingParams."""
+    import json
+
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
+              "additionalProperties": False}
+    results = llm.generate(["The capital of France, as JSON:", "Is water wet? Answer:"],
+                           [SamplingParams(temperature=0, max_tokens=40, guided_json=schema),
+                            SamplingParams(temperature=0, max_tokens=8, guided_choice=["yes", "no"])], use_tqdm=False)
+    jsonschema.validate(json.loads(results[0].text), schema)
+    assert results[1].text in ("yes", "no") and results[1].finish_reason == "stop"
+    with pytest.raises(ParameterError) as err:
+        SamplingParams(guided_regex="(?=a)")
+    assert err.value.field == "guided_regex"

@@ -3,11 +3,13 @@ from __future__ import annotations
 
 import logging
 import random
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import Protocol, Sequence as Seq
 
 import torch
 
 from ..messages import EngineStats, FinishReason, GenerateRequest, TokenEvent, TokenLogprob
+from .constrain import Constraints, allowed, apply_masks
 from .sampling import RowParams, apply_penalties, mask_tokens, sample
 from .scheduler import Scheduler, Step
 from .sequence import Sequence, Status
@@ -33,6 +35,11 @@ class Detokenizer(Protocol):
     def decode(self, ids: Seq[int]) -> str: ...
 
 
+# what a client sees when its grammar cannot be built for this model's vocabulary
+GRAMMAR_ERROR = "grammar error: the request's grammar could not be built for this model"
+# how long an engine with nothing else to do waits for a grammar being compiled before it looks at its inbox
+COMPILE_POLL_S = 0.005
+
 # what a client sees when a step fails: the exception's text (paths, shapes, internals) stays in the log
 ENGINE_ERROR = "engine error: this request failed on the server (its log has the details, under the request id)"
 
@@ -42,7 +49,8 @@ class Engine:
     turns tokens into events."""
 
     def __init__(self, runner: Runner, tokenizer: Detokenizer, rows: int, context_length: int,
-                 prefill_chunk: int, eos_ids: frozenset[int], prefix_cache: bool = True):
+                 prefill_chunk: int, eos_ids: frozenset[int], prefix_cache: bool = True,
+                 constraints: Constraints | None = None):
         self.runner = runner
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(rows, prefill_chunk, prefix_cache, context_length,
@@ -52,10 +60,12 @@ class Engine:
         self.params = RowParams.allocate(rows, runner.vocab_size, runner.device)
         self.sessions: dict[str, Sequence] = {}
         self._rng = random.Random()
+        self.constraints = constraints  # None: requests with a grammar fail (the mock has no real vocabulary)
+        self.compiling: dict[str, tuple[Sequence, Future]] = {}  # requests waiting for their grammar's matcher
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self.compiling)
 
     @property
     def stats(self) -> EngineStats:
@@ -64,20 +74,27 @@ class Engine:
     def add(self, request: GenerateRequest) -> None:
         seq = Sequence(request, self.tokenizer.decode)
         self.sessions[seq.session_id] = seq
-        self.scheduler.add(seq)
+        if request.params.grammar is None:
+            self.scheduler.add(seq)
+        elif self.constraints is not None:  # the matcher is built off the loop; the row is taken once it is
+            self.compiling[seq.session_id] = (seq, self.constraints.compile(request.params.grammar))
+        else:
+            self.compiling[seq.session_id] = (seq, None)
 
     def cancel(self, session_id: str) -> None:
         seq = self.sessions.pop(session_id, None)
         if seq is None:
             return
-        self.scheduler.release(seq)
+        if self.compiling.pop(session_id, None) is None:
+            self.scheduler.release(seq)
         seq.finish(FinishReason.CANCELLED)
 
     def step(self) -> list[TokenEvent]:
+        failed = self._compiled()
         self._admit()
         step = self.scheduler.schedule()
         if not step:
-            return []
+            return failed
         try:
             seqs, logits = self._forward(step)
             if not seqs:
@@ -86,7 +103,30 @@ class Engine:
         except Exception as exc:  # a failed forward must not take the process (and every stream) down
             log.exception("engine step failed")
             return self._fail_running(ENGINE_ERROR)
-        return self._postprocess(seqs, tokens, logits)
+        return failed + self._postprocess(seqs, tokens, logits)
+
+    def _compiled(self) -> list[TokenEvent]:
+        """Requests whose matcher is ready go to the scheduler; those whose grammar failed end with an error.
+        With nothing else to run, wait a moment for one."""
+        if not self.compiling:
+            return []
+        if not self.scheduler.has_work:
+            wait([f for _, f in self.compiling.values() if f is not None], COMPILE_POLL_S, FIRST_COMPLETED)
+        events = []
+        for session_id, (seq, future) in list(self.compiling.items()):
+            if future is not None and not future.done():
+                continue
+            del self.compiling[session_id]
+            try:
+                if future is None:
+                    raise ValueError("this engine has no grammar support (the mock backend)")
+                seq.matcher = future.result()
+            except Exception:
+                log.exception("grammar of request %s could not be built", session_id)
+                events.append(self._fail(seq, GRAMMAR_ERROR))
+                continue
+            self.scheduler.add(seq)
+        return events
 
     def _admit(self) -> None:
         for admission in self.scheduler.admit():
@@ -123,9 +163,13 @@ class Engine:
         if penalised:
             logits = apply_penalties(logits, rows, p)
         early = [(i, s) for i, s in enumerate(seqs) if s.num_output < s.params.min_tokens]
+        unmasked = logits
         if early:  # no end or stop token before min_tokens: each row its own (never another request's) tokens
             cells = [(i, t) for i, s in early for t in self.eos_ids.union(s.params.stop_token_ids)]
             logits = mask_tokens(logits, torch.tensor(cells, dtype=torch.long, device=logits.device).view(-1, 2))
+        # a grammar's row: only the tokens its matcher allows (the other rows pay nothing)
+        masks = {i: allowed(s.matcher, logits.shape[-1]) for i, s in enumerate(seqs) if s.matcher is not None}
+        logits = apply_masks(logits, masks, unmasked)
         steps = torch.tensor([s.num_output for s in seqs], device=logits.device)
         min_p = p.min_p[rows] if any(s.params.min_p for s in seqs) else None
         tokens = sample(logits, p.temperature[rows], p.top_k[rows], p.top_p[rows], p.seed[rows], steps, min_p)
@@ -156,7 +200,11 @@ class Engine:
     def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> list[TokenEvent]:
         if seq.status is Status.PREFILL:
             seq.status = Status.DECODE
+        if seq.matcher is not None and not seq.matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {seq.matcher.get_error()}")
         text = seq.append(token, self.eos_ids, self.context_length)
+        if seq.matcher is not None and not seq.is_finished and seq.matcher.is_stopped():
+            text += seq.finish(FinishReason.STOP)  # the grammar is complete: nothing more may follow
         if logprob is not None:
             seq.pending_logprobs.append(logprob)
         seq.pending_ids.append(token)

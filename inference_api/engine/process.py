@@ -57,6 +57,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     from ..model_loader import eos_ids, gguf_source, gguf_target, load_model, resolve_model_dir
     from ..plan import make_plan, model_facts, probe_machine
     from ..tokenizer import HFTokenizer
+    from .constrain import for_hf_tokenizer
     from .gguf_model import GGUFModel
     from .kernels import load_kernels
     from .model_runner import ModelRunner
@@ -87,7 +88,8 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
              runner.cache.nbytes / 2**20, config.rows, config.context_length,
              f" (sliding-window layers in rings of {', '.join(map(str, rings))})" if rings else "")
     engine = _engine(config, runner, tokenizer, config.rows, config.context_length, config.prefill_chunk, eos,
-                     prefix_cache=config.prefix_cache)
+                     prefix_cache=config.prefix_cache,
+                     constraints=for_hf_tokenizer(tokenizer.tok, runner.vocab_size, eos))
     ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, plan.device,
                         plan.dtype, plan.quantize, plan.kv_dtype, plan.matmul_dtype, plan.int8_inputs)
     return engine, ready

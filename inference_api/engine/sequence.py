@@ -33,6 +33,7 @@ class Sequence:
         self._checked = 0  # characters of _text already searched for stop sequences
         self.pending_ids: list[int] = []  # tokens not yet reported in an event
         self.pending_logprobs: list[TokenLogprob] = []
+        self.matcher = None  # llguidance's matcher for a request with a grammar (engine/constrain.py)
 
     # derived values
     @property

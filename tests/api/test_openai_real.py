@@ -149,7 +149,7 @@ def test_logprobs(oai, model_name):
 
 @pytest.mark.parametrize("kwargs, param", [
     ({"n": 2}, "n"), ({"temperature": 2.5}, "temperature"), ({"presence_penalty": 3}, "presence_penalty"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"), ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"logit_bias": {"1": 5}}, "logit_bias"), ({"response_format": {"type": "xml"}}, "response_format"),
     ({"top_logprobs": 3}, "top_logprobs"), ({"stop": list("abcdefghi")}, "stop"),  # over the default 8
     ({"max_tokens": 5000}, "max_tokens"), ({"extra_body": {"mirostat": 1}}, "mirostat"),
     ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),

@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
+from ...grammar import llama_stack_format
 from ...messages import SamplingParams
 from ...request_errors import RequestError
 from ...validation import boolean, number, only_default, reject_unknown, string
@@ -72,8 +73,8 @@ def _logprobs(body: dict) -> int | None:
 
 def _common(body: dict, check_model: Callable[[str], None], **prompt) -> LlamaStackRequest:
     check_model(string(body, "model", required=True))
-    only_default(body, "response_format")
     params, max_tokens = _sampling(body)
+    params = dataclasses.replace(params, grammar=llama_stack_format(body.get("response_format")))
     logprobs = _logprobs(body)
     if logprobs is not None:
         params = dataclasses.replace(params, logprobs=logprobs)

@@ -4,11 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...config import DEFAULT_MAX_STOP_SEQUENCES
+from ...grammar import native_grammar
 from ...messages import SamplingParams
 from ...validation import SEED_RANGE, boolean, number, penalties, reject_unknown, stop_list, string
 
 NATIVE_FIELDS = {"text", "temperature", "top_k", "top_p", "max_tokens", "stop_sequence", "return_prompt", "seed",
-                 "stream", "session_id", "presence_penalty", "frequency_penalty", "repetition_penalty"}
+                 "stream", "session_id", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                 "json_schema", "regex", "choice", "grammar"}
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ def parse_native(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> Nati
         max_tokens=number(body, "max_tokens", 128, 1, 2048, integer=True),
         stop=stop_list(body, "stop_sequence", max_stop),
         seed=number(body, "seed", None, *SEED_RANGE, integer=True),
+        grammar=native_grammar(body),
         **penalties(body),
     )
     return NativeRequest(text=string(body, "text", required=True), params=params,

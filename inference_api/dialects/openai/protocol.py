@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ...config import DEFAULT_MAX_STOP_SEQUENCES
 from ...messages import SamplingParams
 from ...request_errors import RequestError
+from ...grammar import GUIDED_FIELDS, one_of, response_format, vllm_guided
 from ...validation import (SEED_RANGE, boolean, number, only_default, penalties, reject_unknown, stop_list,
                            string, token_ids)
 
@@ -24,11 +25,11 @@ VLLM_EXTRAS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos
                "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
 # what parse_sampling reads
 SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "stop", "seed", "n", "presence_penalty", "frequency_penalty",
-                   "logit_bias"} | VLLM_EXTRAS
+                   "logit_bias", "response_format"} | VLLM_EXTRAS | set(GUIDED_FIELDS) | {"structured_outputs"}
 COMPLETION_SAMPLING_FIELDS = frozenset(SAMPLING_FIELDS | {"logprobs", "best_of"})  # what completion_sampling reads
 _COMMON = SAMPLING_FIELDS | {"model", "stream", "stream_options", "logprobs"}
 COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "best_of", "suffix"}
-CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs", "response_format",
+CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs",
                                     "tools", "tool_choice", "functions", "function_call", "modalities", "audio",
                                     "prediction", "reasoning_effort", "verbosity", "web_search_options",
                                     "moderation", "prompt_cache_options"}
@@ -69,7 +70,7 @@ def completion_sampling(body: dict, vocab_size: int,
 
 def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> OpenAIRequest:
     reject_unknown(body, CHAT_FIELDS)
-    for name, neutral in (("response_format", {"type": "text"}), ("tools", []), ("tool_choice", "none"),
+    for name, neutral in (("tools", []), ("tool_choice", "none"),
                           ("functions", []), ("function_call", "none"), ("modalities", ["text"])):
         only_default(body, name, neutral)
     for name in ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options", "moderation",
@@ -121,6 +122,7 @@ def parse_sampling(body: dict, logprobs: int | None, max_field: str, vocab_size:
         ignore_eos=boolean(body, "ignore_eos", False),
         seed=number(body, "seed", None, *SEED_RANGE, integer=True),
         logprobs=logprobs,
+        grammar=one_of(response_format(body.get("response_format")), vllm_guided(body), field="response_format"),
         **penalties(body),
     )
     max_tokens = number(body, max_field, None, 1, 1 << 31, integer=True)

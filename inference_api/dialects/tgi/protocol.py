@@ -5,6 +5,7 @@ import random
 from dataclasses import dataclass
 
 from ...config import DEFAULT_MAX_STOP_SEQUENCES
+from ...grammar import tgi_grammar
 from ...messages import SamplingParams
 from ...request_errors import RequestError
 from ...validation import boolean, number, only_default, reject_unknown, stop_list, string
@@ -47,7 +48,6 @@ def parse_tgi(body: dict, context_length: int, max_stop: int = DEFAULT_MAX_STOP_
     only_default(p, "typical_p", 1.0)
     only_default(p, "decoder_input_details", False)
     only_default(p, "top_n_tokens", 0)
-    only_default(p, "grammar")
     temperature = number(p, "temperature", None, 0, 100, lo_open=True)
     top_k = number(p, "top_k", None, 1, 1_000_000, integer=True)
     top_p = number(p, "top_p", None, 0, 1, lo_open=True)
@@ -66,6 +66,7 @@ def parse_tgi(body: dict, context_length: int, max_stop: int = DEFAULT_MAX_STOP_
         frequency_penalty=number(p, "frequency_penalty", 0.0, -2, 2),
         repetition_penalty=number(p, "repetition_penalty", 1.0, 0, 100, lo_open=True),
         logprobs=0,  # token logprobs go into every stream event and into details
+        grammar=tgi_grammar(p.get("grammar")),
     )
     return TgiRequest(inputs=inputs, params=params,
                       max_new_tokens=number(p, "max_new_tokens", None, 1, 1 << 31, integer=True),

@@ -1,0 +1,109 @@
+"""Grammar-constrained rows: a matcher per row fed each accepted token, and the token mask of only those rows.
+
+``Constraints`` builds matchers off the decode loop: llguidance's tokenizer (once, about a second for a large
+vocabulary) and each grammar (a bounded cache keyed by the grammar; each row gets its own copy) are made on a
+thread of their own, while the engine keeps stepping the other rows; a request waits for its matcher before it
+takes a row. llguidance drops the GIL while it builds, so the decode loop does not wait on it.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import numpy as np
+import torch
+
+from ..grammar import Grammar
+
+log = logging.getLogger(__name__)
+
+CACHED_GRAMMARS = 64  # compiled grammars kept for reuse, least recently used dropped first
+
+
+class Constraints:
+    """Matchers for the rows that carry a grammar. ``make_tokenizer``: builds llguidance's tokenizer (lazily,
+    on the compile thread, the first time a request brings a grammar)."""
+
+    def __init__(self, make_tokenizer: Callable[[], object], vocab_size: int):
+        self._make_tokenizer = make_tokenizer
+        self._tokenizer = None
+        self.vocab_size = vocab_size
+        self._cache: collections.OrderedDict[Grammar, object] = collections.OrderedDict()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+
+    def compile(self, grammar: Grammar) -> Future:
+        """A future of a fresh matcher for one row (or of the error text, as ValueError)."""
+        return self._pool.submit(self._matcher, grammar)
+
+    def _matcher(self, grammar: Grammar):
+        from llguidance import LLMatcher
+
+        template = self._cache.get(grammar)
+        if template is None:
+            if self._tokenizer is None:
+                self._tokenizer = self._make_tokenizer()
+            template = LLMatcher(self._tokenizer, grammar.llguidance(), log_level=0)
+            if template.is_error():
+                raise ValueError(template.get_error())
+            self._cache[grammar] = template
+            while len(self._cache) > CACHED_GRAMMARS:
+                self._cache.popitem(last=False)
+        self._cache.move_to_end(grammar)
+        return template.deep_copy()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def allowed(matcher, vocab_size: int) -> torch.Tensor:
+    """The tokens the matcher allows next, as a bool mask [vocab_size]."""
+    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+    mask = np.unpackbits(bits, bitorder="little")[:vocab_size].astype(bool)
+    if mask.shape[0] < vocab_size:  # ids past the tokenizer's (a padded embedding) are never allowed
+        mask = np.pad(mask, (0, vocab_size - mask.shape[0]))
+    return torch.from_numpy(mask)
+
+
+def apply_masks(logits: torch.Tensor, masks: dict[int, torch.Tensor], unmasked: torch.Tensor) -> torch.Tensor:
+    """Rows ``i`` of ``masks`` keep only their allowed tokens; every other row is untouched. A row whose own
+    min_tokens mask left nothing the grammar allows (a finished grammar allows only the end) takes the grammar's
+    tokens from ``unmasked``, the logits before that mask."""
+    if not masks:
+        return logits
+    logits = logits.clone()
+    for i, mask in masks.items():
+        keep = mask.to(logits.device)
+        row = logits[i].masked_fill(~keep, float("-inf"))
+        if bool(torch.isneginf(row).all()):
+            row = unmasked[i].masked_fill(~keep, float("-inf"))
+        logits[i] = row
+    return logits
+
+
+def for_hf_tokenizer(hf_tokenizer, vocab_size: int, eos_ids) -> Constraints:
+    """Constraints over a transformers fast tokenizer's vocabulary, the logits ``vocab_size`` wide."""
+
+    def make():
+        from llguidance import LLTokenizer
+
+        return LLTokenizer(llguidance_json(hf_tokenizer.backend_tokenizer.to_str()), n_vocab=vocab_size,
+                           eos_token=sorted(eos_ids))
+
+    return Constraints(make, vocab_size)
+
+
+def llguidance_json(tokenizer_json: str) -> str:
+    """The tokenizer's JSON as llguidance reads it. A tokenizer converted from a GGUF by transformers has one
+    decoder sequence for every vocabulary kind (byte fallback, the SentencePiece space, byte-level); llguidance
+    tells a byte-level vocabulary (GPT-2's, where 'Ġ' is a space) only by a ByteLevel decoder of its own, so a
+    sequence that holds one becomes it."""
+    import json
+
+    spec = json.loads(tokenizer_json)
+    decoder = spec.get("decoder") or {}
+    if decoder.get("type") == "Sequence" and any(d.get("type") == "ByteLevel" for d in decoder.get("decoders", [])):
+        spec["decoder"] = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": True}
+    spec.pop("padding", None), spec.pop("truncation", None)
+    return json.dumps(spec)

@@ -133,6 +133,7 @@ def run_load(url: str, model: str, concurrency: int, max_tokens: int, count_toke
     itl = [b - a for s in streams for a, b in zip(s.arrivals, s.arrivals[1:])]
     return dict(concurrency=concurrency, tokens=tokens, seconds=elapsed, tps=tokens / elapsed, errors=len(errors),
                 ttft_p50=pct(ttft, 0.5), ttft_p99=pct(ttft, 0.99), itl_p50=pct(itl, 0.5), itl_p99=pct(itl, 0.99),
+                itl_max=max(itl, default=float("nan")),
                 first_error=errors[0] if errors else None)
 
 
@@ -383,12 +384,15 @@ def main() -> None:
                          "--max-tokens, so both servers generate the same number of tokens")
     ap.add_argument("--gguf", help="the GGUF file the servers serve, for the bytes a decode step reads "
                     "(default: the embedded model's file, when the server serves the embedded model)")
+    ap.add_argument("--structured", action="store_true",
+                    help="also run every load with each stream constrained to a JSON schema (response_format), "
+                         "and time the other streams' tokens while a large schema is compiled (--api openai)")
     ap.add_argument("--api", choices=["native", "openai"], help="native: /predictions; openai: /v1/completions "
                     "(default: openai with --peer-url, else native)")
     args = ap.parse_args()
     api = args.api or ("openai" if args.peer_url else "native")
-    if args.ignore_eos and api != "openai":
-        sys.exit("--ignore-eos needs --api openai")
+    if (args.ignore_eos or args.structured) and api != "openai":
+        sys.exit("--ignore-eos and --structured need --api openai")
     extra = {"ignore_eos": True} if args.ignore_eos else None
     for u in filter(None, [args.url, args.proxy_url, args.peer_url]):
         host = urlparse(u).hostname or ""
@@ -416,6 +420,7 @@ def main() -> None:
     if offline:
         offline.run(2)
     direct, proxied, generated, peer = defaultdict(list), defaultdict(list), defaultdict(list), defaultdict(list)
+    constrained = defaultdict(list)
     embedded = defaultdict(list)
     runs = itertools.count()
 
@@ -435,6 +440,10 @@ def main() -> None:
                 proxied[c].append(run_load(args.proxy_url, model, c, args.max_tokens, count, headers, api=api,
                                            texts=texts(c), extra=extra))
                 print_row("through proxy", proxied[c][-1])
+            if args.structured:
+                constrained[c].append(run_load(args.url, model, c, args.max_tokens, count, api=api, texts=texts(c),
+                                               extra={**(extra or {}), "response_format": STORY_FORMAT}))
+                print_row("constrained (JSON)", constrained[c][-1])
             if offline:
                 embedded[c].append(offline.run(c))
                 print_offline(embedded[c][-1])
@@ -457,6 +466,11 @@ def main() -> None:
             p = median_row(peer[c])
             print_row("peer", p)
             print(f"ratio: server c={c} / peer c={c} = {d['tps']:.1f} / {p['tps']:.1f} = {d['tps'] / p['tps']:.2f}")
+        if args.structured:
+            k = median_row(constrained[c])
+            print_row("constrained (JSON)", k)
+            print(f"ratio: constrained c={c} / unconstrained c={c} = {k['tps']:.1f} / {d['tps']:.1f} = "
+                  f"{k['tps'] / d['tps']:.2f}")
         if offline:
             o = median_row(embedded[c])
             print_offline(o)
@@ -472,6 +486,8 @@ def main() -> None:
         memory = process_memory(pid)
         if memory:
             print(f"{label} memory: {memory}")
+    if args.structured:
+        compile_stall(args.url, model, max(args.concurrency), args.max_tokens, count)
     if args.fill_context and not health.get("mock"):
         rows, length = health["rows_total"], health["context_length"]
         text = long_prompt(health["model_dir"], length - 40)  # with 8 new tokens, each row ends near its length
@@ -479,6 +495,44 @@ def main() -> None:
         print(f"engine memory, every row's context filled: {process_memory(health.get('backend_pid'))}")
     if offline:
         offline.llm.close()
+
+
+# --structured: every stream writes a JSON object holding one long string (as long as an unconstrained answer)
+STORY_FORMAT = {"type": "json_schema", "json_schema": {"name": "story", "schema": {
+    "type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"],
+    "additionalProperties": False}}}
+
+
+def large_schema(fields: int, tag: int) -> dict:
+    """A schema of many fields, unique per call (no compiled-grammar cache holds it)."""
+    props = {f"field_{tag}_{i}": ({"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 7 + 9}}}$"} if i % 3 == 0
+                                  else {"type": "integer", "minimum": -i, "maximum": i * 10} if i % 3 == 1
+                                  else {"enum": [f"v{i}_{j}" for j in range(5)]}) for i in range(fields)}
+    return {"type": "object", "properties": props, "required": list(props)[: fields // 2]}
+
+
+def compile_stall(url: str, model: str, concurrency: int, max_tokens: int, count) -> None:
+    """The other streams' inter-token gaps while requests with large new schemas arrive, against the same load
+    without them: a schema compiled on the decode loop would show as one long gap."""
+    results = {}
+    for label, inject in (("alone", False), ("with schemas", True)):
+        def injector():
+            time.sleep(0.5)
+            for tag in range(4):
+                fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": large_schema(300, time.time_ns() + tag)}}
+                openai_stream(url, model, "Fill in the form.", 8, {}, Stream(), extra={"response_format": fmt})
+        t = threading.Thread(target=injector) if inject else None
+        if t:
+            t.start()
+        r = run_load(url, model, concurrency - 1, max_tokens, count, api="openai", texts=prompts(concurrency - 1),
+                     extra={"ignore_eos": True})
+        if t:
+            t.join(120)
+        results[label] = r
+        print(f"{'other streams, ' + label:<34} c={concurrency - 1:<3} ITL p50 {r['itl_p50'] * 1e3:6.1f} ms "
+              f"p99 {r['itl_p99'] * 1e3:6.1f} ms  max {r['itl_max'] * 1e3:6.1f} ms")
+    print(f"compile stall: the others' longest gap {results['with schemas']['itl_max'] * 1e3:.1f} ms with 4 new "
+          f"300-field schemas arriving, {results['alone']['itl_max'] * 1e3:.1f} ms without")
 
 
 def process_memory(pid: int | None) -> str | None:

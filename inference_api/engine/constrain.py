@@ -32,6 +32,7 @@ class Constraints:
         self.vocab_size = vocab_size
         self._cache: collections.OrderedDict[Grammar, object] = collections.OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
+        self._executor = None  # llguidance's, for the masks of a step's constrained rows (made on first use)
 
     def compile(self, grammar: Grammar) -> Future:
         """A future of a fresh matcher for one row (or of the error text, as ValueError)."""
@@ -57,29 +58,30 @@ class Constraints:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def allowed(matcher, vocab_size: int) -> torch.Tensor:
-    """The tokens the matcher allows next, as a bool mask [vocab_size]."""
-    bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
-    mask = np.unpackbits(bits, bitorder="little")[:vocab_size].astype(bool)
-    if mask.shape[0] < vocab_size:  # ids past the tokenizer's (a padded embedding) are never allowed
-        mask = np.pad(mask, (0, vocab_size - mask.shape[0]))
-    return torch.from_numpy(mask)
+    def mask(self, logits: torch.Tensor, rows: list[tuple[int, object]],
+             unmasked: torch.Tensor | None = None) -> torch.Tensor:
+        """``logits`` with rows ``i`` of ``rows`` (index, matcher) keeping only the tokens their matcher allows;
+        every other row untouched (a new tensor: the raw logits stay for log-probs). All rows' masks come from
+        one call (llguidance's executor, in parallel, the GIL released) and go on in one pass. ``unmasked``: the
+        logits before the rows' min_tokens masks, when there were any; a row those left with nothing the grammar
+        allows (a finished grammar allows only the end) takes the grammar's tokens from it."""
+        from llguidance import LLExecutor
 
-
-def apply_masks(logits: torch.Tensor, masks: dict[int, torch.Tensor], unmasked: torch.Tensor) -> torch.Tensor:
-    """Rows ``i`` of ``masks`` keep only their allowed tokens; every other row is untouched. A row whose own
-    min_tokens mask left nothing the grammar allows (a finished grammar allows only the end) takes the grammar's
-    tokens from ``unmasked``, the logits before that mask."""
-    if not masks:
-        return logits
-    logits = logits.clone()
-    for i, mask in masks.items():
-        keep = mask.to(logits.device)
-        row = logits[i].masked_fill(~keep, float("-inf"))
-        if bool(torch.isneginf(row).all()):
-            row = unmasked[i].masked_fill(~keep, float("-inf"))
-        logits[i] = row
-    return logits
+        if self._executor is None:
+            self._executor = LLExecutor(2)
+        vocab = logits.shape[-1]
+        words = (vocab + 31) // 32
+        bits = np.full((logits.shape[0], words), -1, dtype=np.int32)  # unconstrained rows: every token allowed
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in rows], bits.ctypes.data, words * 4,
+                                               logits.shape[0])
+        allowed = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[:, :vocab])
+        allowed = allowed.to(device=logits.device, dtype=torch.bool)
+        out = torch.where(allowed, logits, float("-inf"))
+        if unmasked is not None:
+            empty = torch.isneginf(out).all(dim=-1).nonzero().flatten()
+            if empty.numel():
+                out[empty] = torch.where(allowed[empty], unmasked[empty], float("-inf"))
+        return out
 
 
 def for_hf_tokenizer(hf_tokenizer, vocab_size: int, eos_ids) -> Constraints:

@@ -9,8 +9,8 @@ from typing import Protocol, Sequence as Seq
 import torch
 
 from ..messages import EngineStats, FinishReason, GenerateRequest, TokenEvent, TokenLogprob
-from .constrain import Constraints, allowed, apply_masks
-from .sampling import RowParams, apply_penalties, mask_tokens, sample
+from .constrain import Constraints
+from .sampling import RowParams, apply_penalties, choice_seed, mask_tokens, sample
 from .scheduler import Scheduler, Step
 from .sequence import Sequence, Status
 
@@ -26,6 +26,8 @@ class Runner(Protocol):
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor: ...
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None: ...
+
+    def score(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor: ...  # every position's logits
 
     # optional: holds(cached, length), whether a row that wrote cached positions still holds a prefix of length
     # (ModelRunner: its cache's rings); a runner without it holds every prefix it wrote
@@ -58,10 +60,11 @@ class Engine:
         self.context_length = context_length
         self.eos_ids = eos_ids
         self.params = RowParams.allocate(rows, runner.vocab_size, runner.device)
-        self.sessions: dict[str, Sequence] = {}
+        self.sessions: dict[str, list[Sequence]] = {}  # a request's choices not yet ended (n: SamplingParams.n)
         self._rng = random.Random()
         self.constraints = constraints  # None: requests with a grammar fail (the mock has no real vocabulary)
-        self.compiling: dict[str, tuple[Sequence, Future]] = {}  # requests waiting for their grammar's matcher
+        # requests (a choice each: Sequence.key) waiting for their grammar's matcher
+        self.compiling: dict[tuple[str, int], tuple[Sequence, Future]] = {}
 
     @property
     def has_work(self) -> bool:
@@ -72,22 +75,46 @@ class Engine:
         return self.scheduler.stats
 
     def add(self, request: GenerateRequest) -> None:
-        seq = Sequence(request, self.tokenizer.decode)
-        self.sessions[seq.session_id] = seq
-        if request.params.grammar is None:
-            self.scheduler.add(seq)
+        """Queue a request. With n choices, choice 0 goes first; the others are held until its prompt is cached
+        (``_fork``), then take rows copying that prefix from its row: one prefill for all n."""
+        seqs = [Sequence(request, self.tokenizer.decode, i) for i in range(max(1, request.params.n))]
+        self.sessions[request.session_id] = seqs
+        first = seqs[0]
+        first.forks = seqs[1:]
+        if request.params.grammar is not None and self.constraints is not None:
+            for fork in first.forks:  # built while the prompt is computed
+                fork.future = self.constraints.compile(request.params.grammar)
+        self._enqueue(first)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        grammar = seq.params.grammar
+        if grammar is None:
+            self.scheduler.add(seq, first=seq.index > 0)
         elif self.constraints is not None:  # the matcher is built off the loop; the row is taken once it is
-            self.compiling[seq.session_id] = (seq, self.constraints.compile(request.params.grammar))
+            self.compiling[seq.key] = (seq, seq.future or self.constraints.compile(grammar))
         else:
-            self.compiling[seq.session_id] = (seq, None)
+            self.compiling[seq.key] = (seq, None)
+
+    def _fork(self, seq: Sequence) -> None:
+        """Choice 0's prompt is cached: its held choices queue ahead of other requests, each to find the prompt
+        in its row (the prefix cache) and copy it."""
+        forks, seq.forks = seq.forks, []
+        for fork in reversed(forks):  # each goes first: choice 1 ends up ahead
+            self._enqueue(fork)
 
     def cancel(self, session_id: str) -> None:
-        seq = self.sessions.pop(session_id, None)
-        if seq is None:
-            return
-        if self.compiling.pop(session_id, None) is None:
-            self.scheduler.release(seq)
-        seq.finish(FinishReason.CANCELLED)
+        """End every choice of a request (held, compiling, waiting or in a row)."""
+        for seq in self.sessions.pop(session_id, None) or ():
+            if self.compiling.pop(seq.key, None) is None:
+                self.scheduler.release(seq)
+            seq.finish(FinishReason.CANCELLED)
+
+    def _forget(self, seq: Sequence) -> None:
+        seqs = self.sessions.get(seq.session_id)
+        if seqs is not None and seq in seqs:
+            seqs.remove(seq)
+            if not seqs:
+                del self.sessions[seq.session_id]
 
     def step(self) -> list[TokenEvent]:
         failed = self._compiled()
@@ -113,25 +140,26 @@ class Engine:
         if not self.scheduler.has_work:
             wait([f for _, f in self.compiling.values() if f is not None], COMPILE_POLL_S, FIRST_COMPLETED)
         events = []
-        for session_id, (seq, future) in list(self.compiling.items()):
+        for key, (seq, future) in list(self.compiling.items()):
             if future is not None and not future.done():
                 continue
-            del self.compiling[session_id]
+            del self.compiling[key]
             try:
                 if future is None:
                     raise ValueError("this engine has no grammar support (the mock backend)")
                 seq.matcher = future.result()
             except Exception:
-                log.exception("grammar of request %s could not be built", session_id)
+                log.exception("grammar of request %s could not be built", seq.session_id)
                 events.append(self._fail(seq, GRAMMAR_ERROR))
                 continue
-            self.scheduler.add(seq)
+            self.scheduler.add(seq, first=seq.index > 0)
         return events
 
     def _admit(self) -> None:
         for admission in self.scheduler.admit():
             seq = admission.seq
-            seed = seq.params.seed if seq.params.seed is not None else self._rng.getrandbits(63)
+            seed = (choice_seed(seq.params.seed, seq.index) if seq.params.seed is not None
+                    else self._rng.getrandbits(63))
             self.params.set_row(seq.row, seq.params, seed, seq.prompt_ids)
             if admission.copy_from is not None:
                 try:
@@ -144,9 +172,7 @@ class Engine:
         """Up to one chunk of prompt tokens and every decoding row: one runner call each."""
         prefill = decode = None
         if step.prefill:
-            prefill = self.runner.prefill([s.row for s, _ in step.prefill],
-                                          [s.prompt_ids[s.num_cached:s.num_cached + n] for s, n in step.prefill],
-                                          [s.num_cached for s, _ in step.prefill])
+            prefill = self._prefill(step.prefill)
         if step.decode:
             decode = self.runner.decode([s.row for s in step.decode], [s.last_token for s in step.decode],
                                         [s.num_tokens - 1 for s in step.decode])
@@ -154,6 +180,42 @@ class Engine:
         seqs = [step.prefill[i][0] for i in done] + step.decode
         parts = ([prefill[done]] if prefill is not None else []) + ([decode] if decode is not None else [])
         return seqs, parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _prefill(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
+        """Each chunk's last logits [len(chunks), V]: one runner call for them all, except a request that wants
+        its prompt's log-probs, whose chunk is scored on its own (every position's logits, ``_score_prompt``)."""
+        plain = [(s, n) for s, n in chunks if not s.scores_prompt]
+        logits = None
+        if plain:
+            logits = self.runner.prefill([s.row for s, _ in plain],
+                                         [s.prompt_ids[s.num_cached:s.num_cached + n] for s, n in plain],
+                                         [s.num_cached for s, _ in plain])
+        if len(plain) == len(chunks):
+            return logits
+        rows, j = [], 0
+        for s, n in chunks:
+            if s.scores_prompt:
+                every = self.runner.score(s.row, s.prompt_ids[s.num_cached:s.num_cached + n], s.num_cached)
+                self._score_prompt(s, every, s.num_cached)
+                rows.append(every[-1])
+            else:
+                rows.append(logits[j])
+                j += 1
+        return torch.stack(rows)
+
+    def _score_prompt(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
+        """The log-probs of the prompt tokens that positions start.. predict (the last prompt position predicts
+        the first output token: not a prompt token)."""
+        targets = seq.prompt_ids[start + 1:start + 1 + logits.shape[0]]
+        if not targets:
+            return
+        lp = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
+        chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+        n = seq.params.prompt_logprobs
+        top_v, top_i = (lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long()))
+        decode = self.tokenizer.decode
+        for t, v, ids, vals in zip(targets, chosen, top_i.tolist(), top_v.tolist()):
+            seq.prompt_logprobs.append(TokenLogprob(decode([t]), v, tuple((decode([i]), x) for i, x in zip(ids, vals))))
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         p = self.params
@@ -163,13 +225,15 @@ class Engine:
         if penalised:
             logits = apply_penalties(logits, rows, p)
         early = [(i, s) for i, s in enumerate(seqs) if s.num_output < s.params.min_tokens]
-        unmasked = logits
+        unmasked = None
         if early:  # no end or stop token before min_tokens: each row its own (never another request's) tokens
             cells = [(i, t) for i, s in early for t in self.eos_ids.union(s.params.stop_token_ids)]
+            unmasked = logits
             logits = mask_tokens(logits, torch.tensor(cells, dtype=torch.long, device=logits.device).view(-1, 2))
         # a grammar's row: only the tokens its matcher allows (the other rows pay nothing)
-        masks = {i: allowed(s.matcher, logits.shape[-1]) for i, s in enumerate(seqs) if s.matcher is not None}
-        logits = apply_masks(logits, masks, unmasked)
+        constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:
+            logits = self.constraints.mask(logits, constrained, unmasked)
         steps = torch.tensor([s.num_output for s in seqs], device=logits.device)
         min_p = p.min_p[rows] if any(s.params.min_p for s in seqs) else None
         tokens = sample(logits, p.temperature[rows], p.top_k[rows], p.top_p[rows], p.seed[rows], steps, min_p)
@@ -200,6 +264,8 @@ class Engine:
     def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> list[TokenEvent]:
         if seq.status is Status.PREFILL:
             seq.status = Status.DECODE
+            if seq.forks:
+                self._fork(seq)
         if seq.matcher is not None and not seq.matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}: {seq.matcher.get_error()}")
         text = seq.append(token, self.eos_ids, self.context_length)
@@ -208,9 +274,10 @@ class Engine:
         if logprob is not None:
             seq.pending_logprobs.append(logprob)
         seq.pending_ids.append(token)
-        events = [self._event(seq, text)] if text or seq.is_finished else []
+        # the prompt's log-probs go out with the prefill's event, text or not (before any other choice's)
+        events = [self._event(seq, text)] if text or seq.is_finished or seq.prompt_logprobs is not None else []
         if seq.is_finished:
-            self.sessions.pop(seq.session_id, None)
+            self._forget(seq)
             self.scheduler.release(seq)
         return events
 
@@ -218,7 +285,9 @@ class Engine:
         event = TokenEvent(session_id=seq.session_id, text=text, token_ids=tuple(seq.pending_ids),
                            logprobs=tuple(seq.pending_logprobs), finish_reason=seq.finish_reason,
                            prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output, error=error,
-                           cached_tokens=seq.num_reused)
+                           cached_tokens=seq.num_reused, index=seq.index,
+                           prompt_logprobs=None if seq.prompt_logprobs is None else tuple(seq.prompt_logprobs))
+        seq.prompt_logprobs = None  # sent once, with the first event
         seq.pending_ids.clear()
         seq.pending_logprobs.clear()
         return event
@@ -238,7 +307,11 @@ class Engine:
     def _fail(self, seq: Sequence, message: str, cache_valid: bool = True) -> TokenEvent:
         self.scheduler.release(seq, cache_valid)
         seq.finish(FinishReason.ERROR)
-        self.sessions.pop(seq.session_id, None)
+        self._forget(seq)
+        for fork in seq.forks:  # choices still held end with it (its error ends the request's every stream)
+            fork.finish(FinishReason.ERROR)
+            self._forget(fork)
+        seq.forks = []
         return self._event(seq, "", error=message)
 
     def _fail_running(self, message: str) -> list[TokenEvent]:

@@ -32,6 +32,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: no logprobs; N: the chosen token's logprob plus the top N
     ignore_eos: bool = False
     grammar: Grammar | None = None  # the output must match it (JSON schema, regex, choice, EBNF)
+    n: int = 1  # choices: each its own row and sampling state, forked from the first choice's prefill
+    prompt_logprobs: int | None = None  # None: none; N: each prompt token's log-prob (the first: None) + top N
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,9 @@ class TokenEvent:
     completion_tokens: int = 0
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed again
+    index: int = 0  # the choice (of SamplingParams.n) this output belongs to
+    # with SamplingParams.prompt_logprobs, on choice 0's first event: one per prompt token (the first None)
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
     @property
     def finished(self) -> bool:

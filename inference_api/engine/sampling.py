@@ -39,6 +39,17 @@ def hash_uniform(seeds: torch.Tensor, steps: torch.Tensor, n: int) -> torch.Tens
     return (_shr(x, 11).to(torch.float64) + 0.5) / float(1 << 53)
 
 
+def choice_seed(seed: int, index: int) -> int:
+    """The seed of choice ``index`` of a seeded request with n choices: the seed itself for choice 0 (so n=1 is
+    unchanged), a splitmix64 mix of (seed, index) for the others, so every choice is reproducible and they differ."""
+    if index == 0:
+        return seed
+    x = (seed + index * 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) >> 1  # 63 bits, as an unseeded request's
+
+
 @dataclass
 class RowParams:
     """Per-row sampling parameters as tensors, written when a request takes a row."""

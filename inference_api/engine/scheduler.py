@@ -58,8 +58,12 @@ class Scheduler:
                            kv_tokens_total=self.rows.num_rows * self.context_length,
                            prefix_queried_tokens=self.prefix_queried, prefix_hit_tokens=self.prefix_hits)
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, first: bool = False) -> None:
+        """Queue a request; ``first``: ahead of the others (the other choices of a request already admitted)."""
+        if first:
+            self.waiting.appendleft(seq)
+        else:
+            self.waiting.append(seq)
 
     def admit(self) -> list[Admission]:
         """Move waiting requests into free rows, each starting after the longest prefix of its prompt that any
@@ -71,7 +75,7 @@ class Scheduler:
             seq.row = self.rows.allocate()
             seq.status = Status.PREFILL
             admission = Admission(seq)
-            if self.prefixes is not None:
+            if self.prefixes is not None and not seq.scores_prompt:  # prompt log-probs need every position
                 held = {row: s.all_ids[:s.num_cached] for row, s in self.running.items()}
                 src, length = self.prefixes.longest(seq.prompt_ids, held, seq.num_prompt - 1, self.holds)
                 self.prefix_queried += seq.num_prompt

@@ -17,8 +17,9 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request: GenerateRequest, decode: Callable[[Seq[int]], str]):
+    def __init__(self, request: GenerateRequest, decode: Callable[[Seq[int]], str], index: int = 0):
         self.session_id = request.session_id
+        self.index = index  # which of the request's n choices this is
         self.params: SamplingParams = request.params
         self.prompt_ids: list[int] = list(request.prompt_ids)
         self.output_ids: list[int] = []
@@ -34,8 +35,22 @@ class Sequence:
         self.pending_ids: list[int] = []  # tokens not yet reported in an event
         self.pending_logprobs: list[TokenLogprob] = []
         self.matcher = None  # llguidance's matcher for a request with a grammar (engine/constrain.py)
+        self.forks: list[Sequence] = []  # choice 0 of n: the other choices, held until its prompt is cached
+        self.future = None  # a held choice's matcher being built (a request with a grammar)
+        # choice 0 of a request with prompt_logprobs: each prompt token's log-prob, gathered as its prompt is
+        # computed (in full: such a request reuses no cached prefix); None otherwise
+        self.prompt_logprobs: list | None = [None] if index == 0 and request.params.prompt_logprobs is not None else None
 
     # derived values
+    @property
+    def key(self) -> tuple[str, int]:
+        return self.session_id, self.index
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Whether its prefill returns every prompt position's logits (for prompt log-probs)."""
+        return self.prompt_logprobs is not None
+
     @property
     def num_prompt(self) -> int:
         return len(self.prompt_ids)

@@ -32,6 +32,10 @@ class MockRunner:
             self._cached[row][pos:] = [token]
         return self._logits(rows, [p + 1 for p in positions])
 
+    def score(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor:
+        """A prefill's logits after every one of ids (the mock's: its last position's, repeated)."""
+        return self.prefill([row], [ids], [start]).expand(len(ids), -1)
+
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         self._cached[dst] = self._cached[src][:length]
 

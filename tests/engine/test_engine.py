@@ -83,7 +83,7 @@ def test_long_prompt_is_prefilled_in_bounded_chunks_while_other_rows_keep_decodi
     engine.step()  # "short" is prefilled and decoding
     engine.add(request("long", "x" * 300, max_tokens=4))
     short_tokens = 0
-    while engine.sessions["long"].num_output == 0:
+    while engine.sessions["long"][0].num_output == 0:
         events = engine.step()
         short_tokens += sum(len(e.token_ids) for e in events if e.session_id == "short")
     assert all(sum(chunk) <= 64 for chunk in runner.prefills)
@@ -308,3 +308,71 @@ def test_a_prefix_that_could_not_be_copied_is_not_counted_as_a_hit():
     assert runner.prefills[-1] == [len("shared prefix, then b")]
     stats = engine.stats
     assert (stats.prefix_queried_tokens, stats.prefix_hit_tokens) == (2 * len("shared prefix, then a"), 0)
+
+
+def choices(events) -> dict[int, list]:
+    out = defaultdict(list)
+    for e in events:
+        out[e.index].append(e)
+    return out
+
+
+def test_n_choices_fork_from_one_prefill_each_in_its_own_row():
+    """Choice 0 computes the prompt; the other choices wait until it is cached, then copy it from choice 0's row
+    and compute only the last prompt token (whose logits give their first token)."""
+    engine, runner = make_engine(rows=4)
+    prompt = "a prompt of some length"
+    engine.add(GenerateRequest("s", tuple(prompt.encode()), SamplingParams(temperature=0, max_tokens=6, n=3)))
+    by_choice = choices(run(engine)["s"])
+    assert runner.prefills[0] == [len(prompt)] and runner.prefills[1] == [1, 1]  # one full prefill, then 1 each
+    assert sorted(runner.copies) == [(0, 1, len(prompt) - 1), (0, 2, len(prompt) - 1)]
+    assert sorted(by_choice) == [0, 1, 2]
+    for events in by_choice.values():  # greedy: n equal choices, each finished once
+        assert text(events) == ("Echo: " + prompt)[:6] and [e.finished for e in events].count(True) == 1
+    assert by_choice[1][-1].cached_tokens == len(prompt) - 1 and by_choice[0][-1].cached_tokens == 0
+    assert engine.stats.prefix_hit_tokens == 2 * (len(prompt) - 1)
+    assert not engine.sessions and not engine.scheduler.running and not engine.has_work
+
+
+def test_seeded_choices_are_reproducible_and_differ():
+    from inference_api.engine.sampling import choice_seed
+
+    assert choice_seed(7, 0) == 7 and len({choice_seed(7, i) for i in range(8)}) == 8
+    assert all(0 <= choice_seed(s, i) < 1 << 63 for s in (0, -5, 1 << 62) for i in range(1, 4))
+
+    def seeds(n: int) -> list[int]:
+        engine, _ = make_engine(rows=4)
+        engine.add(GenerateRequest("s", tuple(b"seeded"), SamplingParams(seed=11, max_tokens=2, n=n)))
+        run(engine)
+        return engine.params.seed[:n].tolist()
+
+    assert seeds(3) == [choice_seed(11, i) for i in range(3)] and seeds(1) == [11]
+
+
+def test_cancel_ends_every_choice_held_waiting_or_running():
+    engine, _ = make_engine(rows=2)
+    engine.add(GenerateRequest("s", tuple(b"abc"), SamplingParams(temperature=0, max_tokens=50, n=4)))
+    engine.step()  # choice 0 prefilled; 1..3 queued, two of them will wait for rows
+    engine.step()
+    assert engine.stats.rows_in_use == 2 and engine.stats.waiting == 2
+    engine.cancel("s")
+    assert engine.stats.rows_in_use == 0 and engine.stats.waiting == 0 and not engine.sessions
+    assert not engine.has_work
+    engine.add(GenerateRequest("t", tuple(b"abc"), SamplingParams(temperature=0, max_tokens=50, n=3)))
+    engine.cancel("t")  # before any step: choice 0 waiting, the others held
+    assert not engine.sessions and not engine.has_work
+
+
+def test_prompt_logprobs_come_with_the_first_event_and_reuse_no_prefix():
+    engine, runner = make_engine(rows=2, prefill_chunk=8)
+    engine.add(request("warm", "the prompt here"))
+    run(engine)
+    params = SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=2, n=2)
+    engine.add(GenerateRequest("s", tuple(b"the prompt here"), params))
+    events = run(engine)["s"]
+    first = [e for e in events if e.index == 0][0]
+    lps = first.prompt_logprobs
+    assert len(lps) == 15 and lps[0] is None and all(len(lp.top) == 2 and lp.logprob <= 0 for lp in lps[1:])
+    assert [lp.token for lp in lps[1:]] == list("he prompt here")
+    assert first.cached_tokens == 0  # computed in full (in chunks of 8), though the row held it
+    assert all(e.prompt_logprobs is None for e in events if e is not first)

@@ -9,6 +9,7 @@ from typing import Mapping, Sequence
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_STOP_SEQUENCES = 8  # lets h2oGPT's six through; TGI's --max-stop-sequences
+MAX_CHOICES = 8  # OpenAI's n: choices of one request, each its own row, forked from one prefill
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,10 @@ class Session:
     started: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None  # monotonic time of the first generated token
     last_token_at: float | None = None  # monotonic time the latest tokens arrived
-    completion_tokens: int = 0
+    completion_tokens: int = 0  # over every choice
+    n: int = 1  # choices (SamplingParams.n): each ends with its own finished event
+    finished_choices: int = 0
+    choice_tokens: dict[int, int] = field(default_factory=dict)  # tokens generated per choice
 
     @property
     def done(self) -> bool:
@@ -141,9 +144,10 @@ class EngineClient:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams) -> Session:
         self.check_ready()
-        session = Session(uuid.uuid4().hex, len(prompt_ids))
+        session = Session(uuid.uuid4().hex, len(prompt_ids), n=params.n)
         with self._lock:
-            if len(self._sessions) >= self.config.max_open_sessions:
+            places = sum(s.n for s in self._sessions.values())  # a request with n choices takes n places
+            if places and places + session.n > self.config.max_open_sessions:
                 raise Unavailable(f"server busy: all {self.config.rows} rows and {self.config.max_waiting} "
                                   f"queue places are taken", retry_after=1)
             self._sessions[session.id] = session
@@ -218,9 +222,12 @@ class EngineClient:
             if first:
                 session.first_token_at = at
             session.last_token_at = at
-        session.completion_tokens = max(session.completion_tokens, event.completion_tokens)
+        session.choice_tokens[event.index] = max(session.choice_tokens.get(event.index, 0), event.completion_tokens)
+        session.completion_tokens = sum(session.choice_tokens.values())
         if event.finished:
-            session.finish_reason = event.finish_reason
+            session.finished_choices += 1
+            if session.finished_choices >= session.n:  # (an error's consumer stops and cancels the others)
+                session.finish_reason = event.finish_reason
         session.events.put(event)
 
     def _idle_stats(self) -> EngineStats:

@@ -17,6 +17,7 @@ class Generation:
     finish_reason: FinishReason | None = None
     completion_tokens: int = 0
     cached_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None), if asked for
 
 
 def is_error(event: TokenEvent) -> bool:
@@ -29,15 +30,25 @@ def all_events(first: TokenEvent | None, events: Iterator[TokenEvent]) -> Iterat
 
 
 def collect(first: TokenEvent | None, events: Iterator[TokenEvent]) -> Generation:
-    gen, parts = Generation(), []
+    return collect_choices(first, events, 1)[0]
+
+
+def collect_choices(first: TokenEvent | None, events: Iterator[TokenEvent], n: int) -> list[Generation]:
+    """Each of a request's n choices gathered from its events (``TokenEvent.index``); the prompt's log-probs, if
+    asked for, land on choice 0."""
+    gens, parts = [Generation() for _ in range(n)], [[] for _ in range(n)]
     for event in all_events(first, events):
         if event.finish_reason is FinishReason.ERROR:
             raise Unavailable(event.error or "generation failed", retry_after=5)
-        parts.append(event.text)
+        gen = gens[event.index]
+        parts[event.index].append(event.text)
         gen.token_ids.extend(event.token_ids)
         gen.logprobs.extend(event.logprobs)
         gen.finish_reason = event.finish_reason
         gen.completion_tokens = event.completion_tokens
         gen.cached_tokens = event.cached_tokens
-    gen.text = "".join(parts)
-    return gen
+        if event.prompt_logprobs is not None:
+            gen.prompt_logprobs = list(event.prompt_logprobs)
+    for gen, texts in zip(gens, parts):
+        gen.text = "".join(texts)
+    return gens

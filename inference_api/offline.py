@@ -72,9 +72,13 @@ class SamplingParams:
     def resolve(self, vocab_size: int) -> tuple[EngineParams, int | None]:
         """(engine parameters, max_tokens or None): the OpenAI completions parser, errors translated."""
         try:
-            return completion_sampling(self.params, vocab_size)
+            params, max_tokens = completion_sampling(self.params, vocab_size)
         except RequestError as err:
             raise _translate(err) from None
+        if params.n != 1:
+            raise ParameterError(f"n={params.n} is not supported by the offline API: a request here is one choice "
+                                 "(submit the prompt n times, with different seeds, for n answers)", "n")
+        return params, max_tokens
 
     def __repr__(self) -> str:
         return f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in self.params.items())})"

@@ -17,7 +17,7 @@ from lifecycle.quota import TeamLimits
 
 from .config import ServerConfig
 from .engine_client import EngineClient
-from .generation import Generation, all_events, collect
+from .generation import Generation, all_events, collect, collect_choices
 from .messages import EngineReady, SamplingParams, TokenEvent
 from .preflight import Estimate
 from .prepare import DEFAULT_MAX_TOKENS, Prompt, check_model, encode, engine_params
@@ -33,6 +33,8 @@ class Run:
     prompt_tokens: int
     first: TokenEvent | None
     rest: Iterator[TokenEvent]
+    n: int = 1  # choices: the events of all n come interleaved, each tagged with its index
+    prompt_ids: tuple[int, ...] = ()
 
     def events(self) -> Iterator[TokenEvent]:
         """Every event, the first included; an ``ERROR`` event is left to the formatter to render."""
@@ -41,6 +43,10 @@ class Run:
     def collect(self) -> Generation:
         """The whole generation (Unavailable if the engine fails on the way)."""
         return collect(self.first, self.rest)
+
+    def collect_choices(self) -> list[Generation]:
+        """Each of the n choices' whole generation."""
+        return collect_choices(self.first, self.rest, self.n)
 
 
 class Serving:
@@ -107,4 +113,4 @@ class Serving:
                                field=field)
         session = self.client.submit(prompt_ids, params)
         events = session_events(self.client, session, request.environ)
-        return Run(len(prompt_ids), first_event(events), events)
+        return Run(len(prompt_ids), first_event(events), events, params.n, tuple(prompt_ids))

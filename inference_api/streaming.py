@@ -27,8 +27,10 @@ def client_disconnected(environ: dict) -> bool:
 
 def session_events(client: EngineClient, session: Session, environ: dict,
                    poll_seconds: float = 0.5) -> Iterator[TokenEvent]:
-    """Yield the session's events until it finishes; cancel it if the client leaves or the stream is closed."""
+    """Yield the session's events until it finishes (each of its n choices, or an error); cancel it if the client
+    leaves or the stream is closed."""
     environ[SESSION_KEY] = session
+    finished = 0
     try:
         while True:
             try:
@@ -40,7 +42,8 @@ def session_events(client: EngineClient, session: Session, environ: dict,
             if not event.finished and client_disconnected(environ):
                 return
             yield event
-            if event.finished:
+            finished += event.finished
+            if finished >= session.n or event.finish_reason is FinishReason.ERROR:
                 return
     finally:
         client.release(session)

@@ -150,7 +150,7 @@ def test_generate_keeps_input_order_over_an_iterable(llm, capsys):
     (dict(stop=list("abcdefghi")), "stop", {"stop": list("abcdefghi")}),  # over the default 8 stop sequences
     (dict(logprobs=9), "logprobs", {"logprobs": 9}),
     (dict(top_k="many"), "top_k", {"top_k": "many"}),
-    (dict(n=2), "n", {"n": 2}),
+    (dict(n=9), "n", {"n": 9}),  # over the cap of 8 choices
 ])
 def test_bad_parameters_fail_as_the_http_api_does(mock_server, params, field, http_body):
     with pytest.raises(ParameterError) as err:
@@ -159,6 +159,13 @@ def test_bad_parameters_fail_as_the_http_api_does(mock_server, params, field, ht
     r = requests.post(f"{mock_server.url}/v1/completions", timeout=30,
                       json={"model": mock_server.health()["model"], "prompt": "x", **http_body})
     assert r.status_code == 400 and r.json()["error"]["message"] == str(err.value)  # one validation
+
+
+def test_n_choices_are_refused_offline_with_a_clear_error():
+    with pytest.raises(ParameterError, match="n=2 is not supported by the offline API") as err:
+        SamplingParams(n=2)
+    assert err.value.field == "n"
+    assert SamplingParams(n=1).resolve(100)[0].n == 1
 
 
 def test_bad_prompts_and_options_name_the_field(llm):

@@ -39,7 +39,7 @@ def test_chat_maps_parameters():
 
 
 @pytest.mark.parametrize("extra, param", [
-    ({"n": 3}, "n"), ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),
+    ({"n": 9}, "n"), ({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),
     ({"frequency_penalty": "x"}, "frequency_penalty"), ({"stop": [""]}, "stop"), ({"seed": 1.5}, "seed"),
     ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"logprobs": "yes"}, "logprobs"),
@@ -88,3 +88,28 @@ def test_stream_error_after_start_is_an_error_event_and_ends_the_stream():
     assert json.loads(chunks[2][6:]) == {"error": {"message": "boom", "type": "server_error", "param": None,
                                                    "code": None}}
     assert len(chunks) == 3  # no [DONE]: the stream did not complete
+
+
+def test_n_and_echo():
+    req = parse_completion({"model": "m", "prompt": "x", "n": 8, "echo": True, "logprobs": 3}, 100)
+    assert (req.params.n, req.echo, req.params.prompt_logprobs) == (8, True, 3)  # echo with logprobs: the prompt's
+    req = parse_completion({"model": "m", "prompt": "x", "echo": True}, 100)
+    assert (req.params.n, req.echo, req.params.prompt_logprobs) == (1, True, None)
+    assert parse_chat({**CHAT, "n": "4"}, 100).params.n == 4
+    rejects(lambda b: parse_completion(b, 100), {"model": "m", "prompt": "x", "echo": 1}, "echo")
+
+
+def test_n_choices_stream_tagged_with_their_index_and_usage_sums_them():
+    ready = EngineReady("", "m", 64, 10, "cpu", "float32")
+    events = [TokenEvent("s", "A", (1,), completion_tokens=1), TokenEvent("s", "B", (2,), index=1, completion_tokens=1),
+              TokenEvent("s", "", (3,), finish_reason=FinishReason.EOS, completion_tokens=2, index=1),
+              TokenEvent("s", "a", (4,), finish_reason=FinishReason.LENGTH, completion_tokens=2)]
+    body = [c.decode()[6:].strip() for c in stream_chunks(ChatFormat(ready, False), iter(events), 3, True, n=2)]
+    assert body[-1] == "[DONE]"
+    chunks = [json.loads(c) for c in body[:-1]]
+    assert [(c["choices"][0]["index"], c["choices"][0]["delta"], c["choices"][0]["finish_reason"])
+            for c in chunks[:-1]] == [(0, {"role": "assistant", "content": ""}, None),
+                                      (1, {"role": "assistant", "content": ""}, None), (0, {"content": "A"}, None),
+                                      (1, {"content": "B"}, None), (1, {}, "stop"), (0, {"content": "a"}, None),
+                                      (0, {}, "length")]
+    assert chunks[-1]["usage"]["completion_tokens"] == 4 and chunks[-1]["usage"]["prompt_tokens"] == 3

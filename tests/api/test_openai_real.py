@@ -148,7 +148,7 @@ def test_logprobs(oai, model_name):
 
 
 @pytest.mark.parametrize("kwargs, param", [
-    ({"n": 2}, "n"), ({"temperature": 2.5}, "temperature"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"n": 9}, "n"), ({"temperature": 2.5}, "temperature"), ({"presence_penalty": 3}, "presence_penalty"),
     ({"logit_bias": {"1": 5}}, "logit_bias"), ({"response_format": {"type": "xml"}}, "response_format"),
     ({"top_logprobs": 3}, "top_logprobs"), ({"stop": list("abcdefghi")}, "stop"),  # over the default 8
     ({"max_tokens": 5000}, "max_tokens"), ({"extra_body": {"mirostat": 1}}, "mirostat"),
@@ -163,7 +163,7 @@ def test_bad_chat_parameters_raise_bad_request_naming_them(oai, model_name, kwar
     assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("kwargs, param", [({"echo": True}, "echo"), ({"best_of": 3}, "best_of"),
+@pytest.mark.parametrize("kwargs, param", [({"echo": "yes"}, "echo"), ({"best_of": 3}, "best_of"),
                                            ({"logprobs": 6}, "logprobs"), ({"prompt": ["a", "b"]}, "prompt"),
                                            ({"suffix": "end"}, "suffix")])
 def test_bad_completion_parameters_raise_bad_request(oai, model_name, kwargs, param):

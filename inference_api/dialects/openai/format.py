@@ -1,7 +1,9 @@
 """OpenAI response objects, field for field: completions, chat completions, their stream chunks, usage."""
 from __future__ import annotations
 
+import copy
 import hashlib
+import itertools
 import time
 import uuid
 from typing import Iterator
@@ -57,9 +59,19 @@ class _Format:
     def opening(self) -> list[dict]:
         return []
 
+    def for_choices(self, n: int) -> list["_Format"]:
+        """A formatter per choice of a request with n choices (each keeps its own stream state: text offsets,
+        held text), copied before any was used; choice 0's is this one."""
+        return [self] + [copy.deepcopy(self) for _ in range(1, n)]
+
     def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...], finish: str | None) -> dict:
         lps = self.logprobs(logprobs) if self.want_logprobs and (logprobs or finish is None) else None
         return self.envelope(self.chunk_object, [self.chunk_choice(text, lps, finish)])
+
+    def chunks(self, text: str, logprobs: tuple[TokenLogprob, ...], finish: str | None) -> list[dict]:
+        """The chunks for a piece of text (or the finish): one, unless the format holds text back or splits it
+        (tool calls: ``tool_format``)."""
+        return [self.chunk(text, logprobs, finish)]
 
     def choice(self, text: str, logprobs, finish: str | None) -> dict:
         raise NotImplementedError
@@ -77,6 +89,39 @@ class CompletionFormat(_Format):
     def __init__(self, ready: EngineReady, want_logprobs: bool):
         super().__init__(ready, want_logprobs)
         self.offset = 0  # text_offset continues across stream chunks
+        self.echo: str | None = None  # echo: the prompt's text, before each choice's (streamed: its first chunk)
+        self.first_token = ""  # echo with logprobs: the first prompt token's text (it has no log-prob)
+        self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # the engine's, the first None
+
+    def echoing(self, text: str, first_token: str, prompt_logprobs) -> None:
+        self.echo, self.first_token, self.prompt_logprobs = text, first_token, prompt_logprobs
+
+    def _echoed(self) -> dict | None:
+        """The prompt's part of the logprobs object (its first token: null), offsets from 0."""
+        if not self.want_logprobs or self.prompt_logprobs is None:
+            self.offset = len(self.echo)
+            return None
+        rest = self.prompt_logprobs[1:]
+        tokens = [self.first_token] + [lp.token for lp in rest]
+        offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])]
+        self.offset = len(self.echo)
+        return {"tokens": tokens, "token_logprobs": [None] + [lp.logprob for lp in rest],
+                "top_logprobs": [None] + [dict(lp.top) for lp in rest], "text_offset": offsets}
+
+    def opening(self) -> list[dict]:
+        if self.echo is None:
+            return []
+        return [self.envelope(self.chunk_object, [self.choice(self.echo, self._echoed(), None)])]
+
+    def response(self, gen: Generation, prompt_tokens: int) -> dict:
+        head = self._echoed() if self.echo is not None else None
+        body = super().response(gen, prompt_tokens)
+        if self.echo is not None:
+            choice = body["choices"][0]
+            choice["text"] = self.echo + choice["text"]
+            if head is not None and choice["logprobs"] is not None:
+                choice["logprobs"] = {k: head[k] + choice["logprobs"][k] for k in head}
+        return body
 
     def choice(self, text: str, logprobs, finish: str | None) -> dict:
         return {"text": text, "index": 0, "logprobs": logprobs, "finish_reason": finish}
@@ -115,38 +160,65 @@ class ChatFormat(_Format):
                             for lp in lps], "refusal": None}
 
 
+def response_body(fmt: _Format, gens: list[Generation], prompt_tokens: int) -> dict:
+    """The whole response of a request's choices (``fmt.response`` of each, as choice 0..n-1); usage counts the
+    prompt once and every choice's tokens."""
+    bodies = [f.response(gen, prompt_tokens) for f, gen in zip(fmt.for_choices(len(gens)), gens)]
+    body = bodies[0]
+    if len(gens) > 1:
+        body["choices"] = [dict(b["choices"][0], index=i) for i, b in enumerate(bodies)]
+        body["usage"] = usage(prompt_tokens, sum(g.completion_tokens for g in gens), gens[0].cached_tokens)
+    return body
+
+
 def stream_chunks(fmt: _Format, events: Iterator[TokenEvent], prompt_tokens: int,
-                  include_usage: bool, continuous_usage: bool = False) -> Iterator[bytes]:
+                  include_usage: bool, continuous_usage: bool = False, n: int = 1) -> Iterator[bytes]:
     """The SSE body: opening chunks, one chunk per event with text, the finish chunk, usage, [DONE].
 
     ``include_usage``: every chunk carries ``usage: null`` and a last chunk the usage; ``continuous_usage``
     (vLLM's ``continuous_usage_stats``): every chunk carries the usage so far. An engine failure after the
-    stream has started becomes a ``data: {"error": ...}`` event and ends it.
+    stream has started becomes a ``data: {"error": ...}`` event and ends it. With n choices, each chunk is one
+    choice's (its ``index``), each choice has its opening and finish chunks, and usage counts the prompt once
+    and every choice's tokens.
     """
-    completion_tokens = cached_tokens = 0
+    choice_tokens, cached_tokens = {}, 0
+    fmts = fmt.for_choices(n)
+    held: dict[int, tuple] = {}  # log-probs of an event without text (choice 0's first: the prompt's log-probs)
 
-    def send(chunk: dict) -> bytes:
+    def send(chunk: dict, index: int) -> bytes:
+        for choice in chunk["choices"]:
+            choice["index"] = index
         if continuous_usage:
-            chunk["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+            chunk["usage"] = usage(prompt_tokens, sum(choice_tokens.values()), cached_tokens)
         elif include_usage:
             chunk["usage"] = None
         return sse(chunk)
 
-    for chunk in fmt.opening():
-        yield send(chunk)
+    for i, f in enumerate(fmts):
+        for chunk in f.opening():
+            yield send(chunk, i)
     for event in events:
         if event.finish_reason is FinishReason.ERROR:
             yield sse(error_body(OPENAI, 500, event.error or "generation failed"))
             return
-        completion_tokens, cached_tokens = event.completion_tokens, event.cached_tokens
-        lps = visible(event.logprobs, event.finish_reason)
+        i, fmt = event.index, fmts[event.index]
+        choice_tokens[i] = event.completion_tokens
+        if i == 0:
+            cached_tokens = event.cached_tokens
+        lps = held.pop(i, ()) + visible(event.logprobs, event.finish_reason)
+        if not event.text and not event.finished:
+            held[i] = lps
+            continue
         if event.text:
-            yield send(fmt.chunk(event.text, lps, None))
+            for chunk in fmt.chunks(event.text, lps, None):
+                yield send(chunk, i)
             lps = ()
         if event.finished:
             if event.finish_reason not in FINISH:
                 return  # cancelled: nobody is listening
-            yield send(fmt.chunk("", lps, FINISH[event.finish_reason]))
+            for chunk in fmt.chunks("", lps, FINISH[event.finish_reason]):
+                yield send(chunk, i)
     if include_usage:
-        yield sse(fmt.envelope(fmt.chunk_object, []) | {"usage": usage(prompt_tokens, completion_tokens, cached_tokens)})
+        yield sse(fmt.envelope(fmt.chunk_object, [])
+                  | {"usage": usage(prompt_tokens, sum(choice_tokens.values()), cached_tokens)})
     yield sse("[DONE]")

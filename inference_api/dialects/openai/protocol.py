@@ -7,9 +7,10 @@ prompts are parsed as that API's (``parse_prompt``, ``parse_messages``).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from ...config import DEFAULT_MAX_STOP_SEQUENCES
+from ...config import DEFAULT_MAX_STOP_SEQUENCES, MAX_CHOICES
 from ...messages import SamplingParams
 from ...request_errors import RequestError
 from ...grammar import GUIDED_FIELDS, one_of, response_format, vllm_guided
@@ -49,15 +50,18 @@ class OpenAIRequest:
     prompt: str | None = None  # completions: text ...
     prompt_ids: tuple[int, ...] | None = None  # ... or token ids
     messages: tuple[dict, ...] | None = None  # chat: {"role", "content"} with content a string
+    echo: bool = False  # completions: the prompt before each choice's text (and its log-probs with logprobs)
 
 
 def parse_completion(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> OpenAIRequest:
     reject_unknown(body, COMPLETION_FIELDS)
-    only_default(body, "echo", False)
+    echo = boolean(body, "echo", False)
     only_default(body, "suffix", "")
     prompt, prompt_ids = parse_prompt(body.get("prompt"), vocab_size)
     params, max_tokens = completion_sampling(body, vocab_size, max_stop)
-    return _request(body, params, max_tokens, "max_tokens", prompt=prompt, prompt_ids=prompt_ids)
+    if echo and params.logprobs is not None:  # the prompt's tokens get log-probs too, computed in its prefill
+        params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
+    return _request(body, params, max_tokens, "max_tokens", prompt=prompt, prompt_ids=prompt_ids, echo=echo)
 
 
 def completion_sampling(body: dict, vocab_size: int,
@@ -99,10 +103,6 @@ def parse_sampling(body: dict, logprobs: int | None, max_field: str, vocab_size:
                    max_stop: int) -> tuple[SamplingParams, int | None]:
     """The sampling fields both endpoints share (``SAMPLING_FIELDS``, ``logprobs`` parsed by the endpoint):
     (parameters, max_tokens from ``max_field``, None when absent)."""
-    n = body.get("n")
-    if n is not None and (type(n) is not int or n != 1):
-        raise RequestError(f"n={n!r} is not supported: this server returns one choice per request (n must be 1)",
-                           "n")
     logit_bias = body.get("logit_bias")
     if logit_bias is not None and logit_bias != {}:
         raise RequestError("logit_bias is not supported by this server", "logit_bias")
@@ -123,6 +123,7 @@ def parse_sampling(body: dict, logprobs: int | None, max_field: str, vocab_size:
         seed=number(body, "seed", None, *SEED_RANGE, integer=True),
         logprobs=logprobs,
         grammar=one_of(response_format(body.get("response_format")), vllm_guided(body), field="response_format"),
+        n=number(body, "n", 1, 1, MAX_CHOICES, integer=True),
         **penalties(body),
     )
     max_tokens = number(body, max_field, None, 1, 1 << 31, integer=True)

@@ -12,7 +12,7 @@ from ...prepare import Prompt
 from ...serving import Run, Serving
 from ...validation import string
 from ..http import family_blueprint, json_body, sse_response
-from .format import ChatFormat, CompletionFormat, stream_chunks
+from .format import ChatFormat, CompletionFormat, response_body, stream_chunks
 from .protocol import OpenAIRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 
 
@@ -56,10 +56,14 @@ def openai_blueprint(serving: Serving) -> Blueprint:
 
     def respond(req: OpenAIRequest, prompt: Prompt, fmt):
         run: Run = serving.start(prompt, req.params, req.max_tokens, field=req.max_tokens_field)
+        if req.echo:  # the prompt as given (token ids: their text); its log-probs came with the first event
+            fmt.echoing(req.prompt if req.prompt is not None else serving.tokenizer.decode(list(run.prompt_ids)),
+                        serving.tokenizer.decode(list(run.prompt_ids[:1])),
+                        run.first.prompt_logprobs if run.first is not None else None)
         if not req.stream:
-            return jsonify(fmt.response(run.collect(), run.prompt_tokens))
+            return jsonify(response_body(fmt, run.collect_choices(), run.prompt_tokens))
         return sse_response(stream_chunks(fmt, run.events(), run.prompt_tokens, req.include_usage,
-                                          req.continuous_usage))
+                                          req.continuous_usage, run.n))
 
     @api.post("/detokenize")
     def detokenize():

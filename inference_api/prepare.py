@@ -15,6 +15,7 @@ from typing import Sequence
 from .messages import SamplingParams
 from .request_errors import ModelNotFound, RequestError
 from .tokenizer import Tokenizer
+from .tools import plain_messages
 
 # max_tokens when the request has none (OpenAI, llama-stack, the offline API): as many as fit, at most this many
 DEFAULT_MAX_TOKENS = 1024
@@ -28,11 +29,19 @@ class Prompt:
     ids: Sequence[int] | None = None
     messages: Sequence[dict] | None = None
     field: str = "messages"  # the request field a chat template's refusal names
+    tools: Sequence[dict] | None = None  # function tools shown to the model (tools.Tools.tools), with messages
 
 
-def check_model(name: str, served: str) -> None:
-    """ModelNotFound unless ``name`` is the served model."""
-    if name != served:
+# model names that clients made for TGI send whatever the server serves: TGI's documented "tgi", and "dummy",
+# which huggingface_hub's InferenceClient sends when it is given the server's URL (TGI and llama-server ignore
+# the name; this server, serving one model, takes these two in the OpenAI API's request bodies)
+PLACEHOLDER_MODELS = ("tgi", "dummy")
+
+
+def check_model(name: str, served: str, placeholders: bool = False) -> None:
+    """ModelNotFound unless ``name`` is the served model (or, with ``placeholders``, one of
+    ``PLACEHOLDER_MODELS``)."""
+    if name != served and not (placeholders and name in PLACEHOLDER_MODELS):
         raise ModelNotFound(f"unknown model {name!r}; this server serves {served!r}", "model")
 
 
@@ -44,8 +53,13 @@ def encode(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
         return tokenizer.encode(prompt.text)
     from jinja2 import TemplateError
 
+    messages = list(prompt.messages)
     try:
-        return tokenizer.encode_chat(list(prompt.messages))
+        if getattr(tokenizer, "handles_tools", False):  # the template takes tools and calls as they are
+            return tokenizer.encode_chat(messages, tools=list(prompt.tools) if prompt.tools else None)
+        if prompt.tools or any(m["role"] == "tool" or m.get("tool_calls") for m in messages):
+            messages = plain_messages(messages, prompt.tools)
+        return tokenizer.encode_chat(messages)
     except TemplateError as err:  # e.g. a template that insists on alternating user/assistant turns
         raise RequestError(f"messages do not fit the model's chat template: {err}", prompt.field) from None
 

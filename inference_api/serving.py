@@ -83,9 +83,9 @@ class Serving:
             raise RequestError(f"{name} is {len(text)} characters long; /tokenize takes at most {limit}", name)
         return text
 
-    def check_model(self, name: str) -> None:
-        """ModelNotFound unless ``name`` is the served model."""
-        check_model(name, self.model_name)
+    def check_model(self, name: str, placeholders: bool = False) -> None:
+        """ModelNotFound unless ``name`` is the served model (or, with ``placeholders``, a placeholder name)."""
+        check_model(name, self.model_name, placeholders)
 
     def encode(self, prompt: Prompt) -> list[int]:
         return encode(self.tokenizer, prompt)

@@ -8,7 +8,7 @@ from typing import Protocol, Sequence
 class Tokenizer(Protocol):
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def encode_chat(self, messages: Sequence[dict]) -> list[int]: ...
+    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
@@ -29,11 +29,18 @@ class HFTokenizer:
         enc = self.tok(text, return_offsets_mapping=True)
         return [(t, a, b) for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
 
-    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+    @property
+    def handles_tools(self) -> bool:
+        """Whether the chat template takes ``tools`` (and so calls and tool results in the history, as Hugging
+        Face's templates take them); prepare.encode writes them into plain messages for any other template."""
+        return "tools" in (self.tok.chat_template or "")
+
+    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
         if not self.tok.chat_template:
             # a base model without a template: plain concatenation of the turns
             return self.encode("\n".join(m["content"] for m in messages) + "\n")
-        text = self.tok.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=True)
+        text = self.tok.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
+                                            add_generation_prompt=True)
         return self.tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -41,7 +41,7 @@ def test_chat_maps_parameters():
 @pytest.mark.parametrize("extra, param", [
     ({"n": 9}, "n"), ({"n": 0}, "n"), ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"),
     ({"frequency_penalty": "x"}, "frequency_penalty"), ({"stop": [""]}, "stop"), ({"seed": 1.5}, "seed"),
-    ({"tools": [{"type": "function"}]}, "tools"), ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function"}]}, "tools[0]"), ({"tool_choice": "auto"}, "tool_choice"),
     ({"stream_options": {"include_usage": True}}, "stream_options"), ({"logprobs": "yes"}, "logprobs"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"max_tokens": 0}, "max_tokens"),
     ({"messages": []}, "messages"), ({"messages": [{"role": "user"}]}, "messages[0].content"),

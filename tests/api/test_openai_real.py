@@ -152,7 +152,7 @@ def test_logprobs(oai, model_name):
     ({"logit_bias": {"1": 5}}, "logit_bias"), ({"response_format": {"type": "xml"}}, "response_format"),
     ({"top_logprobs": 3}, "top_logprobs"), ({"stop": list("abcdefghi")}, "stop"),  # over the default 8
     ({"max_tokens": 5000}, "max_tokens"), ({"extra_body": {"mirostat": 1}}, "mirostat"),
-    ({"messages": [{"role": "tool", "content": "x", "tool_call_id": "1"}]}, "messages[0].role"),
+    ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages[0].role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
      "messages[0].content[0]"),
 ])

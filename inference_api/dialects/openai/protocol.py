@@ -14,6 +14,7 @@ from ...config import DEFAULT_MAX_STOP_SEQUENCES, MAX_CHOICES
 from ...messages import SamplingParams
 from ...request_errors import RequestError
 from ...grammar import GUIDED_FIELDS, one_of, response_format, vllm_guided
+from ...tools import Tools, assistant_calls, parse_tools
 from ...validation import (SEED_RANGE, boolean, number, only_default, penalties, reject_unknown, stop_list,
                            string, token_ids)
 
@@ -31,11 +32,11 @@ COMPLETION_SAMPLING_FIELDS = frozenset(SAMPLING_FIELDS | {"logprobs", "best_of"}
 _COMMON = SAMPLING_FIELDS | {"model", "stream", "stream_options", "logprobs"}
 COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "best_of", "suffix"}
 CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs",
-                                    "tools", "tool_choice", "functions", "function_call", "modalities", "audio",
-                                    "prediction", "reasoning_effort", "verbosity", "web_search_options",
+                                    "tools", "tool_choice", "tool_prompt", "functions", "function_call", "modalities",
+                                    "audio", "prediction", "reasoning_effort", "verbosity", "web_search_options",
                                     "moderation", "prompt_cache_options"}
-ROLES = {"system", "developer", "user", "assistant"}
-_MESSAGE_FIELDS = {"role", "content", "name", "refusal", "tool_calls", "function_call", "audio"}
+ROLES = {"system", "developer", "user", "assistant", "tool"}
+_MESSAGE_FIELDS = {"role", "content", "name", "refusal", "tool_calls", "tool_call_id", "function_call", "audio"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +52,7 @@ class OpenAIRequest:
     prompt_ids: tuple[int, ...] | None = None  # ... or token ids
     messages: tuple[dict, ...] | None = None  # chat: {"role", "content"} with content a string
     echo: bool = False  # completions: the prompt before each choice's text (and its log-probs with logprobs)
+    tools: Tools | None = None  # chat: the request's tools and tool_choice (tools.py)
 
 
 def parse_completion(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> OpenAIRequest:
@@ -74,8 +76,7 @@ def completion_sampling(body: dict, vocab_size: int,
 
 def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> OpenAIRequest:
     reject_unknown(body, CHAT_FIELDS)
-    for name, neutral in (("tools", []), ("tool_choice", "none"),
-                          ("functions", []), ("function_call", "none"), ("modalities", ["text"])):
+    for name, neutral in (("functions", []), ("function_call", "none"), ("modalities", ["text"])):
         only_default(body, name, neutral)
     for name in ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options", "moderation",
                  "prompt_cache_options"):
@@ -87,7 +88,11 @@ def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQ
         raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     params, max_tokens = parse_sampling(body, (top or 0) if want else None, field, vocab_size, max_stop)
-    return _request(body, params, max_tokens, field, messages=messages)
+    string(body, "tool_prompt")  # TGI's preamble to its tools: accepted, the server describes tools its own way
+    tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
+    if tools is not None and tools.grammar() is not None:
+        params = dataclasses.replace(params, grammar=one_of(params.grammar, tools.grammar(), field="tool_choice"))
+    return _request(body, params, max_tokens, field, messages=messages, tools=tools)
 
 
 def _request(body: dict, params: SamplingParams, max_tokens: int | None, max_field: str, **prompt) -> OpenAIRequest:
@@ -167,7 +172,9 @@ def parse_prompt(prompt, vocab_size: int) -> tuple[str | None, tuple[int, ...] |
 
 
 def parse_messages(messages) -> tuple[dict, ...]:
-    """Chat messages as the template takes them: {role, content} with content a string."""
+    """Chat messages as the template takes them: {role, content} with content a string; a tool result also has
+    its ``tool_call_id``, an assistant's calls are ``tool_calls`` (``tools.assistant_calls``, content then "" when
+    null)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages is required: a non-empty list of {role, content} objects", "messages")
     out = []
@@ -178,17 +185,25 @@ def parse_messages(messages) -> tuple[dict, ...]:
         role = msg.get("role")
         if role not in ROLES:
             raise RequestError(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}"
-                               + (" (tool calling is not supported)" if role in ("tool", "function") else ""),
+                               + (" (send tool results with role tool)" if role == "function" else ""),
                                f"{where}.role")
         unknown = sorted(set(msg) - _MESSAGE_FIELDS)
         if unknown:
             raise RequestError(f"{where}: unknown field {unknown[0]!r}", f"{where}.{unknown[0]}")
-        for name in ("tool_calls", "function_call", "audio"):
+        for name in ("function_call", "audio") + (() if role == "assistant" else ("tool_calls",)):
             if msg.get(name):
                 raise RequestError(f"{where}.{name} is not supported by this server", f"{where}.{name}")
         string(msg, "name")  # accepted, not shown to the model
-        out.append({"role": "system" if role == "developer" else role,
-                    "content": _content(msg.get("content"), f"{where}.content")})
+        if msg.get("tool_calls"):
+            out.append({"role": "assistant", "content": "" if msg.get("content") is None
+                        else _content(msg["content"], f"{where}.content"),
+                        "tool_calls": assistant_calls(msg["tool_calls"], f"{where}.tool_calls")})
+            continue
+        entry = {"role": "system" if role == "developer" else role,
+                 "content": _content(msg.get("content"), f"{where}.content")}
+        if role == "tool":
+            entry["tool_call_id"] = string(msg, "tool_call_id", default="")
+        out.append(entry)
     return tuple(out)
 
 

@@ -13,6 +13,7 @@ from ...serving import Run, Serving
 from ...validation import string
 from ..http import family_blueprint, json_body, sse_response
 from .format import ChatFormat, CompletionFormat, response_body, stream_chunks
+from .tool_format import ToolChatFormat
 from .protocol import OpenAIRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize
 
 
@@ -39,7 +40,7 @@ def openai_blueprint(serving: Serving) -> Blueprint:
     def parsed(parse) -> tuple[OpenAIRequest, EngineReady]:
         """The body, its model checked, through ``parse``."""
         body = json_body(request)
-        check_model(body)
+        serving.check_model(string(body, "model", required=True), placeholders=True)  # "tgi", "dummy" too
         ready = serving.ready()
         return parse(body, ready.vocab_size, max_stop), ready
 
@@ -52,7 +53,11 @@ def openai_blueprint(serving: Serving) -> Blueprint:
     @api.post("/v1/chat/completions")
     def chat_completions():
         req, ready = parsed(parse_chat)
-        return respond(req, Prompt(messages=req.messages), ChatFormat(ready, req.params.logprobs is not None))
+        want_logprobs = req.params.logprobs is not None
+        if req.tools is not None and req.tools.offered:
+            prompt = Prompt(messages=req.messages, tools=req.tools.tools)
+            return respond(req, prompt, ToolChatFormat(ready, want_logprobs, req.tools))
+        return respond(req, Prompt(messages=req.messages), ChatFormat(ready, want_logprobs))
 
     def respond(req: OpenAIRequest, prompt: Prompt, fmt):
         run: Run = serving.start(prompt, req.params, req.max_tokens, field=req.max_tokens_field)

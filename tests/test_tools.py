@@ -1,0 +1,159 @@
+"""Tool calling without a model (inference_api/tools.py): tools and tool_choice checked, the grammar a forced
+call gets, what a template without tools is shown, the calls parsed from text whole and streamed."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from llguidance import LLMatcher
+
+from inference_api.dialects.openai.protocol import parse_chat
+from inference_api.dialects.openai.tool_format import ToolChatFormat
+from inference_api.generation import Generation
+from inference_api.messages import EngineReady, FinishReason
+from inference_api.prepare import PLACEHOLDER_MODELS, Prompt, check_model, encode
+from inference_api.request_errors import ModelNotFound, RequestError
+from inference_api.tools import CallSplitter, parse_tools, plain_messages, split_calls
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                           "required": ["city"]}}}
+NOW = {"type": "function", "function": {"name": "now"}}
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+def call(name: str, arguments: dict) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": {"a": 1}}, "tools"), ({"tools": [{"type": "function"}]}, "tools[0]"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0]"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools[0].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]},
+     "tools[0].function.parameters"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "if": {}}}}]},
+     "tools[0].function.parameters"),
+    ({"tool_choice": "required"}, "tool_choice"), ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice.function.name"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]},
+     "messages[0].tool_calls[0].function.arguments"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f"}}]}]},
+     "messages[0].tool_calls"),
+])
+def test_bad_tools_name_the_field(fields, param):
+    with pytest.raises(RequestError) as info:
+        parse_chat({**CHAT, **fields}, 100)
+    assert info.value.field == param, info.value
+
+
+def test_tool_choices():
+    assert parse_chat(CHAT, 100).tools is None and parse_chat({**CHAT, "tool_choice": "none"}, 100).tools is None
+    auto = parse_chat({**CHAT, "tools": [WEATHER, NOW]}, 100)
+    assert auto.tools.choice == "auto" and auto.tools.offered and auto.params.grammar is None
+    assert not parse_chat({**CHAT, "tools": [WEATHER], "tool_choice": "none"}, 100).tools.offered
+    named = parse_chat({**CHAT, "tools": [WEATHER, NOW], "tool_choice": {"type": "function",
+                                                                       "function": {"name": "now"}}}, 100)
+    assert (named.tools.choice, named.tools.name) == ("function", "now") and named.params.grammar is not None
+    # TGI's forms: a named choice without its type, or the bare name
+    for tgi in ({"function": {"name": "now"}}, "now"):
+        assert parse_chat({**CHAT, "tools": [WEATHER, NOW], "tool_choice": tgi}, 100).tools.name == "now"
+    # a tool without parameters takes none
+    assert named.tools.tools[1]["function"]["parameters"] == {"type": "object", "properties": {}}
+
+
+def accepts(tools, text: str) -> bool:
+    """Whether the grammar a forced choice imposes takes ``text`` whole (llguidance's byte-level vocabulary)."""
+    from llguidance import LLTokenizer
+
+    matcher = LLMatcher(LLTokenizer("byte"), tools.grammar().llguidance(), log_level=0)
+    return matcher.consume_tokens(list(text.encode())) and matcher.is_accepting()
+
+
+def test_the_forced_grammar_accepts_calls_and_nothing_else():
+    required = parse_tools([WEATHER, NOW], "required", None)
+    single = parse_tools([WEATHER, NOW], "required", False)
+    named = parse_tools([WEATHER, NOW], {"type": "function", "function": {"name": "now"}}, None)
+    two = call("get_weather", {"city": "Oslo"}) + call("now", {})
+    assert accepts(required, call("get_weather", {"city": "Oslo"})) and accepts(required, two)
+    assert not accepts(single, two) and accepts(single, call("now", {}))
+    assert not accepts(required, call("get_weather", {})) and not accepts(required, "Hello")  # city is required
+    assert not accepts(named, call("get_weather", {"city": "Oslo"})) and accepts(named, call("now", {}))
+    assert parse_tools([WEATHER], "auto", None).grammar() is None
+
+
+def test_calls_are_parsed_whole_and_streamed_alike():
+    text = "Let me look.\n" + call("get_weather", {"city": "Oslo"}) + call("now", {}) + "\n"
+    content, calls = split_calls(text, ["get_weather", "now"])
+    assert content == "Let me look." and [(c.name, json.loads(c.arguments)) for c in calls] == \
+        [("get_weather", {"city": "Oslo"}), ("now", {})]
+    splitter = CallSplitter(["get_weather", "now"])
+    pieces = [p for ch in text for p in splitter.feed(ch)] + splitter.finish()
+    assert "".join(p for k, p in pieces if k == "content") == "Let me look."
+    assert [p.name for k, p in pieces if k == "call"] == ["get_weather", "now"]
+    # text that is not a call of an offered tool stays content; an answer without calls is left as it is
+    for plain in ("Hi <tool_call>\n{\"name\": \"rm\"}\n</tool_call>", "a < b\n", "<tool_call>{broken"):
+        assert split_calls(plain, ["now"]) == (plain, [])
+    # a last call the model left open is still a call
+    assert split_calls(call("now", {})[:-len("</tool_call>")], ["now"])[1][0].name == "now"
+
+
+def test_a_template_without_tools_is_shown_them_in_plain_messages():
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather in Oslo?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+               {"role": "tool", "content": "12 C", "tool_call_id": "c1"}]
+    plain = plain_messages(history, [WEATHER])
+    assert [m["role"] for m in plain] == ["system", "user", "assistant", "user"]
+    assert plain[0]["content"].startswith("Be brief.\n\n") and '"get_weather"' in plain[0]["content"]
+    assert plain[2]["content"] == call("get_weather", {"city": "Oslo"})
+    assert plain[3]["content"] == "<tool_response>\n12 C\n</tool_response>"
+    assert plain_messages(history[1:2], [NOW])[0]["role"] == "system"
+
+    class Template:  # a tokenizer whose template ignores tools: the plain messages reach it
+        seen = None
+
+        def encode_chat(self, messages):
+            Template.seen = messages
+            return [1]
+
+    encode(Template(), Prompt(messages=history, tools=[WEATHER]))
+    assert Template.seen == plain
+
+
+def test_tool_answers_in_openais_shape():
+    ready = EngineReady("", "m", 100, 100, "cpu", "float32")
+    tools = parse_tools([WEATHER, NOW], "required", None)
+    text = call("get_weather", {"city": "Oslo"}) + call("now", {})
+    body = ToolChatFormat(ready, False, tools).response(Generation(text=text, finish_reason=FinishReason.EOS), 5)
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    calls = choice["message"]["tool_calls"]
+    assert [(c["type"], c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("function", "get_weather", {"city": "Oslo"}), ("function", "now", {})]
+    assert all(c["id"].startswith("call_") for c in calls) and calls[0]["id"] != calls[1]["id"]
+    fmt = ToolChatFormat(ready, False, tools)
+    chunks = [c for piece in (text[:9], text[9:40], text[40:]) for c in fmt.chunks(piece, (), None)]
+    chunks += fmt.chunks("", (), "stop")
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert deltas[0]["tool_calls"][0]["index"] == 0 and deltas[0]["tool_calls"][0]["type"] == "function"
+    assert json.loads(deltas[1]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert deltas[2]["tool_calls"][0]["index"] == deltas[3]["tool_calls"][0]["index"] == 1
+    assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and len(chunks) == 5
+    # no calls: the plain answer, its finish reason unchanged
+    plain = ToolChatFormat(ready, False, tools).response(Generation(text="Hi", finish_reason=FinishReason.EOS), 5)
+    assert plain["choices"][0]["message"]["content"] == "Hi" and plain["choices"][0]["finish_reason"] == "stop"
+    assert "tool_calls" not in plain["choices"][0]["message"]
+
+
+def test_placeholder_model_names():
+    for name in ("m", *PLACEHOLDER_MODELS):
+        check_model(name, "m", placeholders=True)
+    for name, placeholders in (("gpt-4o", True), ("tgi", False)):
+        with pytest.raises(ModelNotFound):
+            check_model(name, "m", placeholders)

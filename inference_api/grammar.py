@@ -45,7 +45,28 @@ def json_schema(schema, field: str) -> Grammar:
     """A JSON schema (an object, or a boolean schema) as a grammar."""
     if not isinstance(schema, (dict, bool)):
         raise RequestError(f"{field} must be a JSON schema (an object)", field)
-    return checked(Grammar("json_schema", json.dumps(schema)), field)
+    return checked(Grammar("json_schema", json.dumps(bounded_integers(schema))), field)
+
+
+SAFE_INTEGER = 2**53 - 1  # JSON's interoperable integers (RFC 8259): what JavaScript reads exactly
+_VALUES = {"enum", "const", "default", "examples"}  # keys whose values are data, not schemas
+
+
+def bounded_integers(schema):
+    """The schema with every integer that has no bound given JSON's safe range: a range is a finite set of
+    digit strings, where an unbounded integer lets a small model write digits until max_tokens."""
+    if isinstance(schema, list):
+        return [bounded_integers(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: (v if k in _VALUES else bounded_integers(v)) for k, v in schema.items()}
+    kinds = out.get("type")
+    if kinds == "integer" or (isinstance(kinds, list) and "integer" in kinds):
+        if "minimum" not in out and "exclusiveMinimum" not in out:
+            out["minimum"] = -SAFE_INTEGER
+        if "maximum" not in out and "exclusiveMaximum" not in out:
+            out["maximum"] = SAFE_INTEGER
+    return out
 
 
 def choice(options, field: str) -> Grammar:

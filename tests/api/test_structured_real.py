@@ -103,7 +103,10 @@ def test_parse_with_a_pydantic_model(client, model_name):
     ({"guided_json": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 4}},
      lambda t: 2 <= len(json.loads(t)) <= 4 and all(isinstance(x, int) for x in json.loads(t))),
     ({"guided_grammar": 'root ::= "The answer is " [0-9]+ "."'}, lambda t: re.fullmatch(r"The answer is \d+\.", t)),
-], ids=["json_object", "regex", "choice", "structured_outputs", "guided_json", "ebnf"])
+    ({"guided_json": {"type": "object", "properties": {"big": {"type": "integer"}}, "required": ["big"],
+                      "additionalProperties": False}, "question": "A very large number, as JSON:"},
+     lambda t: abs(json.loads(t)["big"]) < 2**53),
+], ids=["json_object", "regex", "choice", "structured_outputs", "guided_json", "ebnf", "unbounded-integer"])
 def test_each_constraint_form(default_server, model_name, fields, check):
     choice = chat(default_server, model_name, **fields)
     assert choice["finish_reason"] == "stop" and check(choice["message"]["content"]), choice

@@ -58,6 +58,11 @@ class TokenLogprob:
     token: str
     logprob: float
     top: tuple[tuple[str, float], ...] = ()
+    # a prompt token's (SamplingParams.prompt_logprobs), for vLLM's prompt_logprobs: its id, its rank (1: the most
+    # likely) and the top tokens' ids
+    token_id: int | None = None
+    rank: int | None = None
+    top_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -210,12 +210,14 @@ class Engine:
         if not targets:
             return
         lp = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
-        chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+        chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
+        ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
         n = seq.params.prompt_logprobs
         top_v, top_i = (lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long()))
         decode = self.tokenizer.decode
-        for t, v, ids, vals in zip(targets, chosen, top_i.tolist(), top_v.tolist()):
-            seq.prompt_logprobs.append(TokenLogprob(decode([t]), v, tuple((decode([i]), x) for i, x in zip(ids, vals))))
+        for t, v, rank, ids, vals in zip(targets, chosen[:, 0].tolist(), ranks, top_i.tolist(), top_v.tolist()):
+            top = tuple((decode([i]), x) for i, x in zip(ids, vals))
+            seq.prompt_logprobs.append(TokenLogprob(decode([t]), v, top, t, rank, tuple(ids)))
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         p = self.params

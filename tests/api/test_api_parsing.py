@@ -97,6 +97,11 @@ def test_n_and_echo():
     assert (req.params.n, req.echo, req.params.prompt_logprobs) == (1, True, None)
     assert parse_chat({**CHAT, "n": "4"}, 100).params.n == 4
     rejects(lambda b: parse_completion(b, 100), {"model": "m", "prompt": "x", "echo": 1}, "echo")
+    req = parse_completion({"model": "m", "prompt": "x", "echo": True, "logprobs": 1, "prompt_logprobs": 4}, 100)
+    assert (req.prompt_logprobs, req.params.prompt_logprobs) == (4, 4)  # vLLM's field; both from one prefill
+    assert parse_completion({"model": "m", "prompt": "x", "prompt_logprobs": 0}, 100).params.prompt_logprobs == 0
+    rejects(lambda b: parse_completion(b, 100), {"model": "m", "prompt": "x", "prompt_logprobs": 21},
+            "prompt_logprobs")
 
 
 def test_n_choices_stream_tagged_with_their_index_and_usage_sums_them():

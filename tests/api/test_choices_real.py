@@ -74,6 +74,12 @@ def test_echo_and_prompt_logprobs_agree_with_the_generated_tokens(oai, model_nam
         for got, want in zip(lp.token_logprobs[len(ids):len(whole)], plain.choices[0].logprobs.token_logprobs):
             assert abs(got - want) < 2e-3
         assert all(len(t) == 2 for t in lp.top_logprobs[1:])
+    vllm = oai.completions.create(model=model_name, prompt=whole, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 3}).choices[0].model_extra["prompt_logprobs"]
+    assert len(vllm) == len(whole) and vllm[0] is None  # vLLM's form: {token id: {logprob, rank, decoded_token}}
+    for entry, token, want in zip(vllm[1:], whole[1:], scored.choices[0].logprobs.token_logprobs[1:]):
+        assert abs(entry[str(token)]["logprob"] - want) < 1e-4 and entry[str(token)]["rank"] >= 1
+        assert 3 <= len(entry) <= 4 and sorted(e["rank"] for e in entry.values())[:3] == [1, 2, 3]
     streamed = list(oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0,
                                            echo=True, logprobs=1, stream=True))
     assert streamed[0].choices[0].text == PROMPT and streamed[0].choices[0].logprobs.token_logprobs[0] is None

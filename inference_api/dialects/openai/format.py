@@ -92,32 +92,56 @@ class CompletionFormat(_Format):
         self.echo: str | None = None  # echo: the prompt's text, before each choice's (streamed: its first chunk)
         self.first_token = ""  # echo with logprobs: the first prompt token's text (it has no log-prob)
         self.prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # the engine's, the first None
+        self.top = 0  # echo with logprobs: the top N of the request's logprobs
+        self.vllm_top: int | None = None  # vLLM's prompt_logprobs: each choice's prompt_logprobs with the top N
 
-    def echoing(self, text: str, first_token: str, prompt_logprobs) -> None:
-        self.echo, self.first_token, self.prompt_logprobs = text, first_token, prompt_logprobs
+    def scoring(self, echo: str | None, first_token: str, prompt_logprobs, top: int | None,
+                vllm_top: int | None) -> None:
+        """What echo and the prompt's log-probs show: the prompt's text (None: no echo), its first token's text,
+        the engine's log-probs, the request's logprobs and prompt_logprobs."""
+        self.echo, self.first_token, self.prompt_logprobs = echo, first_token, prompt_logprobs
+        self.top, self.vllm_top = top or 0, vllm_top
 
     def _echoed(self) -> dict | None:
         """The prompt's part of the logprobs object (its first token: null), offsets from 0."""
+        self.offset = len(self.echo)
         if not self.want_logprobs or self.prompt_logprobs is None:
-            self.offset = len(self.echo)
             return None
         rest = self.prompt_logprobs[1:]
         tokens = [self.first_token] + [lp.token for lp in rest]
         offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])]
-        self.offset = len(self.echo)
         return {"tokens": tokens, "token_logprobs": [None] + [lp.logprob for lp in rest],
-                "top_logprobs": [None] + [dict(lp.top) for lp in rest], "text_offset": offsets}
+                "top_logprobs": [None] + [dict(lp.top[:self.top]) for lp in rest], "text_offset": offsets}
+
+    def _vllm_prompt_logprobs(self) -> list | None:
+        """vLLM's prompt_logprobs: None for the first token, then per token {id: {logprob, rank, decoded_token}}
+        for the token itself and the top N."""
+        if self.prompt_logprobs is None:
+            return None
+        out = [None]
+        for lp in self.prompt_logprobs[1:]:
+            entry = {str(i): {"logprob": v, "rank": k + 1, "decoded_token": t}
+                     for k, (i, (t, v)) in enumerate(zip(lp.top_ids[:self.vllm_top], lp.top[:self.vllm_top]))}
+            entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.token}
+            out.append(entry)
+        return out
+
+    def _scored(self, choice: dict) -> dict:
+        if self.vllm_top is not None:
+            choice["prompt_logprobs"] = self._vllm_prompt_logprobs()
+        return choice
 
     def opening(self) -> list[dict]:
-        if self.echo is None:
+        if self.echo is None and self.vllm_top is None:
             return []
-        return [self.envelope(self.chunk_object, [self.choice(self.echo, self._echoed(), None)])]
+        head = self._echoed() if self.echo is not None else None
+        return [self.envelope(self.chunk_object, [self._scored(self.choice(self.echo or "", head, None))])]
 
     def response(self, gen: Generation, prompt_tokens: int) -> dict:
         head = self._echoed() if self.echo is not None else None
         body = super().response(gen, prompt_tokens)
+        choice = self._scored(body["choices"][0])
         if self.echo is not None:
-            choice = body["choices"][0]
             choice["text"] = self.echo + choice["text"]
             if head is not None and choice["logprobs"] is not None:
                 choice["logprobs"] = {k: head[k] + choice["logprobs"][k] for k in head}

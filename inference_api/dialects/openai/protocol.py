@@ -30,7 +30,7 @@ SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "stop", "seed", "n", "p
                    "logit_bias", "response_format"} | VLLM_EXTRAS | set(GUIDED_FIELDS) | {"structured_outputs"}
 COMPLETION_SAMPLING_FIELDS = frozenset(SAMPLING_FIELDS | {"logprobs", "best_of"})  # what completion_sampling reads
 _COMMON = SAMPLING_FIELDS | {"model", "stream", "stream_options", "logprobs"}
-COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "best_of", "suffix"}
+COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "best_of", "suffix", "prompt_logprobs"}
 CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs",
                                     "tools", "tool_choice", "tool_prompt", "functions", "function_call", "modalities",
                                     "audio", "prediction", "reasoning_effort", "verbosity", "web_search_options",
@@ -52,6 +52,7 @@ class OpenAIRequest:
     prompt_ids: tuple[int, ...] | None = None  # ... or token ids
     messages: tuple[dict, ...] | None = None  # chat: {"role", "content"} with content a string
     echo: bool = False  # completions: the prompt before each choice's text (and its log-probs with logprobs)
+    prompt_logprobs: int | None = None  # completions, vLLM's prompt_logprobs: the prompt tokens' log-probs + top N
     tools: Tools | None = None  # chat: the request's tools and tool_choice (tools.py)
 
 
@@ -61,9 +62,12 @@ def parse_completion(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_ST
     only_default(body, "suffix", "")
     prompt, prompt_ids = parse_prompt(body.get("prompt"), vocab_size)
     params, max_tokens = completion_sampling(body, vocab_size, max_stop)
-    if echo and params.logprobs is not None:  # the prompt's tokens get log-probs too, computed in its prefill
-        params = dataclasses.replace(params, prompt_logprobs=params.logprobs)
-    return _request(body, params, max_tokens, "max_tokens", prompt=prompt, prompt_ids=prompt_ids, echo=echo)
+    vllm_prompt = number(body, "prompt_logprobs", None, 0, 20, integer=True)
+    wanted = [n for n in (params.logprobs if echo else None, vllm_prompt) if n is not None]
+    if wanted:  # the prompt's tokens get log-probs, computed in its prefill
+        params = dataclasses.replace(params, prompt_logprobs=max(wanted))
+    return _request(body, params, max_tokens, "max_tokens", prompt=prompt, prompt_ids=prompt_ids, echo=echo,
+                    prompt_logprobs=vllm_prompt)
 
 
 def completion_sampling(body: dict, vocab_size: int,

@@ -61,10 +61,11 @@ def openai_blueprint(serving: Serving) -> Blueprint:
 
     def respond(req: OpenAIRequest, prompt: Prompt, fmt):
         run: Run = serving.start(prompt, req.params, req.max_tokens, field=req.max_tokens_field)
-        if req.echo:  # the prompt as given (token ids: their text); its log-probs came with the first event
-            fmt.echoing(req.prompt if req.prompt is not None else serving.tokenizer.decode(list(run.prompt_ids)),
-                        serving.tokenizer.decode(list(run.prompt_ids[:1])),
-                        run.first.prompt_logprobs if run.first is not None else None)
+        if req.echo or req.prompt_logprobs is not None:  # the prompt's log-probs came with the first event
+            text = req.prompt if req.prompt is not None else serving.tokenizer.decode(list(run.prompt_ids))
+            fmt.scoring(text if req.echo else None, serving.tokenizer.decode(list(run.prompt_ids[:1])),
+                        run.first.prompt_logprobs if run.first is not None else None, req.params.logprobs,
+                        req.prompt_logprobs)
         if not req.stream:
             return jsonify(response_body(fmt, run.collect_choices(), run.prompt_tokens))
         return sse_response(stream_chunks(fmt, run.events(), run.prompt_tokens, req.include_usage,

@@ -151,6 +151,41 @@ def test_tool_answers_in_openais_shape():
     assert "tool_calls" not in plain["choices"][0]["message"]
 
 
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"name": "f"}]}, "tools[0].tool_name"),
+    ({"tools": [{"tool_name": "f", "parameters": {"x": {"type": "string"}}}]}, "tools[0].parameters.x"),
+    ({"tools": [{"tool_name": "f", "strict": True}]}, "strict"),
+    ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"call_id": "1"}]}]}, "messages[0].tool_calls"),
+])
+def test_llama_stack_tools_are_checked(fields, param):
+    from inference_api.dialects.llama_stack.protocol import parse_chat as llama_stack_chat
+
+    body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
+    with pytest.raises(RequestError) as info:
+        llama_stack_chat(body, lambda name: None)
+    assert info.value.field == param, info.value
+
+
+def test_llama_stack_tools_become_function_tools():
+    from inference_api.dialects.llama_stack.protocol import parse_chat as llama_stack_chat
+
+    body = {"model": "m", "tool_choice": "required",
+            "messages": [{"role": "user", "content": "hi"},
+                         {"role": "assistant", "content": "", "tool_calls": [
+                             {"call_id": "c1", "tool_name": "f", "arguments": {"q": "x"}}]},
+                         {"role": "ipython", "call_id": "c1", "tool_name": "f", "content": "found"}],
+            "tools": [{"tool_name": "f", "parameters": {"q": {"param_type": "str"},
+                                                        "n": {"param_type": "int", "required": False}}}]}
+    req = llama_stack_chat(body, lambda name: None)
+    assert req.tools.tools[0]["function"]["parameters"] == {
+        "type": "object", "properties": {"q": {"type": "string"}, "n": {"type": "integer"}}, "required": ["q"],
+        "additionalProperties": False}
+    assert req.params.grammar is not None and req.messages[1]["tool_calls"][0]["function"] == \
+        {"name": "f", "arguments": {"q": "x"}}
+    assert req.messages[2] == {"role": "tool", "content": "found", "tool_call_id": "c1"}
+    assert llama_stack_chat({**body, "tools": [], "tool_choice": "auto"}, lambda name: None).tools is None
+
+
 def test_placeholder_model_names():
     for name in ("m", *PLACEHOLDER_MODELS):
         check_model(name, "m", placeholders=True)

@@ -162,8 +162,8 @@ def test_shortfin_stream(hub):
     ("/generate", {"text": "x", "input_ids": [1]}, 400, lambda b: b["code"] == "INVALID_REQUEST_ARGS"),
     ("/generate", {"inputs": "x", "parameters": {"stop": SIX_STOPS + ["a", "b", "c"]}}, 422,
      lambda b: b["error_type"] == "validation" and "up to 8" in b["error"]),
-    ("/inference/chat_completion", {"model": HUB, "messages": [{"role": "ipython", "content": "x"}]}, 400,
-     lambda b: "ipython" in b["detail"]),
+    ("/inference/chat_completion", {"model": HUB, "messages": [{"role": "tool", "content": "x"}]}, 400,
+     lambda b: "ipython" in b["detail"]),  # the role of a tool's result is ipython
     ("/v1/completions", {"model": HUB, "prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400,
      lambda b: b["error"]["param"] == "min_tokens"),
     ("/v1/completions", {"model": HUB, "prompt": "x", "stop_token_ids": [999]}, 400,

@@ -145,3 +145,34 @@ def test_huggingface_inference_client(default_server, model_name):
                                                             tool_choice="required", stream=True) if c.choices]
     opened = [d.tool_calls[0] for d in deltas if d.tool_calls and d.tool_calls[0].id]
     assert opened and opened[0].function.name == fn.name
+
+
+def test_llama_stack_tools(default_server, model_name):
+    """llama-stack's chat with ToolDefinitions: a required call answered as its ToolCall, whole and streamed, and
+    the tool's result sent back as an ipython message."""
+    import httpx
+    import llama_stack_client
+
+    client = llama_stack_client.LlamaStackClient(base_url=default_server.url, max_retries=0,
+                                                 http_client=httpx.Client(timeout=120))
+    tools = [{"tool_name": "get_weather", "description": "The current weather in a city",
+              "parameters": {"city": {"param_type": "str"}, "days": {"param_type": "int", "required": False}}}]
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+              "required": ["city"], "additionalProperties": False}
+    fields = {"model": model_name, "messages": ASK, "tools": tools, "tool_choice": "required",
+              "sampling_params": {"strategy": "greedy", "max_tokens": 60}}
+    message = client.inference.chat_completion(**fields).completion_message
+    assert message.stop_reason == "end_of_message" and len(message.tool_calls) == 1
+    call = message.tool_calls[0]
+    assert call.tool_name == "get_weather" and call.call_id.startswith("call_")
+    jsonschema.validate(call.arguments, schema)
+    events = [c.event for c in client.inference.chat_completion(**fields, stream=True)]
+    streamed = [e.delta.content for e in events if e.event_type == "progress" and not isinstance(e.delta, str)]
+    assert [(c.tool_name, c.arguments) for c in streamed] == [(call.tool_name, call.arguments)]
+    assert events[-1].stop_reason == "end_of_message"
+    history = ASK + [{"role": "assistant", "content": "", "stop_reason": "end_of_message",
+                      "tool_calls": [call.model_dump()]},
+                     {"role": "ipython", "call_id": call.call_id, "tool_name": call.tool_name, "content": "21 C"}]
+    final = client.inference.chat_completion(model=model_name, messages=history, tools=tools,
+                                             sampling_params={"strategy": "greedy", "max_tokens": 20})
+    assert final.completion_message.stop_reason in ("end_of_turn", "out_of_tokens", "end_of_message")

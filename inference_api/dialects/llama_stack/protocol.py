@@ -8,9 +8,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
-from ...grammar import llama_stack_format
+from ...grammar import llama_stack_format, one_of
 from ...messages import SamplingParams
 from ...request_errors import RequestError
+from ...tools import Tools, assistant_calls, parse_tools
 from ...validation import boolean, number, only_default, reject_unknown, string
 
 STRATEGIES = ("greedy", "top_p", "top_k")
@@ -18,7 +19,11 @@ SAMPLING_FIELDS = {"strategy", "temperature", "top_p", "top_k", "max_tokens", "r
 COMPLETION_FIELDS = {"model", "content", "sampling_params", "stream", "logprobs", "response_format"}
 CHAT_FIELDS = {"model", "messages", "sampling_params", "stream", "logprobs", "response_format", "tools",
                "tool_choice", "tool_prompt_format"}
-MESSAGE_FIELDS = {"role", "content", "context", "stop_reason", "tool_calls"}
+MESSAGE_FIELDS = {"role", "content", "context", "stop_reason", "tool_calls", "call_id", "tool_name"}
+# ToolParamDefinition.param_type (Python's names, as Llama's tool prompts write them, or JSON schema's) -> JSON type
+PARAM_TYPES = {"str": "string", "string": "string", "int": "integer", "integer": "integer", "float": "number",
+               "number": "number", "bool": "boolean", "boolean": "boolean", "list": "array", "array": "array",
+               "dict": "object", "object": "object"}
 
 
 @dataclass(frozen=True)
@@ -28,6 +33,7 @@ class LlamaStackRequest:
     stream: bool
     content: str | None = None
     messages: tuple[dict, ...] | None = None
+    tools: Tools | None = None  # chat: offered to the model (tools.py), its calls answered as ToolCalls
 
 
 def _text(content, where: str) -> str:
@@ -90,7 +96,6 @@ def parse_completion(body: dict, check_model: Callable[[str], None]) -> LlamaSta
 
 def parse_chat(body: dict, check_model: Callable[[str], None]) -> LlamaStackRequest:
     reject_unknown(body, CHAT_FIELDS)
-    only_default(body, "tools", [])
     if body.get("tool_choice") not in (None, "auto", "required"):
         raise RequestError("tool_choice must be auto or required", "tool_choice")
     if body.get("tool_prompt_format") not in (None, "json", "function_tag", "python_list"):
@@ -101,15 +106,68 @@ def parse_chat(body: dict, check_model: Callable[[str], None]) -> LlamaStackRequ
     out = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
-        if not isinstance(msg, dict) or msg.get("role") not in ("user", "system", "assistant"):
+        if not isinstance(msg, dict) or msg.get("role") not in ("user", "system", "assistant", "ipython"):
             role = msg.get("role") if isinstance(msg, dict) else None
-            raise RequestError(f"{where}.role must be user, system or assistant, got {role!r}"
-                               + (" (tool responses are not supported)" if role == "ipython" else ""), where)
+            raise RequestError(f"{where}.role must be user, system, assistant or ipython, got {role!r}", where)
         reject_unknown(msg, MESSAGE_FIELDS)
-        if msg.get("tool_calls"):
-            raise RequestError(f"{where}.tool_calls are not supported", f"{where}.tool_calls")
         text = _text(msg.get("content"), f"{where}.content")
         if msg.get("context") is not None:  # UserMessage.context: retrieved text shown with the question
             text = f"{text}\n\n{_text(msg['context'], f'{where}.context')}"
-        out.append({"role": msg["role"], "content": text})
-    return _common(body, check_model, messages=tuple(out))
+        if msg["role"] == "ipython":  # ToolResponseMessage: a tool's result
+            out.append({"role": "tool", "content": text, "tool_call_id": str(msg.get("call_id") or "")})
+        elif msg.get("tool_calls") and msg["role"] == "assistant":  # CompletionMessage with its ToolCalls
+            out.append({"role": "assistant", "content": text, "tool_calls": assistant_calls(
+                [_openai_call(c) for c in msg["tool_calls"]], f"{where}.tool_calls")})
+        elif msg.get("tool_calls"):
+            raise RequestError(f"{where}.tool_calls are only an assistant's", f"{where}.tool_calls")
+        else:
+            out.append({"role": msg["role"], "content": text})
+    req = _common(body, check_model, messages=tuple(out))
+    tools = _tools(body.get("tools"), body.get("tool_choice"))
+    if tools is None:
+        return req
+    grammar = one_of(req.params.grammar, tools.grammar(), field="tool_choice")
+    return dataclasses.replace(req, tools=tools, params=dataclasses.replace(req.params, grammar=grammar))
+
+
+def _openai_call(call) -> dict:
+    """A ToolCall ``{call_id, tool_name, arguments}`` in OpenAI's shape (``tools.assistant_calls`` reads it)."""
+    if not isinstance(call, dict):
+        return {}
+    return {"id": call.get("call_id"), "type": "function",
+            "function": {"name": call.get("tool_name"), "arguments": call.get("arguments", {})}}
+
+
+def _tools(tools, tool_choice) -> Tools | None:
+    """llama-stack's ToolDefinitions ``{tool_name, description?, parameters?: {name: {param_type, description?,
+    required? (true), default?}}}`` as OpenAI function tools; tool_choice auto (the default) or required. Without
+    tools, tool_choice changes nothing (llama-stack's clients send auto)."""
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list):
+        raise RequestError("tools must be a list of {tool_name, description, parameters}", "tools")
+    functions = []
+    for i, tool in enumerate(tools):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict) or not isinstance(tool.get("tool_name"), str):
+            raise RequestError(f"{where} must be {{tool_name, description?, parameters?}}", f"{where}.tool_name")
+        reject_unknown(tool, {"tool_name", "description", "parameters"})
+        params = tool.get("parameters") or {}
+        if not isinstance(params, dict):
+            raise RequestError(f"{where}.parameters must be an object of {{param_type, ...}}", f"{where}.parameters")
+        properties, required = {}, []
+        for name, spec in params.items():
+            at = f"{where}.parameters.{name}"
+            if not isinstance(spec, dict) or not isinstance(spec.get("param_type"), str):
+                raise RequestError(f"{at} must be {{param_type, description?, required?}}", at)
+            kind = PARAM_TYPES.get(spec["param_type"].lower())
+            properties[name] = {**({"type": kind} if kind else {}),
+                                **({"description": spec["description"]} if isinstance(spec.get("description"), str)
+                                   else {})}
+            if spec.get("required", True):
+                required.append(name)
+        functions.append({"type": "function", "function": {
+            "name": tool["tool_name"], **({"description": tool["description"]} if tool.get("description") else {}),
+            "parameters": {"type": "object", "properties": properties, "required": required,
+                           "additionalProperties": False}}})
+    return parse_tools(functions, tool_choice or "auto", None)

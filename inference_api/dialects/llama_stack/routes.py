@@ -35,16 +35,17 @@ def llama_stack_blueprint(serving: Serving) -> Blueprint:
     @bp.post("/inference/chat_completion")
     def chat_completion():
         req = parse_chat(json_body(request), serving.check_model)
-        return respond(req, Prompt(messages=req.messages), chat=True)
+        tools = req.tools.tools if req.tools is not None else None
+        return respond(req, Prompt(messages=req.messages, tools=tools), chat=True)
 
     def respond(req: LlamaStackRequest, prompt: Prompt, chat: bool):
         run = serving.start(prompt, req.params, req.max_tokens, field="sampling_params.max_tokens")
         want = req.params.logprobs is not None
         if not req.stream:
-            return jsonify(answer(run.collect(), chat, want))
+            return jsonify(answer(run.collect(), chat, want, req.tools))
         event_stream = "text/event-stream" in request.headers.get("Accept", "")
         frame = sse if event_stream else ndjson
-        chunks = stream(run.events(), chat, want)
+        chunks = stream(run.events(), chat, want, req.tools)
         return sse_response((frame(c) for c in chunks), "text/event-stream" if event_stream else "application/x-ndjson")
 
     return bp

@@ -125,11 +125,11 @@ class Engine:
         try:
             seqs, logits = self._forward(step)
             if not seqs:
-                return []
+                return failed  # only prompt chunks that did not finish: nothing to sample
             tokens = self._sample(seqs, logits)
         except Exception as exc:  # a failed forward must not take the process (and every stream) down
             log.exception("engine step failed")
-            return self._fail_running(ENGINE_ERROR)
+            return failed + self._fail_running(ENGINE_ERROR)
         return failed + self._postprocess(seqs, tokens, logits)
 
     def _compiled(self) -> list[TokenEvent]:

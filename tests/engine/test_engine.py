@@ -376,3 +376,16 @@ def test_prompt_logprobs_come_with_the_first_event_and_reuse_no_prefix():
     assert [lp.token for lp in lps[1:]] == list("he prompt here")
     assert first.cached_tokens == 0  # computed in full (in chunks of 8), though the row held it
     assert all(e.prompt_logprobs is None for e in events if e is not first)
+
+
+def test_a_grammar_that_fails_in_a_step_without_sampled_rows_still_reports_its_error():
+    """The mock engine has no grammar support: the request fails as its matcher would; the step only prefills a
+    chunk of a long prompt (no row samples), and the error event must still go out."""
+    from inference_api.grammar import Grammar
+
+    engine, _ = make_engine(rows=4, prefill_chunk=8)
+    engine.add(request("long", "x" * 40))
+    engine.add(GenerateRequest("g", tuple(b"json"), SamplingParams(grammar=Grammar("regex", "a+"), n=2)))
+    events = engine.step()
+    assert [(e.session_id, e.finish_reason) for e in events] == [("g", FinishReason.ERROR)]
+    assert "g" not in engine.sessions

@@ -130,6 +130,11 @@ class EngineClient:
     def open_sessions(self) -> int:
         return len(self._sessions)
 
+    @property
+    def open_places(self) -> int:
+        """Row-and-queue places the open sessions take (a request with n choices takes n)."""
+        return sum(s.n for s in list(self._sessions.values()))
+
     # requests
     def check_ready(self) -> EngineReady:
         """The engine's description, or a 503 while stopping, restarting, loading or after it failed."""
@@ -146,7 +151,7 @@ class EngineClient:
         self.check_ready()
         session = Session(uuid.uuid4().hex, len(prompt_ids), n=params.n)
         with self._lock:
-            places = sum(s.n for s in self._sessions.values())  # a request with n choices takes n places
+            places = self.open_places  # a request with n choices takes n places
             if places and places + session.n > self.config.max_open_sessions:
                 raise Unavailable(f"server busy: all {self.config.rows} rows and {self.config.max_waiting} "
                                   f"queue places are taken", retry_after=1)

@@ -75,9 +75,6 @@ class SamplingParams:
             params, max_tokens = completion_sampling(self.params, vocab_size)
         except RequestError as err:
             raise _translate(err) from None
-        if params.n != 1:
-            raise ParameterError(f"n={params.n} is not supported by the offline API: a request here is one choice "
-                                 "(submit the prompt n times, with different seeds, for n answers)", "n")
         return params, max_tokens
 
     def __repr__(self) -> str:
@@ -97,7 +94,8 @@ class RequestStatus(str, enum.Enum):
 
 @dataclass(frozen=True)
 class Output:
-    """What one ``get`` returns: every token and its text produced since the previous ``get``."""
+    """What one ``get`` returns: every token and its text produced since the previous ``get`` (with n choices:
+    one choice's, ``index``)."""
 
     token_ids: tuple[int, ...]
     text: str
@@ -105,6 +103,7 @@ class Output:
     finish_reason: str | None  # set on the last output of a request
     completion_tokens: int  # tokens generated so far
     error: str | None = None
+    index: int = 0  # the choice (of SamplingParams n) this output belongs to: each get returns one choice's
 
 
 @dataclass(frozen=True)
@@ -121,6 +120,20 @@ class RequestOutput:
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] | None = None
     error: str | None = None
+    # every choice of a request with SamplingParams(n=...) (choice 0's are the fields above); one for n=1
+    outputs: tuple["ChoiceOutput", ...] = ()
+
+
+@dataclass(frozen=True)
+class ChoiceOutput:
+    """One of a request's n choices."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None
 
 
 class ResultQueue:
@@ -139,7 +152,8 @@ class ResultQueue:
         self.finish_reason: str | None = None
         self.error: str | None = None
         self.prompt_tokens = session.prompt_tokens
-        self.generated_length = 0  # tokens generated so far (received from the engine)
+        self.generated_length = 0  # tokens generated so far (received from the engine), every choice's
+        self._finished: dict[int, str] = {}  # choices ended: index -> finish reason
 
     # reading
     def get(self, timeout: float | None = None) -> Output | None:
@@ -229,23 +243,31 @@ class ResultQueue:
             self._generating = self._generating or bool(event.token_ids)
             if not event.finished:
                 return
-            self.finish_reason = event.finish_reason.value
-            self.error = event.error
             ok = event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.EOS)
+            self._finished[event.index] = event.finish_reason.value
+            if ok and len(self._finished) < self._session.n:
+                return  # other choices still running
+            self.finish_reason = (self._finished.get(0) if ok else None) or event.finish_reason.value
+            self.error = event.error
             self._end = RequestStatus.FINISHED if ok else RequestStatus.INTERRUPTED
         self._llm._ended(self)
 
     def _pop(self) -> Output | None:
+        """The buffered output of one choice (the oldest's; all of it for n=1); the other choices' stays queued."""
         with self._state:
-            events = list(self._buffer)
+            if not self._buffer:
+                return None
+            index = self._buffer[0].index
+            events = [e for e in self._buffer if e.index == index or e.finish_reason is FinishReason.CANCELLED]
+            rest = [e for e in self._buffer if not (e.index == index or e.finish_reason is FinishReason.CANCELLED)]
             self._buffer.clear()
-        if not events:
-            return None
+            self._buffer.extend(rest)
         last = events[-1]
         return Output(token_ids=tuple(t for e in events for t in e.token_ids), text="".join(e.text for e in events),
                       logprobs=tuple(lp for e in events for lp in e.logprobs) if self._want_logprobs else None,
                       finish_reason=last.finish_reason.value if last.finished else None,
-                      completion_tokens=self.generated_length, error=last.error)
+                      completion_tokens=self.generated_length if self._session.n == 1 else last.completion_tokens,
+                      error=last.error, index=index)
 
     def _interrupt(self, message: str | None) -> None:
         """End the request here: the events before this marker are kept, anything after it is dropped."""
@@ -456,15 +478,18 @@ class LLM:
         started, out_tokens = time.monotonic(), 0
         running: dict[int, tuple[Any, RequestHandle]] = {}
         done: dict[int, RequestOutput] = {}
-        next_out, exhausted = 0, False
+        next_out, exhausted, held = 0, False, None
         try:
             while True:
                 while not exhausted and self._free_places() > 0:
-                    job = next(jobs, None)
+                    job, held = held or next(jobs, None), None
                     if job is None:
                         exhausted = True
                         break
                     index, prompt, job_params = job
+                    if running and _choices(job_params) > self._free_places():
+                        held = job  # its n choices take n places: it waits for them
+                        break
                     shown = prompt.messages if isinstance(prompt, Conversation) else prompt
                     try:
                         running[index] = (shown, self.start_request(prompt, job_params))
@@ -501,7 +526,7 @@ class LLM:
 
     def _free_places(self) -> int:
         """Requests that may still be submitted: rows plus queue places not taken by open requests."""
-        return self.config.max_open_sessions - self._client.open_sessions
+        return self.config.max_open_sessions - self._client.open_places
 
 
 class Conversation:
@@ -535,10 +560,25 @@ def _jobs(prompts: Iterable, params) -> Iterator[tuple[int, Any, SamplingParams 
 _MISSING = object()
 
 
+def _choices(params: SamplingParams | None) -> int:
+    """The places a request takes: its n (checked when its SamplingParams were built)."""
+    return int(params.params.get("n") or 1) if params is not None else 1
+
+
 def _result(index: int, prompt: Any, handle: RequestHandle) -> RequestOutput:
     q = handle.queue
-    out = q.get_nowait()
-    text, ids, lps = (out.text, out.token_ids, out.logprobs) if out else ("", (), None)
-    return RequestOutput(index=index, prompt=prompt, prompt_token_ids=handle.prompt_token_ids, text=text,
-                         token_ids=ids, finish_reason=q.finish_reason or "error", prompt_tokens=q.prompt_tokens,
-                         completion_tokens=q.generated_length, logprobs=lps, error=q.error)
+    parts: dict[int, list[Output]] = collections.defaultdict(list)
+    while (out := q.get_nowait()) is not None:
+        parts[out.index].append(out)
+    choices = []
+    for i in range(q._session.n):
+        outs = parts.get(i, [])
+        lps = tuple(lp for o in outs for lp in o.logprobs) if outs and outs[0].logprobs is not None else None
+        choices.append(ChoiceOutput(i, "".join(o.text for o in outs), tuple(t for o in outs for t in o.token_ids),
+                                    q._finished.get(i) or q.finish_reason or "error",
+                                    sum(len(o.token_ids) for o in outs), lps))
+    first = choices[0]
+    return RequestOutput(index=index, prompt=prompt, prompt_token_ids=handle.prompt_token_ids, text=first.text,
+                         token_ids=first.token_ids, finish_reason=first.finish_reason, prompt_tokens=q.prompt_tokens,
+                         completion_tokens=q.generated_length, logprobs=first.logprobs, error=q.error,
+                         outputs=tuple(choices))

@@ -161,11 +161,28 @@ def test_bad_parameters_fail_as_the_http_api_does(mock_server, params, field, ht
     assert r.status_code == 400 and r.json()["error"]["message"] == str(err.value)  # one validation
 
 
-def test_n_choices_are_refused_offline_with_a_clear_error():
-    with pytest.raises(ParameterError, match="n=2 is not supported by the offline API") as err:
-        SamplingParams(n=2)
-    assert err.value.field == "n"
-    assert SamplingParams(n=1).resolve(100)[0].n == 1
+def test_n_choices_offline(llm):
+    """One request, n choices: generate gives each in outputs (choice 0's also as the result's own fields), a
+    handle's queue gives each get one choice's output (Output.index)."""
+    [result] = llm.generate(["fork"], SamplingParams(temperature=0, max_tokens=6, n=3), use_tqdm=False)
+    assert [c.index for c in result.outputs] == [0, 1, 2]
+    assert {c.text for c in result.outputs} == {result.text} == {echo("fork", 6)}  # greedy: equal choices
+    assert all(c.finish_reason == "length" and c.completion_tokens == 6 for c in result.outputs)
+    assert result.completion_tokens == 18 and result.finish_reason == "length"
+    handle = llm.start_request("fork", SamplingParams(temperature=0, max_tokens=6, n=2))
+    texts = {0: "", 1: ""}
+    while (out := handle.queue.get(timeout=30)) is not None:
+        texts[out.index] += out.text
+    assert texts == {0: echo("fork", 6), 1: echo("fork", 6)} and handle.finish_reason == "length"
+    [single] = llm.generate(["fork"], SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert len(single.outputs) == 1 and single.outputs[0].text == single.text
+
+
+def test_generate_waits_for_as_many_places_as_a_request_has_choices():
+    with LLM(mock=True, rows=2, max_waiting=1, mock_tokens_per_second=0) as small:  # 3 places
+        results = small.generate([f"p{i}" for i in range(4)], SamplingParams(temperature=0, max_tokens=4, n=2),
+                                 use_tqdm=False)
+    assert [[c.text for c in r.outputs] for r in results] == [[echo(f"p{i}", 4)] * 2 for i in range(4)]
 
 
 def test_bad_prompts_and_options_name_the_field(llm):

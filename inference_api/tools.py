@@ -164,17 +164,23 @@ def tools_prompt(tools: Sequence[dict]) -> str:
 
 def plain_messages(messages: Sequence[dict], tools: Sequence[dict] | None) -> list[dict]:
     """Messages for a template that knows nothing of tools: every content a string, the tools described in the
-    system message, calls in the output format, tool results as user turns."""
-    out = []
+    system message, calls in the output format, tool results as user turns (one for consecutive results, so that
+    templates that insist on alternating turns take them)."""
+    out, after_tool = [], False
     for msg in messages:
         content = msg.get("content") or ""
-        if msg["role"] == "tool":
-            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+        if msg["role"] == "tool":  # the results of one turn's calls share one user turn, as Qwen's template does
+            response = f"<tool_response>\n{content}\n</tool_response>"
+            if after_tool:
+                out[-1] = {"role": "user", "content": f"{out[-1]['content']}\n{response}"}
+            else:
+                out.append({"role": "user", "content": response})
         elif msg.get("tool_calls"):
             calls = "".join(call_text(c["function"]["name"], c["function"]["arguments"]) for c in msg["tool_calls"])
             out.append({"role": "assistant", "content": f"{content}\n{calls}" if content else calls})
         else:
             out.append({"role": msg["role"], "content": content})
+        after_tool = msg["role"] == "tool"
     if tools:
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": f"{out[0]['content']}\n\n{tools_prompt(tools)}"}

@@ -113,6 +113,9 @@ def test_a_template_without_tools_is_shown_them_in_plain_messages():
     assert plain[2]["content"] == call("get_weather", {"city": "Oslo"})
     assert plain[3]["content"] == "<tool_response>\n12 C\n</tool_response>"
     assert plain_messages(history[1:2], [NOW])[0]["role"] == "system"
+    two = plain_messages(history + [{"role": "tool", "content": "13 C", "tool_call_id": "c2"}], [WEATHER])
+    assert len(two) == 4 and two[3]["content"] == \
+        "<tool_response>\n12 C\n</tool_response>\n<tool_response>\n13 C\n</tool_response>"
 
     class Template:  # a tokenizer whose template ignores tools: the plain messages reach it
         seen = None

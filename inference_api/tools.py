@@ -18,6 +18,7 @@ out in the call format, tool results as user turns in ``<tool_response>`` tags.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Sequence
@@ -223,13 +224,20 @@ def parse_call(body: str, names: Sequence[str]) -> ToolCall | None:
 class CallSplitter:
     """The model's text, as it arrives, split into content and calls: ``feed`` and, at the end, ``finish`` give
     ("content", text) and ("call", ToolCall) pieces. Text that may still turn into a call is held back; the
-    whitespace around calls is dropped."""
+    whitespace around calls is dropped.
 
-    def __init__(self, names: Sequence[str]):
+    ``incremental`` (a forced call, whose grammar guarantees the name first and a valid call): a call comes as
+    ("open", (id, name)) once its name is known, then ("arguments", text) pieces of its arguments as they are
+    written (the model's text of the object), and ("end", None)."""
+
+    def __init__(self, names: Sequence[str], incremental: bool = False):
         self.names = tuple(names)
+        self.incremental = incremental
         self.buf = ""
         self.inside = False
         self.calls = 0
+        self.opened: int | None = None  # incremental: where the open call's arguments start in its text
+        self.sent = 0  # incremental: how many characters of those arguments went out
 
     def feed(self, text: str) -> list[tuple[str, object]]:
         self.buf += text
@@ -237,6 +245,8 @@ class CallSplitter:
         while True:
             if self.inside:
                 end = self.buf.find(CLOSE)
+                if self.incremental:
+                    self._arguments(self.buf if end < 0 else self.buf[:end], out)
                 if end < 0:
                     return out
                 self._call(self.buf[:end], out, closed=True)
@@ -261,7 +271,26 @@ class CallSplitter:
         self.buf, self.inside = "", False
         return out
 
+    def _arguments(self, body: str, out: list) -> None:
+        """Incremental: the call's opening once its name is known, then its arguments so far."""
+        if self.opened is None:
+            start = _CALL_START.match(body)
+            if start is None or json.loads(f'"{start.group(1)}"') not in self.names:
+                return
+            self.opened, self.sent = start.end(), 0
+            out.append(("open", (f"call_{uuid.uuid4().hex[:24]}", json.loads(f'"{start.group(1)}"'))))
+        arguments = body[self.opened:]
+        written = _value_end(arguments)
+        if written > self.sent:
+            out.append(("arguments", arguments[self.sent:written]))
+            self.sent = written
+
     def _call(self, body: str, out: list, closed: bool) -> None:
+        if self.opened is not None:  # streamed as it came
+            self.calls += 1
+            self.opened = None
+            out.append(("end", None))
+            return
         call = parse_call(body, self.names)
         if call is None:
             self._content(OPEN + body + (CLOSE if closed else ""), out)
@@ -276,6 +305,34 @@ class CallSplitter:
             out.append(("content", text))
 
 
+# the start of a call whose grammar writes the name first: {"name": "...", "arguments": and the value's first
+# character (so that the whitespace before it is never part of the arguments)
+_CALL_START = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+def _value_end(text: str) -> int:
+    """How much of ``text``, which starts with a JSON object, belongs to it: up to its closing brace, or all of it
+    while it is still open."""
+    depth, in_string, escaped = 0, False, False
+    for i, ch in enumerate(text):
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return len(text)
+
+
 def _held(text: str) -> int:
     """How many characters at the end of ``text`` to hold back: whitespace, and the start of a ``<tool_call>``."""
     keep = 0
@@ -287,11 +344,23 @@ def _held(text: str) -> int:
     return keep + len(rest) - len(rest.rstrip())
 
 
-def split_calls(text: str, names: Sequence[str]) -> tuple[str | None, list[ToolCall]]:
-    """(content or None, calls) of a whole answer."""
-    splitter = CallSplitter(names)
+def split_calls(text: str, names: Sequence[str], incremental: bool = False) -> tuple[str | None, list[ToolCall]]:
+    """(content or None, calls) of a whole answer, as ``CallSplitter`` streams it: ``incremental`` (a forced
+    call), each call's arguments are the model's text of them, a call cut short by max_tokens included (as
+    OpenAI returns one)."""
+    splitter = CallSplitter(names, incremental)
     pieces = splitter.feed(text) + splitter.finish()
     if not splitter.calls:
         return text, []
+    calls, opened = [], None
+    for kind, piece in pieces:
+        if kind == "call":
+            calls.append(piece)
+        elif kind == "open":
+            opened = [*piece, ""]
+        elif kind == "arguments":
+            opened[2] += piece
+        elif kind == "end":
+            calls.append(ToolCall(*opened))
     content = "".join(p for kind, p in pieces if kind == "content")
-    return content.strip() or None, [p for kind, p in pieces if kind == "call"]
+    return content.strip() or None, calls

@@ -98,6 +98,16 @@ def test_calls_are_parsed_whole_and_streamed_alike():
     # text that is not a call of an offered tool stays content; an answer without calls is left as it is
     for plain in ("Hi <tool_call>\n{\"name\": \"rm\"}\n</tool_call>", "a < b\n", "<tool_call>{broken"):
         assert split_calls(plain, ["now"]) == (plain, [])
+    # incremental: the arguments end at their own closing brace, braces and quotes in strings aside
+    tricky = call("get_weather", {"city": 'a}"{\\b', "n": [1, {"x": []}]})
+    splitter = CallSplitter(["get_weather"], incremental=True)
+    pieces = [p for ch in tricky + "\n" for p in splitter.feed(ch)] + splitter.finish()
+    assert pieces[0][0] == "open" and pieces[0][1][1] == "get_weather" and pieces[-1] == ("end", None)
+    assert json.loads("".join(p for k, p in pieces if k == "arguments")) == {"city": 'a}"{\\b', "n": [1, {"x": []}]}
+    # a forced call cut short by max_tokens is a call, its arguments as far as they got
+    cut = call("get_weather", {"city": "Oslo"}).split("lo")[0]
+    assert [(c.name, c.arguments) for c in split_calls(cut, ["get_weather"], incremental=True)[1]] == \
+        [("get_weather", '{"city": "Os')]
     # a last call the model left open is still a call
     assert split_calls(call("now", {})[:-len("</tool_call>")], ["now"])[1][0].name == "now"
 
@@ -148,6 +158,20 @@ def test_tool_answers_in_openais_shape():
     assert json.loads(deltas[1]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
     assert deltas[2]["tool_calls"][0]["index"] == deltas[3]["tool_calls"][0]["index"] == 1
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls" and len(chunks) == 5
+    # a forced call streams its arguments as they are written; auto sends each call whole
+    for choice, whole in (("required", False), ("auto", True)):
+        fmt = ToolChatFormat(ready, False, parse_tools([WEATHER, NOW], choice, None))
+        chunks = [c for ch in text for c in fmt.chunks(ch, (), None)] + fmt.chunks("", (), "stop")
+        calls: dict[int, list] = {}
+        for delta in (c["choices"][0]["delta"] for c in chunks[:-1]):
+            (entry,) = delta["tool_calls"]
+            if "id" in entry:
+                calls[entry["index"]] = [entry["function"]["name"], 0, ""]
+            else:
+                calls[entry["index"]][1] += 1
+                calls[entry["index"]][2] += entry["function"]["arguments"]
+        assert [(n, json.loads(a)) for n, _, a in calls.values()] == [("get_weather", {"city": "Oslo"}), ("now", {})]
+        assert (calls[0][1] == 1) == whole and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
     # no calls: the plain answer, its finish reason unchanged
     plain = ToolChatFormat(ready, False, tools).response(Generation(text="Hi", finish_reason=FinishReason.EOS), 5)
     assert plain["choices"][0]["message"]["content"] == "Hi" and plain["choices"][0]["finish_reason"] == "stop"

@@ -1,7 +1,9 @@
 """Chat answers of a request with tools (``tools.py``): the model's calls as ``message.tool_calls`` with
 ``finish_reason: "tool_calls"`` and ``content: null``, and streamed as OpenAI streams them: per call a delta
-with its ``index``, ``id``, ``type`` and ``function.name`` (``arguments: ""``), then one with its
-``function.arguments``. Text that may still become a call is held back until it is known."""
+with its ``index``, ``id``, ``type`` and ``function.name`` (``arguments: ""``), then its ``function.arguments``:
+as the model writes them when the call is forced (``required``, a named function: the grammar guarantees the
+call), in one delta once the call is whole otherwise. Text that may still become a call is held back until it
+is known."""
 from __future__ import annotations
 
 from ...generation import Generation
@@ -13,13 +15,13 @@ from .format import ChatFormat
 class ToolChatFormat(ChatFormat):
     def __init__(self, ready: EngineReady, want_logprobs: bool, tools: Tools):
         super().__init__(ready, want_logprobs)
-        self.splitter = CallSplitter(tools.names)
+        self.splitter = CallSplitter(tools.names, incremental=tools.grammar() is not None)
         self.calls = 0  # calls streamed so far: the next one's index
         self.held: tuple[TokenLogprob, ...] = ()  # log-probs of text held back, sent with the next chunk
 
     def response(self, gen: Generation, prompt_tokens: int) -> dict:
         body = super().response(gen, prompt_tokens)
-        content, calls = split_calls(gen.text, self.splitter.names)
+        content, calls = split_calls(gen.text, self.splitter.names, self.splitter.incremental)
         if calls:
             choice = body["choices"][0]
             choice["message"].update(content=content, tool_calls=[c.openai() for c in calls])
@@ -35,18 +37,29 @@ class ToolChatFormat(ChatFormat):
         for kind, piece in pieces:
             if kind == "content":
                 out.append(self.chunk(piece, lps, None))
-            else:
-                index, self.calls = self.calls, self.calls + 1
-                opening = {"index": index, "id": piece.id, "type": "function",
-                           "function": {"name": piece.name, "arguments": ""}}
-                out.append(self._delta({"tool_calls": [opening]}, lps))
-                out.append(self._delta({"tool_calls": [{"index": index, "function": {"arguments": piece.arguments}}]},
-                                       ()))
+            elif kind == "call":
+                out += [self._opening(piece.id, piece.name, lps), self._arguments(piece.arguments)]
+                self.calls += 1
+            elif kind == "open":
+                out.append(self._opening(*piece, lps))
+            elif kind == "arguments":
+                out.append(self._arguments(piece, lps))
+            else:  # "end": the call streamed since its opening is whole
+                self.calls += 1
+                continue
             lps = ()
         self.held = lps if finish is None else ()
         if finish is not None:
             out.append(self.chunk("", lps, "tool_calls" if finish == "stop" and self.calls else finish))
         return out
+
+    def _opening(self, call_id: str, name: str, lps: tuple[TokenLogprob, ...]) -> dict:
+        """A call's first delta; the call is ``self.calls`` until its arguments are done."""
+        opening = {"index": self.calls, "id": call_id, "type": "function", "function": {"name": name, "arguments": ""}}
+        return self._delta({"tool_calls": [opening]}, lps)
+
+    def _arguments(self, text: str, lps: tuple[TokenLogprob, ...] = ()) -> dict:
+        return self._delta({"tool_calls": [{"index": self.calls, "function": {"arguments": text}}]}, lps)
 
     def _delta(self, delta: dict, lps: tuple[TokenLogprob, ...]) -> dict:
         logprobs = self.logprobs(lps) if self.want_logprobs else None

@@ -50,9 +50,14 @@ class Tools:
     def names(self) -> tuple[str, ...]:
         return tuple(t["function"]["name"] for t in self.tools)
 
+    @property
+    def forced(self) -> bool:
+        """Whether the answer must be calls (``required`` or a named function), enforced by ``grammar``."""
+        return self.choice in ("required", "function")
+
     def grammar(self) -> Grammar | None:
         """The grammar a ``required`` or named choice imposes (None for auto and none)."""
-        if self.choice not in ("required", "function"):
+        if not self.forced:
             return None
         chosen = [t for t in self.tools if self.choice == "required" or t["function"]["name"] == self.name]
         calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],

@@ -126,7 +126,7 @@ def parse_chat(body: dict, check_model: Callable[[str], None]) -> LlamaStackRequ
     tools = _tools(body.get("tools"), body.get("tool_choice"))
     if tools is None:
         return req
-    grammar = one_of(req.params.grammar, tools.grammar(), field="tool_choice")
+    grammar = one_of(req.params.grammar, tools.grammar(), field="tool_choice") if tools.forced else req.params.grammar
     return dataclasses.replace(req, tools=tools, params=dataclasses.replace(req.params, grammar=grammar))
 
 

@@ -94,7 +94,7 @@ def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQ
     params, max_tokens = parse_sampling(body, (top or 0) if want else None, field, vocab_size, max_stop)
     string(body, "tool_prompt")  # TGI's preamble to its tools: accepted, the server describes tools its own way
     tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
-    if tools is not None and tools.grammar() is not None:
+    if tools is not None and tools.forced:
         params = dataclasses.replace(params, grammar=one_of(params.grammar, tools.grammar(), field="tool_choice"))
     return _request(body, params, max_tokens, field, messages=messages, tools=tools)
 

@@ -15,7 +15,7 @@ from .format import ChatFormat
 class ToolChatFormat(ChatFormat):
     def __init__(self, ready: EngineReady, want_logprobs: bool, tools: Tools):
         super().__init__(ready, want_logprobs)
-        self.splitter = CallSplitter(tools.names, incremental=tools.grammar() is not None)
+        self.splitter = CallSplitter(tools.names, incremental=tools.forced)
         self.calls = 0  # calls streamed so far: the next one's index
         self.held: tuple[TokenLogprob, ...] = ()  # log-probs of text held back, sent with the next chunk
 

@@ -497,9 +497,10 @@ def main() -> None:
         offline.llm.close()
 
 
-# --structured: every stream writes a JSON object holding one long string (as long as an unconstrained answer)
+# --structured: every stream writes a JSON object holding one long string, long enough that no stream ends before
+# --max-tokens (as the unconstrained ones, with --ignore-eos): the same tokens on both sides of the ratio
 STORY_FORMAT = {"type": "json_schema", "json_schema": {"name": "story", "schema": {
-    "type": "object", "properties": {"story": {"type": "string"}}, "required": ["story"],
+    "type": "object", "properties": {"story": {"type": "string", "minLength": 4000}}, "required": ["story"],
     "additionalProperties": False}}}
 
 

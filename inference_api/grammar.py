@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 from .request_errors import RequestError
 
-# kind -> llguidance's format name; "grammar" is EBNF as vLLM and llama.cpp write it (GBNF), or Lark
-KINDS = {"json_schema": "json_schema", "regex": "regex", "choice": "choice", "grammar": "grammar"}
+# llguidance's format names; "grammar" is EBNF as vLLM and llama.cpp write it (GBNF), or Lark
+KINDS = ("json_schema", "regex", "choice", "grammar")
 MAX_GRAMMAR_BYTES = 64 * 1024  # the largest schema, regex or grammar text a request may send
 MAX_CHOICES = 256  # guided_choice's strings
 
@@ -30,7 +30,7 @@ class Grammar:
 
         if self.kind == "json_schema":
             return LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_OPTIONS)
-        return grammar_from(KINDS[self.kind], self.text)
+        return grammar_from(self.kind, self.text)
 
 
 # Whitespace between JSON tokens: any, as JSON allows, but at most 20 characters at each place (as llama.cpp's

@@ -26,10 +26,9 @@ class Constraints:
     """Matchers for the rows that carry a grammar. ``make_tokenizer``: builds llguidance's tokenizer (lazily,
     on the compile thread, the first time a request brings a grammar)."""
 
-    def __init__(self, make_tokenizer: Callable[[], object], vocab_size: int):
+    def __init__(self, make_tokenizer: Callable[[], object]):
         self._make_tokenizer = make_tokenizer
         self._tokenizer = None
-        self.vocab_size = vocab_size
         self._cache: collections.OrderedDict[Grammar, object] = collections.OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
         self._executor = None  # llguidance's, for the masks of a step's constrained rows (made on first use)
@@ -53,9 +52,6 @@ class Constraints:
                 self._cache.popitem(last=False)
         self._cache.move_to_end(grammar)
         return template.deep_copy()
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
     def mask(self, logits: torch.Tensor, rows: list[tuple[int, object]],
@@ -93,7 +89,7 @@ def for_hf_tokenizer(hf_tokenizer, vocab_size: int, eos_ids) -> Constraints:
         return LLTokenizer(llguidance_json(hf_tokenizer.backend_tokenizer.to_str()), n_vocab=vocab_size,
                            eos_token=sorted(eos_ids))
 
-    return Constraints(make, vocab_size)
+    return Constraints(make)
 
 
 def llguidance_json(tokenizer_json: str) -> str:

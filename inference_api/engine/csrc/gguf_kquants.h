@@ -24,6 +24,13 @@ inline void scale_min_k4(const uint8_t* q, float dd, float dmin, float* d, float
   _mm256_storeu_ps(m, _mm256_mul_ps(n, _mm256_set1_ps(-dmin)));
 }
 
+#ifdef WOQ_VNNI
+// the float16 at bit shift (0 or 16) of each 32-bit lane, as floats
+inline __m512 lane_f16(__m512i v, int shift) {
+  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, shift)));
+}
+#endif
+
 // 16 sub-block scales given as 16 bytes (signed or unsigned) into floats times f
 inline void scale16(__m128i bytes, bool is_signed, float f, float* out) {
   const __m128i hi = _mm_srli_si128(bytes, 8);
@@ -77,6 +84,26 @@ struct Q4_K {  // d, dmin, scales[12] (6-bit scales and minimums), qs[128] (nibb
   static void scales(const uint8_t* b, float* d, float* m) {
     scale_min_k4(b + 4, f16_at(b), f16_at(b + 2), d, m);
   }
+#ifdef WOQ_VNNI
+  // scales' numbers for 16 blocks at b + off[r], in the rows' lanes: d, m [8][16] (the VNNI tiles' layout)
+  static void lane_scales(const uint8_t* b, __m512i off, float* d, float* m) {
+    const __m512i head = _mm512_i32gather_epi32(off, b, 1), u0 = _mm512_i32gather_epi32(off, b + 4, 1),
+                  u1 = _mm512_i32gather_epi32(off, b + 8, 1), u2 = _mm512_i32gather_epi32(off, b + 12, 1);
+    const __m512 dd = lane_f16(head, 0), dmin = _mm512_mul_ps(lane_f16(head, 16), _mm512_set1_ps(-1.f));  // -dmin, exactly
+    const __m512i k6 = _mm512_set1_epi32(63), k4 = _mm512_set1_epi32(15), k2 = _mm512_set1_epi32(3);
+    for (int j = 0; j < 4; ++j) {  // scale_min_k4's bytes, each in the lanes
+      const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(u0, 8 * j), k6), mn = _mm512_and_si512(_mm512_srli_epi32(u1, 8 * j), k6);
+      const __m512i sc2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 8 * j), k4),
+                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 8 * j + 6), k2), 4));
+      const __m512i mn2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 8 * j + 4), k4),
+                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 8 * j + 6), k2), 4));
+      _mm512_storeu_ps(d + j * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(sc), dd));
+      _mm512_storeu_ps(m + j * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(mn), dmin));
+      _mm512_storeu_ps(d + (j + 4) * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(sc2), dd));
+      _mm512_storeu_ps(m + (j + 4) * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(mn2), dmin));
+    }
+  }
+#endif
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
     return bit_field<V>(a, b, 16 + (c / 2) * 32, 4 * (c % 2), 15);
@@ -87,6 +114,9 @@ struct Q5_K {  // d, dmin, scales[12], qh[32] (fifth bit), qs[128] (nibbles)
   static constexpr int TYPE = 13, QK = 256, BYTES = 176, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
   static void scales(const uint8_t* b, float* d, float* m) { Q4_K::scales(b, d, m); }
+#ifdef WOQ_VNNI
+  static void lane_scales(const uint8_t* b, __m512i off, float* d, float* m) { Q4_K::lane_scales(b, off, d, m); }
+#endif
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
     return V::or_(bit_field<V>(a, b, 48 + (c / 2) * 32, 4 * (c % 2), 15), V::slli(bit_field<V>(a, b, 16, c, 1), 4));
@@ -102,6 +132,20 @@ struct Q6_K {  // ql[128] (low nibbles), qh[64] (high 2 bits), scales[16] (int8)
     scale16(sc, true, dd, d);
     scale16(sc, true, -32.f * dd, m);
   }
+#ifdef WOQ_VNNI
+  static void lane_scales(const uint8_t* b, __m512i off, float* d, float* m) {
+    const __m512 dd = lane_f16(_mm512_i32gather_epi32(off, b + 206, 1), 16);  // d is the block's last 2 bytes
+    const __m512 f = _mm512_mul_ps(_mm512_set1_ps(-32.f), dd);
+    for (int g = 0; g < 4; ++g) {
+      const __m512i v = _mm512_i32gather_epi32(off, b + 192 + 4 * g, 1);
+      for (int j = 0; j < 4; ++j) {
+        const __m512 sc = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24));
+        _mm512_storeu_ps(d + (4 * g + j) * 16, _mm512_mul_ps(sc, dd));
+        _mm512_storeu_ps(m + (4 * g + j) * 16, _mm512_mul_ps(sc, f));
+      }
+    }
+  }
+#endif
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
     const int h = c / 4, cc = c % 4;

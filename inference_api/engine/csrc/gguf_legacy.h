@@ -56,15 +56,11 @@ struct V512 {
                                        0x0004000400040004);
     return _mm512_and_si512(_mm512_srlv_epi16(v, shifts), _mm512_set1_epi8(15));
   }
-  static T fifth(const uint8_t* a, const uint8_t* b) {
+  static T fifth(const uint8_t* a, const uint8_t* b) {  // bit j of a's 32 bits: byte j; of b's: byte 32 + j
     uint32_t ba, bb;
     std::memcpy(&ba, a, 4);
     std::memcpy(&bb, b, 4);
-    const T bits = pair(_mm256_set1_epi32(static_cast<int>(ba)), _mm256_set1_epi32(static_cast<int>(bb)));
-    const T spread = _mm512_shuffle_epi8(bits, pair(V256::spread_mask(), V256::spread_mask()));
-    const __mmask64 hit = _mm512_cmpeq_epi8_mask(_mm512_or_si512(spread, _mm512_set1_epi64(0x7fbfdfeff7fbfdfe)),
-                                                 _mm512_set1_epi64(-1));
-    return _mm512_maskz_mov_epi8(hit, _mm512_set1_epi8(16));
+    return _mm512_maskz_mov_epi8(_cvtu64_mask64(ba | static_cast<uint64_t>(bb) << 32), _mm512_set1_epi8(16));
   }
   static T set1(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
   static T srli(T v, int n) { return _mm512_srli_epi16(v, n); }
@@ -81,57 +77,60 @@ inline typename V::T bit_field(const uint8_t* a, const uint8_t* b, int off, int 
   return V::and_(V::srli(V::load(a + off, b + off), shift), V::set1(mask));
 }
 
+// The scales of a block of 32 whose scale d is the float16 at its start, and its minimum the float16 after it
+// (MinF16) or d times MinOfD.
+template <int MinOfD, bool MinF16>
+struct Scale32 {
+  static void scales(const uint8_t* b, float* d, float* m) {
+    d[0] = f16_at(b), m[0] = MinF16 ? f16_at(b + 2) : static_cast<float>(MinOfD) * d[0];
+  }
+};
+
 // The traits every block type gives: TYPE (ggml's type number), QK weights in BYTES bytes, a scale (and minimum)
 // per SUB weights; SIGNED codes are int8 (else unsigned bytes); MINS: some m is not zero.
-struct Q4_0 {
+struct Q4_0 : Scale32<-8, false> {
   static constexpr int TYPE = 2, QK = 32, BYTES = 18, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
-  static void scales(const uint8_t* b, float* d, float* m) { d[0] = f16_at(b), m[0] = -8.f * d[0]; }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int) { return V::nibbles(a + 2, b + 2); }
 };
 
-struct Q4_1 {
+struct Q4_1 : Scale32<0, true> {
   static constexpr int TYPE = 3, QK = 32, BYTES = 20, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
-  static void scales(const uint8_t* b, float* d, float* m) { d[0] = f16_at(b), m[0] = f16_at(b + 2); }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int) { return V::nibbles(a + 4, b + 4); }
 };
 
-struct Q5_0 {
+struct Q5_0 : Scale32<-16, false> {
   static constexpr int TYPE = 6, QK = 32, BYTES = 22, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
-  static void scales(const uint8_t* b, float* d, float* m) { d[0] = f16_at(b), m[0] = -16.f * d[0]; }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int) {
     return V::or_(V::nibbles(a + 6, b + 6), V::fifth(a + 2, b + 2));
   }
 };
 
-struct Q5_1 {
+struct Q5_1 : Scale32<0, true> {
   static constexpr int TYPE = 7, QK = 32, BYTES = 24, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
-  static void scales(const uint8_t* b, float* d, float* m) { d[0] = f16_at(b), m[0] = f16_at(b + 2); }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int) {
     return V::or_(V::nibbles(a + 8, b + 8), V::fifth(a + 4, b + 4));
   }
 };
 
-struct Q8_0 {
+struct Q8_0 : Scale32<0, false> {
   static constexpr int TYPE = 8, QK = 32, BYTES = 34, SUB = 32;
   static constexpr bool SIGNED = true, MINS = false;
-  static void scales(const uint8_t* b, float* d, float* m) { d[0] = f16_at(b), m[0] = 0.f; }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int) { return V::load(a + 2, b + 2); }
 };
 
 // IQ4_NL: each nibble indexes llama.cpp's 16 non-linear int8 levels
-struct IQ4_NL {
+struct IQ4_NL : Scale32<0, false> {
   static constexpr int TYPE = 20, QK = 32, BYTES = 18, SUB = 32;
   static constexpr bool SIGNED = true, MINS = false;
-  static void scales(const uint8_t* b, float* d, float* m) { d[0] = f16_at(b), m[0] = 0.f; }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int) {
     return V::lookup(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),

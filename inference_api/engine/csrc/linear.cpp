@@ -33,6 +33,11 @@ torch::Tensor run_linear(const F& f, const torch::Tensor& x, const Bias& bias, b
   if constexpr (F::VNNI) {
     if (int8_inputs && f.vnni_ready()) {
       const Q8Rows xr(xp, M, K, F::PLUS128, F::HALVES);
+      if constexpr (F::ONE_ROW)
+        if (M == 1)  // no packing for one input row: the tiles' numbers, read from the rows' own layout
+          return vnni_rows(x2, N, bias, [](int64_t) {}, [&](auto, int64_t grp, int64_t, float* out) {
+                   f.vnni_one(xr, grp, out);
+                 }).reshape(shape);
       return vnni_rows(x2, N, bias, [&](int64_t grp) { f.vnni_prepare(grp); }, [&](auto mr, int64_t grp, int64_t i0, float* out) {
                f.template vnni_tile<decltype(mr)::value>(xr, grp, i0, out, N);
              }).reshape(shape);

@@ -138,6 +138,20 @@ def open_gguf(source):
     return source if isinstance(source, GGUFReader) else GGUFReader(str(source))
 
 
+# sliding-window layers: llama.cpp's pattern per architecture when the file has no per-layer key (layer i
+# slides unless i % n == n - 1)
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
+
+
+def layer_windows(arch: str, layers: int, window, pattern=None) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: the layer reads the whole context), from the file's
+    ``attention.sliding_window`` and ``attention.sliding_window_pattern`` (llama.cpp's pattern when absent)."""
+    if arch not in SWA_PATTERN or not window:
+        return (None,) * layers
+    n = int(pattern if pattern is not None else SWA_PATTERN[arch])
+    return tuple(int(window) if n == 0 or i % n < n - 1 else None for i in range(layers))
+
+
 def read_header(source) -> dict:
     reader = open_gguf(source)
 
@@ -161,7 +175,10 @@ def read_header(source) -> dict:
             "num_params": sum(sizes.values()), "num_layers": field(f"{arch}.block_count"),
             "num_kv_heads": field(f"{arch}.attention.head_count_kv") or heads,
             "head_dim": field(f"{arch}.attention.key_length") or hidden // heads,
-            "vocab_params": sizes.get("token_embd.weight", 0), "tied": "output.weight" not in sizes, "hidden": hidden}
+            "vocab_params": sizes.get("token_embd.weight", 0), "tied": "output.weight" not in sizes, "hidden": hidden,
+            "windows": list(layer_windows(arch, field(f"{arch}.block_count") or 0,
+                                          field(f"{arch}.attention.sliding_window"),
+                                          field(f"{arch}.attention.sliding_window_pattern")))}
 
 
 def model_type(arch: str) -> str:

@@ -17,6 +17,14 @@ from pathlib import Path
 from .config import ServerConfig
 
 
+def kv_slots(windows, length: int, chunk: int) -> list[int]:
+    """Each layer's KV positions per row (besides its scratch slot): a sliding-window layer's ring of window +
+    chunk (the most tokens one forward writes into a row: a prefill chunk's queries still read the window before
+    it) where that is shorter than the context, else the context's length. windows: each layer's window or
+    None; the engine allocates these and pre-flight counts them."""
+    return [w + chunk if w and w + chunk < length else length for w in windows]
+
+
 @dataclass(frozen=True)
 class Machine:
     cpu_flags: frozenset[str] = frozenset()

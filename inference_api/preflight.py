@@ -16,11 +16,12 @@ import struct
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from .config import ServerConfig
 from .gguf_meta import read_header
 from .model_loader import gguf_source, gguf_target, read_stamp
-from .plan import ExecutionPlan, make_plan, model_facts, probe_machine
+from .plan import ExecutionPlan, kv_slots, make_plan, model_facts, probe_machine
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class ModelShape:
     vocab_params: int = 0  # vocabulary x hidden: the token embedding, and the output head again unless tied
     tied: bool = True  # the output head is the token embedding
     hidden: int = 0
+    windows: tuple = ()  # each layer's sliding window (None: the whole context); empty: none slides
 
 
 @dataclass(frozen=True)
@@ -90,15 +92,18 @@ def _gib(n: float) -> str:
 def estimate_bytes(num_params: int, bytes_per_weight: float, bytes_per_kv: float, num_layers: int,
                    num_kv_heads: int, head_dim: int, rows: int, context_length: int,
                    dense_params: int = 0, bytes_per_dense: float = 0.0, head_params: int = 0,
-                   bytes_per_head: float = 0.0) -> tuple[int, int]:
+                   bytes_per_head: float = 0.0, windows=(), chunk: int = 0) -> tuple[int, int]:
     """(weights, KV cache) in bytes: ``dense_params`` of the parameters (an untied token embedding, which
     quantization leaves alone) at ``bytes_per_dense``, ``head_params`` (a quantized model's output head) at
     ``bytes_per_head``, the others at ``bytes_per_weight``; keys and values for every layer, row and position
-    (plus the cache's one scratch position) at ``bytes_per_kv``. The KV cache is the worst case: on CPU it is
-    lazily resident (anonymous memory), so a server whose rows never fill their context uses less."""
+    (plus the cache's one scratch position) at ``bytes_per_kv``, a sliding-window layer's positions as its ring
+    holds them (``windows``: each layer's window, where the plan keeps rings; plan.kv_slots). The KV cache is the
+    worst case: on CPU it is lazily resident (anonymous memory), so a server whose rows never fill their context
+    uses less."""
     weights = math.ceil((num_params - dense_params - head_params) * bytes_per_weight + dense_params * bytes_per_dense
                         + head_params * bytes_per_head)
-    kv = math.ceil(2 * num_layers * rows * num_kv_heads * (context_length + 1) * head_dim * bytes_per_kv)
+    positions = sum(n + 1 for n in kv_slots(windows or (None,) * num_layers, context_length, chunk))
+    kv = math.ceil(2 * rows * num_kv_heads * positions * head_dim * bytes_per_kv)
     return weights, kv
 
 
@@ -141,7 +146,16 @@ def shape_from_config(cfg: dict, num_params: int | None = None) -> ModelShape:
         per_layer = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter + 2 * hidden
         num_params = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2) + layers * per_layer + hidden
     return ModelShape(num_params, layers, kv_heads, head_dim, cfg["vocab_size"] * hidden,
-                      bool(cfg.get("tie_word_embeddings")), hidden)
+                      bool(cfg.get("tie_word_embeddings")), hidden, _config_windows(cfg))
+
+
+def _config_windows(cfg: dict) -> tuple:
+    from .engine.architectures import layer_windows
+
+    try:
+        return layer_windows(SimpleNamespace(**cfg))
+    except AttributeError:  # no model_type: no architecture the rings apply to
+        return ()
 
 
 def safetensors_params(folder: Path) -> int | None:
@@ -161,7 +175,7 @@ def safetensors_params(folder: Path) -> int | None:
 def shape_from_header(header: dict) -> ModelShape:
     """A GGUF's shape from its header (gguf_meta.read_header) or its folder's stamp of it."""
     return ModelShape(header["num_params"], header["num_layers"], header["num_kv_heads"], header["head_dim"],
-                      header["vocab_params"], header["tied"], header["hidden"])
+                      header["vocab_params"], header["tied"], header["hidden"], tuple(header.get("windows") or ()))
 
 
 def model_shape(config: ServerConfig) -> tuple[ModelShape, int]:
@@ -244,7 +258,8 @@ def estimate(config: ServerConfig) -> Estimate:
                                  dense_params=shape.vocab_params if quantized and not shape.tied else 0,
                                  bytes_per_dense=bytes_per_weight(plan, "none"),
                                  head_params=shape.vocab_params if quantized and compact else 0,
-                                 bytes_per_head=HEAD_BYTES + batch_copy_bytes(plan, "int8"))
+                                 bytes_per_head=HEAD_BYTES + batch_copy_bytes(plan, "int8"),
+                                 windows=shape.windows if plan.kv_ring else (), chunk=config.prefill_chunk)
     return Estimate(plan.device, weights, kv, RUNTIME_OVERHEAD, free_memory(plan.device), disk_needed,
                     free_disk(config.model_cache_dir) if disk_needed else None)
 

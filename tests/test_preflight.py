@@ -111,3 +111,19 @@ def test_pre_flight_sizes_the_kv_cache_the_engine_allocates(flags):
     engine, ready = build_engine(config)
     assert est.kv_cache_bytes == engine.runner.cache.nbytes
     assert ready.kv_dtype == model_plan(config).kv_dtype == engine.runner.plan.kv_dtype
+
+
+def test_pre_flight_counts_sliding_window_layers_as_the_rings_the_engine_keeps():
+    """A Gemma 3 GGUF (five layers in six slide over 16 positions): pre-flight counts each sliding layer's ring of
+    window + prefill chunk, not the context, and the engine allocates exactly that."""
+    from gguf_reference import GGUF_DIR
+    from inference_api.engine.process import build_engine
+
+    config = ServerConfig(model=str(GGUF_DIR / "gemma3-q4_k_m.gguf"), model_cache_dir=Path(MODEL_CACHE), rows=2,
+                          context_length=256, prefill_chunk=32)
+    est = preflight(ServerConfig(**{**config.__dict__, "skip_preflight": True}))
+    engine, _ = build_engine(config)
+    assert engine.runner.cache.layer_slots == [48] * 5 + [256]
+    assert est.kv_cache_bytes == engine.runner.cache.nbytes
+    full = estimate_bytes(0, 0, bytes_per_kv(model_plan(config), 64), 6, 1, 64, 2, 256)[1]
+    assert est.kv_cache_bytes < full / 2

@@ -95,22 +95,27 @@ class ModelSpec:
                 and math.isclose(self.attn_scale, self.head_dim ** -0.5))
 
 
+def layer_windows(config) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: the layer reads the whole context) from a transformers config (or any
+    object with its attributes: pre-flight reads config.json's)."""
+    arch, layers = config.model_type, config.num_hidden_layers
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is not None:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    if window and getattr(config, "use_sliding_window", True) and arch in ("mistral", "gemma2"):
+        return tuple(window if arch == "mistral" or i % 2 == 0 else None for i in range(layers))
+    return (None,) * layers
+
+
 def describe(config) -> ModelSpec:
     """The ModelSpec of a transformers config of a supported architecture."""
     arch = config.model_type
     family = FAMILIES[arch]
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    layers = config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None)
-    if types is not None:
-        windows = tuple(window if t == "sliding_attention" else None for t in types)
-    elif window and getattr(config, "use_sliding_window", True) and arch in ("mistral", "gemma2"):
-        windows = tuple(window if arch == "mistral" or i % 2 == 0 else None for i in range(layers))
-    else:
-        windows = (None,) * layers
-    ropes, rope = [config], [0] * layers
+    windows = layer_windows(config)
+    ropes, rope = [config], [0] * config.num_hidden_layers
     local_base = getattr(config, "rope_local_base_freq", None)
     if local_base is not None and any(windows):  # gemma3: sliding layers turn by their own base, unscaled
         local = copy.copy(config)

@@ -16,7 +16,7 @@ import logging
 import numpy as np
 import torch
 
-from ..gguf_meta import GGUFIndex
+from ..gguf_meta import SWA_PATTERN, GGUFIndex, layer_windows
 from .gguf_blocks import packed
 from .quant import QUANTIZED, stack
 
@@ -28,9 +28,6 @@ ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma",
 # llama.cpp rotates adjacent pairs for these (rope type NORM): convert_hf_to_gguf permuted their q and k rows,
 # which are permuted back here for the half-split rotary the decoder runs
 ROPE_NORM = {"llama"}
-# sliding-window layers: llama.cpp's pattern per architecture when the file has no per-layer key (layer i
-# slides unless i % n == n - 1)
-SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
 
 
 class GGUFModel:
@@ -191,13 +188,12 @@ def gguf_config(m: GGUFModel):
         kw["hidden_activation"] = "gelu_pytorch_tanh"
         # llama.cpp's attention scale: 1 / sqrt(head_dim), but for the 27B models 1 / sqrt(hidden / heads)
         kw["query_pre_attn_scalar"] = hidden // heads if layers in (46, 62) else head_dim
-    window = m.hparam("attention.sliding_window")
-    if arch in SWA_PATTERN and window:
-        n = int(m.hparam("attention.sliding_window_pattern", SWA_PATTERN[arch]))
-        kw["sliding_window"] = int(window)
-        kw["layer_types"] = ["sliding_attention" if n == 0 or i % n < n - 1 else "full_attention" for i in range(layers)]
-    elif arch in SWA_PATTERN:
-        kw["layer_types"] = ["full_attention"] * layers
+    windows = layer_windows(arch, layers, m.hparam("attention.sliding_window"),
+                            m.hparam("attention.sliding_window_pattern"))
+    if arch in SWA_PATTERN:
+        kw["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
+        if any(windows):
+            kw["sliding_window"] = next(w for w in windows if w)
     if arch == "gemma2":
         kw["attn_logit_softcapping"] = m.hparam("attn_logit_softcapping")
         kw["final_logit_softcapping"] = m.hparam("final_logit_softcapping")

@@ -18,6 +18,8 @@ from typing import Any, Sequence
 import torch
 from transformers.cache_utils import Cache
 
+from ..plan import kv_slots
+
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """A zeroed tensor. On CPU it lies in an anonymous memory map, which the kernel gives zeroed pages
@@ -40,7 +42,7 @@ class RowKVCache:
         it while the chunk is written); None: every layer as long as the context."""
         self.windows = list(windows) if windows else [None] * num_layers
         # a ring's slots (position p at slot p % n), or the context's length
-        self.layer_slots = [w + chunk if w and w + chunk < length else length for w in self.windows]
+        self.layer_slots = kv_slots(self.windows, length, chunk)
         self.chunk = chunk if any(n < length for n in self.layer_slots) else 0
         self.keys, self.values, self.key_scales, self.value_scales = [], [], [], []
         scaled = dtype == torch.int8

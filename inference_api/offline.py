@@ -15,6 +15,7 @@ one raises ``ParameterError`` naming it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import enum
 import itertools
 import threading
@@ -29,8 +30,10 @@ from .dialects.openai.protocol import (COMPLETION_SAMPLING_FIELDS as SAMPLING_FI
                                       parse_messages, parse_prompt)
 from .engine_client import EngineClient, Session
 from .messages import FinishReason, SamplingParams as EngineParams, TokenEvent, TokenLogprob
+from .grammar import one_of
 from .prepare import Prompt, prepare
 from .request_errors import RateLimited, RequestError, Unavailable
+from .tools import ToolCall, Tools, parse_tools, split_calls
 
 _ANY_VOCAB = 1 << 31  # token-id checks need the model's vocabulary; they are made again at submission
 
@@ -122,6 +125,8 @@ class RequestOutput:
     error: str | None = None
     # every choice of a request with SamplingParams(n=...) (choice 0's are the fields above); one for n=1
     outputs: tuple["ChoiceOutput", ...] = ()
+    # a chat with tools: the calls parsed out of text (which keeps the model's whole text), as the chat API's
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -134,6 +139,7 @@ class ChoiceOutput:
     finish_reason: str
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 class ResultQueue:
@@ -285,11 +291,12 @@ class RequestHandle:
     """What ``start_request`` returns: the request's id, prompt tokens and result queue."""
 
     def __init__(self, request_id: str, prompt_token_ids: tuple[int, ...], params: SamplingParams,
-                 queue: ResultQueue):
+                 queue: ResultQueue, tools: Tools | None = None):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.queue = queue
+        self.tools = tools  # a conversation's tools: its results' calls are parsed
 
     @property
     def status(self) -> RequestStatus:
@@ -385,7 +392,8 @@ class LLM:
                 raise _translate(err) from None
             queue = ResultQueue(self, session, engine_params.logprobs is not None)
             self._live[session.id] = queue
-        return RequestHandle(session.id, tuple(prompt_ids), params, queue)
+        return RequestHandle(session.id, tuple(prompt_ids), params, queue,
+                             prompt.tools if isinstance(prompt, Conversation) else None)
 
     def stop_request(self, handle: RequestHandle) -> RequestStatus:
         """Interrupt the request (its row is freed); output already produced stays in its queue."""
@@ -408,12 +416,17 @@ class LLM:
         if _is_conversation(prompt):
             prompt = Conversation(prompt)
         try:
+            tools = prompt.tools if isinstance(prompt, Conversation) else None
             if isinstance(prompt, Conversation):
-                parsed = Prompt(messages=parse_messages(prompt.messages))
+                parsed = Prompt(messages=parse_messages(prompt.messages),
+                                tools=tools.tools if tools is not None and tools.offered else None)
             else:
                 text, ids = parse_prompt(list(prompt) if isinstance(prompt, tuple) else prompt, self.vocab_size)
                 parsed = Prompt(text=text, ids=ids)
             engine_params, max_tokens = params.resolve(self.vocab_size)
+            if tools is not None and tools.forced:  # required or a named function: a grammar forces the calls
+                engine_params = dataclasses.replace(
+                    engine_params, grammar=one_of(engine_params.grammar, tools.grammar(), field="tool_choice"))
             return prepare(self._client.tokenizer, self.context_length, parsed, engine_params, max_tokens,
                            prompt_field="prompt")
         except RequestError as err:
@@ -455,14 +468,22 @@ class LLM:
         return list(self.generate_iter(prompts, params, use_tqdm=use_tqdm))
 
     def chat(self, conversations: Sequence[dict] | Iterable[Sequence[dict]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             params: SamplingParams | Sequence[SamplingParams] | None = None, *, tools: Sequence[dict] | None = None,
+             tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
-        """``generate`` over conversations ({role, content} messages) through the model's chat template."""
+        """``generate`` over conversations ({role, content} messages, and the chat API's tool and assistant-call
+        messages) through the model's chat template. ``tools``, ``tool_choice`` and ``parallel_tool_calls`` as
+        /v1/chat/completions takes them: the model is shown the tools, a ``required`` or named choice is forced
+        by a grammar, and each result's ``tool_calls`` holds the calls parsed out of its text."""
+        try:
+            parsed = parse_tools(tools, tool_choice, parallel_tool_calls)
+        except RequestError as err:
+            raise _translate(err) from None
         if _is_conversation(conversations):
             conversations = [conversations]
-        items = (Conversation(c) for c in conversations)
+        items = (Conversation(c, parsed) for c in conversations)
         if hasattr(conversations, "__len__"):
-            items = [Conversation(c) for c in conversations]
+            items = [Conversation(c, parsed) for c in conversations]
         return self.generate(items, params, use_tqdm=use_tqdm)
 
     def generate_iter(self, prompts: Iterable, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -531,10 +552,12 @@ class LLM:
 
 class Conversation:
     """Marks a prompt as chat messages ({role, content}) for the chat template, even a malformed one (so its
-    error names ``messages``). Lists of dicts are recognised without it."""
+    error names ``messages``), with the tools it offers (``tools.parse_tools``; ``chat`` builds them). Lists of
+    dicts are recognised without it."""
 
-    def __init__(self, messages: Any):
+    def __init__(self, messages: Any, tools: Tools | None = None):
         self.messages = messages.messages if isinstance(messages, Conversation) else messages
+        self.tools = tools if tools is not None or not isinstance(messages, Conversation) else messages.tools
 
 
 def _is_conversation(value: Any) -> bool:
@@ -571,14 +594,17 @@ def _result(index: int, prompt: Any, handle: RequestHandle) -> RequestOutput:
     while (out := q.get_nowait()) is not None:
         parts[out.index].append(out)
     choices = []
+    tools = handle.tools if handle.tools is not None and handle.tools.offered else None
     for i in range(q._session.n):
         outs = parts.get(i, [])
         lps = tuple(lp for o in outs for lp in o.logprobs) if outs and outs[0].logprobs is not None else None
-        choices.append(ChoiceOutput(i, "".join(o.text for o in outs), tuple(t for o in outs for t in o.token_ids),
+        text = "".join(o.text for o in outs)
+        calls = tuple(split_calls(text, tools.names, tools.forced)[1]) if tools is not None else ()
+        choices.append(ChoiceOutput(i, text, tuple(t for o in outs for t in o.token_ids),
                                     q._finished.get(i) or q.finish_reason or "error",
-                                    sum(len(o.token_ids) for o in outs), lps))
+                                    sum(len(o.token_ids) for o in outs), lps, calls))
     first = choices[0]
     return RequestOutput(index=index, prompt=prompt, prompt_token_ids=handle.prompt_token_ids, text=first.text,
                          token_ids=first.token_ids, finish_reason=first.finish_reason, prompt_tokens=q.prompt_tokens,
                          completion_tokens=q.generated_length, logprobs=first.logprobs, error=q.error,
-                         outputs=tuple(choices))
+                         outputs=tuple(choices), tool_calls=first.tool_calls)

@@ -77,3 +77,25 @@ def test_structured_output_offline(llm):
     with pytest.raises(ParameterError) as err:
         SamplingParams(guided_regex="(?=a)")
     assert err.value.field == "guided_regex"
+
+
+def test_tools_offline(llm):
+    """LLM.chat takes the chat API's tools: a required call is forced by the grammar and parsed into tool_calls
+    (the text keeps the model's whole answer); bad tools raise ParameterError naming the field."""
+    import json
+
+    import jsonschema
+
+    from api.test_tools_real import ASK, SCHEMAS, TOOLS
+
+    forced, again = llm.chat([ASK, ASK], SamplingParams(temperature=0, max_tokens=60), tools=TOOLS,
+                            tool_choice="required", use_tqdm=False)
+    assert forced.tool_calls and forced.text.startswith("<tool_call>")
+    for call in forced.tool_calls:
+        jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    assert [(c.name, c.arguments) for c in again.tool_calls] == [(c.name, c.arguments) for c in forced.tool_calls]
+    plain = llm.chat(ASK, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0]
+    assert plain.tool_calls == () and plain.prompt_tokens < forced.prompt_tokens  # the tools were shown
+    with pytest.raises(ParameterError) as err:
+        llm.chat(ASK, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "nope"}})
+    assert err.value.field == "tool_choice.function.name"

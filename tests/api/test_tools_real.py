@@ -185,3 +185,46 @@ def test_llama_stack_tools(default_server, model_name):
     final = client.inference.chat_completion(model=model_name, messages=history, tools=tools,
                                              sampling_params={"strategy": "greedy", "max_tokens": 20})
     assert final.completion_message.stop_reason in ("end_of_turn", "out_of_tokens", "end_of_message")
+
+
+def test_tokenize_shows_the_tools_as_a_chat_request_does(default_server, client, model_name):
+    """vLLM's /tokenize with messages and tools counts the prompt a chat request with those tools is given."""
+    import requests
+
+    tok = requests.post(default_server.url + "/tokenize", json={"model": model_name, "messages": ASK, "tools": TOOLS},
+                        timeout=30).json()
+    bare = requests.post(default_server.url + "/tokenize", json={"messages": ASK}, timeout=30).json()
+    chat = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, max_tokens=1, temperature=0)
+    assert tok["count"] == chat.usage.prompt_tokens > bare["count"]
+    for body, param in (({"prompt": "hi", "tools": TOOLS}, "tools"),
+                        ({"messages": ASK, "tools": [{"type": "function"}]}, "tools[0]")):
+        bad = requests.post(default_server.url + "/tokenize", json=body, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == param
+
+
+def test_openai_legacy_functions_point_to_tools(client, model_name):
+    legacy = [{"name": "get_weather", "parameters": WEATHER["function"]["parameters"]}]
+    for fields in ({"functions": legacy}, {"function_call": {"name": "get_weather"}}):
+        with pytest.raises(openai.BadRequestError) as info:
+            client.chat.completions.create(model=model_name, messages=ASK, max_tokens=4, **fields)
+        assert info.value.body["param"] == next(iter(fields)) and "tools" in info.value.body["message"]
+
+
+def test_llama_stack_forced_call_cut_short_is_failed_text(default_server, model_name):
+    """A required call cut off by max_tokens does not parse into a ToolCall: as llama-stack's server gives it,
+    text (the answer's content; in a stream, a tool-call delta with parse_status failure) and out_of_tokens."""
+    import httpx
+    import llama_stack_client
+
+    client = llama_stack_client.LlamaStackClient(base_url=default_server.url, max_retries=0,
+                                                 http_client=httpx.Client(timeout=120))
+    tools = [{"tool_name": "get_weather", "parameters": {"city": {"param_type": "str"}}}]
+    fields = {"model": model_name, "messages": ASK, "tools": tools, "tool_choice": "required",
+              "sampling_params": {"strategy": "greedy", "max_tokens": 8}}
+    message = client.inference.chat_completion(**fields).completion_message
+    assert message.stop_reason == "out_of_tokens" and not message.tool_calls
+    assert message.content.startswith("<tool_call>")
+    events = [c.event for c in client.inference.chat_completion(**fields, stream=True)]
+    failed = [e.delta for e in events if e.event_type == "progress" and not isinstance(e.delta, str)]
+    assert [(d.parse_status, d.content.strip()) for d in failed] == [("failure", message.content)]
+    assert events[-1].stop_reason == "out_of_tokens"

@@ -3,7 +3,9 @@
 ``{delta, stop_reason, logprobs}`` and ``{event: {event_type, delta, stop_reason, logprobs}}``. With tools, the
 model's calls (``tools.py``) are ToolCalls ``{call_id, tool_name, arguments}``, streamed each as one progress
 event whose delta is ``{content: ToolCall, parse_status: "success"}``, and the stop reason is
-``end_of_message`` (as Llama's ``<|eom_id|>`` after a call)."""
+``end_of_message`` (as Llama's ``<|eom_id|>`` after a call). A call that does not parse (a forced call cut off by
+max_tokens) is text, as llama-stack's own server gives it: the answer's content, and in a stream one event
+``{content: its text, parse_status: "failure"}``; the stop reason says ``out_of_tokens``."""
 from __future__ import annotations
 
 import json
@@ -11,7 +13,7 @@ from typing import Iterator
 
 from ...generation import Generation, is_error
 from ...messages import FinishReason, TokenEvent, TokenLogprob
-from ...tools import CallSplitter, ToolCall, Tools, split_calls
+from ...tools import OPEN, CallSplitter, ToolCall, Tools, split_calls
 from ..openai.format import visible
 
 STOP_REASON = {FinishReason.EOS: "end_of_turn", FinishReason.STOP: "end_of_turn", FinishReason.LENGTH: "out_of_tokens"}
@@ -69,7 +71,12 @@ def stream(events: Iterator[TokenEvent], chat: bool, want_logprobs: bool,
         else:
             pieces = splitter.feed(event.text) + (splitter.finish() if event.finished else [])
         for kind, piece in pieces:
-            delta = piece if kind == "content" else {"content": _tool_call(piece), "parse_status": "success"}
+            if kind == "call":
+                delta = {"content": _tool_call(piece), "parse_status": "success"}
+            elif piece.startswith(OPEN):  # a call that did not parse (cut off by max_tokens): its text
+                delta = {"content": piece, "parse_status": "failure"}
+            else:
+                delta = piece
             yield chunk("progress", delta, lps, None)
             lps = ()
         if event.finished:

@@ -80,8 +80,11 @@ def completion_sampling(body: dict, vocab_size: int,
 
 def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> OpenAIRequest:
     reject_unknown(body, CHAT_FIELDS)
-    for name, neutral in (("functions", []), ("function_call", "none"), ("modalities", ["text"])):
-        only_default(body, name, neutral)
+    for name, neutral in (("functions", []), ("function_call", "none")):
+        if body.get(name) is not None and body[name] != neutral:  # a clear pointer, not a silently ignored field
+            raise RequestError(f"{name} is OpenAI's deprecated form of tools; send tools and tool_choice (answers "
+                               "carry tool_calls)", name)
+    only_default(body, "modalities", ["text"])
     for name in ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options", "moderation",
                  "prompt_cache_options"):
         only_default(body, name)
@@ -233,6 +236,7 @@ class TokenizeRequest:
     messages: tuple[dict, ...] | None
     add_special_tokens: bool
     return_token_strs: bool
+    tools: tuple[dict, ...] | None = None  # function tools the chat template shows
 
 
 TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
@@ -244,13 +248,17 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
     reject_unknown(body, TOKENIZE_FIELDS)
     only_default(body, "add_generation_prompt", True)  # the chat prompt always ends with the assistant's turn
     only_default(body, "continue_final_message", False)
-    for name in ("chat_template", "chat_template_kwargs", "tools"):
+    for name in ("chat_template", "chat_template_kwargs"):
         only_default(body, name)
     messages = parse_messages(body["messages"]) if body.get("messages") is not None else None
     prompt = None if messages is not None else string(body, "prompt", required=True)
+    if messages is None and body.get("tools") is not None:
+        raise RequestError("tools go with messages (the chat template shows them)", "tools")
+    tools = parse_tools(body.get("tools"), None, None)  # shown as a chat request's would be
     return TokenizeRequest(prompt=prompt, messages=messages,
                            add_special_tokens=boolean(body, "add_special_tokens", messages is None),
-                           return_token_strs=boolean(body, "return_token_strs", False))
+                           return_token_strs=boolean(body, "return_token_strs", False),
+                           tools=tools.tools if tools is not None else None)
 
 
 def parse_detokenize(body: dict, vocab_size: int) -> tuple[int, ...]:

@@ -89,7 +89,7 @@ def tokenize_openai(serving: Serving, body: dict):
         serving.check_model(string(body, "model"))
     req = parse_tokenize(body)
     if req.messages is not None:
-        ids = serving.encode(Prompt(messages=req.messages))
+        ids = serving.encode(Prompt(messages=req.messages, tools=req.tools))
     else:
         ids = serving.tokenizer.encode(serving.tokenizable(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens)
     out = {"count": len(ids), "max_model_len": serving.ready().context_length, "tokens": ids}

@@ -195,8 +195,9 @@ def test_another_requests_min_tokens_never_masks_this_rows_tokens():
 @pytest.mark.parametrize("trial", range(12))
 def test_random_parameter_mixes_beside_a_victim_never_change_its_answer(trial):
     """Brute force over the per-row parameters: three requests with random mixes (hot seeded or unseeded
-    sampling, top-k/top-p/min-p, penalties, log-probs, min_tokens with random stop ids, stop strings, ignore_eos)
-    in the same steps as a victim; every victim (greedy, or seeded hot sampling) answers as it does alone."""
+    sampling, top-k/top-p/min-p, penalties, log-probs, min_tokens with random stop ids, stop strings, ignore_eos,
+    n choices forked through the prefix cache, prompt log-probs) in the same steps as a victim; every victim
+    (greedy, or seeded hot sampling) answers as it does alone."""
     import random
 
     rng = random.Random(trial)
@@ -213,7 +214,8 @@ def test_random_parameter_mixes_beside_a_victim_never_change_its_answer(trial):
             stop_token_ids=tuple(rng.sample(range(256), rng.choice([0, 5, 200]))),
             seed=rng.choice([None, rng.randrange(1 << 30)]), presence_penalty=rng.choice([0.0, 2.0, -2.0]),
             frequency_penalty=rng.choice([0.0, 1.5]), repetition_penalty=rng.choice([1.0, 1.3, 0.7]),
-            logprobs=rng.choice([None, 0, 5]), ignore_eos=rng.random() < 0.3)
+            logprobs=rng.choice([None, 0, 5]), ignore_eos=rng.random() < 0.3, n=rng.choice([1, 1, 2, 3]),
+            prompt_logprobs=rng.choice([None, None, 0, 3]))
 
     victim = GenerateRequest("victim", tuple(b"abc"), params(True))
     alone, _ = make_engine()

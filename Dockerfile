@@ -1,6 +1,6 @@
 # Images (docs/deploy.md):
 #   docker build --build-arg TORCH_INDEX_URL=<PyTorch's CPU wheel index> -t llm-server .   server + JWT proxy
-#   docker run -e JWT_SECRET="$(openssl rand -base64 48)" -p 1223:1223 llm-server
+#   docker run --stop-timeout 120 -e JWT_SECRET="$(openssl rand -base64 48)" -p 1223:1223 llm-server
 #   docker build --build-arg TORCH_INDEX_URL=<PyTorch's CUDA 12.8 wheel index> -t llm-server:cuda .   CUDA torch
 #   docker build --target proxy -t llm-proxy .                    the JWT proxy alone: no torch, no model
 ARG PYTHON_IMAGE=python:3.11-slim

@@ -28,14 +28,14 @@ class Process:
     """A server subprocess on a free loopback port; ready once GET /health answers (any status unless told)."""
 
     def __init__(self, argv: list[str], port: int, env: dict[str, str] | None = None, ready_timeout: float = 60,
-                 ready_status: int | None = None, stop_signal: int = signal.SIGTERM):
+                 ready_status: int | None = None, stop_signal: int = signal.SIGTERM, cwd: Path = ROOT):
         self.port = port
         self.stop_signal = stop_signal
         self.url = f"http://127.0.0.1:{port}"
         self.log = tempfile.NamedTemporaryFile(prefix="test-server-", suffix=".log", delete=False)
         full_env = {k: v for k, v in os.environ.items() if k != "JWT_SECRET"}
         full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-        self.proc = subprocess.Popen(argv, cwd=ROOT, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
                                      start_new_session=True)
         try:
             self._wait_ready(ready_timeout, ready_status)

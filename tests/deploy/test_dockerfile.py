@@ -122,3 +122,18 @@ def test_requirements_split_run_time_from_tests():
 def test_the_build_context_leaves_out_local_state():
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv", "model_cache", ".env", ".git"} <= set(ignored)
+
+
+def test_every_documented_docker_run_waits_out_the_stacks_drain():
+    """The one-container stack drains for up to DRAIN_WAIT seconds (the proxy's 90 s drain and its exit margin):
+    each documented `docker run` of the server image gives the runtime a longer stop timeout than that, or
+    `docker stop`'s default 10 s ends long streams with SIGKILL."""
+    wait = int(re.search(r"^DRAIN_WAIT = (\d+)", (ROOT / "scripts" / "run_stack.py").read_text(), re.M).group(1))
+    found = 0
+    for doc in (ROOT / "README.md", ROOT / "docs" / "deploy.md", DOCKERFILE):
+        for line in doc.read_text().splitlines():
+            if re.search(r"docker run .*llm-server(:cuda)?`?\s*($|#|\()", line):
+                found += 1
+                timeout = re.search(r"--stop-timeout (\d+)", line)
+                assert timeout and int(timeout.group(1)) > wait, f"{doc.name}: {line.strip()}"
+    assert found >= 4

@@ -33,16 +33,11 @@ HEALTHCHECK --interval=10s --timeout=6s --start-period=10s --retries=3 \
   CMD ["python", "scripts/healthcheck.py", "PROXY_PORT"]
 CMD ["python", "-m", "proxy"]
 
-# ---- the inference server (and the proxy for the one-container stack); the default target ----
-FROM base AS server
+# ---- the inference server's packages and code (torch from PyTorch's own index) ----
+FROM base AS server-base
 # PyTorch's own wheel index for the build wanted: its CPU index (the default index would give the CUDA
 # build, several GB, on Linux), or one of its CUDA indexes for the GPU variant. Required: no index is assumed.
 ARG TORCH_INDEX_URL
-# g++ compiles the quantized CPU kernels (inference_api/engine/csrc) for the host's processor at the first start
-# hadolint ignore=DL3008
-RUN apt-get update \
- && apt-get install -y --no-install-recommends g++ \
- && rm -rf /var/lib/apt/lists/*
 COPY requirements-proxy.txt requirements.txt ./
 # torch first, from that index (the pin is requirements.txt's), without its dependencies: the requirements
 # install then brings those from the default index, and keeps this build (2.13.0+cpu matches ==2.13.0)
@@ -55,6 +50,19 @@ COPY inference_api/ inference_api/
 COPY lifecycle/ lifecycle/
 COPY proxy/ proxy/
 COPY scripts/ scripts/
+
+# ---- the quantized CPU kernels, compiled at build time for each instruction-set level (AVX512-VNNI, AVX2) ----
+FROM server-base AS kernels
+# hadolint ignore=DL3008
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++ \
+ && rm -rf /var/lib/apt/lists/*
+RUN python -m inference_api.engine.kernels --prebuild
+
+# ---- the inference server (and the proxy for the one-container stack); the default target ----
+# no compiler: the kernels come built (a CPU with neither level serves dequantized weights, and says so)
+FROM server-base AS server
+COPY --from=kernels /app/inference_api/engine/prebuilt/ inference_api/engine/prebuilt/
 # the embedded model's tokenizer and config prepared once, at build time (the weights are read straight from the
 # GGUF, no float32 copy), so containers start in seconds; hub models (MODEL=...) land in the same folder, which
 # compose and Kubernetes mount as a volume

@@ -1,21 +1,46 @@
-"""Builds the CPU kernels (csrc/: the quantized linears, attention, the decoder) with the machine's C++ compiler,
-once.
+"""Builds and loads the CPU kernels (csrc/: the quantized linears, attention, the decoder).
 
-The build goes into a folder of the model cache, so later starts load it in well under a second; the
-set-up command builds it ahead of the first start. Returns None when no compiler is available: the
-caller then serves dequantized weights instead.
+Builds go into folders of the model cache, each named by a digest of the sources, the compiler flags and the
+instruction set they target, so a cache shared by machines of different CPUs never hands one a build for
+another. Two kinds:
+
+- **native** (``-march=native``): compiled on this machine at its first start (or by the set-up command), keyed
+  by this CPU's relevant feature flags;
+- **prebuilt** for an instruction-set level (``LEVELS``: AVX512-VNNI, AVX2), compiled ahead of time where no CPU
+  is known yet into the package's ``prebuilt`` folder (or a cache), as the server image does at build time
+  (``python -m inference_api.engine.kernels --prebuild``), so its containers need no compiler and start at once
+  (a volume mounted over the model cache does not hide them).
+
+``load_kernels`` imports an existing build (native first, then the best level this CPU runs) without the
+compiler; it compiles a native build only when there is none. With neither a build nor a compiler it returns
+None and says why in one line: the caller then serves dequantized weights, several times slower.
 """
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import logging
 import os
 import sys
 from pathlib import Path
 
+from ..plan import cpu_flags
+
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
+PREBUILT = Path(__file__).with_name("prebuilt")  # the image's builds (git-ignored in a checkout)
+# instruction-set levels a build can target ahead of time, best first: (-march, the /proc/cpuinfo flags it needs)
+LEVELS = {
+    "avx512vnni": ("cascadelake", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2",
+                                             "fma", "f16c"})),
+    "avx2": ("haswell", frozenset({"avx2", "fma", "f16c", "bmi2"})),
+}
+# the flags that change what -march=native compiles (a native build's key)
+NATIVE_KEY = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
+              "avx512_fp16", "amx_tile")
+# what a server without its kernels pays, measured on SmolLM2 (docs/performance.md): said when they are missing
+WITHOUT_KERNELS = "weights are served dequantized, about 8x slower per token (40 against 5 ms on SmolLM2)"
 
 
 def sources() -> list[Path]:
@@ -23,31 +48,80 @@ def sources() -> list[Path]:
     return sorted(CSRC.glob("*.cpp"))
 
 
+def level_for(flags: frozenset[str]) -> str | None:
+    """The best prebuilt level a CPU with these flags runs, or None."""
+    return next((name for name, (_, needs) in LEVELS.items() if needs <= flags), None)
+
+
+def _build_dir(root: Path, target: str, cflags: tuple[str, ...]) -> tuple[str, Path]:
+    """(module name, folder) of a build for target under root (a cache's kernels folder, or PREBUILT)."""
+    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))
+                            + " ".join((target, *cflags)).encode()).hexdigest()[:12]
+    # resolved: torch's extension versioner hashes the folder's name, so a relative and an absolute name of one
+    # cache in one process would otherwise compile a second version over the first one's objects
+    return f"woq_{digest}", Path(root).resolve() / f"woq-{digest}"
+
+
+def _import_built(name: str, build: Path):
+    """The extension module a build left in its folder, imported without the compiler (None if there is none)."""
+    so = build / f"{name}.so"
+    if name in sys.modules:
+        return sys.modules[name]
+    if not so.is_file():
+        return None
+    import torch  # noqa: F401  (the extension links against torch's libraries: they must be loaded first)
+
+    spec = importlib.util.spec_from_file_location(name, so)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    sys.modules[name] = module
+    return module
+
+
+def _compile(root: Path, march: str, target: str, cflags: tuple[str, ...]):
+    from torch.utils import cpp_extension
+
+    name, build = _build_dir(root, target, cflags)
+    build.mkdir(parents=True, exist_ok=True)
+    # the venv's ninja, when the interpreter runs without the venv activated
+    bin_dir = str(Path(sys.executable).parent)
+    if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
+    return cpp_extension.load(name, [str(p) for p in sources()], build_directory=str(build),
+                              extra_cflags=["-O3", f"-march={march}", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"])
+
+
 def load_kernels(cache_dir: Path, cflags: tuple[str, ...] = ()):
     """The compiled kernels for this machine (cflags: extra compiler flags, such as -mno-avx512f to check the AVX2
-    kernels on an AVX-512 machine), or None when they cannot be built."""
+    kernels on an AVX-512 machine), or None when there is no build for it and none can be made."""
+    flags = cpu_flags()
+    native = "native:" + ",".join(f for f in NATIVE_KEY if f in flags)
+    cache = Path(cache_dir) / "kernels"
     try:
-        from torch.utils import cpp_extension
-
-        digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))
-                                + " ".join(cflags).encode()).hexdigest()[:12]
-        # resolved: torch's extension versioner hashes the folder's name, so a relative and an absolute name
-        # of one cache in one process would otherwise compile a second version over the first one's objects
-        # (a minute each, and again for the next process that loads the first)
-        build = Path(cache_dir).resolve() / "kernels" / f"woq-{digest}"
-        build.mkdir(parents=True, exist_ok=True)
-        # the venv's ninja, when the interpreter runs without the venv activated
-        bin_dir = str(Path(sys.executable).parent)
-        if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
-            os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-        return cpp_extension.load(f"woq_{digest}", [str(p) for p in sources()], build_directory=str(build),
-                                  extra_cflags=["-O3", "-march=native", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"])
+        built = _import_built(*_build_dir(cache, native, cflags))
+        level = level_for(flags) if not cflags else None
+        for root in (PREBUILT, cache) if level is not None else ():
+            built = built or _import_built(*_build_dir(root, level, cflags))
+        return built if built is not None else _compile(cache, "native", native, cflags)
     except Exception as exc:  # no compiler, no headers, a read-only cache: serve without the kernels
-        log.warning("quantized CPU kernels unavailable (%s); weights are served dequantized", exc)
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
+        log.warning("quantized CPU kernels unavailable (%s): %s", why, WITHOUT_KERNELS)
         return None
 
 
-if __name__ == "__main__":  # the set-up step: python -m inference_api.engine.kernels [CACHE_DIR]
+def prebuild(root: Path = PREBUILT) -> list[str]:
+    """Every level's build under root (the image's build step: the package's prebuilt folder); the levels."""
+    for level, (march, _) in LEVELS.items():
+        _compile(root, march, level, ())
+    return list(LEVELS)
+
+
+if __name__ == "__main__":
+    # the set-up step: python -m inference_api.engine.kernels [CACHE_DIR]; the image's: ... --prebuild [FOLDER]
     logging.basicConfig(level="INFO")
-    ok = load_kernels(Path(sys.argv[1] if len(sys.argv) > 1 else "model_cache")) is not None
-    print("quantized CPU kernels", "ready" if ok else "unavailable")
+    args = [a for a in sys.argv[1:] if a != "--prebuild"]
+    if "--prebuild" in sys.argv[1:]:
+        print("prebuilt quantized CPU kernels:", ", ".join(prebuild(Path(args[0]) if args else PREBUILT)))
+    else:
+        ok = load_kernels(Path(args[0] if args else "model_cache")) is not None
+        print("quantized CPU kernels", "ready" if ok else "unavailable")

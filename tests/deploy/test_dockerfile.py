@@ -50,7 +50,11 @@ def test_the_default_target_is_the_cpu_server_with_the_proxy_in_front():
     assert "TORCH_INDEX_URL" in server.all("ARG")  # PyTorch's own index, named by the builder
     install = " ".join(server.all("RUN"))
     assert 'test -n "${TORCH_INDEX_URL}"' in install  # without it the build stops with a message
-    assert "g++" in install  # the quantized CPU kernels are compiled on the host at the first start
+    # the quantized CPU kernels come built for each instruction-set level: no compiler in the image, no first-start
+    # compile
+    assert "g++" not in install and "--from=kernels" in " ".join(server.all("COPY"))
+    kernels = " ".join(all_stages["kernels"].all("RUN"))
+    assert "g++" in kernels and "python -m inference_api.engine.kernels --prebuild" in kernels
     assert re.search(r'--index-url "\$\{TORCH_INDEX_URL\}" "\$\(grep -E \'\^torch==\' requirements.txt\)"', install)
     assert "-r requirements.txt" in install and "requirements-test.txt" not in DOCKERFILE.read_text()
     # the model's tokenizer and config prepared at build time, in the folder the server looks in (keyed by content)

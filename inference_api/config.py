@@ -28,6 +28,7 @@ class ServerConfig:
     context_length: int = 2048  # KV positions per row (prompt + output)
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step, so long prompts never stall streams
     prefix_cache: bool = True  # start a prompt after the longest prefix some row's KV cache still holds
+    tensor_parallel_size: int = 1  # processes the compact model's heads and MLP columns are split over (gloo, CPU)
     max_waiting: int = 64  # requests allowed to wait for a free row; beyond it: 503
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES  # stop strings per request, every API (TGI's --max-stop-sequences; h2oGPT sends 6)
@@ -85,6 +86,8 @@ _ENV = {
     "context_length": ("CONTEXT_LENGTH", "tokens per row (prompt + output)"),
     "prefill_chunk": ("PREFILL_CHUNK", "prompt tokens prefilled per step"),
     "prefix_cache": ("PREFIX_CACHE", "reuse the cached keys and values of a prompt's longest prefix found in any row"),
+    "tensor_parallel_size": ("TENSOR_PARALLEL_SIZE", "processes the model's attention heads and MLP columns are "
+                             "split over (each holds its share of the weights and KV cache; gloo on CPU)"),
     "max_waiting": ("MAX_WAITING", "requests that may wait for a row before 503"),
     "max_body_bytes": ("MAX_BODY_BYTES", "largest accepted request body in bytes"),
     "max_stop_sequences": ("MAX_STOP_SEQUENCES", "stop sequences accepted per request"),

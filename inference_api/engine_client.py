@@ -69,7 +69,7 @@ class EngineClient:
         self.restart_count = 0  # engine restarts since the worker started
         self.tokenizer: Tokenizer | None = None
         self.stats = self._idle_stats()
-        self.metrics = Metrics(lambda: self.stats, lambda: self.open_sessions)
+        self.metrics = Metrics(lambda: self.stats, lambda: self.open_sessions, self.ranks_alive)
 
     # life cycle
     def start(self) -> "EngineClient":
@@ -125,6 +125,14 @@ class EngineClient:
                         RESTART_WINDOW)
             if self._stopping.wait(delay):
                 return
+
+    def ranks_alive(self) -> list[bool]:
+        """Whether each of the engine's processes is alive: rank 0 (the engine process) and, with
+        --tensor-parallel-size N, ranks 1..N-1 (which rank 0 started); [] before an engine has reported ready."""
+        ready, process = self.ready, self.process
+        if ready is None or process is None:
+            return []
+        return [process.is_alive()] + [_process_alive(pid) for pid in ready.rank_pids]
 
     @property
     def open_sessions(self) -> int:
@@ -256,3 +264,20 @@ class EngineClient:
             session.finish_reason = FinishReason.ERROR
             session.events.put(TokenEvent(session.id, "", finish_reason=FinishReason.ERROR, error=message))
         return sessions
+
+
+def _process_alive(pid: int) -> bool:
+    """Whether a process that is not this one's child runs (a zombie waiting for its parent counts as ended)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        if os.path.isdir("/proc/self"):
+            return False
+    except (OSError, IndexError):
+        pass
+    try:  # no /proc: whether a signal could reach it
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False

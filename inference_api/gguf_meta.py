@@ -172,7 +172,7 @@ def read_header(source) -> dict:
             by_bytes[t.tensor_type.name] += int(t.n_bytes)
     return {"arch": arch, "chat_template": field("tokenizer.chat_template"),
             "quantize": mode_of([kind]) if kind else "none", "types": [k for k, _ in by_bytes.most_common()],
-            "num_params": sum(sizes.values()), "num_layers": field(f"{arch}.block_count"),
+            "num_params": sum(sizes.values()), "num_layers": field(f"{arch}.block_count"), "heads": heads,
             "num_kv_heads": field(f"{arch}.attention.head_count_kv") or heads,
             "head_dim": field(f"{arch}.attention.key_length") or hidden // heads,
             "vocab_params": sizes.get("token_embd.weight", 0), "tied": "output.weight" not in sizes, "hidden": hidden,

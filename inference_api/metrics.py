@@ -11,6 +11,7 @@ import time
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .messages import EngineStats, FinishReason
@@ -22,7 +23,8 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], EngineStats], open_sessions: Callable[[], int]):
+    def __init__(self, stats: Callable[[], EngineStats], open_sessions: Callable[[], int],
+                 ranks_alive: Callable[[], list[bool]] = list):
         self.registry = r = CollectorRegistry()
         self.requests = Counter("inference_http_requests", "HTTP answers by API (never the raw path) and status",
                                 ["api", "status"], registry=r)
@@ -59,6 +61,7 @@ class Metrics:
                                                       lambda: _ratio(self._prefix_totals[1], self._prefix_totals[0]))}
         for name, (help_text, read) in gauges.items():
             Gauge(name, help_text, registry=r).set_function(read)
+        r.register(_Ranks(ranks_alive))
 
     def submitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -106,6 +109,21 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Ranks:
+    """``inference_engine_rank_up{rank}``: 1 for each engine process alive (rank 0, the engine process, and with
+    --tensor-parallel-size N the ranks 1..N-1 it started), read when scraped; no samples before the engine is ready."""
+
+    def __init__(self, ranks_alive: Callable[[], list[bool]]):
+        self.ranks_alive = ranks_alive
+
+    def collect(self):
+        family = GaugeMetricFamily("inference_engine_rank_up", "engine rank processes alive (1) or ended (0)",
+                                   labels=["rank"])
+        for rank, alive in enumerate(self.ranks_alive()):
+            family.add_metric([str(rank)], 1.0 if alive else 0.0)
+        yield family
 
 
 def _ratio(part: float, whole: float) -> float:

@@ -39,6 +39,8 @@ class ModelFacts:
     gguf_quantize: str = "none"  # the weight-only mode that keeps the GGUF's own linears: none | int8 | int4
     gguf_types: tuple[str, ...] = ()  # the GGUF's matrices' tensor types, most bytes first
     config: dict | None = field(default=None, compare=False)  # a folder's config.json: its options are checked
+    heads: int = 0  # attention heads (0: unknown)
+    kv_heads: int = 0  # key/value heads (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class ExecutionPlan:
     model: str = "compact"  # compact (engine/compact.py, described by engine/architectures.py) | transformers
     arch: str = ""
     gguf_types: tuple[str, ...] = ()  # a GGUF's tensor types the compact model serves in their own blocks
+    tp: int = 1  # tensor-parallel ranks (processes) the compact model's heads and MLP columns are split over
 
     @property
     def matmul_dtype(self) -> str:
@@ -86,16 +89,45 @@ class ExecutionPlan:
         kind = f"{self.arch} {self.model} layers" if self.arch else f"{self.model} layers"
         weights = (f"the GGUF's own blocks ({', '.join(self.gguf_types)})" if self.gguf_types
                    else self.quantize)
+        ranks = f", split over {self.tp} ranks" if self.tp > 1 else ""
         return (f"{self.device} ({self.dtype}, weights {weights}, {kind}, multi-row matmuls "
-                f"{self.matmul_dtype}, {inputs}, KV cache {self.kv_dtype})")
+                f"{self.matmul_dtype}, {inputs}, KV cache {self.kv_dtype}{ranks})")
+
+
+class PlanError(ValueError):
+    """The flags ask for something this model or machine cannot run (the message names the flag)."""
+
+
+def tp_refusal(size: int, heads: int, kv_heads: int) -> str | None:
+    """Why the model's heads cannot be split over ``size`` tensor-parallel ranks, or None when they can (0: a count
+    not known yet). Every rank takes heads / size query heads and kv_heads / size key/value heads."""
+    if size < 1:
+        return f"--tensor-parallel-size must be at least 1 (got {size})"
+    bad = [f"{n} {what}" for n, what in ((heads, "attention heads"), (kv_heads, "key/value heads")) if n and n % size]
+    if bad:
+        return (f"--tensor-parallel-size {size}: the model's {' and '.join(bad)} do not divide by {size} "
+                f"(each rank takes an equal share of the heads)")
+    return None
 
 
 def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> ExecutionPlan:
-    """The plan for these flags, this model and this machine. Pure."""
+    """The plan for these flags, this model and this machine. Pure. PlanError where the flags cannot be met."""
     from .engine.architectures import supported
 
     device = config.device if config.device != "auto" else "cuda" if machine.cuda else "cpu"
     cuda = device.startswith("cuda")
+    tp = config.tensor_parallel_size
+    compact = supported(model.arch, model.config, model.gguf)
+    if tp != 1:
+        refusal = tp_refusal(tp, model.heads, model.kv_heads)
+        if refusal is None and not compact:
+            refusal = (f"--tensor-parallel-size {tp}: architecture {model.arch or 'unknown'!r} runs on transformers' "
+                       f"layers, which cannot be split; only the compact decoder's architectures shard")
+        if refusal is None and cuda:
+            refusal = (f"--tensor-parallel-size {tp}: the ranks run on CPU (gloo) in this version; pass --device cpu "
+                       f"or --tensor-parallel-size 1 on {device}")
+        if refusal is not None:
+            raise PlanError(refusal)
     if config.dtype != "auto":
         dtype = config.dtype
     else:  # CPU: float32 is the fast and exact choice for small models
@@ -104,7 +136,6 @@ def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> Exec
         quantize = config.quantize
     else:  # auto keeps a GGUF file's own quantization; a folder is served as it is
         quantize = model.gguf_quantize if model.gguf and config.dtype in ("auto", "float32") else "none"
-    compact = supported(model.arch, model.config, model.gguf)
     quantized_cpu = quantize != "none" and device == "cpu"
     # next to quantized weights on CPU the compact model holds its KV cache in int8 (transformers' layers
     # cannot read one, so they keep the model's dtype)
@@ -125,7 +156,7 @@ def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> Exec
         batch_dtype="bfloat16" if quantized_cpu and config.dtype == "auto" and bf16 else None,
         int8_inputs=int8_inputs, vnni=int8_inputs and "avx512_vnni" in flags, cpu_kernels=cpu_kernels,
         model="compact" if compact else "transformers", arch=model.arch,
-        gguf_types=model.gguf_types if compact and quantized_cpu and cpu_kernels else ())
+        gguf_types=model.gguf_types if compact and quantized_cpu and cpu_kernels else (), tp=tp)
 
 
 # the facts, gathered
@@ -158,9 +189,19 @@ def model_facts(gguf: Path | None, folder: Path | None) -> ModelFacts:
             cfg = json.loads((folder / "config.json").read_text()) if folder is not None else {}
         except (OSError, ValueError):
             cfg = {}
-        return ModelFacts(cfg.get("model_type", ""), config=cfg)
+        text = cfg.get("text_config", cfg)
+        heads = text.get("num_attention_heads") or 0
+        return ModelFacts(cfg.get("model_type", ""), config=cfg, heads=heads,
+                          kv_heads=text.get("num_key_value_heads") or heads)
     from .gguf_meta import model_type, read_header
     from .model_loader import read_stamp
 
     header = (read_stamp(gguf, folder) if folder is not None else None) or read_header(gguf)
-    return ModelFacts(model_type(header["arch"]), True, header["quantize"], tuple(header.get("types", ())))
+    heads = header.get("heads")
+    if heads is None and folder is not None:  # a stamp of an earlier conversion: its folder's config.json
+        try:
+            heads = json.loads((folder / "config.json").read_text()).get("num_attention_heads")
+        except (OSError, ValueError):
+            heads = None
+    return ModelFacts(model_type(header["arch"]), True, header["quantize"], tuple(header.get("types", ())),
+                      heads=heads or 0, kv_heads=header.get("num_kv_heads") or heads or 0)

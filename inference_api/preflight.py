@@ -21,7 +21,7 @@ from types import SimpleNamespace
 from .config import ServerConfig
 from .gguf_meta import read_header
 from .model_loader import gguf_source, gguf_target, read_stamp
-from .plan import ExecutionPlan, kv_slots, make_plan, model_facts, probe_machine
+from .plan import ExecutionPlan, PlanError, kv_slots, make_plan, model_facts, probe_machine
 
 log = logging.getLogger(__name__)
 
@@ -63,10 +63,14 @@ class Estimate:
     free_bytes: int | None  # RAM (cpu) or GPU memory (cuda); None: unknown
     disk_needed_bytes: int  # for a first conversion into the model cache; 0 when already converted
     disk_free_bytes: int | None
+    ranks: int = 1  # tensor-parallel ranks: weights_bytes and kv_cache_bytes are each rank's share
 
     @property
     def needed_bytes(self) -> int:
-        return self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
+        """What must fit in the free memory: one rank's share on its own GPU; on CPU the ranks share the RAM, so
+        every rank's share and runtime together."""
+        per_rank = self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
+        return per_rank if self.device.startswith("cuda") else per_rank * self.ranks
 
     @property
     def memory_kind(self) -> str:
@@ -77,7 +81,10 @@ class Estimate:
 
     def summary(self) -> str:
         free = "unknown" if self.free_bytes is None else f"{_gib(self.free_bytes)} free"
-        text = (f"needs {_gib(self.needed_bytes)} of {self.memory_kind} on {self.device} (weights "
+        share = "" if self.ranks == 1 else (
+            f"{self.ranks} tensor-parallel ranks{' sharing it' if not self.device.startswith('cuda') else ''}, each: "
+            f"its 1/{self.ranks} of the split layers and the whole embedding and head, ")
+        text = (f"needs {_gib(self.needed_bytes)} of {self.memory_kind} on {self.device} ({share}weights "
                 f"{_gib(self.weights_bytes)}, KV cache {_gib(self.kv_cache_bytes)} if every row fills its context, runtime "
                 f"{_gib(self.overhead_bytes)}), {free}")
         if self.disk_needed_bytes:
@@ -92,19 +99,26 @@ def _gib(n: float) -> str:
 def estimate_bytes(num_params: int, bytes_per_weight: float, bytes_per_kv: float, num_layers: int,
                    num_kv_heads: int, head_dim: int, rows: int, context_length: int,
                    dense_params: int = 0, bytes_per_dense: float = 0.0, head_params: int = 0,
-                   bytes_per_head: float = 0.0, windows=(), chunk: int = 0) -> tuple[int, int]:
+                   bytes_per_head: float = 0.0, windows=(), chunk: int = 0, vocab_params: int = 0,
+                   vocab_copies: int = 1, ranks: int = 1) -> tuple[int, int]:
     """(weights, KV cache) in bytes: ``dense_params`` of the parameters (an untied token embedding, which
     quantization leaves alone) at ``bytes_per_dense``, ``head_params`` (a quantized model's output head) at
     ``bytes_per_head``, the others at ``bytes_per_weight``; keys and values for every layer, row and position
     (plus the cache's one scratch position) at ``bytes_per_kv``, a sliding-window layer's positions as its ring
     holds them (``windows``: each layer's window, where the plan keeps rings; plan.kv_slots). The KV cache is the
     worst case: on CPU it is lazily resident (anonymous memory), so a server whose rows never fill their context
-    uses less."""
-    weights = math.ceil((num_params - dense_params - head_params) * bytes_per_weight + dense_params * bytes_per_dense
-                        + head_params * bytes_per_head)
+    uses less. With ``ranks`` tensor-parallel ranks: one rank's share, the layers' weights and the KV cache split in
+    ``ranks``, the token embedding and the output head (``vocab_params`` each, ``vocab_copies`` of them: 1 when
+    tied) whole on every rank."""
+    weights = ((num_params - dense_params - head_params) * bytes_per_weight + dense_params * bytes_per_dense
+               + head_params * bytes_per_head)
+    if ranks > 1:
+        replicated = (dense_params * bytes_per_dense + head_params * bytes_per_head
+                      + max(0, vocab_params * vocab_copies - dense_params - head_params) * bytes_per_weight)
+        weights = replicated + (weights - replicated) / ranks
     positions = sum(n + 1 for n in kv_slots(windows or (None,) * num_layers, context_length, chunk))
-    kv = math.ceil(2 * rows * num_kv_heads * positions * head_dim * bytes_per_kv)
-    return weights, kv
+    kv = math.ceil(2 * rows * num_kv_heads * positions * head_dim * bytes_per_kv / ranks)
+    return math.ceil(weights), kv
 
 
 def batch_copy_bytes(plan: ExecutionPlan, quantize: str | None = None) -> float:
@@ -259,9 +273,10 @@ def estimate(config: ServerConfig) -> Estimate:
                                  bytes_per_dense=bytes_per_weight(plan, "none"),
                                  head_params=shape.vocab_params if quantized and compact else 0,
                                  bytes_per_head=HEAD_BYTES + batch_copy_bytes(plan, "int8"),
-                                 windows=shape.windows if plan.kv_ring else (), chunk=config.prefill_chunk)
+                                 windows=shape.windows if plan.kv_ring else (), chunk=config.prefill_chunk,
+                                 vocab_params=shape.vocab_params, vocab_copies=1 if shape.tied else 2, ranks=plan.tp)
     return Estimate(plan.device, weights, kv, RUNTIME_OVERHEAD, free_memory(plan.device), disk_needed,
-                    free_disk(config.model_cache_dir) if disk_needed else None)
+                    free_disk(config.model_cache_dir) if disk_needed else None, plan.tp)
 
 
 def preflight(config: ServerConfig) -> Estimate | None:
@@ -270,6 +285,8 @@ def preflight(config: ServerConfig) -> Estimate | None:
         return None
     try:
         est = estimate(config)
+    except PlanError as exc:  # the flags cannot be met (the engine would refuse the same): not a memory question
+        raise PreflightError(f"pre-flight: {exc}") from None
     except Exception as exc:  # the loader will report a missing or broken model properly
         log.warning("pre-flight skipped: cannot read the model's shape (%s)", exc)
         return None

@@ -104,13 +104,25 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
                       for i in range(0, q.shape[2], QUERY_BLOCK)], dim=2)
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """The all-reduce of a model that is not split: its own sums are whole already."""
+    return t
+
+
 class CompactLM:
-    """forward(batch, cache) -> float32 logits: [B, V] for each entry's last token, or [B, T, V]."""
+    """forward(batch, cache) -> float32 logits: [B, V] for each entry's last token, or [B, T, V] (None on a
+    tensor-parallel rank other than 0, which holds no head).
+
+    all_reduce: a tensor-parallel rank's sum over every rank of a row-split layer's partial outputs (attention's o
+    and the MLP's down), in place; None: the model is not split. spec then holds this rank's own head counts."""
 
     def __init__(self, spec: ModelSpec, embed: Callable[[torch.Tensor], torch.Tensor], embed_scale: float,
-                 layers: list[Layer], norm: torch.Tensor, head: Linear, length: int, device, dtype: torch.dtype,
-                 kernels=None, norm_b: torch.Tensor | None = None):
+                 layers: list[Layer], norm: torch.Tensor, head: Linear | None, length: int, device, dtype: torch.dtype,
+                 kernels=None, norm_b: torch.Tensor | None = None,
+                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         self.kernels = kernels if torch.device(device).type == "cpu" and dtype == torch.float32 else None
+        self.split = all_reduce is not None
+        self.all_reduce = all_reduce or _whole
         self.spec = spec
         self.embed, self.embed_scale, self.layers, self.norm, self.head = embed, embed_scale, layers, norm, head
         self.norm_b = norm_b
@@ -122,8 +134,9 @@ class CompactLM:
         self.fast = self.kernels is not None and spec.plain
         # rotary + cache write in one kernel call for any family whose rotary turns whole heads
         self.rope_kernel = self.kernels is not None and spec.rot_dim == spec.head_dim
-        self.fused, self.fused_max_rows = fused_decoder(self.kernels if self.fast else None, layers, self.heads,
-                                                        self.eps)
+        # the Decoder runs a step's layers in one C++ call: none where the sums go through an all-reduce
+        self.fused, self.fused_max_rows = fused_decoder(self.kernels if self.fast and not self.split else None,
+                                                        layers, self.heads, self.eps)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm as transformers computes it: in float32, the weight applied after the cast back (the CPU
@@ -205,18 +218,26 @@ class CompactLM:
                 a = _attention(qp, keys, values, masks[spec.windows[i]], spec.attn_scale, spec.attn_softcap)
                 a = a.transpose(1, 2).reshape(b * t, hq * d)[tokens]
             o = layer.o(a)
-            if layer.post_attn_norm is not None:
-                o = self._norm(o, layer.post_attn_norm)
             if parallel:  # the MLP reads the layer's input too (its own norm, or the attention's)
+                if layer.post_attn_norm is not None:  # (no such family; a split one is refused: parallel.Shard)
+                    o = self._norm(o, layer.post_attn_norm)
                 same = layer.mlp_norm is layer.attn_norm
                 m = self._mlp(layer, h if same else self._norm(x, layer.mlp_norm, layer.mlp_norm_b))
-                x.add_(o).add_(m)
+                if self.split:  # one all-reduce for both partial sums
+                    x.add_(self.all_reduce(o.add_(m)))
+                else:
+                    x.add_(o).add_(m)
                 continue
+            o = self.all_reduce(o)
+            if layer.post_attn_norm is not None:
+                o = self._norm(o, layer.post_attn_norm)
             x.add_(o)  # x is this forward's own tensor
-            m = self._mlp(layer, self._norm(x, layer.mlp_norm, layer.mlp_norm_b))
+            m = self.all_reduce(self._mlp(layer, self._norm(x, layer.mlp_norm, layer.mlp_norm_b)))
             if layer.post_mlp_norm is not None:
                 m = self._norm(m, layer.post_mlp_norm)
             x.add_(m)
+        if self.head is None:  # a tensor-parallel rank other than 0: rank 0 computes the logits
+            return None
         if batch.last_only:  # each entry's last token is real (chunks are left-padded)
             return self._logits(x[batch.last])
         return _pad(self._logits(x), tokens, b * t).view(b, t, -1)
@@ -238,9 +259,9 @@ class CompactLM:
             q = k.rope_store(layer.qkv(k.rms_norm(x, layer.attn_norm, self.eps)), cos, sin, keys, values,
                              key_scales, value_scales, write, self.heads)
             a = k.decode_attention(q, keys, values, key_scales, value_scales, lengths, self.spec.attn_scale)
-            x = x + layer.o(a.view(x.shape[0], -1))
-            x = x + layer.down(k.silu_mul(layer.gate_up(k.rms_norm(x, layer.mlp_norm, self.eps))))
-        return self.head(k.rms_norm(x, self.norm, self.eps))
+            x = x + self.all_reduce(layer.o(a.view(x.shape[0], -1)))
+            x = x + self.all_reduce(layer.down(k.silu_mul(layer.gate_up(k.rms_norm(x, layer.mlp_norm, self.eps)))))
+        return None if self.head is None else self.head(k.rms_norm(x, self.norm, self.eps))
 
 
 def fused_decoder(kernels, layers: list[Layer], heads: int, eps: float) -> tuple[object | None, float]:
@@ -304,9 +325,11 @@ class HFWeights:
             del self.sd[name]
 
 
-def build_compact(model, make_linear: Callable, embed_fn: Callable, length: int, kernels=None) -> CompactLM:
+def build_compact(model, make_linear: Callable, embed_fn: Callable, length: int, kernels=None, shard=None,
+                  all_reduce: Callable | None = None) -> CompactLM:
     """A CompactLM from a transformers model of a described architecture, or from a GGUFModel (its weights read
-    straight from the file): tensors are copied or quantized one layer at a time."""
+    straight from the file): tensors are copied or quantized one layer at a time. shard (parallel.Shard): only this
+    tensor-parallel rank's share of each layer is kept, sliced before make_linear quantizes or packs it."""
     config = model.config
     spec = describe(config)
     src = model.weights() if hasattr(model, "weights") else HFWeights(model, spec.family)
@@ -317,6 +340,8 @@ def build_compact(model, make_linear: Callable, embed_fn: Callable, length: int,
     layers = []
     for i in range(config.num_hidden_layers):
         w = src.layer(i)
+        if shard is not None:
+            w = shard.split_layer(w, spec, i)
         bias = None if w["qkv_bias"] is None else w["qkv_bias"].float()
         modes = w.get("modes", {})  # a GGUF's: the mode that keeps each linear's own tensor types
         linear = lambda role, b=None: make_linear(w[role], b, as_mode=modes.get(role))  # noqa: E731
@@ -330,5 +355,5 @@ def build_compact(model, make_linear: Callable, embed_fn: Callable, length: int,
         src.drop_layer(i)
     embed_scale = config.hidden_size ** 0.5 if spec.family.embed_scale else 1.0
     final_b = src.final_norm_bias() if hasattr(src, "final_norm_bias") else None
-    return CompactLM(spec, embed, embed_scale, layers, src.final_norm(), head, length, model.device, model.dtype,
-                     kernels, final_b)
+    return CompactLM(shard.local(spec) if shard is not None else spec, embed, embed_scale, layers, src.final_norm(),
+                     head, length, model.device, model.dtype, kernels, final_b, all_reduce)

@@ -45,38 +45,60 @@ class _HFModel:
         return logits[:, -1] if batch.last_only else logits
 
 
-def build_model(model, plan: ExecutionPlan, kernels, length: int):
-    """The callable model for the runner: the compact decoder or transformers' modules, as the plan says."""
+def build_model(model, plan: ExecutionPlan, kernels, length: int, shard=None, all_reduce=None):
+    """The callable model for the runner: the compact decoder or transformers' modules, as the plan says. shard
+    (parallel.Shard) and all_reduce: this rank's share of a tensor-parallel group; only rank 0 keeps a head."""
     make_linear = linear_factory(model.device, model.dtype, plan.quantize, kernels, plan.torch(plan.batch_dtype),
                                  plan.int8_inputs)
     if plan.model == "compact":
+        logits = shard is None or shard.rank == 0
+
         def embed_fn(embed_w, head_w):
             head_mode = "int8" if plan.quantize != "none" else None
-            head = make_linear(head_w, None, group=plan.group or 32, as_mode=head_mode)
-            if head_w is embed_w and hasattr(head, "rows"):
-                return head.rows, head  # a tied quantized head: embeddings read from its rows
+            tied = head_w is embed_w
+            # the other ranks build a tied quantized head only for the rows rank 0's embedding reads (the same numbers)
+            rows = tied and head_mode is not None
+            head = make_linear(head_w, None, group=plan.group or 32, as_mode=head_mode) if logits or rows else None
+            if tied and hasattr(head, "rows"):
+                return head.rows, head if logits else None  # a tied quantized head: embeddings read from its rows
+            head = head if logits else None
             if isinstance(embed_w, QUANTIZED):  # a GGUF's own blocks: rows dequantized when read
                 return (lambda ids: embed_w.rows(ids, kernels)), head
             table = embed_w.detach().clone()
             return (lambda ids: F.embedding(ids, table)), head
-        return build_compact(model, make_linear, embed_fn, length, kernels)
+        return build_compact(model, make_linear, embed_fn, length, kernels, shard, all_reduce)
     if model.device.type == "cpu" or plan.quantize != "none":
         use_linears(model, lambda w, b: make_linear(w, b, plan.group))
     use_row_attention(model)
     return _HFModel(model)
 
 
+def load_runner(config, plan: ExecutionPlan, kernels, gguf, model_dir, shard=None, all_reduce=None) -> "ModelRunner":
+    """The runner over the model read straight from a GGUF file (gguf: where the compact decoder reads one) or
+    loaded from the transformers folder model_dir: one tensor-parallel rank's share where shard says."""
+    from ..model_loader import load_model
+    from .gguf_model import GGUFModel
+
+    dtype = plan.torch(plan.dtype)
+    model = GGUFModel(gguf, plan.device, dtype) if gguf is not None else load_model(model_dir, plan.device, dtype)
+    return ModelRunner(model, config.rows, config.context_length, plan, kernels, config.prefill_chunk, shard,
+                       all_reduce)
+
+
 class ModelRunner:
     """Owns the KV cache and every batch tensor: the scheduler's step in, logits out."""
 
     def __init__(self, model, rows: int, context_length: int, plan: ExecutionPlan, kernels=None,
-                 prefill_chunk: int = 512):
+                 prefill_chunk: int = 512, shard=None, all_reduce=None):
+        """shard (parallel.Shard) and all_reduce: this rank's share of a tensor-parallel group (its heads, its KV
+        heads; a rank other than 0 returns no logits)."""
         self.device = model.device
         self.dtype = model.dtype
         self.vocab_size = model.config.vocab_size
         self.plan = plan
-        self.model = build_model(model, plan, kernels, context_length + 1)
+        self.model = build_model(model, plan, kernels, context_length + 1, shard, all_reduce)
         layers, kv_heads, head_dim = kv_geometry(model.config)
+        kv_heads //= shard.size if shard is not None else 1
         windows = self.model.spec.windows if plan.kv_ring and isinstance(self.model, CompactLM) else None
         self.cache = RowKVCache(layers, rows, kv_heads, context_length, head_dim, plan.torch(plan.kv_dtype),
                                 self.device, windows, prefill_chunk)
@@ -109,8 +131,9 @@ class ModelRunner:
         """Write ids at positions start.. of a row; return the logits after every one of them [len(ids), V]
         (in pieces of at most a prefill chunk where the cache has rings)."""
         piece = self.cache.chunk or len(ids)
-        return torch.cat([self.model.forward(self._batch([row], [ids[i:i + piece]], [start + i], False),
-                                             self.cache)[0] for i in range(0, len(ids), piece)])
+        parts = [self.model.forward(self._batch([row], [ids[i:i + piece]], [start + i], False), self.cache)
+                 for i in range(0, len(ids), piece)]
+        return None if parts[0] is None else torch.cat([p[0] for p in parts])
 
     @torch.inference_mode()
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
@@ -129,7 +152,9 @@ class ModelRunner:
         batch = ForwardBatch(ids, pos, write, torch.arange(width, device=self.device), max(positions) + 1,
                              self.cache.scratch, decode=True)
         logits = self.model.forward(batch, self.cache)
-        return logits if len(rows) == width and rows == sorted(rows) else logits[index.to(logits.device)]
+        if logits is None or (len(rows) == width and rows == sorted(rows)):
+            return logits
+        return logits[index.to(logits.device)]
 
     def holds(self, cached: int, length: int) -> bool:
         """Whether a row that wrote cached positions still holds a reuse of its first length (its rings)."""

@@ -64,6 +64,9 @@ def health_blueprint(serving: Serving) -> Blueprint:
                 "matmul_dtype": ready.matmul_dtype if ready else None,
                 "int8_inputs": ready.int8_inputs if ready else None,
                 "backend_pid": client.process.pid if client.process else None,
+                "tensor_parallel_size": config.tensor_parallel_size,
+                "ranks": [{"rank": i, "pid": pid, "alive": alive} for i, (pid, alive) in
+                          enumerate(zip((client.process.pid, *ready.rank_pids), client.ranks_alive()))] if ready else [],
                 "engine_restarts": client.restart_count,
                 "memory": estimate.as_dict() if estimate else None}
         if client.failure is not None:

@@ -1,0 +1,195 @@
+"""Tensor parallelism (--tensor-parallel-size N): real rank processes over gloo on loopback, CPU.
+
+The embedded model (9 attention heads, 3 KV heads) is split over 3 ranks in the exact mode; a tiny random llama
+(8 heads, 4 KV heads) over 2 and 4 ranks in-process. One 3-rank server serves the module's server tests; the
+test that kills one of its ranks runs last.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+import transformers as T
+
+from inference_api.config import ServerConfig
+from inference_api.engine.process import build_engine
+from inference_api.messages import GenerateRequest, SamplingParams
+from inference_api.plan import Machine, ModelFacts, PlanError, make_plan
+from inference_api.preflight import PreflightError, estimate, preflight
+from servers import MODEL_CACHE, ServerProcess, wait_for
+from test_model_loader import VOCAB
+from test_native_real import MAX_TOKENS, PROMPTS, assert_greedy_equivalent, reference  # noqa: F401 (a fixture)
+
+GREEDY_PROMPTS = PROMPTS[::8]  # 5 of the 40 (both kinds), concurrently: the 3-rank server's share of the suite
+
+
+@pytest.fixture(scope="module")
+def tp3_server():
+    """The embedded model in the exact mode (float32 weights and KV cache) split over 3 ranks."""
+    server = ServerProcess("--model-cache-dir", MODEL_CACHE, "--context-length", "1024", "--rows", "8",
+                           "--quantize", "none", "--dtype", "float32", "--tensor-parallel-size", "3")
+    yield server
+    server.stop()
+
+
+def test_three_ranks_answer_as_generate_and_report_every_rank(tp3_server, model_name, reference):  # noqa: F811
+    """5 prompts at once through the 3-rank server: each greedy answer equals transformers' generate alone (up to
+    the near-ties the summation order may flip); /health and /metrics show the three ranks."""
+    health = tp3_server.health()
+    assert health["tensor_parallel_size"] == 3 and health["quantize"] == "none"
+    assert [r["rank"] for r in health["ranks"]] == [0, 1, 2] and all(r["alive"] for r in health["ranks"])
+    assert health["ranks"][0]["pid"] == health["backend_pid"]
+    jobs = [(p, i % 2 == 1) for i, p in enumerate(GREEDY_PROMPTS)]
+
+    def run(job):
+        prompt, chat = job
+        route = "predictions" if chat else "inference"
+        r = requests.post(f"{tp3_server.url}/{route}/{model_name}", timeout=300,
+                          json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": False})
+        assert r.status_code == 200, r.text
+        return r.json()["text"]
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        texts = list(pool.map(run, jobs))
+    for (prompt, chat), text in zip(jobs, texts):
+        assert_greedy_equivalent(text, prompt, chat, reference)
+    metrics = requests.get(tp3_server.url + "/metrics", timeout=5).text
+    assert all(f'inference_engine_rank_up{{rank="{r}"}} 1.0' in metrics for r in range(3)), metrics
+
+
+def test_a_rank_killed_while_streaming_ends_the_request_and_the_group_restarts(tp3_server, model_name):
+    """SIGKILL to rank 1 mid-stream: the stream ends with an error, rank 0 exits, the web worker starts a whole new
+    group (fresh ranks, nothing of the old one left), and the next request is answered."""
+    tp3_server.wait_idle()
+    old = tp3_server.health()
+    old_pids = [r["pid"] for r in old["ranks"]]
+    r = requests.post(f"{tp3_server.url}/predictions/{model_name}", stream=True, timeout=120,
+                      json={"text": "Write a very long essay about rivers.", "max_tokens": 900, "temperature": 0})
+    chunks = r.iter_content(chunk_size=None)
+    assert next(chunks)
+    os.kill(old_pids[1], signal.SIGKILL)
+    with pytest.raises(requests.exceptions.ChunkedEncodingError):
+        for _ in chunks:  # the stream is cut, not ended as if complete
+            pass
+    assert wait_for(lambda: requests.get(tp3_server.url + "/health", timeout=5).status_code == 200, 240)
+    health = tp3_server.health()
+    assert health["engine_restarts"] == old["engine_restarts"] + 1
+    assert len(health["ranks"]) == 3 and all(r["alive"] for r in health["ranks"])
+    assert not {r["pid"] for r in health["ranks"]} & set(old_pids)
+    assert wait_for(lambda: not any(_running(pid) for pid in old_pids), 20), "a rank of the old group survived"
+    answer = requests.post(f"{tp3_server.url}/inference/{model_name}", timeout=120,
+                           json={"text": "One, two,", "temperature": 0, "max_tokens": 4, "stream": False})
+    assert answer.status_code == 200 and answer.json()["completion_tokens"] == 4
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except OSError:
+        return False
+
+
+# tiny random models, in-process
+TINY_PROMPTS = ["Hello there, how are", "The quick brown fox jumps over the lazy dog and then it", "One"]
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory, model_dir):
+    """A random llama with 8 attention heads and 4 KV heads (divisible by 2 and 4) of 16 dims, the real tokenizer."""
+    folder = tmp_path_factory.mktemp("tiny-tp")
+    torch.manual_seed(0)
+    config = T.LlamaConfig(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=8,
+                           num_key_value_heads=4, intermediate_size=256, initializer_range=0.2)
+    model = T.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder)
+    T.AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
+    return folder
+
+
+def _greedy(folder, size: int, quantize: str) -> list[list[int]]:
+    """Each prompt's 10 greedy tokens from an engine split over ``size`` ranks, the prompts decoded together and
+    the long one prefilled in chunks of 8."""
+    engine, ready = build_engine(ServerConfig(model=str(folder), rows=4, context_length=128, prefill_chunk=8,
+                                              quantize=quantize, dtype="float32", kv_dtype="float32",
+                                              tensor_parallel_size=size))
+    try:
+        assert ready.tensor_parallel_size == size and len(ready.rank_pids) == size - 1
+        tok = T.AutoTokenizer.from_pretrained(folder)
+        for i, p in enumerate(TINY_PROMPTS):
+            engine.add(GenerateRequest(str(i), tuple(tok.encode(p)),
+                                       SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))
+        out: dict[str, list[int]] = {str(i): [] for i in range(len(TINY_PROMPTS))}
+        while engine.has_work:
+            for event in engine.step():
+                assert event.error is None, event.error
+                out[event.session_id].extend(event.token_ids)
+        return [out[str(i)] for i in range(len(TINY_PROMPTS))]
+    finally:
+        close = getattr(engine.runner, "close", None)
+        if close is not None:
+            close()
+
+
+@pytest.mark.parametrize("size,quantize", [(2, "none"), (4, "none"), (2, "int4")])
+def test_a_tiny_model_split_over_ranks_answers_as_one_rank(tiny_llama, size, quantize):
+    """The same weights on 1 and on N ranks: the same greedy tokens (float32 weights; and 4-bit blocks, whose
+    input split keeps them whole: 64 of o's 128 inputs a rank)."""
+    assert _greedy(tiny_llama, size, quantize) == _greedy(tiny_llama, 1, quantize)
+
+
+def test_an_input_split_that_breaks_quantized_blocks_is_refused():
+    """4-bit blocks of 32 inputs: o's 64 inputs over 4 ranks would leave 16 a rank (a float weight quantized after
+    the split, and a weight that is 4-bit blocks already alike); over 2 ranks the blocks stay whole."""
+    from inference_api.engine.architectures import describe
+    from inference_api.engine.compact import HFWeights
+    from inference_api.engine.linear import quantize as quantize_weight
+    from inference_api.engine.parallel import Shard
+
+    model = T.AutoModelForCausalLM.from_config(T.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=1,
+                                                             num_attention_heads=4, num_key_value_heads=4,
+                                                             intermediate_size=128))
+    spec = describe(model.config)
+    layer = HFWeights(model, spec.family).layer(0)
+    blocks = {**layer, "o": quantize_weight(layer["o"], "int4")}
+    for w in (layer, blocks):
+        with pytest.raises(ValueError, match=r"--tensor-parallel-size 4: layer 0's attention output \(int4, 64 "
+                                             r"inputs per row\) would split into 16 inputs per rank, not a whole "
+                                             r"number of its 32-weight blocks"):
+            Shard(1, 4, "int4").split_layer(w, spec, 0)
+        half = Shard(1, 2, "int4").split_layer(w, spec, 0)
+        assert half["o"].dequantize().equal(blocks["o"].dequantize()[:, 32:]) if w is blocks else half["o"].shape == (64, 32)
+    assert Shard(3, 4).split_layer(layer, spec, 0)["o"].equal(layer["o"][:, 48:])  # float weights served float: any split
+
+
+# refusals and pre-flight, without loading weights
+def test_head_counts_that_do_not_divide_are_refused_before_anything_loads():
+    facts = ModelFacts("llama", gguf=True, gguf_quantize="int4", heads=9, kv_heads=3)
+    assert make_plan(ServerConfig(tensor_parallel_size=3), facts, Machine()).tp == 3
+    with pytest.raises(PlanError, match="--tensor-parallel-size 2: the model's 9 attention heads and 3 key/value "
+                                        "heads do not divide by 2"):
+        make_plan(ServerConfig(tensor_parallel_size=2), facts, Machine())
+    with pytest.raises(PlanError, match="transformers' layers, which cannot be split"):
+        make_plan(ServerConfig(tensor_parallel_size=2), ModelFacts("gpt2", heads=4, kv_heads=4), Machine())
+    # the embedded model's own facts, through pre-flight (what `python -m inference_api` runs first)
+    with pytest.raises(PreflightError, match="9 attention heads and 3 key/value heads do not divide by 2"):
+        preflight(ServerConfig(model_cache_dir=Path(MODEL_CACHE), tensor_parallel_size=2, skip_preflight=True))
+
+
+def test_preflight_counts_each_ranks_share():
+    """3 ranks: each holds a third of the layers' weights and KV cache and the whole (tied) embedding; on CPU the
+    three shares and runtimes must fit in the RAM together."""
+    one = estimate(ServerConfig(model_cache_dir=Path(MODEL_CACHE), quantize="none", dtype="float32"))
+    three = estimate(ServerConfig(model_cache_dir=Path(MODEL_CACHE), quantize="none", dtype="float32",
+                                  tensor_parallel_size=3))
+    embedding = 49152 * 576 * 4  # float32, tied: on every rank
+    assert three.ranks == 3 and three.kv_cache_bytes == pytest.approx(one.kv_cache_bytes / 3, abs=1)
+    assert three.weights_bytes == pytest.approx(embedding + (one.weights_bytes - embedding) / 3, abs=1)
+    assert three.needed_bytes == 3 * (three.weights_bytes + three.kv_cache_bytes + three.overhead_bytes)
+    assert "3 tensor-parallel ranks sharing it, each: its 1/3 of the split layers" in three.summary()

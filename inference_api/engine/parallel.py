@@ -331,6 +331,42 @@ def _start_child(p) -> None:
             config["daemon"] = daemon
 
 
+def _status(rank: int, p, conn) -> tuple[str, str | None]:
+    """A starting rank's word: ("ready", None), or ("failed", why) when it said so or ended without a word."""
+    try:
+        if conn.poll():
+            return conn.recv()
+    except (EOFError, OSError):
+        pass
+    p.join(5)
+    return "failed", f"rank {rank} exited (code {p.exitcode})"
+
+
+def _join(store, size: int, ranks: list, conns: list) -> Group:
+    """Rank 0's side of the group's rendezvous, which fails as soon as a rank ends before joining it (the
+    rendezvous alone would wait for its whole timeout)."""
+    joined: dict = {}
+
+    def join() -> None:
+        try:
+            joined["group"] = Group(0, size, store)
+        except Exception as exc:
+            joined["error"] = exc
+
+    thread = threading.Thread(target=join, name="rank-join", daemon=True)
+    thread.start()
+    sentinels = [p.sentinel for p in ranks]
+    while thread.is_alive():
+        ended = multiprocessing.connection.wait(sentinels, timeout=0.2)
+        if ended:
+            rank = 1 + sentinels.index(ended[0])
+            _, message = _status(rank, ranks[rank - 1], conns[rank - 1])
+            raise RuntimeError(f"tensor-parallel {message} before the group formed")
+    if "error" in joined:
+        raise joined["error"]
+    return joined["group"]
+
+
 def start_group(config, plan, kernels, gguf, model_dir):
     """Rank 0's side of a group of plan.tp ranks: start ranks 1..N-1, join the group, build this rank's shard, wait
     for every rank to be built; a GroupRunner over rank 0's ModelRunner. RuntimeError when a rank fails to start
@@ -349,15 +385,11 @@ def start_group(config, plan, kernels, gguf, model_dir):
             theirs.close()
             ranks.append(p)
             conns.append(ours)
-        group = Group(0, plan.tp, store)
+        group = _join(store, plan.tp, ranks, conns)
         runner = load_runner(config, plan, kernels, gguf, model_dir, Shard.of(plan, 0), group.all_reduce)
         for rank, (p, conn) in enumerate(zip(ranks, conns), start=1):
             multiprocessing.connection.wait([conn, p.sentinel])
-            try:
-                status, message = conn.recv()
-            except EOFError:
-                p.join(5)
-                status, message = "failed", f"rank {rank} exited (code {p.exitcode})"
+            status, message = _status(rank, p, conn)
             if status != "ready":
                 raise RuntimeError(f"tensor-parallel {message}")
     except BaseException:

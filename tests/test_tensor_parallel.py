@@ -73,7 +73,8 @@ def test_three_ranks_answer_as_generate_and_report_every_rank(tp3_server, model_
 
 def test_a_rank_killed_while_streaming_ends_the_request_and_the_group_restarts(tp3_server, model_name):
     """SIGKILL to rank 1 mid-stream: the stream ends with an error, rank 0 exits, the web worker starts a whole new
-    group (fresh ranks, nothing of the old one left), and the next request is answered."""
+    group (fresh ranks, nothing of the old one left), and the next request is answered. Then the server stops (the
+    module's last test) and no rank outlives it."""
     tp3_server.wait_idle()
     old = tp3_server.health()
     old_pids = [r["pid"] for r in old["ranks"]]
@@ -94,6 +95,11 @@ def test_a_rank_killed_while_streaming_ends_the_request_and_the_group_restarts(t
     answer = requests.post(f"{tp3_server.url}/inference/{model_name}", timeout=120,
                            json={"text": "One, two,", "temperature": 0, "max_tokens": 4, "stream": False})
     assert answer.status_code == 200 and answer.json()["completion_tokens"] == 4
+    # SIGTERM to the server's process group, as a container stop sends it: the server drains and ends the engine,
+    # which ends its ranks; none outlives it
+    pids = [r["pid"] for r in health["ranks"]]
+    tp3_server.stop()
+    assert wait_for(lambda: not any(_running(pid) for pid in pids), 20), "a rank outlived the server"
 
 
 def _running(pid: int) -> bool:

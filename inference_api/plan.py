@@ -120,7 +120,7 @@ def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> Exec
     compact = supported(model.arch, model.config, model.gguf)
     if tp != 1:
         refusal = tp_refusal(tp, model.heads, model.kv_heads)
-        if refusal is None and not compact:
+        if refusal is None and not compact and model.arch:  # (unknown before a hub model's folder is found)
             refusal = (f"--tensor-parallel-size {tp}: architecture {model.arch or 'unknown'!r} runs on transformers' "
                        f"layers, which cannot be split; only the compact decoder's architectures shard")
         if refusal is None and cuda:

@@ -191,6 +191,7 @@ def test_head_counts_that_do_not_divide_are_refused_before_anything_loads():
         make_plan(ServerConfig(tensor_parallel_size=2), facts, Machine())
     with pytest.raises(PlanError, match="transformers' layers, which cannot be split"):
         make_plan(ServerConfig(tensor_parallel_size=2), ModelFacts("gpt2", heads=4, kv_heads=4), Machine())
+    assert make_plan(ServerConfig(tensor_parallel_size=2), ModelFacts(""), Machine()).tp == 2  # pre-flight of a hub id
     # the embedded model's own facts, through pre-flight (what `python -m inference_api` runs first)
     with pytest.raises(PreflightError, match="9 attention heads and 3 key/value heads do not divide by 2"):
         preflight(ServerConfig(model_cache_dir=Path(MODEL_CACHE), tensor_parallel_size=2, skip_preflight=True))

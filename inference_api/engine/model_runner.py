@@ -67,6 +67,9 @@ def build_model(model, plan: ExecutionPlan, kernels, length: int, shard=None, al
             table = embed_w.detach().clone()
             return (lambda ids: F.embedding(ids, table)), head
         return build_compact(model, make_linear, embed_fn, length, kernels, shard, all_reduce)
+    if shard is not None:  # (the plan refuses this where it knows the architecture)
+        raise ValueError(f"--tensor-parallel-size {shard.size}: architecture {plan.arch or 'unknown'!r} runs on "
+                         f"transformers' layers, which cannot be split")
     if model.device.type == "cpu" or plan.quantize != "none":
         use_linears(model, lambda w, b: make_linear(w, b, plan.group))
     use_row_attention(model)

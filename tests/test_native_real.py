@@ -176,7 +176,8 @@ def test_the_same_prompt_gives_the_same_answer_whatever_the_load(default_server,
     at once (more than the 32 rows: some wait, and many start after a prefix another row computed), answer token
     for token as each prompt sent alone."""
     server = default_server
-    assert server.health()["int8_inputs"] is True
+    health = server.health()
+    assert health["int8_inputs"] is True and health["kernels"] == "native"  # the set-up step built them for this CPU
     prefixes = ("You are a careful assistant. Answer in one plain sentence, with no list. ",
                 "Here is a question from a quiz for children, and its short answer. ")
     prompts = [f"{prefix}Question {i}: what is special about {subject}?"

@@ -93,16 +93,24 @@ def _compile(root: Path, march: str, target: str, cflags: tuple[str, ...]):
 
 def load_kernels(cache_dir: Path, cflags: tuple[str, ...] = ()):
     """The compiled kernels for this machine (cflags: extra compiler flags, such as -mno-avx512f to check the AVX2
-    kernels on an AVX-512 machine), or None when there is no build for it and none can be made."""
+    kernels on an AVX-512 machine), or None when there is no build for it and none can be made. The module's
+    ``build`` says which it is: "native", or "prebuilt <level>"."""
     flags = cpu_flags()
     native = "native:" + ",".join(f for f in NATIVE_KEY if f in flags)
     cache = Path(cache_dir) / "kernels"
     try:
         built = _import_built(*_build_dir(cache, native, cflags))
         level = level_for(flags) if not cflags else None
-        for root in (PREBUILT, cache) if level is not None else ():
+        if built is not None:
+            built.build = "native"
+        for root in (PREBUILT, cache) if built is None and level is not None else ():
             built = built or _import_built(*_build_dir(root, level, cflags))
-        return built if built is not None else _compile(cache, "native", native, cflags)
+            if built is not None:
+                built.build = f"prebuilt {level}"
+        if built is None:
+            built = _compile(cache, "native", native, cflags)
+            built.build = "native"
+        return built
     except Exception as exc:  # no compiler, no headers, a read-only cache: serve without the kernels
         why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]
         log.warning("quantized CPU kernels unavailable (%s): %s", why, WITHOUT_KERNELS)

@@ -52,7 +52,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     from ..plan import make_plan, model_facts, probe_machine
     from ..tokenizer import HFTokenizer
     from .constrain import for_hf_tokenizer
-    from .kernels import load_kernels
+    from .kernels import WITHOUT_KERNELS, load_kernels
     from .model_runner import load_runner
     from .parallel import start_group, threads_per_rank
 
@@ -63,8 +63,10 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     if threads:
         torch.set_num_threads(threads)
     kernels = load_kernels(config.model_cache_dir) if plan.cpu_kernels else None
+    kernels_state = kernels.build if kernels is not None else ""
     if plan.cpu_kernels and kernels is None:
         plan = plan.without_cpu_kernels()
+        kernels_state = f"unavailable: {WITHOUT_KERNELS}"
     # a GGUF of a described architecture is read straight from its file; anything else through transformers
     direct = gguf is not None and plan.model == "compact"
     model_dir = resolve_model_dir(config, weights=not direct) if gguf is not None else folder
@@ -90,7 +92,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
                      constraints=for_hf_tokenizer(tokenizer.tok, runner.vocab_size, eos))
     ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, plan.device,
                         plan.dtype, plan.quantize, plan.kv_dtype, plan.matmul_dtype, plan.int8_inputs, plan.tp,
-                        getattr(runner, "pids", ()))
+                        getattr(runner, "pids", ()), kernels_state)
     return engine, ready
 
 

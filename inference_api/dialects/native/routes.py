@@ -63,6 +63,7 @@ def health_blueprint(serving: Serving) -> Blueprint:
                 "quantize": ready.quantize if ready else None, "kv_dtype": ready.kv_dtype if ready else None,
                 "matmul_dtype": ready.matmul_dtype if ready else None,
                 "int8_inputs": ready.int8_inputs if ready else None,
+                "kernels": ready.kernels if ready else None,
                 "backend_pid": client.process.pid if client.process else None,
                 "tensor_parallel_size": config.tensor_parallel_size,
                 "ranks": [{"rank": i, "pid": pid, "alive": alive} for i, (pid, alive) in

@@ -91,8 +91,8 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
                      prefix_cache=config.prefix_cache,
                      constraints=for_hf_tokenizer(tokenizer.tok, runner.vocab_size, eos))
     ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, plan.device,
-                        plan.dtype, plan.quantize, plan.kv_dtype, plan.matmul_dtype, plan.int8_inputs, plan.tp,
-                        getattr(runner, "pids", ()), kernels_state)
+                        plan.dtype, plan.quantize, plan.kv_dtype, plan.matmul_dtype, plan.int8_inputs,
+                        tensor_parallel_size=plan.tp, rank_pids=getattr(runner, "pids", ()), kernels=kernels_state)
     return engine, ready
 
 

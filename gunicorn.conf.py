@@ -5,6 +5,7 @@
 
 SIGTERM drains (see docs/operations.md); under plain gunicorn SIGINT stops at once, as gunicorn's own.
 """
+
 import os
 import sys
 

@@ -2,10 +2,21 @@
 
 The Python API for offline and embedded use (docs/offline.md): ``from inference_api import LLM, SamplingParams``.
 """
+
 from __future__ import annotations
 
-_OFFLINE = ("LLM", "SamplingParams", "RequestHandle", "ResultQueue", "RequestStatus", "RequestOutput", "Output",
-            "Conversation", "ParameterError", "EngineError")
+_OFFLINE = (
+    "LLM",
+    "SamplingParams",
+    "RequestHandle",
+    "ResultQueue",
+    "RequestStatus",
+    "RequestOutput",
+    "Output",
+    "Conversation",
+    "ParameterError",
+    "EngineError",
+)
 __all__ = list(_OFFLINE)
 
 

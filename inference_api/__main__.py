@@ -1,4 +1,5 @@
 """``python -m inference_api [flags]``: check that the model fits, then serve with gunicorn (one gthread worker)."""
+
 from __future__ import annotations
 
 import os
@@ -9,7 +10,7 @@ from gunicorn.app.base import BaseApplication
 from lifecycle.drain import DrainingArbiter, drain_on_signals, gunicorn_settings
 
 from .config import ServerConfig
-from .preflight import PreflightError, Estimate, preflight
+from .preflight import Estimate, PreflightError, preflight
 
 
 class Server(BaseApplication):
@@ -20,11 +21,18 @@ class Server(BaseApplication):
 
     def load_config(self) -> None:
         c = self.server_config
-        options = {"bind": f"{c.host}:{c.port}", "workers": 1, "worker_class": "inference_api.worker.ServerWorker",
-                   "threads": c.threads, "timeout": 120, "keepalive": 5, "loglevel": c.log_level,
-                   "accesslog": None,  # the app writes one structured line per request
-                   **gunicorn_settings(c.drain_timeout),
-                   "post_worker_init": lambda worker: drain_on_signals(worker, worker.wsgi.extensions["drain"])}
+        options = {
+            "bind": f"{c.host}:{c.port}",
+            "workers": 1,
+            "worker_class": "inference_api.worker.ServerWorker",
+            "threads": c.threads,
+            "timeout": 120,
+            "keepalive": 5,
+            "loglevel": c.log_level,
+            "accesslog": None,  # the app writes one structured line per request
+            **gunicorn_settings(c.drain_timeout),
+            "post_worker_init": lambda worker: drain_on_signals(worker, worker.wsgi.extensions["drain"]),
+        }
         for key, value in options.items():
             self.cfg.set(key, value)
 

@@ -1,4 +1,5 @@
 """The Flask app factory: gunicorn's wsgi_app points here (``inference_api.app:create_app()``)."""
+
 from __future__ import annotations
 
 import atexit
@@ -36,8 +37,9 @@ class _RequestIdFilter(logging.Filter):
 
 def create_app(config: ServerConfig | None = None, estimate: Estimate | None = None) -> Flask:
     config = config or ServerConfig.from_env(os.environ)
-    logging.basicConfig(level=config.log_level.upper(),
-                        format="%(asctime)s %(name)s %(levelname)s [%(request_id)s] %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s [%(request_id)s] %(message)s"
+    )
     for handler in logging.getLogger().handlers:
         handler.addFilter(_RequestIdFilter())
     app = Flask(__name__)
@@ -52,8 +54,11 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
     watchdog = Watchdog()
     # each team's generated tokens per minute (the team: the proxy's X-Team-Id), shared through Redis when given
     limits = TeamLimits(Store(config.redis_url), tokens_per_minute=config.tokens_per_minute_per_team)
-    client.metrics.watch("inference_quota_redis_fallbacks", "team-quota operations counted in this process "
-                         "because Redis failed (0 without Redis)", lambda: limits.store.fallbacks)
+    client.metrics.watch(
+        "inference_quota_redis_fallbacks",
+        "team-quota operations counted in this process because Redis failed (0 without Redis)",
+        lambda: limits.store.fallbacks,
+    )
     app.wsgi_app = close_when_asked(app.wsgi_app)
     register_error_handlers(app)
 
@@ -61,9 +66,13 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
     def admit():
         g.started = time.monotonic()
         g.request_id = request_id(request.headers.get("X-Request-Id"))
-        if config.internal_secret and not (request.path == "/health" and request.method in ("GET", "HEAD")) \
-                and not hmac.compare_digest(request.headers.get(INTERNAL_HEADER, "").encode(),
-                                            config.internal_secret.encode()):
+        if (
+            config.internal_secret
+            and not (request.path == "/health" and request.method in ("GET", "HEAD"))
+            and not hmac.compare_digest(
+                request.headers.get(INTERNAL_HEADER, "").encode(), config.internal_secret.encode()
+            )
+        ):
             raise ApiError(403, "this server answers its proxy only (the request lacks the internal secret)")
         if request.method == "POST":  # the whole body within its deadline (cached for the route)
             try:
@@ -78,10 +87,15 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
         api = request_api()  # the route's family (g.api); the path's for unrouted requests
         client.metrics.answered(api, response.status_code)
         response.headers["X-Request-Id"] = g.get("request_id") or request_id(None)
-        fields = {"request_id": response.headers["X-Request-Id"], "team_id": request.headers.get("X-Team-Id"),
-                  "method": request.method, "path": request.path, "api": api,
-                  "status": response.status_code, "client": request.headers.get("X-Forwarded-For",
-                                                                                   request.remote_addr)}
+        fields = {
+            "request_id": response.headers["X-Request-Id"],
+            "team_id": request.headers.get("X-Team-Id"),
+            "method": request.method,
+            "path": request.path,
+            "api": api,
+            "status": response.status_code,
+            "client": request.headers.get("X-Forwarded-For", request.remote_addr),
+        }
         started, environ = g.get("started", time.monotonic()), request.environ
 
         def write() -> None:
@@ -89,11 +103,14 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
             outcome = {}
             if session is not None:
                 limits.charge(fields["team_id"], session.completion_tokens)
-                outcome = {"prompt_tokens": session.prompt_tokens, "tokens_out": session.completion_tokens,
-                           "ttft_ms": None if session.first_token_at is None
-                           else round((session.first_token_at - session.started) * 1000, 1),
-                           "finish_reason": (session.finish_reason.value if session.finish_reason
-                                             else "cancelled")}
+                outcome = {
+                    "prompt_tokens": session.prompt_tokens,
+                    "tokens_out": session.completion_tokens,
+                    "ttft_ms": None
+                    if session.first_token_at is None
+                    else round((session.first_token_at - session.started) * 1000, 1),
+                    "finish_reason": (session.finish_reason.value if session.finish_reason else "cancelled"),
+                }
             access_log.write(**fields, **outcome, duration_ms=round((time.monotonic() - started) * 1000, 1))
 
         if not (request.path == "/health" and request.method in ("GET", "HEAD")):  # probes: not a line each
@@ -103,7 +120,13 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
     serving = Serving(client, config, drain, estimate, limits)
     # /inference/completion and /inference/chat_completion (llama-stack) are fixed paths: they win over the
     # native API's /inference/<path:model>
-    for blueprint in (llama_stack_blueprint, native_blueprint, health_blueprint, openai_blueprint, tgi_blueprint,
-                      shared_blueprint):
+    for blueprint in (
+        llama_stack_blueprint,
+        native_blueprint,
+        health_blueprint,
+        openai_blueprint,
+        tgi_blueprint,
+        shared_blueprint,
+    ):
         app.register_blueprint(blueprint(serving))
     return app

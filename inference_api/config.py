@@ -1,11 +1,12 @@
 """The one server configuration, built once at the entry point from CLI flags and the environment."""
+
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Mapping, Sequence
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_STOP_SEQUENCES = 8  # lets h2oGPT's six through; TGI's --max-stop-sequences
@@ -23,7 +24,9 @@ class ServerConfig:
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     quantize: str = "auto"  # auto (a GGUF's own quantization, else none) | none | int8 | int4
-    kv_dtype: str = "auto"  # auto (int8 with quantized weights on CPU, else the model's) | float32 | bfloat16 | float16 | int8
+    kv_dtype: str = (
+        "auto"  # auto (int8 with quantized weights on CPU, else the model's) | float32 | bfloat16 | float16 | int8
+    )
     rows: int = 32  # fixed user rows, each with its own KV cache
     context_length: int = 2048  # KV positions per row (prompt + output)
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step, so long prompts never stall streams
@@ -31,7 +34,9 @@ class ServerConfig:
     tensor_parallel_size: int = 1  # processes the compact model's heads and MLP columns are split over (gloo, CPU)
     max_waiting: int = 64  # requests allowed to wait for a free row; beyond it: 503
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
-    max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES  # stop strings per request, every API (TGI's --max-stop-sequences; h2oGPT sends 6)
+    max_stop_sequences: int = (
+        DEFAULT_MAX_STOP_SEQUENCES  # stop strings per request, every API (TGI's --max-stop-sequences; h2oGPT sends 6)
+    )
     mock: bool = False
     mock_tokens_per_second: float = 50.0
     allow_download: bool = False  # let transformers fetch a hub model (off: no network at run time)
@@ -55,11 +60,11 @@ class ServerConfig:
         return self.rows + self.max_waiting
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str]) -> "ServerConfig":
+    def from_env(cls, env: Mapping[str, str]) -> ServerConfig:
         return cls.from_args([], env)
 
     @classmethod
-    def from_args(cls, argv: Sequence[str], env: Mapping[str, str] | None = None) -> "ServerConfig":
+    def from_args(cls, argv: Sequence[str], env: Mapping[str, str] | None = None) -> ServerConfig:
         env = os.environ if env is None else env
         return cls(**vars(build_parser(env).parse_args(list(argv))), internal_secret=env.get("INTERNAL_SECRET") or None)
 
@@ -86,8 +91,11 @@ _ENV = {
     "context_length": ("CONTEXT_LENGTH", "tokens per row (prompt + output)"),
     "prefill_chunk": ("PREFILL_CHUNK", "prompt tokens prefilled per step"),
     "prefix_cache": ("PREFIX_CACHE", "reuse the cached keys and values of a prompt's longest prefix found in any row"),
-    "tensor_parallel_size": ("TENSOR_PARALLEL_SIZE", "processes the model's attention heads and MLP columns are "
-                             "split over (each holds its share of the weights and KV cache; gloo on CPU)"),
+    "tensor_parallel_size": (
+        "TENSOR_PARALLEL_SIZE",
+        "processes the model's attention heads and MLP columns are "
+        "split over (each holds its share of the weights and KV cache; gloo on CPU)",
+    ),
     "max_waiting": ("MAX_WAITING", "requests that may wait for a row before 503"),
     "max_body_bytes": ("MAX_BODY_BYTES", "largest accepted request body in bytes"),
     "max_stop_sequences": ("MAX_STOP_SEQUENCES", "stop sequences accepted per request"),
@@ -98,14 +106,22 @@ _ENV = {
     "log_level": ("LOG_LEVEL", "gunicorn and app log level"),
     "drain_timeout": ("DRAIN_TIMEOUT", "seconds running streams get to finish after SIGTERM/SIGINT"),
     "skip_preflight": ("SKIP_PREFLIGHT", "start even if the memory/disk pre-flight check fails"),
-    "engine_max_restarts": ("ENGINE_MAX_RESTARTS", "engine restarts allowed within 10 minutes before the worker "
-                                                   "exits (and gunicorn replaces it)"),
+    "engine_max_restarts": (
+        "ENGINE_MAX_RESTARTS",
+        "engine restarts allowed within 10 minutes before the worker exits (and gunicorn replaces it)",
+    ),
     "header_timeout": ("HEADER_TIMEOUT", "seconds a client has to send its request headers"),
     "body_timeout": ("BODY_TIMEOUT", "seconds a client has to send its request body"),
-    "tokens_per_minute_per_team": ("TOKENS_PER_MINUTE_PER_TEAM", "tokens a team (the proxy's X-Team-Id) may have "
-                                   "generated in the last 60 seconds before its new requests get 429 (0: no quota)"),
-    "redis_url": ("REDIS_URL", "Redis shared by every server replica for the team token quota (none: counted in "
-                               "this process; while Redis is unreachable each replica counts alone)"),
+    "tokens_per_minute_per_team": (
+        "TOKENS_PER_MINUTE_PER_TEAM",
+        "tokens a team (the proxy's X-Team-Id) may have "
+        "generated in the last 60 seconds before its new requests get 429 (0: no quota)",
+    ),
+    "redis_url": (
+        "REDIS_URL",
+        "Redis shared by every server replica for the team token quota (none: counted in "
+        "this process; while Redis is unreachable each replica counts alone)",
+    ),
     "test_fault_text": ("TEST_FAULT_TEXT", "for tests only: fail post-processing of prompts containing this text"),
 }
 
@@ -126,11 +142,22 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool",):
             default = _bool(env.get(var, default))
-            parser.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
-                                help=f"{help_text} (env {var})")
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action=argparse.BooleanOptionalAction,
+                default=default,
+                help=f"{help_text} (env {var})",
+            )
             continue
         convert = {"int": int, "float": float, "Path": Path}.get(f.type, str)
         raw = env.get(var)
-        parser.add_argument(flag, dest=f.name, type=convert, default=convert(raw) if raw else default,
-                            choices=_CHOICES.get(f.name), help=f"{help_text} (env {var}, default {default})")
+        parser.add_argument(
+            flag,
+            dest=f.name,
+            type=convert,
+            default=convert(raw) if raw else default,
+            choices=_CHOICES.get(f.name),
+            help=f"{help_text} (env {var}, default {default})",
+        )
     return parser

@@ -6,6 +6,7 @@ when they finish, fail or are abandoned. When a running engine dies, every open 
 the same thread starts a new engine (bounded restarts with backoff); past the bound the worker process
 ends so gunicorn replaces it.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,8 +21,18 @@ from dataclasses import dataclass, field
 
 from .config import ServerConfig
 from .engine.process import run_engine
-from .messages import (CancelRequest, EngineFailed, EngineReady, EngineStats, FinishReason, GenerateRequest,
-                       SamplingParams, Shutdown, StepOutput, TokenEvent)
+from .messages import (
+    CancelRequest,
+    EngineFailed,
+    EngineReady,
+    EngineStats,
+    FinishReason,
+    GenerateRequest,
+    SamplingParams,
+    Shutdown,
+    StepOutput,
+    TokenEvent,
+)
 from .metrics import Metrics
 from .request_errors import Unavailable
 from .tokenizer import Tokenizer
@@ -72,7 +83,7 @@ class EngineClient:
         self.metrics = Metrics(lambda: self.stats, lambda: self.open_sessions, self.ranks_alive)
 
     # life cycle
-    def start(self) -> "EngineClient":
+    def start(self) -> EngineClient:
         # The engine is started from this long-lived thread: its parent-death signal follows the thread that
         # started it, and the thread lives as long as the worker.
         threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True).start()
@@ -99,8 +110,9 @@ class EngineClient:
 
     def _spawn(self) -> None:
         self._inbox, self._outbox = self._ctx.Queue(), self._ctx.Queue()
-        self.process = self._ctx.Process(target=run_engine, args=(self.config, self._inbox, self._outbox),
-                                         name="inference-engine", daemon=True)
+        self.process = self._ctx.Process(
+            target=run_engine, args=(self.config, self._inbox, self._outbox), name="inference-engine", daemon=True
+        )
         self.process.start()
 
     def _supervise(self) -> None:
@@ -121,8 +133,9 @@ class EngineClient:
             self.restarts.append(now)
             self.restart_count += 1
             self.metrics.engine_restarts.inc()
-            log.warning("restarting the engine in %.1f s (restart %d within %.0f s)", delay, len(self.restarts),
-                        RESTART_WINDOW)
+            log.warning(
+                "restarting the engine in %.1f s (restart %d within %.0f s)", delay, len(self.restarts), RESTART_WINDOW
+            )
             if self._stopping.wait(delay):
                 return
 
@@ -161,8 +174,10 @@ class EngineClient:
         with self._lock:
             places = self.open_places  # a request with n choices takes n places
             if places and places + session.n > self.config.max_open_sessions:
-                raise Unavailable(f"server busy: all {self.config.rows} rows and {self.config.max_waiting} "
-                                  f"queue places are taken", retry_after=1)
+                raise Unavailable(
+                    f"server busy: all {self.config.rows} rows and {self.config.max_waiting} queue places are taken",
+                    retry_after=1,
+                )
             self._sessions[session.id] = session
         self.metrics.submitted(len(prompt_ids))
         self._inbox.put(GenerateRequest(session.id, tuple(prompt_ids), params))

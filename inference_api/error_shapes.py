@@ -5,14 +5,21 @@ client raises its own exception type from these shapes: ``openai`` reads ``error
 ``text-generation`` reads ``error_type``, llama-stack-client reads the status and ``detail``, shortfin's
 clients read ``error`` and ``code``, and the original API's clients read ``status_code``/``message``.
 """
+
 from __future__ import annotations
 
 OPENAI, TGI, NATIVE, LLAMA_STACK, SHORTFIN, OTHER = "openai", "tgi", "native", "llama_stack", "shortfin", "other"
 FAMILIES = (OPENAI, TGI, NATIVE, LLAMA_STACK, SHORTFIN, OTHER)
 
-_OPENAI_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                 404: "not_found_error", 413: "invalid_request_error", 422: "invalid_request_error",
-                 429: "rate_limit_error"}
+_OPENAI_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+}
 _TGI_PATHS = frozenset({"/", "/generate", "/generate_stream", "/info"})
 # paths whose family depends on the body: TGI sends ``inputs``; shortfin ``text``/``input_ids``; vLLM ``prompt``
 _BY_BODY = frozenset({"/generate", "/tokenize"})

@@ -6,6 +6,7 @@ each its status code (``STATUS``, by kind). The body's shape is the API family's
 of the handling route, fixed where its routes are registered (``answer_as``: the dialect's blueprint, or the
 route that tells dialects apart by the body); for unrouted paths, the family the path belongs to.
 """
+
 from __future__ import annotations
 
 import logging
@@ -25,8 +26,14 @@ STATUS = {"invalid": 400, "not_found": 404, "rate_limited": 429, "unavailable": 
 class ApiError(Exception):
     """An error with its HTTP status, raised by the HTTP edge itself (the app's admission, Werkzeug's errors)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, retry_after: int | None = None,
-                 code: str | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        retry_after: int | None = None,
+        code: str | None = None,
+    ):
         super().__init__(message)
         self.status = status
         self.message = message
@@ -35,7 +42,7 @@ class ApiError(Exception):
         self.code = code  # OpenAI's machine-readable error code, e.g. "model_not_found"
 
     @classmethod
-    def of(cls, err: RequestError) -> "ApiError":
+    def of(cls, err: RequestError) -> ApiError:
         return cls(STATUS[err.kind], err.message, param=err.field, retry_after=err.retry_after, code=err.code)
 
 
@@ -68,8 +75,9 @@ def register_error_handlers(app: Flask) -> None:
 
     @app.errorhandler(HTTPException)
     def http_error(exc: HTTPException):
-        message = {404: "not found", 405: f"method {request.method} not allowed",
-                   413: "request body too large"}.get(exc.code or 500, exc.description)
+        message = {404: "not found", 405: f"method {request.method} not allowed", 413: "request body too large"}.get(
+            exc.code or 500, exc.description
+        )
         response = error_response(ApiError(exc.code or 500, message))
         if exc.code == 405 and getattr(exc, "valid_methods", None):
             response.headers["Allow"] = ", ".join(exc.valid_methods)

@@ -8,6 +8,7 @@ optional ``id`` copied to the output, and any sampling parameter (``max_tokens``
 ``error`` for a line that cannot run. Blank lines are skipped. Run again with the same output file after an
 interruption: the lines already answered are skipped and the rest appended, so nothing is lost or repeated.
 """
+
 from __future__ import annotations
 
 import collections
@@ -15,9 +16,10 @@ import json
 import os
 import signal
 import sys
+from collections.abc import Iterator
 from dataclasses import fields
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from .config import ServerConfig, build_parser
 from .offline import LLM, Conversation, EngineError, ParameterError, RequestOutput, SamplingParams
@@ -110,11 +112,16 @@ def result_record(line: int, line_id: Any, result: RequestOutput) -> dict:
         record["id"] = line_id
     if result.error is not None and result.finish_reason == "error":
         return {**record, "error": result.error, "finish_reason": "error"}
-    record.update(text=result.text, finish_reason=result.finish_reason, prompt_tokens=result.prompt_tokens,
-                  completion_tokens=result.completion_tokens)
+    record.update(
+        text=result.text,
+        finish_reason=result.finish_reason,
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=result.completion_tokens,
+    )
     if result.logprobs is not None:
-        record["logprobs"] = [{"token": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]}
-                              for lp in result.logprobs]
+        record["logprobs"] = [
+            {"token": lp.token, "logprob": lp.logprob, "top": [list(t) for t in lp.top]} for lp in result.logprobs
+        ]
     return record
 
 
@@ -123,6 +130,7 @@ def run(llm: LLM, input_path: Path, output_path: Path, defaults: SamplingParams,
     jobs = Jobs(input_path, answered_lines(output_path), defaults)
     written = 0
     with output_path.open("a", encoding="utf-8") as out:
+
         def write(record: dict) -> None:
             nonlocal written
             out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -132,8 +140,14 @@ def run(llm: LLM, input_path: Path, output_path: Path, defaults: SamplingParams,
         def write_errors_before_next_job() -> None:
             while jobs.order and jobs.order[0][2] is not None:
                 n, line_id, error = jobs.order.popleft()
-                write({"line": n, **({"id": line_id} if line_id is not None else {}), "error": error,
-                       "finish_reason": "error"})
+                write(
+                    {
+                        "line": n,
+                        **({"id": line_id} if line_id is not None else {}),
+                        "error": error,
+                        "finish_reason": "error",
+                    }
+                )
 
         for result in llm.generate_iter(jobs, use_tqdm=progress, errors="return"):
             write_errors_before_next_job()

@@ -1,9 +1,10 @@
 """A whole generation gathered from a session's events, for the non-streaming endpoints."""
+
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from .messages import FinishReason, TokenEvent, TokenLogprob
 from .request_errors import Unavailable

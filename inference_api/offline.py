@@ -12,6 +12,7 @@ Requests go through the same ``EngineClient`` and the same preparation (``prepar
 sampling parameters and prompts are checked by the parsers of ``/v1/completions`` (one validation), and a bad
 one raises ``ParameterError`` naming it.
 """
+
 from __future__ import annotations
 
 import collections
@@ -20,17 +21,19 @@ import enum
 import itertools
 import threading
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from queue import Empty
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 from .config import ServerConfig
-from .dialects.openai.protocol import (COMPLETION_SAMPLING_FIELDS as SAMPLING_FIELDS, completion_sampling,
-                                      parse_messages, parse_prompt)
+from .dialects.openai.protocol import COMPLETION_SAMPLING_FIELDS as SAMPLING_FIELDS
+from .dialects.openai.protocol import completion_sampling, parse_messages, parse_prompt
 from .engine_client import EngineClient, Session
-from .messages import FinishReason, SamplingParams as EngineParams, TokenEvent, TokenLogprob
 from .grammar import one_of
+from .messages import FinishReason, TokenEvent, TokenLogprob
+from .messages import SamplingParams as EngineParams
 from .prepare import Prompt, prepare
 from .request_errors import RateLimited, RequestError, Unavailable
 from .tools import ToolCall, Tools, parse_tools, split_calls
@@ -67,8 +70,9 @@ class SamplingParams:
     def __init__(self, **params: Any):
         unknown = sorted(set(params) - SAMPLING_FIELDS)
         if unknown:
-            raise ParameterError(f"unknown sampling parameter {unknown[0]!r}; accepted: "
-                                 f"{', '.join(sorted(SAMPLING_FIELDS))}", unknown[0])
+            raise ParameterError(
+                f"unknown sampling parameter {unknown[0]!r}; accepted: {', '.join(sorted(SAMPLING_FIELDS))}", unknown[0]
+            )
         self.params = dict(params)
         self.resolve(_ANY_VOCAB)
 
@@ -124,7 +128,7 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] | None = None
     error: str | None = None
     # every choice of a request with SamplingParams(n=...) (choice 0's are the fields above); one for n=1
-    outputs: tuple["ChoiceOutput", ...] = ()
+    outputs: tuple[ChoiceOutput, ...] = ()
     # a chat with tools: the calls parsed out of text (which keeps the model's whole text), as the chat API's
     tool_calls: tuple[ToolCall, ...] = ()
 
@@ -145,7 +149,7 @@ class ChoiceOutput:
 class ResultQueue:
     """One request's output queue and status. ``get`` never blocks on a request that has ended: it returns None."""
 
-    def __init__(self, llm: "LLM", session: Session, want_logprobs: bool):
+    def __init__(self, llm: LLM, session: Session, want_logprobs: bool):
         self._llm = llm
         self._session = session
         self._want_logprobs = want_logprobs
@@ -269,16 +273,19 @@ class ResultQueue:
             self._buffer.clear()
             self._buffer.extend(rest)
         last = events[-1]
-        return Output(token_ids=tuple(t for e in events for t in e.token_ids), text="".join(e.text for e in events),
-                      logprobs=tuple(lp for e in events for lp in e.logprobs) if self._want_logprobs else None,
-                      finish_reason=last.finish_reason.value if last.finished else None,
-                      completion_tokens=self.generated_length if self._session.n == 1 else last.completion_tokens,
-                      error=last.error, index=index)
+        return Output(
+            token_ids=tuple(t for e in events for t in e.token_ids),
+            text="".join(e.text for e in events),
+            logprobs=tuple(lp for e in events for lp in e.logprobs) if self._want_logprobs else None,
+            finish_reason=last.finish_reason.value if last.finished else None,
+            completion_tokens=self.generated_length if self._session.n == 1 else last.completion_tokens,
+            error=last.error,
+            index=index,
+        )
 
     def _interrupt(self, message: str | None) -> None:
         """End the request here: the events before this marker are kept, anything after it is dropped."""
-        self._session.events.put(TokenEvent(self._session.id, "", finish_reason=FinishReason.CANCELLED,
-                                            error=message))
+        self._session.events.put(TokenEvent(self._session.id, "", finish_reason=FinishReason.CANCELLED, error=message))
         self._poll()
 
     def _release(self) -> None:
@@ -290,8 +297,14 @@ class ResultQueue:
 class RequestHandle:
     """What ``start_request`` returns: the request's id, prompt tokens and result queue."""
 
-    def __init__(self, request_id: str, prompt_token_ids: tuple[int, ...], params: SamplingParams,
-                 queue: ResultQueue, tools: Tools | None = None):
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        params: SamplingParams,
+        queue: ResultQueue,
+        tools: Tools | None = None,
+    ):
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -315,8 +328,9 @@ def build_config(model: str | Path | None, options: dict[str, Any]) -> ServerCon
     names = {f.name for f in fields(ServerConfig)}
     unknown = sorted(set(options) - names)
     if unknown:
-        raise ParameterError(f"unknown option {unknown[0]!r}; accepted: model, {', '.join(sorted(names - {'model'}))}",
-                             unknown[0])
+        raise ParameterError(
+            f"unknown option {unknown[0]!r}; accepted: model, {', '.join(sorted(names - {'model'}))}", unknown[0]
+        )
     if "model_cache_dir" in options:
         options = {**options, "model_cache_dir": Path(options["model_cache_dir"])}
     return ServerConfig(model=None if model is None else str(model), **options)
@@ -367,15 +381,16 @@ class LLM:
             self._stop(q, "the LLM was closed")
         self._client.shutdown()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
     # one request at a time
-    def start_request(self, prompt: str | Sequence[int] | Sequence[dict],
-                      params: SamplingParams | None = None) -> RequestHandle:
+    def start_request(
+        self, prompt: str | Sequence[int] | Sequence[dict], params: SamplingParams | None = None
+    ) -> RequestHandle:
         """Submit a prompt (text, token ids, or a conversation of {role, content} messages for the chat template)
         and return its handle at once. Raises ParameterError for a bad prompt or parameter, EngineError when the
         engine is closed or failed, or every row and queue place is taken (see ``max_waiting``)."""
@@ -392,8 +407,9 @@ class LLM:
                 raise _translate(err) from None
             queue = ResultQueue(self, session, engine_params.logprobs is not None)
             self._live[session.id] = queue
-        return RequestHandle(session.id, tuple(prompt_ids), params, queue,
-                             prompt.tools if isinstance(prompt, Conversation) else None)
+        return RequestHandle(
+            session.id, tuple(prompt_ids), params, queue, prompt.tools if isinstance(prompt, Conversation) else None
+        )
 
     def stop_request(self, handle: RequestHandle) -> RequestStatus:
         """Interrupt the request (its row is freed); output already produced stays in its queue."""
@@ -418,17 +434,21 @@ class LLM:
         try:
             tools = prompt.tools if isinstance(prompt, Conversation) else None
             if isinstance(prompt, Conversation):
-                parsed = Prompt(messages=parse_messages(prompt.messages),
-                                tools=tools.tools if tools is not None and tools.offered else None)
+                parsed = Prompt(
+                    messages=parse_messages(prompt.messages),
+                    tools=tools.tools if tools is not None and tools.offered else None,
+                )
             else:
                 text, ids = parse_prompt(list(prompt) if isinstance(prompt, tuple) else prompt, self.vocab_size)
                 parsed = Prompt(text=text, ids=ids)
             engine_params, max_tokens = params.resolve(self.vocab_size)
             if tools is not None and tools.forced:  # required or a named function: a grammar forces the calls
                 engine_params = dataclasses.replace(
-                    engine_params, grammar=one_of(engine_params.grammar, tools.grammar(), field="tool_choice"))
-            return prepare(self._client.tokenizer, self.context_length, parsed, engine_params, max_tokens,
-                           prompt_field="prompt")
+                    engine_params, grammar=one_of(engine_params.grammar, tools.grammar(), field="tool_choice")
+                )
+            return prepare(
+                self._client.tokenizer, self.context_length, parsed, engine_params, max_tokens, prompt_field="prompt"
+            )
         except RequestError as err:
             raise _translate(err) from None
 
@@ -459,18 +479,29 @@ class LLM:
         return RequestStatus.PREFILLING if ahead < rows_in_use else RequestStatus.WAITING
 
     # many requests
-    def generate(self, prompts: str | Iterable, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
+    def generate(
+        self,
+        prompts: str | Iterable,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """Run every prompt through the rows; the results in input order. ``prompts``: one prompt or an iterable
         (text, token ids, or ``(prompt, SamplingParams)`` pairs); ``params``: one for all or one per prompt."""
         if isinstance(prompts, str) or _is_token_ids(prompts):
             prompts = [prompts]
         return list(self.generate_iter(prompts, params, use_tqdm=use_tqdm))
 
-    def chat(self, conversations: Sequence[dict] | Iterable[Sequence[dict]],
-             params: SamplingParams | Sequence[SamplingParams] | None = None, *, tools: Sequence[dict] | None = None,
-             tool_choice: str | dict | None = None, parallel_tool_calls: bool | None = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+    def chat(
+        self,
+        conversations: Sequence[dict] | Iterable[Sequence[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: Sequence[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
         """``generate`` over conversations ({role, content} messages, and the chat API's tool and assistant-call
         messages) through the model's chat template. ``tools``, ``tool_choice`` and ``parallel_tool_calls`` as
         /v1/chat/completions takes them: the model is shown the tools, a ``required`` or named choice is forced
@@ -486,8 +517,14 @@ class LLM:
             items = [Conversation(c, parsed) for c in conversations]
         return self.generate(items, params, use_tqdm=use_tqdm)
 
-    def generate_iter(self, prompts: Iterable, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-                      use_tqdm: bool = True, errors: str = "raise") -> Iterator[RequestOutput]:
+    def generate_iter(
+        self,
+        prompts: Iterable,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        errors: str = "raise",
+    ) -> Iterator[RequestOutput]:
         """Like ``generate``, yielding each result in input order as soon as it and those before it are done,
         reading the prompts lazily (a file of any size). ``errors="return"``: a prompt the engine rejects, or a
         request it fails, gives a result with ``finish_reason="error"`` instead of raising."""
@@ -528,8 +565,9 @@ class LLM:
                     out_tokens += result.completion_tokens
                     bar.update(1)
                 if finished:
-                    bar.set_postfix_str(f"{out_tokens / max(time.monotonic() - started, 1e-9):.1f} tok/s",
-                                        refresh=False)
+                    bar.set_postfix_str(
+                        f"{out_tokens / max(time.monotonic() - started, 1e-9):.1f} tok/s", refresh=False
+                    )
                 while next_out in done:
                     yield done.pop(next_out)
                     next_out += 1
@@ -600,11 +638,29 @@ def _result(index: int, prompt: Any, handle: RequestHandle) -> RequestOutput:
         lps = tuple(lp for o in outs for lp in o.logprobs) if outs and outs[0].logprobs is not None else None
         text = "".join(o.text for o in outs)
         calls = tuple(split_calls(text, tools.names, tools.forced)[1]) if tools is not None else ()
-        choices.append(ChoiceOutput(i, text, tuple(t for o in outs for t in o.token_ids),
-                                    q._finished.get(i) or q.finish_reason or "error",
-                                    sum(len(o.token_ids) for o in outs), lps, calls))
+        choices.append(
+            ChoiceOutput(
+                i,
+                text,
+                tuple(t for o in outs for t in o.token_ids),
+                q._finished.get(i) or q.finish_reason or "error",
+                sum(len(o.token_ids) for o in outs),
+                lps,
+                calls,
+            )
+        )
     first = choices[0]
-    return RequestOutput(index=index, prompt=prompt, prompt_token_ids=handle.prompt_token_ids, text=first.text,
-                         token_ids=first.token_ids, finish_reason=first.finish_reason, prompt_tokens=q.prompt_tokens,
-                         completion_tokens=q.generated_length, logprobs=first.logprobs, error=q.error,
-                         outputs=tuple(choices), tool_calls=first.tool_calls)
+    return RequestOutput(
+        index=index,
+        prompt=prompt,
+        prompt_token_ids=handle.prompt_token_ids,
+        text=first.text,
+        token_ids=first.token_ids,
+        finish_reason=first.finish_reason,
+        prompt_tokens=q.prompt_tokens,
+        completion_tokens=q.generated_length,
+        logprobs=first.logprobs,
+        error=q.error,
+        outputs=tuple(choices),
+        tool_calls=first.tool_calls,
+    )

@@ -7,6 +7,7 @@ by and the layers pick their kernels from. Nothing else decides any of these, so
 what the engine allocates cannot drift apart. ``probe_machine`` and ``model_facts`` gather the facts
 (reading /proc/cpuinfo, asking torch for CUDA only where a driver is present, reading model metadata only).
 """
+
 from __future__ import annotations
 
 import json
@@ -79,19 +80,23 @@ class ExecutionPlan:
 
         return None if name is None else getattr(torch, name)
 
-    def without_cpu_kernels(self) -> "ExecutionPlan":
+    def without_cpu_kernels(self) -> ExecutionPlan:
         """The plan when the kernels cannot be compiled here: quantized weights are served dequantized."""
         return replace(self, cpu_kernels=False, int8_inputs=False, vnni=False, gguf_types=())
 
     def describe(self) -> str:
-        inputs = "every row's inputs int8 (VNNI tiles)" if self.vnni else "inputs of up to 16 rows " + (
-            "int8" if self.int8_inputs else self.dtype)
+        inputs = (
+            "every row's inputs int8 (VNNI tiles)"
+            if self.vnni
+            else "inputs of up to 16 rows " + ("int8" if self.int8_inputs else self.dtype)
+        )
         kind = f"{self.arch} {self.model} layers" if self.arch else f"{self.model} layers"
-        weights = (f"the GGUF's own blocks ({', '.join(self.gguf_types)})" if self.gguf_types
-                   else self.quantize)
+        weights = f"the GGUF's own blocks ({', '.join(self.gguf_types)})" if self.gguf_types else self.quantize
         ranks = f", split over {self.tp} ranks" if self.tp > 1 else ""
-        return (f"{self.device} ({self.dtype}, weights {weights}, {kind}, multi-row matmuls "
-                f"{self.matmul_dtype}, {inputs}, KV cache {self.kv_dtype}{ranks})")
+        return (
+            f"{self.device} ({self.dtype}, weights {weights}, {kind}, multi-row matmuls "
+            f"{self.matmul_dtype}, {inputs}, KV cache {self.kv_dtype}{ranks})"
+        )
 
 
 class PlanError(ValueError):
@@ -105,8 +110,10 @@ def tp_refusal(size: int, heads: int, kv_heads: int) -> str | None:
         return f"--tensor-parallel-size must be at least 1 (got {size})"
     bad = [f"{n} {what}" for n, what in ((heads, "attention heads"), (kv_heads, "key/value heads")) if n and n % size]
     if bad:
-        return (f"--tensor-parallel-size {size}: the model's {' and '.join(bad)} do not divide by {size} "
-                f"(each rank takes an equal share of the heads)")
+        return (
+            f"--tensor-parallel-size {size}: the model's {' and '.join(bad)} do not divide by {size} "
+            f"(each rank takes an equal share of the heads)"
+        )
     return None
 
 
@@ -121,11 +128,15 @@ def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> Exec
     if tp != 1:
         refusal = tp_refusal(tp, model.heads, model.kv_heads)
         if refusal is None and not compact and model.arch:  # (unknown before a hub model's folder is found)
-            refusal = (f"--tensor-parallel-size {tp}: architecture {model.arch or 'unknown'!r} runs on transformers' "
-                       f"layers, which cannot be split; only the compact decoder's architectures shard")
+            refusal = (
+                f"--tensor-parallel-size {tp}: architecture {model.arch or 'unknown'!r} runs on transformers' "
+                f"layers, which cannot be split; only the compact decoder's architectures shard"
+            )
         if refusal is None and cuda:
-            refusal = (f"--tensor-parallel-size {tp}: the ranks run on CPU (gloo) in this version; pass --device cpu "
-                       f"or --tensor-parallel-size 1 on {device}")
+            refusal = (
+                f"--tensor-parallel-size {tp}: the ranks run on CPU (gloo) in this version; pass --device cpu "
+                f"or --tensor-parallel-size 1 on {device}"
+            )
         if refusal is not None:
             raise PlanError(refusal)
     if config.dtype != "auto":
@@ -152,11 +163,20 @@ def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> Exec
     cpu_kernels = device == "cpu" and dtype == "float32"
     int8_inputs = quantized_cpu and config.dtype == "auto" and cpu_kernels
     return ExecutionPlan(
-        device=device, dtype=dtype, quantize=quantize, group=32 if model.gguf else None, kv_dtype=kv,
+        device=device,
+        dtype=dtype,
+        quantize=quantize,
+        group=32 if model.gguf else None,
+        kv_dtype=kv,
         batch_dtype="bfloat16" if quantized_cpu and config.dtype == "auto" and bf16 else None,
-        int8_inputs=int8_inputs, vnni=int8_inputs and "avx512_vnni" in flags, cpu_kernels=cpu_kernels,
-        model="compact" if compact else "transformers", arch=model.arch,
-        gguf_types=model.gguf_types if compact and quantized_cpu and cpu_kernels else (), tp=tp)
+        int8_inputs=int8_inputs,
+        vnni=int8_inputs and "avx512_vnni" in flags,
+        cpu_kernels=cpu_kernels,
+        model="compact" if compact else "transformers",
+        arch=model.arch,
+        gguf_types=model.gguf_types if compact and quantized_cpu and cpu_kernels else (),
+        tp=tp,
+    )
 
 
 # the facts, gathered
@@ -172,7 +192,8 @@ def cpu_flags() -> frozenset[str]:
 def probe_machine(device: str = "auto") -> Machine:
     """The machine's facts; torch is imported only where CUDA can matter (a driver is present, or asked for)."""
     wants_cuda = device.startswith("cuda") or (
-        device == "auto" and (Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi")))
+        device == "auto" and (Path("/proc/driver/nvidia/version").exists() or shutil.which("nvidia-smi"))
+    )
     if not wants_cuda:
         return Machine(cpu_flags())
     import torch
@@ -191,8 +212,9 @@ def model_facts(gguf: Path | None, folder: Path | None) -> ModelFacts:
             cfg = {}
         text = cfg.get("text_config", cfg)
         heads = text.get("num_attention_heads") or 0
-        return ModelFacts(cfg.get("model_type", ""), config=cfg, heads=heads,
-                          kv_heads=text.get("num_key_value_heads") or heads)
+        return ModelFacts(
+            cfg.get("model_type", ""), config=cfg, heads=heads, kv_heads=text.get("num_key_value_heads") or heads
+        )
     from .gguf_meta import model_type, read_header
     from .model_loader import read_stamp
 
@@ -203,5 +225,11 @@ def model_facts(gguf: Path | None, folder: Path | None) -> ModelFacts:
             heads = json.loads((folder / "config.json").read_text()).get("num_attention_heads")
         except (OSError, ValueError):
             heads = None
-    return ModelFacts(model_type(header["arch"]), True, header["quantize"], tuple(header.get("types", ())),
-                      heads=heads or 0, kv_heads=header.get("num_kv_heads") or heads or 0)
+    return ModelFacts(
+        model_type(header["arch"]),
+        True,
+        header["quantize"],
+        tuple(header.get("types", ())),
+        heads=heads or 0,
+        kv_heads=header.get("num_kv_heads") or heads or 0,
+    )

@@ -5,6 +5,7 @@
 weights), the free memory of the chosen device and the free disk for a first GGUF conversion, and raises
 ``PreflightError`` naming the numbers and the flags that shrink them when something does not fit.
 """
+
 from __future__ import annotations
 
 import json
@@ -81,12 +82,20 @@ class Estimate:
 
     def summary(self) -> str:
         free = "unknown" if self.free_bytes is None else f"{_gib(self.free_bytes)} free"
-        share = "" if self.ranks == 1 else (
-            f"{self.ranks} tensor-parallel ranks{' sharing it' if not self.device.startswith('cuda') else ''}, each: "
-            f"its 1/{self.ranks} of the split layers and the whole embedding and head, ")
-        text = (f"needs {_gib(self.needed_bytes)} of {self.memory_kind} on {self.device} ({share}weights "
-                f"{_gib(self.weights_bytes)}, KV cache {_gib(self.kv_cache_bytes)} if every row fills its context, runtime "
-                f"{_gib(self.overhead_bytes)}), {free}")
+        share = (
+            ""
+            if self.ranks == 1
+            else (
+                f"{self.ranks} tensor-parallel ranks"
+                f"{' sharing it' if not self.device.startswith('cuda') else ''}, each: "
+                f"its 1/{self.ranks} of the split layers and the whole embedding and head, "
+            )
+        )
+        text = (
+            f"needs {_gib(self.needed_bytes)} of {self.memory_kind} on {self.device} ({share}weights "
+            f"{_gib(self.weights_bytes)}, KV cache {_gib(self.kv_cache_bytes)} if every row fills its context, runtime "
+            f"{_gib(self.overhead_bytes)}), {free}"
+        )
         if self.disk_needed_bytes:
             text += f"; conversion needs {_gib(self.disk_needed_bytes)} of disk, {_gib(self.disk_free_bytes or 0)} free"
         return text
@@ -96,11 +105,25 @@ def _gib(n: float) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def estimate_bytes(num_params: int, bytes_per_weight: float, bytes_per_kv: float, num_layers: int,
-                   num_kv_heads: int, head_dim: int, rows: int, context_length: int,
-                   dense_params: int = 0, bytes_per_dense: float = 0.0, head_params: int = 0,
-                   bytes_per_head: float = 0.0, windows=(), chunk: int = 0, vocab_params: int = 0,
-                   vocab_copies: int = 1, ranks: int = 1) -> tuple[int, int]:
+def estimate_bytes(
+    num_params: int,
+    bytes_per_weight: float,
+    bytes_per_kv: float,
+    num_layers: int,
+    num_kv_heads: int,
+    head_dim: int,
+    rows: int,
+    context_length: int,
+    dense_params: int = 0,
+    bytes_per_dense: float = 0.0,
+    head_params: int = 0,
+    bytes_per_head: float = 0.0,
+    windows=(),
+    chunk: int = 0,
+    vocab_params: int = 0,
+    vocab_copies: int = 1,
+    ranks: int = 1,
+) -> tuple[int, int]:
     """(weights, KV cache) in bytes: ``dense_params`` of the parameters (an untied token embedding, which
     quantization leaves alone) at ``bytes_per_dense``, ``head_params`` (a quantized model's output head) at
     ``bytes_per_head``, the others at ``bytes_per_weight``; keys and values for every layer, row and position
@@ -110,11 +133,17 @@ def estimate_bytes(num_params: int, bytes_per_weight: float, bytes_per_kv: float
     uses less. With ``ranks`` tensor-parallel ranks: one rank's share, the layers' weights and the KV cache split in
     ``ranks``, the token embedding and the output head (``vocab_params`` each, ``vocab_copies`` of them: 1 when
     tied) whole on every rank."""
-    weights = ((num_params - dense_params - head_params) * bytes_per_weight + dense_params * bytes_per_dense
-               + head_params * bytes_per_head)
+    weights = (
+        (num_params - dense_params - head_params) * bytes_per_weight
+        + dense_params * bytes_per_dense
+        + head_params * bytes_per_head
+    )
     if ranks > 1:
-        replicated = (dense_params * bytes_per_dense + head_params * bytes_per_head
-                      + max(0, vocab_params * vocab_copies - dense_params - head_params) * bytes_per_weight)
+        replicated = (
+            dense_params * bytes_per_dense
+            + head_params * bytes_per_head
+            + max(0, vocab_params * vocab_copies - dense_params - head_params) * bytes_per_weight
+        )
         weights = replicated + (weights - replicated) / ranks
     positions = sum(n + 1 for n in kv_slots(windows or (None,) * num_layers, context_length, chunk))
     kv = math.ceil(2 * rows * num_kv_heads * positions * head_dim * bytes_per_kv / ranks)
@@ -159,8 +188,16 @@ def shape_from_config(cfg: dict, num_params: int | None = None) -> ModelShape:
         vocab, inter = cfg["vocab_size"], cfg["intermediate_size"]
         per_layer = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter + 2 * hidden
         num_params = vocab * hidden * (1 if cfg.get("tie_word_embeddings") else 2) + layers * per_layer + hidden
-    return ModelShape(num_params, layers, kv_heads, head_dim, cfg["vocab_size"] * hidden,
-                      bool(cfg.get("tie_word_embeddings")), hidden, _config_windows(cfg))
+    return ModelShape(
+        num_params,
+        layers,
+        kv_heads,
+        head_dim,
+        cfg["vocab_size"] * hidden,
+        bool(cfg.get("tie_word_embeddings")),
+        hidden,
+        _config_windows(cfg),
+    )
 
 
 def _config_windows(cfg: dict) -> tuple:
@@ -188,8 +225,16 @@ def safetensors_params(folder: Path) -> int | None:
 
 def shape_from_header(header: dict) -> ModelShape:
     """A GGUF's shape from its header (gguf_meta.read_header) or its folder's stamp of it."""
-    return ModelShape(header["num_params"], header["num_layers"], header["num_kv_heads"], header["head_dim"],
-                      header["vocab_params"], header["tied"], header["hidden"], tuple(header.get("windows") or ()))
+    return ModelShape(
+        header["num_params"],
+        header["num_layers"],
+        header["num_kv_heads"],
+        header["head_dim"],
+        header["vocab_params"],
+        header["tied"],
+        header["hidden"],
+        tuple(header.get("windows") or ()),
+    )
 
 
 def model_shape(config: ServerConfig) -> tuple[ModelShape, int]:
@@ -266,17 +311,35 @@ def estimate(config: ServerConfig) -> Estimate:
     per_channel = None if gguf_source(config) is not None else shape.hidden or None
     quantized = plan.quantize != "none"
     compact = plan.model == "compact"
-    weights, kv = estimate_bytes(shape.num_params, bytes_per_weight(plan, in_features=per_channel),
-                                 bytes_per_kv(plan, shape.head_dim), shape.num_layers, shape.num_kv_heads,
-                                 shape.head_dim, config.rows, config.context_length,
-                                 dense_params=shape.vocab_params if quantized and not shape.tied else 0,
-                                 bytes_per_dense=bytes_per_weight(plan, "none"),
-                                 head_params=shape.vocab_params if quantized and compact else 0,
-                                 bytes_per_head=HEAD_BYTES + batch_copy_bytes(plan, "int8"),
-                                 windows=shape.windows if plan.kv_ring else (), chunk=config.prefill_chunk,
-                                 vocab_params=shape.vocab_params, vocab_copies=1 if shape.tied else 2, ranks=plan.tp)
-    return Estimate(plan.device, weights, kv, RUNTIME_OVERHEAD, free_memory(plan.device), disk_needed,
-                    free_disk(config.model_cache_dir) if disk_needed else None, plan.tp)
+    weights, kv = estimate_bytes(
+        shape.num_params,
+        bytes_per_weight(plan, in_features=per_channel),
+        bytes_per_kv(plan, shape.head_dim),
+        shape.num_layers,
+        shape.num_kv_heads,
+        shape.head_dim,
+        config.rows,
+        config.context_length,
+        dense_params=shape.vocab_params if quantized and not shape.tied else 0,
+        bytes_per_dense=bytes_per_weight(plan, "none"),
+        head_params=shape.vocab_params if quantized and compact else 0,
+        bytes_per_head=HEAD_BYTES + batch_copy_bytes(plan, "int8"),
+        windows=shape.windows if plan.kv_ring else (),
+        chunk=config.prefill_chunk,
+        vocab_params=shape.vocab_params,
+        vocab_copies=1 if shape.tied else 2,
+        ranks=plan.tp,
+    )
+    return Estimate(
+        plan.device,
+        weights,
+        kv,
+        RUNTIME_OVERHEAD,
+        free_memory(plan.device),
+        disk_needed,
+        free_disk(config.model_cache_dir) if disk_needed else None,
+        plan.tp,
+    )
 
 
 def preflight(config: ServerConfig) -> Estimate | None:
@@ -294,14 +357,18 @@ def preflight(config: ServerConfig) -> Estimate | None:
     if est.free_bytes is not None and est.needed_bytes > est.free_bytes:
         problems.append(f"{_gib(est.needed_bytes)} of {est.memory_kind} needed, {_gib(est.free_bytes)} free")
     if est.disk_free_bytes is not None and est.disk_needed_bytes > est.disk_free_bytes:
-        problems.append(f"{_gib(est.disk_needed_bytes)} of disk needed in {config.model_cache_dir} for the "
-                        f"conversion, {_gib(est.disk_free_bytes)} free")
+        problems.append(
+            f"{_gib(est.disk_needed_bytes)} of disk needed in {config.model_cache_dir} for the "
+            f"conversion, {_gib(est.disk_free_bytes)} free"
+        )
     if not problems:
         print(f"pre-flight: {est.summary()}", file=sys.stderr, flush=True)
         return est
-    message = (f"pre-flight: the model does not fit: {'; '.join(problems)} ({est.summary()}; "
-               f"{config.rows} rows x {config.context_length} tokens). Shrink it with {SHRINK_FLAGS}, "
-               f"or pass --skip-preflight to start anyway.")
+    message = (
+        f"pre-flight: the model does not fit: {'; '.join(problems)} ({est.summary()}; "
+        f"{config.rows} rows x {config.context_length} tokens). Shrink it with {SHRINK_FLAGS}, "
+        f"or pass --skip-preflight to start anyway."
+    )
     if config.skip_preflight:
         print(f"WARNING: {message} Starting anyway (--skip-preflight).", file=sys.stderr, flush=True)
         return est

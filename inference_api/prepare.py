@@ -6,11 +6,12 @@ A dialect's parser gives sampling parameters, a prompt (``Prompt``: text, token 
 default, the prompt and the output must fit the context, and the engine's ``SamplingParams`` are built
 (``engine_params``); ``prepare`` does both. Everything wrong raises ``request_errors``' plain errors.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .messages import SamplingParams
 from .request_errors import ModelNotFound, RequestError
@@ -64,9 +65,16 @@ def encode(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
         raise RequestError(f"messages do not fit the model's chat template: {err}", prompt.field) from None
 
 
-def engine_params(prompt_ids: Sequence[int], params: SamplingParams, max_tokens: int | None, context_length: int, *,
-                  default_max: int = DEFAULT_MAX_TOKENS, field: str = "max_tokens",
-                  prompt_field: str | None = None) -> SamplingParams:
+def engine_params(
+    prompt_ids: Sequence[int],
+    params: SamplingParams,
+    max_tokens: int | None,
+    context_length: int,
+    *,
+    default_max: int = DEFAULT_MAX_TOKENS,
+    field: str = "max_tokens",
+    prompt_field: str | None = None,
+) -> SamplingParams:
     """``params`` with max_tokens filled in (None: as many as fit, at most ``default_max``), once the prompt and
     the output are known to fit the context. ``field``: the request's name for max_tokens; ``prompt_field``: the
     field an empty prompt's error names (the HTTP APIs name none)."""
@@ -75,15 +83,27 @@ def engine_params(prompt_ids: Sequence[int], params: SamplingParams, max_tokens:
     if max_tokens is None:
         max_tokens = max(1, min(default_max, context_length - len(prompt_ids)))
     if len(prompt_ids) + max_tokens > context_length:
-        raise RequestError(f"prompt ({len(prompt_ids)} tokens) plus {field} ({max_tokens}) exceeds the context "
-                           f"length of {context_length} tokens", field)
+        raise RequestError(
+            f"prompt ({len(prompt_ids)} tokens) plus {field} ({max_tokens}) exceeds the context "
+            f"length of {context_length} tokens",
+            field,
+        )
     return dataclasses.replace(params, max_tokens=max_tokens)
 
 
-def prepare(tokenizer: Tokenizer, context_length: int, prompt: Prompt, params: SamplingParams,
-            max_tokens: int | None, *, default_max: int = DEFAULT_MAX_TOKENS, field: str = "max_tokens",
-            prompt_field: str | None = None) -> tuple[list[int], SamplingParams]:
+def prepare(
+    tokenizer: Tokenizer,
+    context_length: int,
+    prompt: Prompt,
+    params: SamplingParams,
+    max_tokens: int | None,
+    *,
+    default_max: int = DEFAULT_MAX_TOKENS,
+    field: str = "max_tokens",
+    prompt_field: str | None = None,
+) -> tuple[list[int], SamplingParams]:
     """(prompt ids, engine parameters): ``encode``, then ``engine_params``."""
     prompt_ids = encode(tokenizer, prompt)
-    return prompt_ids, engine_params(prompt_ids, params, max_tokens, context_length, default_max=default_max,
-                                     field=field, prompt_field=prompt_field)
+    return prompt_ids, engine_params(
+        prompt_ids, params, max_tokens, context_length, default_max=default_max, field=field, prompt_field=prompt_field
+    )

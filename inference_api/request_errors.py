@@ -5,6 +5,7 @@ Each says what went wrong (``kind``) and, where a field is to blame, which (``fi
 (``errors.py``) turns a kind into a status code and the request's API family into its body, and the offline
 API into ``ParameterError`` or ``EngineError``.
 """
+
 from __future__ import annotations
 
 

@@ -5,10 +5,11 @@ context fit), submission, and the event stream of one request.
 Each dialect (``dialects/``) is a parser (request body into the engine's ``SamplingParams``) and a formatter
 (events into its wire format); everything between the two lives here, once.
 """
+
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator
 
 from flask import request
 
@@ -50,8 +51,14 @@ class Run:
 
 
 class Serving:
-    def __init__(self, client: EngineClient, config: ServerConfig, drain: Drain | None = None,
-                 preflight: Estimate | None = None, limits: TeamLimits | None = None):
+    def __init__(
+        self,
+        client: EngineClient,
+        config: ServerConfig,
+        drain: Drain | None = None,
+        preflight: Estimate | None = None,
+        limits: TeamLimits | None = None,
+    ):
         self.client = client
         self.limits = limits  # the teams' token quota (lifecycle.quota), checked before each submission
         self.config = config
@@ -95,22 +102,33 @@ class Serving:
         team = request.headers.get("X-Team-Id")
         wait = self.limits.check_tokens(team) if self.limits is not None else None
         if wait is not None:
-            raise RateLimited(f"team {team!r} has generated its quota of {self.limits.tokens_per_minute} tokens in "
-                              f"the last minute; retry in {wait} s", retry_after=wait)
+            raise RateLimited(
+                f"team {team!r} has generated its quota of {self.limits.tokens_per_minute} tokens in "
+                f"the last minute; retry in {wait} s",
+                retry_after=wait,
+            )
 
     # submission
-    def start(self, prompt: Prompt, params: SamplingParams, max_tokens: int | None,
-              default_max: int = DEFAULT_MAX_TOKENS, field: str = "max_tokens") -> Run:
+    def start(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        max_tokens: int | None,
+        default_max: int = DEFAULT_MAX_TOKENS,
+        field: str = "max_tokens",
+    ) -> Run:
         """Encode the prompt, refuse while draining or over the team's quota, prepare the engine's parameters
         (``prepare.engine_params``: max_tokens filled in, the context fit), submit, and wait for the first
         event."""
         prompt_ids = self.encode(prompt)
         if self.draining:
-            raise Unavailable("server is shutting down; retry shortly (another instance takes over)",
-                              retry_after=RETRY_AFTER)
+            raise Unavailable(
+                "server is shutting down; retry shortly (another instance takes over)", retry_after=RETRY_AFTER
+            )
         self.check_quota()
-        params = engine_params(prompt_ids, params, max_tokens, self.ready().context_length, default_max=default_max,
-                               field=field)
+        params = engine_params(
+            prompt_ids, params, max_tokens, self.ready().context_length, default_max=default_max, field=field
+        )
         session = self.client.submit(prompt_ids, params)
         events = session_events(self.client, session, request.environ)
         return Run(len(prompt_ids), first_event(events), events, params.n, tuple(prompt_ids))

@@ -1,5 +1,6 @@
 """Server-sent events (OpenAI, TGI, llama-stack, shortfin): the framing of one event, no transport (the
 streaming response is ``dialects.http.sse_response``)."""
+
 from __future__ import annotations
 
 import json

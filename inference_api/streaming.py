@@ -1,10 +1,11 @@
 """Per-request event streams: blocking reads of the session queue, client-disconnect detection, clean-up."""
+
 from __future__ import annotations
 
 import queue
 import select
 import socket
-from typing import Iterator
+from collections.abc import Iterator
 
 from .engine_client import EngineClient, Session
 from .messages import FinishReason, TokenEvent
@@ -25,8 +26,9 @@ def client_disconnected(environ: dict) -> bool:
         return True
 
 
-def session_events(client: EngineClient, session: Session, environ: dict,
-                   poll_seconds: float = 0.5) -> Iterator[TokenEvent]:
+def session_events(
+    client: EngineClient, session: Session, environ: dict, poll_seconds: float = 0.5
+) -> Iterator[TokenEvent]:
     """Yield the session's events until it finishes (each of its n choices, or an error); cancel it if the client
     leaves or the stream is closed."""
     environ[SESSION_KEY] = session

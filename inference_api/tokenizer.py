@@ -1,8 +1,10 @@
 """The tokenizer interface the app and the engine share, over a transformers tokenizer."""
+
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import Protocol
 
 
 class Tokenizer(Protocol):
@@ -39,8 +41,9 @@ class HFTokenizer:
         if not self.tok.chat_template:
             # a base model without a template: plain concatenation of the turns
             return self.encode("\n".join(m["content"] for m in messages) + "\n")
-        text = self.tok.apply_chat_template(list(messages), tools=list(tools) if tools else None, tokenize=False,
-                                            add_generation_prompt=True)
+        text = self.tok.apply_chat_template(
+            list(messages), tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True
+        )
         return self.tok.encode(text, add_special_tokens=False)
 
     def decode(self, ids: Sequence[int]) -> str:

@@ -15,13 +15,14 @@ Hugging Face's templates take them; any other template (SmolLM2's ignores tools)
 tools described at the end of the system message (one is added when there is none), assistant calls written
 out in the call format, tool results as user turns in ``<tool_response>`` tags.
 """
+
 from __future__ import annotations
 
 import json
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from .grammar import JSON_OPTIONS, Grammar, checked, json_schema
 from .request_errors import RequestError
@@ -60,12 +61,20 @@ class Tools:
         if not self.forced:
             return None
         chosen = [t for t in self.tools if self.choice == "required" or t["function"]["name"] == self.name]
-        calls = [{"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
-                  "properties": {"name": {"const": t["function"]["name"]}, "arguments": t["function"]["parameters"]}}
-                 for t in chosen]
+        calls = [
+            {
+                "type": "object",
+                "additionalProperties": False,
+                "required": ["name", "arguments"],
+                "properties": {"name": {"const": t["function"]["name"]}, "arguments": t["function"]["parameters"]},
+            }
+            for t in chosen
+        ]
         schema = {"x-guidance": JSON_OPTIONS, **(calls[0] if len(calls) == 1 else {"anyOf": calls})}
-        text = (f"start: call{'+' if self.parallel else ''}\n"
-                f"call: {json.dumps(OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + CLOSE)}\n")
+        text = (
+            f"start: call{'+' if self.parallel else ''}\n"
+            f"call: {json.dumps(OPEN + chr(10))} %json {json.dumps(schema)} {json.dumps(chr(10) + CLOSE)}\n"
+        )
         return checked(Grammar("grammar", text), "tools")
 
 
@@ -84,13 +93,13 @@ def parse_tools(tools, tool_choice, parallel_tool_calls) -> Tools | None:
     for i, tool in enumerate(tools):
         where = f"tools[{i}]"
         if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
-            raise RequestError(f"{where} must be {{\"type\": \"function\", \"function\": {{name, parameters}}}}",
-                               where)
+            raise RequestError(f'{where} must be {{"type": "function", "function": {{name, parameters}}}}', where)
         fn = tool["function"]
         name = fn.get("name")
         if not isinstance(name, str) or not name or len(name) > 64:
-            raise RequestError(f"{where}.function.name must be a non-empty string of at most 64 characters",
-                               f"{where}.function.name")
+            raise RequestError(
+                f"{where}.function.name must be a non-empty string of at most 64 characters", f"{where}.function.name"
+            )
         if name in seen:
             raise RequestError(f"{where}.function.name {name!r} is given twice", f"{where}.function.name")
         seen.add(name)
@@ -102,8 +111,16 @@ def parse_tools(tools, tool_choice, parallel_tool_calls) -> Tools | None:
         if not isinstance(params, dict) or params.get("type", "object") != "object":
             raise RequestError(f"{field} must be a JSON schema of type object", field)
         json_schema(params, field)  # a 400 naming the field when llguidance cannot enforce it
-        checked_tools.append({"type": "function", "function": {
-            "name": name, **({"description": description} if description else {}), "parameters": params}})
+        checked_tools.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": name,
+                    **({"description": description} if description else {}),
+                    "parameters": params,
+                },
+            }
+        )
     choice, forced = _choice(tool_choice, seen)
     return Tools(tuple(checked_tools), choice, forced, parallel_tool_calls is not False)
 
@@ -115,14 +132,21 @@ def _choice(tool_choice, names: set[str]) -> tuple[str, str | None]:
         if tool_choice in names and tool_choice not in CHOICES:  # TGI's form of a named function
             return "function", tool_choice
         if tool_choice not in CHOICES:
-            raise RequestError(f"tool_choice must be one of {', '.join(CHOICES)} or a named function, "
-                               f"got {tool_choice!r}", "tool_choice")
+            raise RequestError(
+                f"tool_choice must be one of {', '.join(CHOICES)} or a named function, got {tool_choice!r}",
+                "tool_choice",
+            )
         return tool_choice, None
     fn = tool_choice.get("function") if isinstance(tool_choice, dict) else None
-    if not isinstance(tool_choice, dict) or tool_choice.get("type", "function") != "function" \
-            or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):  # TGI sends no type
-        raise RequestError("tool_choice must be none, auto, required or {\"type\": \"function\", \"function\": "
-                           "{\"name\": ...}}", "tool_choice")
+    if (
+        not isinstance(tool_choice, dict)
+        or tool_choice.get("type", "function") != "function"
+        or not isinstance(fn, dict)
+        or not isinstance(fn.get("name"), str)
+    ):  # TGI sends no type
+        raise RequestError(
+            'tool_choice must be none, auto, required or {"type": "function", "function": {"name": ...}}', "tool_choice"
+        )
     if fn["name"] not in names:
         raise RequestError(f"tool_choice names {fn['name']!r}, which is not in tools", "tool_choice.function.name")
     return "function", fn["name"]
@@ -139,8 +163,7 @@ def assistant_calls(calls, where: str) -> list[dict]:
         at = f"{where}[{j}]"
         fn = call.get("function") if isinstance(call, dict) else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
-            raise RequestError(f"{at} must be {{\"id\", \"type\": \"function\", \"function\": {{name, arguments}}}}",
-                               at)
+            raise RequestError(f'{at} must be {{"id", "type": "function", "function": {{name, arguments}}}}', at)
         arguments = fn.get("arguments", "{}")
         if isinstance(arguments, str):
             try:
@@ -149,8 +172,13 @@ def assistant_calls(calls, where: str) -> list[dict]:
                 raise RequestError(f"{at}.function.arguments is not valid JSON", f"{at}.function.arguments") from None
         if not isinstance(arguments, dict):
             raise RequestError(f"{at}.function.arguments must be a JSON object", f"{at}.function.arguments")
-        out.append({"id": str(call.get("id") or ""), "type": "function",
-                    "function": {"name": fn["name"], "arguments": arguments}})
+        out.append(
+            {
+                "id": str(call.get("id") or ""),
+                "type": "function",
+                "function": {"name": fn["name"], "arguments": arguments},
+            }
+        )
     return out
 
 
@@ -162,10 +190,13 @@ def call_text(name: str, arguments: dict) -> str:
 def tools_prompt(tools: Sequence[dict]) -> str:
     """The tools and the call format, for a chat template that does not take tools."""
     listed = "\n".join(json.dumps(t["function"], ensure_ascii=False) for t in tools)
-    return ("You can call these functions (one JSON object each):\n" + listed + "\n"
-            "To call one, answer with " + OPEN + "\n"
-            '{"name": "<function name>", "arguments": {<its arguments>}}\n' + CLOSE +
-            " (one such block per call, nothing else); otherwise answer normally.")
+    return (
+        "You can call these functions (one JSON object each):\n" + listed + "\n"
+        "To call one, answer with " + OPEN + "\n"
+        '{"name": "<function name>", "arguments": {<its arguments>}}\n'
+        + CLOSE
+        + " (one such block per call, nothing else); otherwise answer normally."
+    )
 
 
 def plain_messages(messages: Sequence[dict], tools: Sequence[dict] | None) -> list[dict]:
@@ -203,8 +234,12 @@ class ToolCall:
     arguments: str  # a JSON object, as text
 
     def openai(self, index: int | None = None) -> dict:
-        return {**({"index": index} if index is not None else {}), "id": self.id, "type": "function",
-                "function": {"name": self.name, "arguments": self.arguments}}
+        return {
+            **({"index": index} if index is not None else {}),
+            "id": self.id,
+            "type": "function",
+            "function": {"name": self.name, "arguments": self.arguments},
+        }
 
 
 def parse_call(body: str, names: Sequence[str]) -> ToolCall | None:
@@ -255,16 +290,16 @@ class CallSplitter:
                 if end < 0:
                     return out
                 self._call(self.buf[:end], out, closed=True)
-                self.buf, self.inside = self.buf[end + len(CLOSE):], False
+                self.buf, self.inside = self.buf[end + len(CLOSE) :], False
                 continue
             start = self.buf.find(OPEN)
             if start >= 0:
                 self._content(self.buf[:start], out, strip=True)
-                self.buf, self.inside = self.buf[start + len(OPEN):], True
+                self.buf, self.inside = self.buf[start + len(OPEN) :], True
                 continue
             keep = _held(self.buf)
-            self._content(self.buf[:len(self.buf) - keep], out)
-            self.buf = self.buf[len(self.buf) - keep:]
+            self._content(self.buf[: len(self.buf) - keep], out)
+            self.buf = self.buf[len(self.buf) - keep :]
             return out
 
     def finish(self) -> list[tuple[str, object]]:
@@ -284,10 +319,10 @@ class CallSplitter:
                 return
             self.opened, self.sent = start.end(), 0
             out.append(("open", (f"call_{uuid.uuid4().hex[:24]}", json.loads(f'"{start.group(1)}"'))))
-        arguments = body[self.opened:]
+        arguments = body[self.opened :]
         written = _value_end(arguments)
         if written > self.sent:
-            out.append(("arguments", arguments[self.sent:written]))
+            out.append(("arguments", arguments[self.sent : written]))
             self.sent = written
 
     def _call(self, body: str, out: list, closed: bool) -> None:
@@ -345,7 +380,7 @@ def _held(text: str) -> int:
         if OPEN.startswith(text[-n:]):
             keep = n
             break
-    rest = text[:len(text) - keep]
+    rest = text[: len(text) - keep]
     return keep + len(rest) - len(rest.rstrip())
 
 

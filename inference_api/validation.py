@@ -1,5 +1,6 @@
 """Field validation for every dialect's parser (no transport): each bad field raises RequestError naming the
 field and what it accepts."""
+
 from __future__ import annotations
 
 import json
@@ -12,12 +13,12 @@ from .request_errors import RequestError
 def reject_unknown(body: dict, allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise RequestError(f"unknown field {unknown[0]!r}; accepted fields: {', '.join(sorted(allowed))}",
-                           unknown[0])
+        raise RequestError(f"unknown field {unknown[0]!r}; accepted fields: {', '.join(sorted(allowed))}", unknown[0])
 
 
-def number(body: dict, name: str, default: Any, lo: float, hi: float, *, integer: bool = False,
-           lo_open: bool = False) -> Any:
+def number(
+    body: dict, name: str, default: Any, lo: float, hi: float, *, integer: bool = False, lo_open: bool = False
+) -> Any:
     """A number in [lo, hi] ((lo, hi] when lo_open); numeric strings are accepted, null means the default."""
     value = body.get(name)
     if value is None:
@@ -70,23 +71,34 @@ def stop_list(body: dict, name: str, max_items: int = 4) -> tuple[str, ...]:
     if value is None:
         return ()
     items = [value] if isinstance(value, str) else value
-    if (not isinstance(items, list) or len(items) > max_items
-            or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in items)):
-        raise RequestError(f"{name} must be a non-empty string or a list of up to {max_items} non-empty strings, "
-                           f"each at most {MAX_STOP_CHARS} characters", name)
+    if (
+        not isinstance(items, list)
+        or len(items) > max_items
+        or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in items)
+    ):
+        raise RequestError(
+            f"{name} must be a non-empty string or a list of up to {max_items} non-empty strings, "
+            f"each at most {MAX_STOP_CHARS} characters",
+            name,
+        )
     return tuple(items)
 
 
-def token_ids(body: dict, name: str, vocab_size: int, *, required: bool = False,
-              limit: int | None = None) -> tuple[int, ...]:
+def token_ids(
+    body: dict, name: str, vocab_size: int, *, required: bool = False, limit: int | None = None
+) -> tuple[int, ...]:
     """A list of token ids, each in [0, vocab_size), at most ``limit`` of them."""
     value = body.get(name)
     if value is None and not required:
         return ()
-    if (not isinstance(value, list) or (required and not value)
-            or not all(type(t) is int and 0 <= t < vocab_size for t in value)):
-        raise RequestError(f"{name} must be a {'non-empty ' if required else ''}list of token ids in "
-                           f"[0, {vocab_size})", name)
+    if (
+        not isinstance(value, list)
+        or (required and not value)
+        or not all(type(t) is int and 0 <= t < vocab_size for t in value)
+    ):
+        raise RequestError(
+            f"{name} must be a {'non-empty ' if required else ''}list of token ids in [0, {vocab_size})", name
+        )
     if limit is not None and len(value) > limit:
         raise RequestError(f"{name} takes at most {limit} token ids ({len(value)} given)", name)
     return tuple(value)
@@ -103,9 +115,15 @@ def only_default(body: dict, name: str, *neutral: Any) -> None:
 SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
-def penalties(body: dict, presence: str = "presence_penalty", frequency: str = "frequency_penalty",
-              repetition: str = "repetition_penalty") -> dict:
+def penalties(
+    body: dict,
+    presence: str = "presence_penalty",
+    frequency: str = "frequency_penalty",
+    repetition: str = "repetition_penalty",
+) -> dict:
     """The engine's penalties with OpenAI's ranges (repetition: HF's multiplicative penalty, 1 is off)."""
-    return {"presence_penalty": number(body, presence, 0.0, -2, 2),
-            "frequency_penalty": number(body, frequency, 0.0, -2, 2),
-            "repetition_penalty": number(body, repetition, 1.0, 0, 10, lo_open=True)}
+    return {
+        "presence_penalty": number(body, presence, 0.0, -2, 2),
+        "frequency_penalty": number(body, frequency, 0.0, -2, 2),
+        "repetition_penalty": number(body, repetition, 1.0, 0, 10, lo_open=True),
+    }

@@ -1,5 +1,6 @@
 """The server's gunicorn worker: gthread, with a deadline on each request's headers, so a client that sends
 them slowly (or never) holds a thread for ``--header-timeout`` seconds at most; gunicorn's own errors in JSON."""
+
 from __future__ import annotations
 
 import socket

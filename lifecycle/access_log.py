@@ -3,6 +3,7 @@
 Shared by the proxy and the inference server, with the request id both put in it: the client's
 ``X-Request-Id`` when it is sane, else a fresh one.
 """
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import re
 import sys
 import threading
 import uuid
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any, TextIO
 
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:+/=@-]{1,128}")
@@ -27,7 +28,7 @@ class AccessLog:
         self._lock = threading.Lock()
 
     def write(self, **fields: Any) -> None:
-        record = {"time": datetime.now(timezone.utc).isoformat(timespec="milliseconds"), **fields}
+        record = {"time": datetime.now(UTC).isoformat(timespec="milliseconds"), **fields}
         line = json.dumps(record, separators=(",", ":"), default=str)
         with self._lock:
             try:

@@ -5,6 +5,7 @@ socket's read side when a deadline passes, so the blocked read returns at once a
 408, whatever the server's worker class. A response carrying ``Connection: close`` (a 401 sent without reading
 the body, a 408) makes gunicorn close the connection instead of reading the rest of the body first.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -13,8 +14,8 @@ import itertools
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
 
 
 def read_capped(request, cache: bool = True) -> bytes:

@@ -5,6 +5,7 @@ The worker keeps its listening socket while it drains, so a new request gets an 
 the drain deadline (where what still runs is ended the way a failed stream ends), the worker stops; the master
 waits for it (its graceful timeout follows the drain timeout), and every process exits.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,7 +14,7 @@ import signal
 import sys
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from gunicorn.arbiter import Arbiter
 
@@ -28,8 +29,13 @@ class Drain:
     """Drain state of one worker. ``in_flight`` counts the streams still owed; ``cut`` ends them (deadline);
     ``finish`` runs once they are done (e.g. stop the engine)."""
 
-    def __init__(self, timeout: float, in_flight: Callable[[], int], cut: Callable[[str], int],
-                 finish: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        timeout: float,
+        in_flight: Callable[[], int],
+        cut: Callable[[str], int],
+        finish: Callable[[], None] = lambda: None,
+    ):
         self.timeout = timeout
         self._in_flight = in_flight
         self._cut = cut
@@ -98,5 +104,8 @@ def gunicorn_settings(drain_timeout: float) -> dict:
     timeout; the control socket is off (its default path is one per user, which a second gunicorn would take
     over); and no peer may set SCRIPT_NAME, PATH_INFO or the scheme through headers (gunicorn trusts loopback
     by default: a SCRIPT_NAME header walked a path around the proxy's token check)."""
-    return {"graceful_timeout": math.ceil(drain_timeout + EXIT_MARGIN), "control_socket_disable": True,
-            "forwarded_allow_ips": ""}
+    return {
+        "graceful_timeout": math.ceil(drain_timeout + EXIT_MARGIN),
+        "control_socket_disable": True,
+        "forwarded_allow_ips": "",
+    }

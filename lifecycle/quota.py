@@ -12,6 +12,7 @@ A Redis outage never stops the service: the store falls back to this process's o
 limits on its own, as without Redis), logs one warning when Redis fails and one line when it answers again,
 counts the fallbacks (``Store.fallbacks``), and tries Redis again after ``RETRY_SECONDS``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,8 @@ import math
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 log = logging.getLogger("quota")
 
@@ -174,8 +175,10 @@ class Store:
                     result = getattr(self.redis, name)(*args)
                 except RedisError as exc:
                     if self._down_until is None:
-                        log.warning("Redis unreachable (%s): each replica counts the team limits alone until it "
-                                    "answers again", exc)
+                        log.warning(
+                            "Redis unreachable (%s): each replica counts the team limits alone until it answers again",
+                            exc,
+                        )
                     self._down_until = self._clock() + RETRY_SECONDS
                 else:
                     if self._down_until is not None:
@@ -190,7 +193,7 @@ class Store:
 class Lease:
     """One admitted request's place in its team's count; release() is idempotent, so every exit path may call it."""
 
-    limits: "TeamLimits | None"
+    limits: TeamLimits | None
     team: str | None
     id: str = ""
     store: MemoryStore | RedisStore | None = None
@@ -205,8 +208,13 @@ class Lease:
 class TeamLimits:
     """Both limits of every team over one Store; 0 turns a limit off."""
 
-    def __init__(self, store: Store, max_concurrent: int = 0, tokens_per_minute: int = 0,
-                 wall_clock: Callable[[], float] = time.time):
+    def __init__(
+        self,
+        store: Store,
+        max_concurrent: int = 0,
+        tokens_per_minute: int = 0,
+        wall_clock: Callable[[], float] = time.time,
+    ):
         self.store = store
         self.max_concurrent = max_concurrent
         self.tokens_per_minute = tokens_per_minute

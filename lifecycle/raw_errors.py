@@ -4,6 +4,7 @@ app runs) in JSON instead of its HTML page, for the proxy's worker and the serve
 gunicorn writes them itself, before any app code runs, so no API dialect is known: the body is the shape the
 proxy's and the native API's own errors have, ``{"status_code": N, "message": "..."}``.
 """
+
 from __future__ import annotations
 
 import html
@@ -37,12 +38,16 @@ class _Captured:
 def json_error(html_answer: bytes) -> bytes:
     """gunicorn's HTML error answer rewritten as the same status with a JSON body."""
     status = _STATUS.match(html_answer)
-    code, reason = (int(status.group(1)), status.group(2).decode("latin1")) if status else (500, "Internal Server Error")
+    code, reason = (
+        (int(status.group(1)), status.group(2).decode("latin1")) if status else (500, "Internal Server Error")
+    )
     found = _MESSAGE.search(html_answer)
     message = html.unescape(found.group(1).decode("latin1")).strip() if found else ""
     body = json.dumps({"status_code": code, "message": message or reason}).encode()
-    head = (f"HTTP/1.1 {code} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode("latin1")
+    head = (
+        f"HTTP/1.1 {code} {reason}\r\nConnection: close\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode("latin1")
     return head + body
 
 

@@ -1,4 +1,5 @@
 """``python -m proxy [flags]``: serve the proxy with gunicorn (one gevent worker: a greenlet per connection)."""
+
 from __future__ import annotations
 
 import os
@@ -21,11 +22,18 @@ class ProxyServer(BaseApplication):
         host = f"[{c.host}]" if ":" in c.host else c.host
         # one worker: without Redis the per-team limit is counted in-process; greenlets carry the connections, so
         # a thousand idle or trickling clients cost little and never starve a legitimate request
-        options = {"bind": f"{host}:{c.port}", "workers": 1, "worker_class": "proxy.worker.ProxyWorker",
-                   "worker_connections": c.max_connections, "timeout": 30, "keepalive": 5,
-                   **gunicorn_settings(c.drain_timeout), "loglevel": c.log_level,
-                   "post_worker_init": lambda worker: drain_on_signals(worker, worker.wsgi.extensions["drain"]),
-                   "accesslog": None}  # the app writes its own JSON access log
+        options = {
+            "bind": f"{host}:{c.port}",
+            "workers": 1,
+            "worker_class": "proxy.worker.ProxyWorker",
+            "worker_connections": c.max_connections,
+            "timeout": 30,
+            "keepalive": 5,
+            **gunicorn_settings(c.drain_timeout),
+            "loglevel": c.log_level,
+            "post_worker_init": lambda worker: drain_on_signals(worker, worker.wsgi.extensions["drain"]),
+            "accesslog": None,
+        }  # the app writes its own JSON access log
         for key, value in options.items():
             self.cfg.set(key, value)
 

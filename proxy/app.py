@@ -1,4 +1,5 @@
 """The Flask app factory: one catch-all route that authenticates, applies the team limit and forwards."""
+
 from __future__ import annotations
 
 import json
@@ -26,6 +27,7 @@ PUBLIC = {("GET", "/health"), ("HEAD", "/health")}
 
 class _AnyPath(BaseConverter):
     """Every path, including the empty one and ones with empty segments (``//``)."""
+
     regex = ".*"
     part_isolating = False
 
@@ -79,18 +81,29 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         slot = None
         try:
             try:
-                body = watchdog.read_body(request.environ, lambda: read_capped(request, cache=False), config.body_timeout)
+                body = watchdog.read_body(
+                    request.environ, lambda: read_capped(request, cache=False), config.body_timeout
+                )
             except BodyTimeout as exc:
                 raise ProxyError(408, str(exc), {"Connection": "close"}) from None
             g.body = body  # for an error's shape (shared paths)
             # the team's slot from the whole body to the answer's end: a slow upload holds none
             slot = limiter.acquire(identity.team_id if identity is not None else None)
             if slot is None:
-                raise ProxyError(429, f"team {identity.team_id!r} already has {limiter.max_concurrent} requests in "
-                                      "progress; retry when one finishes", {"Retry-After": str(config.retry_after)})
-            headers = upstream_request_headers(request.headers.items(), client_addr=request.remote_addr,
-                                               scheme=request.scheme, request_id=g.request_id, identity=identity,
-                                               internal_secret=config.internal_secret)
+                raise ProxyError(
+                    429,
+                    f"team {identity.team_id!r} already has {limiter.max_concurrent} requests in "
+                    "progress; retry when one finishes",
+                    {"Retry-After": str(config.retry_after)},
+                )
+            headers = upstream_request_headers(
+                request.headers.items(),
+                client_addr=request.remote_addr,
+                scheme=request.scheme,
+                request_id=g.request_id,
+                identity=identity,
+                internal_secret=config.internal_secret,
+            )
             forwarded = upstream.send(request.method, _target(), headers, body)
         except BaseException:
             active.discard(forwarding)
@@ -113,10 +126,16 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
                 raw = b"".join(stream) if request.method == "GET" else b""
             finally:
                 stream.close()
-            return Response(json.dumps({"status": _status_of(raw)}) if request.method == "GET" else b"",
-                            status=answer.status_code, content_type="application/json",
-                            headers={k: v for k, v in client_response_headers(list(answer.raw.headers.items()))
-                                     if k.lower() == "retry-after"})
+            return Response(
+                json.dumps({"status": _status_of(raw)}) if request.method == "GET" else b"",
+                status=answer.status_code,
+                content_type="application/json",
+                headers={
+                    k: v
+                    for k, v in client_response_headers(list(answer.raw.headers.items()))
+                    if k.lower() == "retry-after"
+                },
+            )
         upstream_headers = list(answer.raw.headers.items())
         response = Response(stream, status=answer.status_code, headers=client_response_headers(upstream_headers))
         if not any(name.lower() == "content-type" for name, _ in upstream_headers):
@@ -129,11 +148,16 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         identity: Identity | None = g.get("identity")
         stream: StreamBody | None = g.get("stream")
         started = g.get("started", time.monotonic())
-        fields = {"request_id": response.headers["X-Request-Id"], "client_request_id": g.get("client_request_id"),
-                  "team_id": identity.team_id if identity else None,
-                  "token_id": identity.token_id if identity else None,
-                  "method": request.method, "path": request.path, "status": response.status_code,
-                  "client": request.remote_addr}
+        fields = {
+            "request_id": response.headers["X-Request-Id"],
+            "client_request_id": g.get("client_request_id"),
+            "team_id": identity.team_id if identity else None,
+            "token_id": identity.token_id if identity else None,
+            "method": request.method,
+            "path": request.path,
+            "status": response.status_code,
+            "client": request.remote_addr,
+        }
         error = g.get("error")
         forwarded = g.get("upstream")
         if forwarded is not None:

@@ -1,4 +1,5 @@
 """Bearer-token checks. Every rejection is an AuthError whose message names the reason (never the token)."""
+
 from __future__ import annotations
 
 import os
@@ -89,11 +90,21 @@ class TokenVerifier:
         # The key follows the algorithm family, so a public key can never be used as an HMAC secret.
         key = c.jwt_secret if alg in HMAC_ALGORITHMS else c.jwt_public_key
         required = list(c.jwt_required_claims) + (["exp"] if c.jwt_require_exp else [])
-        options = {"require": required, "verify_aud": c.jwt_audience is not None,
-                   "verify_iss": c.jwt_issuer is not None}
+        options = {
+            "require": required,
+            "verify_aud": c.jwt_audience is not None,
+            "verify_iss": c.jwt_issuer is not None,
+        }
         try:
-            claims = jwt.decode(token, key, algorithms=[alg], options=options, leeway=c.jwt_leeway,
-                                audience=c.jwt_audience, issuer=c.jwt_issuer)
+            claims = jwt.decode(
+                token,
+                key,
+                algorithms=[alg],
+                options=options,
+                leeway=c.jwt_leeway,
+                audience=c.jwt_audience,
+                issuer=c.jwt_issuer,
+            )
         except jwt.ExpiredSignatureError:
             raise AuthError("token expired") from None
         except jwt.ImmatureSignatureError as exc:
@@ -125,8 +136,13 @@ def _identity_claim(claims: dict[str, Any], name: str) -> str | None:
         return None
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
-    if not isinstance(value, str) or not value or len(value) > MAX_CLAIM_CHARS \
-            or not all(" " <= ch <= "~" for ch in value):
-        raise AuthError(f"claim {name!r} must be a non-empty string of at most {MAX_CLAIM_CHARS} printable "
-                        "ASCII characters")
+    if (
+        not isinstance(value, str)
+        or not value
+        or len(value) > MAX_CLAIM_CHARS
+        or not all(" " <= ch <= "~" for ch in value)
+    ):
+        raise AuthError(
+            f"claim {name!r} must be a non-empty string of at most {MAX_CLAIM_CHARS} printable ASCII characters"
+        )
     return value

@@ -5,6 +5,7 @@ client raises the same exception type for a proxy error as for the server's (a 4
 503 both make the text-generation client raise ``OverloadedError``). Paths shared by two dialects
 (``/generate``, ``/tokenize``) are told apart by the body, as the server does.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,11 @@ def request_api() -> str:
     """The API family of the current request. Only on the shared paths is the body read (and kept), and only a
     small one that arrives at once; otherwise the path decides (every other error is answered unread)."""
     body = None
-    if (request.path in ("/generate", "/tokenize") and request.mimetype == "application/json"
-            and (request.content_length or 0) <= SHAPE_BODY_BYTES):
+    if (
+        request.path in ("/generate", "/tokenize")
+        and request.mimetype == "application/json"
+        and (request.content_length or 0) <= SHAPE_BODY_BYTES
+    ):
         watchdog: Watchdog = current_app.extensions["watchdog"]
         try:
             data = g.get("body")  # the body the route already read, if it did
@@ -80,7 +84,8 @@ def register_error_handlers(app: Flask) -> None:
     def http_error(exc: HTTPException):
         status = exc.code or 500
         message = {405: f"method {request.method} not allowed", 413: "request body too large"}.get(
-            status, exc.description or exc.name)
+            status, exc.description or exc.name
+        )
         headers = {}
         if status == 405 and getattr(exc, "valid_methods", None):
             headers["Allow"] = ", ".join(exc.valid_methods)

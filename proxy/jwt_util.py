@@ -1,7 +1,7 @@
 """Make and check the proxy's JSON Web Tokens (HMAC): the ``jwt-util`` command of an installed package, or
 ``scripts/jwt_util.py`` in a checkout.
 
-    export JWT_SECRET=...                                                            # never a flag: process lists show flags
+    export JWT_SECRET=...                                       # never a flag: process lists show flags
     ./scripts/jwt_util.py encode '{"team_id": "tenstorrent", "token_id": "debug-test"}'   # expires in 24 h
     ./scripts/jwt_util.py encode '{"team_id": "t", "token_id": "k"}' --expires-in 3600    # in an hour
     ./scripts/jwt_util.py decode "$TOKEN"                                                  # verified claims as JSON
@@ -10,6 +10,7 @@ The secret comes from the JWT_SECRET environment variable only. Every token gets
 exp by default): --expires-in SECONDS (default 86400), or --no-expiry for a token that never ends (accepted
 only by a proxy started with --no-jwt-require-exp).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,15 +31,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Encode or decode the proxy's JWTs (secret: $JWT_SECRET).")
     # --algorithm is accepted before or after the command
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--algorithm", default=argparse.SUPPRESS, choices=HMAC_ALGORITHMS,
-                        help="signing algorithm (default HS256)")
+    common.add_argument(
+        "--algorithm", default=argparse.SUPPRESS, choices=HMAC_ALGORITHMS, help="signing algorithm (default HS256)"
+    )
     parser.add_argument("--algorithm", default="HS256", choices=HMAC_ALGORITHMS, help="default HS256")
     commands = parser.add_subparsers(dest="command", required=True)
     encode = commands.add_parser("encode", parents=[common], help="print a signed token for a JSON claims object")
     encode.add_argument("payload", help='claims as a JSON object, e.g. \'{"team_id": "t", "token_id": "k"}\'')
     life = encode.add_mutually_exclusive_group()
-    life.add_argument("--expires-in", type=int, default=DEFAULT_LIFETIME, metavar="SECONDS",
-                      help=f"iat = now and exp = now + SECONDS (default {DEFAULT_LIFETIME})")
+    life.add_argument(
+        "--expires-in",
+        type=int,
+        default=DEFAULT_LIFETIME,
+        metavar="SECONDS",
+        help=f"iat = now and exp = now + SECONDS (default {DEFAULT_LIFETIME})",
+    )
     life.add_argument("--no-expiry", action="store_true", help="no exp claim (a token that never ends)")
     decode = commands.add_parser("decode", parents=[common], help="verify a token and print its claims as JSON")
     decode.add_argument("token")

@@ -3,6 +3,7 @@
 Only GET and HEAD on exactly these paths skip the token check; every other method on them (TGI's ``POST /``
 among them) still goes through the authenticated catch-all route.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,13 +12,19 @@ from flask import Flask, Response, request
 
 FOLDER = Path(__file__).resolve().parent / "playground"
 PAGES = ("/", "/playground")
-ASSETS = {"/playground/style.css": ("style.css", "text/css; charset=utf-8"),
-          "/playground/app.js": ("app.js", "text/javascript; charset=utf-8")}
+ASSETS = {
+    "/playground/style.css": ("style.css", "text/css; charset=utf-8"),
+    "/playground/app.js": ("app.js", "text/javascript; charset=utf-8"),
+}
 # the page may load and call only its own origin: nothing from another host, no inline script
-HEADERS = {"Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-                                      "connect-src 'self'; base-uri 'none'; form-action 'self'; "
-                                      "frame-ancestors 'none'",
-           "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer", "Cache-Control": "no-cache"}
+HEADERS = {
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; base-uri 'none'; form-action 'self'; "
+    "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "no-cache",
+}
 
 
 def register_playground(app: Flask) -> None:
@@ -31,5 +38,10 @@ def register_playground(app: Flask) -> None:
         return response.make_conditional(request)
 
     for path in files:
-        app.add_url_rule(path, endpoint=f"playground:{path}", view_func=serve, methods=["GET", "HEAD"],
-                         provide_automatic_options=False)
+        app.add_url_rule(
+            path,
+            endpoint=f"playground:{path}",
+            view_func=serve,
+            methods=["GET", "HEAD"],
+            provide_automatic_options=False,
+        )

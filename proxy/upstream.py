@@ -1,4 +1,5 @@
 """Forwarding to the upstream server: header rewriting, the upstream call, and the pass-through body stream."""
+
 from __future__ import annotations
 
 import errno
@@ -7,9 +8,9 @@ import logging
 import socket
 import threading
 import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from http.cookiejar import DefaultCookiePolicy
-from typing import Callable, Iterable, Iterator, Mapping
 from urllib.parse import urlsplit
 
 import requests
@@ -21,14 +22,44 @@ from .auth import Identity
 from .config import ProxyConfig
 from .errors import ProxyError
 
-HOP_BY_HOP = frozenset({"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
-                        "te", "trailer", "trailers", "transfer-encoding", "upgrade"})
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
 # set by the proxy itself (or by requests from the body), never copied from the client
-_REPLACED_REQUEST = frozenset({"host", "authorization", "content-length", "expect", "x-team-id", "x-token-id",
-                               "x-forwarded-for", "x-forwarded-proto", "x-forwarded-host", "x-request-id",
-                               # a client's word on its address, path or mount point is not passed on as fact
-                               "forwarded", "x-real-ip", "x-original-url", "x-rewrite-url", "script_name",
-                               "script-name", "x-forwarded-prefix", INTERNAL_HEADER.lower()})
+_REPLACED_REQUEST = frozenset(
+    {
+        "host",
+        "authorization",
+        "content-length",
+        "expect",
+        "x-team-id",
+        "x-token-id",
+        "x-forwarded-for",
+        "x-forwarded-proto",
+        "x-forwarded-host",
+        "x-request-id",
+        # a client's word on its address, path or mount point is not passed on as fact
+        "forwarded",
+        "x-real-ip",
+        "x-original-url",
+        "x-rewrite-url",
+        "script_name",
+        "script-name",
+        "x-forwarded-prefix",
+        INTERNAL_HEADER.lower(),
+    }
+)
 # gunicorn writes its own Date and Server; two of each would confuse clients
 _REPLACED_RESPONSE = frozenset({"date", "server", "x-request-id"})
 READ_SIZE = 64 * 1024
@@ -36,13 +67,25 @@ READ_SIZE = 64 * 1024
 
 def _connection_tokens(headers: Iterable[tuple[str, str]]) -> set[str]:
     """Header names listed in Connection: hop-by-hop too (RFC 9110 7.6.1)."""
-    return {token.strip().lower() for name, value in headers if name.lower() == "connection"
-            for token in value.split(",") if token.strip()}
+    return {
+        token.strip().lower()
+        for name, value in headers
+        if name.lower() == "connection"
+        for token in value.split(",")
+        if token.strip()
+    }
 
 
-def upstream_request_headers(client_headers: Iterable[tuple[str, str]], *, client_addr: str | None, scheme: str,
-                             request_id: str, identity: Identity | None,
-                             upstream_host: str | None = None, internal_secret: str | None = None) -> dict[str, str]:
+def upstream_request_headers(
+    client_headers: Iterable[tuple[str, str]],
+    *,
+    client_addr: str | None,
+    scheme: str,
+    request_id: str,
+    identity: Identity | None,
+    upstream_host: str | None = None,
+    internal_secret: str | None = None,
+) -> dict[str, str]:
     """The headers sent upstream. Host is the chosen upstream's (``Upstream.send`` sets it when not given here)."""
     client_headers = list(client_headers)
     dropped = HOP_BY_HOP | _REPLACED_REQUEST | _connection_tokens(client_headers)
@@ -81,6 +124,7 @@ MAX_COOLDOWN = 60.0  # the longest an upstream is skipped, however often it fail
 @dataclass(eq=False)
 class Backend:
     """One upstream server address, with the requests this proxy has open on it."""
+
     url: str  # where requests go: scheme://address:port[/prefix]
     host: str  # the Host header: host[:port] as configured (a name stays a name)
     open: int = 0
@@ -91,6 +135,7 @@ class Backend:
 @dataclass(eq=False)
 class _Origin:
     """One configured upstream URL and the backends its host name resolved to."""
+
     url: str
     backends: list[Backend] = field(default_factory=list)
     next_resolve: float = 0.0  # inf: an address literal, never looked up
@@ -103,8 +148,15 @@ class UpstreamPool:
     ``resolve_interval`` seconds, so a name with one address per server (a Kubernetes headless Service,
     a compose service with replicas) follows the servers as they come and go."""
 
-    def __init__(self, urls: Iterable[str], *, cooldown: float, resolve_interval: float,
-                 resolver: Callable = socket.getaddrinfo, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        urls: Iterable[str],
+        *,
+        cooldown: float,
+        resolve_interval: float,
+        resolver: Callable = socket.getaddrinfo,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._cooldown = cooldown
         self._resolve_interval = resolve_interval
         self._resolver = resolver
@@ -220,6 +272,7 @@ def _address_literal(url: str) -> bool:
 @dataclass
 class Forwarded:
     """An upstream's answer (its headers are in) and which upstream gave it. ``release`` ends its open count."""
+
     response: requests.Response
     upstream: str
     attempts: int
@@ -231,8 +284,9 @@ class Upstream:
 
     def __init__(self, config: ProxyConfig, pool: UpstreamPool | None = None):
         self._config = config
-        self.pool = pool or UpstreamPool(config.upstreams, cooldown=config.upstream_cooldown,
-                                         resolve_interval=config.upstream_resolve_interval)
+        self.pool = pool or UpstreamPool(
+            config.upstreams, cooldown=config.upstream_cooldown, resolve_interval=config.upstream_resolve_interval
+        )
         self._session = requests.Session()
         self._session.headers.clear()  # no default Accept-Encoding/User-Agent: forward only what the client sent
         self._session.trust_env = False  # no proxies or netrc from the environment
@@ -256,10 +310,15 @@ class Upstream:
         while (backend := self.pool.pick(tried)) is not None:
             tried.add(backend)
             try:
-                response = self._session.request(method, backend.url + target,
-                                                 headers={**headers, "Host": backend.host}, data=body or None,
-                                                 stream=True, allow_redirects=False,
-                                                 timeout=(c.connect_timeout, c.first_byte_timeout))
+                response = self._session.request(
+                    method,
+                    backend.url + target,
+                    headers={**headers, "Host": backend.host},
+                    data=body or None,
+                    stream=True,
+                    allow_redirects=False,
+                    timeout=(c.connect_timeout, c.first_byte_timeout),
+                )
             except requests.ReadTimeout:
                 self.pool.release(backend)
                 if held:
@@ -312,6 +371,7 @@ def _once(response: requests.Response, release: Callable[[], None]) -> Callable[
             response.close()
         finally:
             release()
+
     return close
 
 

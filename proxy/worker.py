@@ -1,5 +1,6 @@
 """The proxy's gunicorn worker: gevent (one greenlet per connection, so idle and slow clients cost a few kB each,
 not a thread), with a deadline on every request's headers and gunicorn's own errors in JSON."""
+
 from __future__ import annotations
 
 import gevent

@@ -26,6 +26,7 @@ of the run, and the resulting ceiling in tokens/s and the fraction of it reached
 
     python scripts/bench.py --url http://127.0.0.1:8000 --baseline --offline --repeat 3
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,9 +46,24 @@ from urllib.parse import urlparse
 
 import requests
 
-SUBJECTS = ["the ocean", "a robot's first day", "ancient Rome", "how bread is made", "a winter forest",
-            "learning the violin", "the moon landing", "coffee farming", "a city library", "mountain climbing",
-            "a curious cat", "summer rain", "steam trains", "the game of chess", "a rooftop garden", "desert life"]
+SUBJECTS = [
+    "the ocean",
+    "a robot's first day",
+    "ancient Rome",
+    "how bread is made",
+    "a winter forest",
+    "learning the violin",
+    "the moon landing",
+    "coffee farming",
+    "a city library",
+    "mountain climbing",
+    "a curious cat",
+    "summer rain",
+    "steam trains",
+    "the game of chess",
+    "a rooftop garden",
+    "desert life",
+]
 
 
 def prompts(n: int, run: int | None = None) -> list[str]:
@@ -65,13 +81,16 @@ class Stream:
     error: str | None = None
 
 
-def openai_stream(url: str, model: str, prompt: str, max_tokens: int, headers: dict, out: Stream,
-                  extra: dict | None = None) -> None:
+def openai_stream(
+    url: str, model: str, prompt: str, max_tokens: int, headers: dict, out: Stream, extra: dict | None = None
+) -> None:
     """A /v1/completions stream (raw prompt, greedy); each event that carries text is one arrival."""
     import json
 
     out.start = time.perf_counter()
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True} | (extra or {})
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True} | (
+        extra or {}
+    )
     try:
         with requests.post(f"{url}/v1/completions", headers=headers, stream=True, timeout=300, json=body) as r:
             if r.status_code != 200:
@@ -94,8 +113,13 @@ def openai_stream(url: str, model: str, prompt: str, max_tokens: int, headers: d
 def native_stream(url: str, model: str, prompt: str, max_tokens: int, headers: dict, out: Stream) -> None:
     out.start = time.perf_counter()
     try:
-        with requests.post(f"{url}/predictions/{model}", headers=headers, stream=True, timeout=300,
-                           json={"text": prompt, "temperature": 0, "max_tokens": max_tokens}) as r:
+        with requests.post(
+            f"{url}/predictions/{model}",
+            headers=headers,
+            stream=True,
+            timeout=300,
+            json={"text": prompt, "temperature": 0, "max_tokens": max_tokens},
+        ) as r:
             if r.status_code != 200:
                 out.error = f"{r.status_code}: {r.text[:200]}"
                 return
@@ -115,12 +139,23 @@ def pct(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, int(q * len(values)))]
 
 
-def run_load(url: str, model: str, concurrency: int, max_tokens: int, count_tokens, headers=None,
-             api: str = "native", texts: list[str] | None = None, extra: dict | None = None) -> dict:
+def run_load(
+    url: str,
+    model: str,
+    concurrency: int,
+    max_tokens: int,
+    count_tokens,
+    headers=None,
+    api: str = "native",
+    texts: list[str] | None = None,
+    extra: dict | None = None,
+) -> dict:
     streams = [Stream() for _ in range(concurrency)]
     one_stream = functools.partial(openai_stream, extra=extra) if api == "openai" else native_stream
-    threads = [threading.Thread(target=one_stream, args=(url, model, p, max_tokens, headers or {}, s))
-               for p, s in zip(texts or prompts(concurrency), streams)]
+    threads = [
+        threading.Thread(target=one_stream, args=(url, model, p, max_tokens, headers or {}, s))
+        for p, s in zip(texts or prompts(concurrency), streams)
+    ]
     started = time.perf_counter()
     for t in threads:
         t.start()
@@ -131,17 +166,28 @@ def run_load(url: str, model: str, concurrency: int, max_tokens: int, count_toke
     tokens = sum(count_tokens(s.text) for s in streams)
     ttft = [s.arrivals[0] - s.start for s in streams if s.arrivals]
     itl = [b - a for s in streams for a, b in zip(s.arrivals, s.arrivals[1:])]
-    return dict(concurrency=concurrency, tokens=tokens, seconds=elapsed, tps=tokens / elapsed, errors=len(errors),
-                ttft_p50=pct(ttft, 0.5), ttft_p99=pct(ttft, 0.99), itl_p50=pct(itl, 0.5), itl_p99=pct(itl, 0.99),
-                itl_max=max(itl, default=float("nan")),
-                first_error=errors[0] if errors else None)
+    return dict(
+        concurrency=concurrency,
+        tokens=tokens,
+        seconds=elapsed,
+        tps=tokens / elapsed,
+        errors=len(errors),
+        ttft_p50=pct(ttft, 0.5),
+        ttft_p99=pct(ttft, 0.99),
+        itl_p50=pct(itl, 0.5),
+        itl_p99=pct(itl, 0.99),
+        itl_max=max(itl, default=float("nan")),
+        first_error=errors[0] if errors else None,
+    )
 
 
 def print_row(label: str, r: dict) -> None:
-    print(f"{label:<22} c={r['concurrency']:<3} {r['tokens']:>6} tok {r['seconds']:7.2f}s {r['tps']:8.1f} tok/s  "
-          f"TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms p99 {r['ttft_p99'] * 1e3:7.1f} ms  "
-          f"ITL p50 {r['itl_p50'] * 1e3:6.1f} ms p99 {r['itl_p99'] * 1e3:6.1f} ms"
-          + (f"  ERRORS {r['errors']}: {r['first_error']}" if r["errors"] else ""))
+    print(
+        f"{label:<22} c={r['concurrency']:<3} {r['tokens']:>6} tok {r['seconds']:7.2f}s {r['tps']:8.1f} tok/s  "
+        f"TTFT p50 {r['ttft_p50'] * 1e3:7.1f} ms p99 {r['ttft_p99'] * 1e3:7.1f} ms  "
+        f"ITL p50 {r['itl_p50'] * 1e3:6.1f} ms p99 {r['itl_p99'] * 1e3:6.1f} ms"
+        + (f"  ERRORS {r['errors']}: {r['first_error']}" if r["errors"] else "")
+    )
 
 
 class Baseline:
@@ -165,19 +211,25 @@ class Baseline:
 
     def run(self, batch: int) -> float:
         """Output tokens per second of one static batch."""
-        texts = [self.tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                              add_generation_prompt=True) if self.chat else p
-                 for p in prompts(batch)]
+        texts = [
+            self.tok.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
+            if self.chat
+            else p
+            for p in prompts(batch)
+        ]
         enc = self.tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
         started = time.perf_counter()
         with self.torch.inference_mode():
-            out = self.model.generate(**enc, max_new_tokens=self.max_tokens, do_sample=False,
-                                      pad_token_id=self.tok.pad_token_id)
+            out = self.model.generate(
+                **enc, max_new_tokens=self.max_tokens, do_sample=False, pad_token_id=self.tok.pad_token_id
+            )
         elapsed = time.perf_counter() - started
         tokens = 0
-        for row in out[:, enc.input_ids.shape[1]:].tolist():  # up to and including the end token, as the server
+        for row in out[:, enc.input_ids.shape[1] :].tolist():  # up to and including the end token, as the server
             tokens += next((i + 1 for i, t in enumerate(row) if t == self.eos), len(row))
-        print(f"{'generate (in-process)':<22} b={batch:<3} {tokens:>6} tok {elapsed:7.2f}s {tokens / elapsed:8.1f} tok/s")
+        print(
+            f"{'generate (in-process)':<22} b={batch:<3} {tokens:>6} tok {elapsed:7.2f}s {tokens / elapsed:8.1f} tok/s"
+        )
         return tokens / elapsed
 
 
@@ -194,11 +246,15 @@ class Offline:
         if health.get("mock"):
             options["mock"] = True  # at the mock's default rate
         else:
-            options.update(model=None if health["model"] == DEFAULT_MODEL_NAME else health["model_dir"],
-                           quantize=health["quantize"], kv_dtype=health["kv_dtype"],
-                           # bfloat16 batch matmuls and int8 one-row inputs come from --dtype auto
-                           dtype="auto" if health.get("int8_inputs") or health.get("matmul_dtype") not in
-                           (None, "", health["dtype"]) else health["dtype"])
+            options.update(
+                model=None if health["model"] == DEFAULT_MODEL_NAME else health["model_dir"],
+                quantize=health["quantize"],
+                kv_dtype=health["kv_dtype"],
+                # bfloat16 batch matmuls and int8 one-row inputs come from --dtype auto
+                dtype="auto"
+                if health.get("int8_inputs") or health.get("matmul_dtype") not in (None, "", health["dtype"])
+                else health["dtype"],
+            )
         self.llm = LLM(**options)
         self.params = SamplingParams(temperature=0, max_tokens=max_tokens)
         self.chat = chat
@@ -207,8 +263,9 @@ class Offline:
         """The load's prompts all at once, through the chat template when the HTTP load uses /predictions."""
         started = time.perf_counter()
         if self.chat:
-            results = self.llm.chat([[{"role": "user", "content": p}] for p in prompts(concurrency)], self.params,
-                                    use_tqdm=False)
+            results = self.llm.chat(
+                [[{"role": "user", "content": p}] for p in prompts(concurrency)], self.params, use_tqdm=False
+            )
         else:
             results = self.llm.generate(prompts(concurrency), self.params, use_tqdm=False)
         elapsed = time.perf_counter() - started
@@ -217,8 +274,10 @@ class Offline:
 
 
 def print_offline(r: dict) -> None:
-    print(f"{'offline (Python API)':<22} c={r['concurrency']:<3} {r['tokens']:>6} tok {r['seconds']:7.2f}s "
-          f"{r['tps']:8.1f} tok/s")
+    print(
+        f"{'offline (Python API)':<22} c={r['concurrency']:<3} {r['tokens']:>6} tok {r['seconds']:7.2f}s "
+        f"{r['tps']:8.1f} tok/s"
+    )
 
 
 def token_counter(health: dict, max_tokens: int):
@@ -345,8 +404,9 @@ def probe(model_bytes: int | None, when: str) -> float | None:
     except Exception as exc:  # noqa: BLE001
         print(f"read-bandwidth probe ({when}) failed: {type(exc).__name__}: {exc}")
         return None
-    print(f"read-bandwidth probe ({when}): {gbps:.1f} GB/s reading {size / 2**30:.2f} GiB with "
-          f"{os.cpu_count()} threads")
+    print(
+        f"read-bandwidth probe ({when}): {gbps:.1f} GB/s reading {size / 2**30:.2f} GiB with {os.cpu_count()} threads"
+    )
     return gbps
 
 
@@ -354,9 +414,11 @@ def memory_bound_line(label: str, r: dict, model_bytes: int, bandwidth: float) -
     """One stream against the machine's read bandwidth: bytes a token, the GB/s reached, the ceiling and
     the fraction of it, end to end (tokens/s of the load) and for the decode steps alone (1 / ITL p50)."""
     ceiling = bandwidth * 1e9 / model_bytes
-    line = (f"one stream, {label}: {model_bytes / 1e6:.1f} MB read per token, {r['tps']:.1f} tok/s = "
-            f"{r['tps'] * model_bytes / 1e9:.1f} GB/s of {bandwidth:.1f} GB/s probe "
-            f"(ceiling {ceiling:.0f} tok/s, {100 * r['tps'] / ceiling:.0f} % of it)")
+    line = (
+        f"one stream, {label}: {model_bytes / 1e6:.1f} MB read per token, {r['tps']:.1f} tok/s = "
+        f"{r['tps'] * model_bytes / 1e9:.1f} GB/s of {bandwidth:.1f} GB/s probe "
+        f"(ceiling {ceiling:.0f} tok/s, {100 * r['tps'] / ceiling:.0f} % of it)"
+    )
     if r.get("itl_p50", 0) > 0 and math.isfinite(r["itl_p50"]):
         steps = 1 / r["itl_p50"]
         line += f"; decode steps alone (1 / ITL p50) {steps:.1f} tok/s = {100 * steps / ceiling:.0f} %"
@@ -375,20 +437,38 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=1, help="run every load this many times; report medians")
     ap.add_argument("--peer-url", help="also drive this OpenAI-compatible server (e.g. llama-server) the same way")
     ap.add_argument("--peer-pid", type=int, help="the peer's process id, to print its resident memory")
-    ap.add_argument("--fill-context", action="store_true",
-                    help="finally fill every row's context at once and print the engine's memory then")
-    ap.add_argument("--fresh-prompts", action="store_true",
-                    help="start every prompt with a tag never sent before, so no prompt cache holds any of it")
-    ap.add_argument("--ignore-eos", action="store_true",
-                    help="send ignore_eos (vLLM's and llama-server's extra; --api openai): every stream runs to "
-                         "--max-tokens, so both servers generate the same number of tokens")
-    ap.add_argument("--gguf", help="the GGUF file the servers serve, for the bytes a decode step reads "
-                    "(default: the embedded model's file, when the server serves the embedded model)")
-    ap.add_argument("--structured", action="store_true",
-                    help="also run every load with each stream constrained to a JSON schema (response_format), "
-                         "and time the other streams' tokens while a large schema is compiled (--api openai)")
-    ap.add_argument("--api", choices=["native", "openai"], help="native: /predictions; openai: /v1/completions "
-                    "(default: openai with --peer-url, else native)")
+    ap.add_argument(
+        "--fill-context",
+        action="store_true",
+        help="finally fill every row's context at once and print the engine's memory then",
+    )
+    ap.add_argument(
+        "--fresh-prompts",
+        action="store_true",
+        help="start every prompt with a tag never sent before, so no prompt cache holds any of it",
+    )
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="send ignore_eos (vLLM's and llama-server's extra; --api openai): every stream runs to "
+        "--max-tokens, so both servers generate the same number of tokens",
+    )
+    ap.add_argument(
+        "--gguf",
+        help="the GGUF file the servers serve, for the bytes a decode step reads "
+        "(default: the embedded model's file, when the server serves the embedded model)",
+    )
+    ap.add_argument(
+        "--structured",
+        action="store_true",
+        help="also run every load with each stream constrained to a JSON schema (response_format), "
+        "and time the other streams' tokens while a large schema is compiled (--api openai)",
+    )
+    ap.add_argument(
+        "--api",
+        choices=["native", "openai"],
+        help="native: /predictions; openai: /v1/completions (default: openai with --peer-url, else native)",
+    )
     args = ap.parse_args()
     api = args.api or ("openai" if args.peer_url else "native")
     if (args.ignore_eos or args.structured) and api != "openai":
@@ -429,20 +509,33 @@ def main() -> None:
 
     for _ in range(args.repeat):  # interleaved, so a noisy machine slows both sides of a ratio alike
         for c in args.concurrency:
-            direct[c].append(run_load(args.url, model, c, args.max_tokens, count, api=api, texts=texts(c),
-                                      extra=extra))
+            direct[c].append(run_load(args.url, model, c, args.max_tokens, count, api=api, texts=texts(c), extra=extra))
             print_row("server (HTTP stream)", direct[c][-1])
             if args.peer_url:
-                peer[c].append(run_load(args.peer_url, model, c, args.max_tokens, count, api="openai",
-                                        texts=texts(c), extra=extra))
+                peer[c].append(
+                    run_load(args.peer_url, model, c, args.max_tokens, count, api="openai", texts=texts(c), extra=extra)
+                )
                 print_row("peer", peer[c][-1])
             if args.proxy_url:
-                proxied[c].append(run_load(args.proxy_url, model, c, args.max_tokens, count, headers, api=api,
-                                           texts=texts(c), extra=extra))
+                proxied[c].append(
+                    run_load(
+                        args.proxy_url, model, c, args.max_tokens, count, headers, api=api, texts=texts(c), extra=extra
+                    )
+                )
                 print_row("through proxy", proxied[c][-1])
             if args.structured:
-                constrained[c].append(run_load(args.url, model, c, args.max_tokens, count, api=api, texts=texts(c),
-                                               extra={**(extra or {}), "response_format": STORY_FORMAT}))
+                constrained[c].append(
+                    run_load(
+                        args.url,
+                        model,
+                        c,
+                        args.max_tokens,
+                        count,
+                        api=api,
+                        texts=texts(c),
+                        extra={**(extra or {}), "response_format": STORY_FORMAT},
+                    )
+                )
                 print_row("constrained (JSON)", constrained[c][-1])
             if offline:
                 embedded[c].append(offline.run(c))
@@ -460,8 +553,10 @@ def main() -> None:
         if args.proxy_url:
             r = median_row(proxied[c])
             print_row("through proxy", r)
-            print(f"{'  proxy overhead':<22} c={c:<3} TTFT p50 {(r['ttft_p50'] - d['ttft_p50']) * 1e3:+.1f} ms, "
-                  f"throughput {r['tps'] / d['tps']:.3f}x")
+            print(
+                f"{'  proxy overhead':<22} c={c:<3} TTFT p50 {(r['ttft_p50'] - d['ttft_p50']) * 1e3:+.1f} ms, "
+                f"throughput {r['tps'] / d['tps']:.3f}x"
+            )
         if args.peer_url:
             p = median_row(peer[c])
             print_row("peer", p)
@@ -469,8 +564,10 @@ def main() -> None:
         if args.structured:
             k = median_row(constrained[c])
             print_row("constrained (JSON)", k)
-            print(f"ratio: constrained c={c} / unconstrained c={c} = {k['tps']:.1f} / {d['tps']:.1f} = "
-                  f"{k['tps'] / d['tps']:.2f}")
+            print(
+                f"ratio: constrained c={c} / unconstrained c={c} = {k['tps']:.1f} / {d['tps']:.1f} = "
+                f"{k['tps'] / d['tps']:.2f}"
+            )
         if offline:
             o = median_row(embedded[c])
             print_offline(o)
@@ -499,16 +596,32 @@ def main() -> None:
 
 # --structured: every stream writes a JSON object holding one long string, long enough that no stream ends before
 # --max-tokens (as the unconstrained ones, with --ignore-eos): the same tokens on both sides of the ratio
-STORY_FORMAT = {"type": "json_schema", "json_schema": {"name": "story", "schema": {
-    "type": "object", "properties": {"story": {"type": "string", "minLength": 4000}}, "required": ["story"],
-    "additionalProperties": False}}}
+STORY_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "story",
+        "schema": {
+            "type": "object",
+            "properties": {"story": {"type": "string", "minLength": 4000}},
+            "required": ["story"],
+            "additionalProperties": False,
+        },
+    },
+}
 
 
 def large_schema(fields: int, tag: int) -> dict:
     """A schema of many fields, unique per call (no compiled-grammar cache holds it)."""
-    props = {f"field_{tag}_{i}": ({"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 7 + 9}}}$"} if i % 3 == 0
-                                  else {"type": "integer", "minimum": -i, "maximum": i * 10} if i % 3 == 1
-                                  else {"enum": [f"v{i}_{j}" for j in range(5)]}) for i in range(fields)}
+    props = {
+        f"field_{tag}_{i}": (
+            {"type": "string", "pattern": f"^[a-z]{{{i % 7 + 1},{i % 7 + 9}}}$"}
+            if i % 3 == 0
+            else {"type": "integer", "minimum": -i, "maximum": i * 10}
+            if i % 3 == 1
+            else {"enum": [f"v{i}_{j}" for j in range(5)]}
+        )
+        for i in range(fields)
+    }
     return {"type": "object", "properties": props, "required": list(props)[: fields // 2]}
 
 
@@ -517,23 +630,40 @@ def compile_stall(url: str, model: str, concurrency: int, max_tokens: int, count
     without them: a schema compiled on the decode loop would show as one long gap."""
     results = {}
     for label, inject in (("alone", False), ("with schemas", True)):
+
         def injector():
             time.sleep(0.5)
             for tag in range(4):
-                fmt = {"type": "json_schema", "json_schema": {"name": "big", "schema": large_schema(300, time.time_ns() + tag)}}
+                fmt = {
+                    "type": "json_schema",
+                    "json_schema": {"name": "big", "schema": large_schema(300, time.time_ns() + tag)},
+                }
                 openai_stream(url, model, "Fill in the form.", 8, {}, Stream(), extra={"response_format": fmt})
+
         t = threading.Thread(target=injector) if inject else None
         if t:
             t.start()
-        r = run_load(url, model, concurrency - 1, max_tokens, count, api="openai", texts=prompts(concurrency - 1),
-                     extra={"ignore_eos": True})
+        r = run_load(
+            url,
+            model,
+            concurrency - 1,
+            max_tokens,
+            count,
+            api="openai",
+            texts=prompts(concurrency - 1),
+            extra={"ignore_eos": True},
+        )
         if t:
             t.join(120)
         results[label] = r
-        print(f"{'other streams, ' + label:<34} c={concurrency - 1:<3} ITL p50 {r['itl_p50'] * 1e3:6.1f} ms "
-              f"p99 {r['itl_p99'] * 1e3:6.1f} ms  max {r['itl_max'] * 1e3:6.1f} ms")
-    print(f"compile stall: the others' longest gap {results['with schemas']['itl_max'] * 1e3:.1f} ms with 4 new "
-          f"300-field schemas arriving, {results['alone']['itl_max'] * 1e3:.1f} ms without")
+        print(
+            f"{'other streams, ' + label:<34} c={concurrency - 1:<3} ITL p50 {r['itl_p50'] * 1e3:6.1f} ms "
+            f"p99 {r['itl_p99'] * 1e3:6.1f} ms  max {r['itl_max'] * 1e3:6.1f} ms"
+        )
+    print(
+        f"compile stall: the others' longest gap {results['with schemas']['itl_max'] * 1e3:.1f} ms with 4 new "
+        f"300-field schemas arriving, {results['alone']['itl_max'] * 1e3:.1f} ms without"
+    )
 
 
 def process_memory(pid: int | None) -> str | None:
@@ -555,8 +685,11 @@ def median_row(runs: list[dict]) -> dict:
 def proxy_headers(secret: str | None) -> dict[str, str]:
     import jwt
 
-    token = jwt.encode({"team_id": "bench", "token_id": "bench", "exp": int(time.time()) + 86400},
-                       secret or os.environ["JWT_SECRET"], algorithm="HS256")
+    token = jwt.encode(
+        {"team_id": "bench", "token_id": "bench", "exp": int(time.time()) + 86400},
+        secret or os.environ["JWT_SECRET"],
+        algorithm="HS256",
+    )
     return {"Authorization": f"Bearer {token}"}
 
 

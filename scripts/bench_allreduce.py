@@ -8,6 +8,7 @@ warm-up, and prints rank 0's mean and median per call. A decode step of the comp
 
     python scripts/bench_allreduce.py --ranks 3 --hidden 576 --rows 1 32 --calls 1000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,8 +56,14 @@ def main() -> None:
 
     ctx = multiprocessing.get_context("spawn")
     store = Group.store(args.ranks)
-    others = [ctx.Process(target=_rank, args=(r, args.ranks, store.port, args.hidden, args.rows, args.calls,
-                                              args.threads, None), daemon=True) for r in range(1, args.ranks)]
+    others = [
+        ctx.Process(
+            target=_rank,
+            args=(r, args.ranks, store.port, args.hidden, args.rows, args.calls, args.threads, None),
+            daemon=True,
+        )
+        for r in range(1, args.ranks)
+    ]
     for p in others:
         p.start()
     ours, theirs = ctx.Pipe()
@@ -65,9 +72,12 @@ def main() -> None:
         p.join(60)
     for n, times in ours.recv().items():
         kib = n * args.hidden * 4 / 1024
-        print(f"{args.ranks} ranks, [{n}, {args.hidden}] float32 ({kib:.1f} KiB): mean {statistics.mean(times) * 1e6:.0f} us, "
-              f"median {statistics.median(times) * 1e6:.0f} us, p99 {sorted(times)[int(len(times) * 0.99)] * 1e6:.0f} us "
-              f"per all-reduce ({args.calls} calls)")
+        print(
+            f"{args.ranks} ranks, [{n}, {args.hidden}] float32 ({kib:.1f} KiB): "
+            f"mean {statistics.mean(times) * 1e6:.0f} us, "
+            f"median {statistics.median(times) * 1e6:.0f} us, p99 {sorted(times)[int(len(times) * 0.99)] * 1e6:.0f} us "
+            f"per all-reduce ({args.calls} calls)"
+        )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ Each argument names the environment variable that holds the port (PORT defaults 
 so the check follows the same settings as the processes it checks. Standard library only (the proxy image has
 no extra tools).
 """
+
 from __future__ import annotations
 
 import os

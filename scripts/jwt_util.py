@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Make and check the proxy's JSON Web Tokens: ``proxy/jwt_util.py`` (installed as the ``jwt-util`` command), run
 from a checkout without installing it."""
+
 from __future__ import annotations
 
 import sys

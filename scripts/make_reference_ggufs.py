@@ -8,7 +8,8 @@ What it does (everything intermediate lives in a temporary directory that is rem
 1. trains a tiny byte-level BPE tokenizer (vocab ~512) on tests/data/english.txt with `tokenizers`;
 2. for every architecture in ARCHS builds a random transformers model (fixed seed, small init, a strong embedding /
    "bigram" path so that llama.cpp's top-1 is the same at every precision, query/key scaled so that attention and rope
-   matter, final norm calibrated to a mean top-1 probability of 0.4), converts it to an f32 GGUF with llama.cpp's own convert_hf_to_gguf.py
+   matter, final norm calibrated to a mean top-1 probability of 0.4), converts it to an f32 GGUF with llama.cpp's
+   own convert_hf_to_gguf.py
    (imported from the llama.cpp source, with its own gguf-py, and with the BPE pre-tokenizer check monkeypatched
    to "gpt-2"), and quantizes it with llama-quantize;
 3. runs llama-perplexity on tests/data/english.txt with --kl-divergence-base for every GGUF and for the f32 GGUF
@@ -32,6 +33,7 @@ them into a separate directory once and point the script at it (default /tmp/spm
 The directory is appended to sys.path of this script and put on PYTHONPATH of convert_hf_to_gguf.py for those
 entries only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,9 +60,9 @@ DATA = REPO / "tests" / "data"
 OUT_DIR = DATA / "gguf"
 TEXT_FILE = DATA / "english.txt"
 
-HIDDEN = 256          # K-quants need rows that are multiples of 256
+HIDDEN = 256  # K-quants need rows that are multiples of 256
 INTERMEDIATE = 512
-N_HEADS = 4           # head_dim 64
+N_HEADS = 4  # head_dim 64
 VOCAB_TARGET = 512
 SEED = 1234
 
@@ -70,12 +72,12 @@ PPL_CHUNKS = 4
 PPL_THREADS = 2
 TOPK = 5
 # How the random models are made tame but still give llama.cpp a clear, quantization-proof answer (README.md):
-INIT = 0.02           # initializer_range (standard small init; 0.2 made the models chaotic)
-EMB_SCALE = 2.5       # embedding factor: the current token's embedding is a large share of the final hidden state...
-HEAD_COPY = 2.0       # ...and untied heads get the embedding of a fixed vocab permutation added, so the top-1 is an
-                      # outlier (a "bigram" answer) that 4-bit weights cannot flip; the layers shape the rest
-QK_SCALE = 5.0        # query/key factor: attention logits of std ~2.5 instead of ~0.1, so positions (rope) matter
-TARGET_TOP1 = 0.4     # mean top-1 probability the final norm is calibrated to (uniform would be 1/512)
+INIT = 0.02  # initializer_range (standard small init; 0.2 made the models chaotic)
+EMB_SCALE = 2.5  # embedding factor: the current token's embedding is a large share of the final hidden state...
+HEAD_COPY = 2.0  # ...and untied heads get the embedding of a fixed vocab permutation added, so the top-1 is an
+# outlier (a "bigram" answer) that 4-bit weights cannot flip; the layers shape the rest
+QK_SCALE = 5.0  # query/key factor: attention logits of std ~2.5 instead of ~0.1, so positions (rope) matter
+TARGET_TOP1 = 0.4  # mean top-1 probability the final norm is calibrated to (uniform would be 1/512)
 
 # name -> spec. "quants": llama-quantize types to produce (file tests/data/gguf/<name>-<type>.gguf).
 # Optional overrides: "init", "emb_scale", "head_copy", "qk_scale" (qwen3/gemma3 scale their q/k norms instead:
@@ -86,7 +88,7 @@ ARCHS: dict[str, dict] = {
     "mistral": dict(quants=["Q4_K_M"]),
     "qwen2": dict(quants=["Q4_K_M"]),
     "qwen3": dict(quants=["Q4_K_M"], qk_scale=1.6),
-    "gemma": dict(quants=["Q4_K_M"], emb_scale=0.5),   # its embedding is multiplied by sqrt(hidden)
+    "gemma": dict(quants=["Q4_K_M"], emb_scale=0.5),  # its embedding is multiplied by sqrt(hidden)
     "gemma2": dict(quants=["Q4_K_M"], emb_scale=6.0),
     "gemma3": dict(quants=["Q4_K_M"], emb_scale=10.0, qk_scale=1.6),
     "phi3": dict(quants=["Q4_K_M"]),
@@ -109,10 +111,24 @@ SPM_VOCAB = 768
 SPM_USER_DEFINED = ["<start_of_turn>", "<end_of_turn>"]
 SPM_CONTROL = ["<|im_start|>", "<|im_end|>"]
 SPM_FLAVORS: dict[str, dict] = {
-    "llama": dict(ids=dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1), add_dummy_prefix=True,
-                  tokenizer_class="LlamaTokenizer", bos="<s>", eos="</s>", unk="<unk>", pad=None),
-    "gemma": dict(ids=dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3), add_dummy_prefix=False,
-                  tokenizer_class="GemmaTokenizer", bos="<bos>", eos="<eos>", unk="<unk>", pad="<pad>"),
+    "llama": dict(
+        ids=dict(unk_id=0, bos_id=1, eos_id=2, pad_id=-1),
+        add_dummy_prefix=True,
+        tokenizer_class="LlamaTokenizer",
+        bos="<s>",
+        eos="</s>",
+        unk="<unk>",
+        pad=None,
+    ),
+    "gemma": dict(
+        ids=dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3),
+        add_dummy_prefix=False,
+        tokenizer_class="GemmaTokenizer",
+        bos="<bos>",
+        eos="<eos>",
+        unk="<unk>",
+        pad="<pad>",
+    ),
 }
 DEFAULT_SPM_PKGS = "/tmp/spm-pkgs"
 # strings whose llama-server tokenization (POST /tokenize) is recorded for the *-spm entries: with add_special true
@@ -149,8 +165,12 @@ SPM_TOKENIZE = [
 ]
 
 # strings for the real-model tokenizer / completion references
-REAL_TOKENIZE = ["The capital of France is", "Once upon a time", " hello  world\n\nfoo",
-                 "<start_of_turn>user\nHi<end_of_turn>"]
+REAL_TOKENIZE = [
+    "The capital of France is",
+    "Once upon a time",
+    " hello  world\n\nfoo",
+    "<start_of_turn>user\nHi<end_of_turn>",
+]
 REAL_COMPLETE = ["The capital of France is", "Once upon a time"]
 REAL_N_PREDICT = 24
 
@@ -162,6 +182,7 @@ def log(*a):
 # ----------------------------------------------------------------------------------------------------------------
 # 1. tokenizer
 
+
 def train_tokenizer(out: Path) -> int:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
@@ -169,13 +190,18 @@ def train_tokenizer(out: Path) -> int:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_TARGET, special_tokens=["<s>", "</s>", "<unk>", "<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_TARGET,
+        special_tokens=["<s>", "</s>", "<unk>", "<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train([str(TEXT_FILE)], trainer)
     bos, eos = tok.token_to_id("<s>"), tok.token_to_id("</s>")
     assert (bos, eos) == (0, 1), (bos, eos)
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A $B",
-                                                       special_tokens=[("<s>", bos), ("</s>", eos)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", bos), ("</s>", eos)]
+    )
     # <unk> and <|endoftext|> are unused by the BPE, but llama.cpp's vocab loader looks them up by name for
     # models whose general.name contains "phi3"
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
@@ -192,18 +218,34 @@ def train_spm_tokenizer(out: Path, flavor: str) -> int:
     """A sentencepiece BPE model (SPM_FLAVORS[flavor]) saved as LlamaTokenizer/GemmaTokenizer files (tokenizer.model,
     tokenizer_config.json, special_tokens_map.json). Deterministic: one thread, fixed corpus, BPE (no sampling)."""
     import io
+
     import sentencepiece as spm
+
     fl = SPM_FLAVORS[flavor]
     if hasattr(spm, "set_random_generator_seed"):
         spm.set_random_generator_seed(SEED)
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(
-        input=str(TEXT_FILE), model_writer=buf, model_type="bpe", vocab_size=SPM_VOCAB, byte_fallback=True,
-        split_digits=True, required_chars="0123456789", user_defined_symbols=SPM_USER_DEFINED,
-        control_symbols=SPM_CONTROL, character_coverage=1.0, normalization_rule_name="identity",
-        remove_extra_whitespaces=False, add_dummy_prefix=fl["add_dummy_prefix"], allow_whitespace_only_pieces=True,
-        max_sentence_length=100000, num_threads=1, minloglevel=2, **fl["ids"],
-        **{f"{k}_piece": fl[k] for k in ("bos", "eos", "unk", "pad") if fl[k]})
+        input=str(TEXT_FILE),
+        model_writer=buf,
+        model_type="bpe",
+        vocab_size=SPM_VOCAB,
+        byte_fallback=True,
+        split_digits=True,
+        required_chars="0123456789",
+        user_defined_symbols=SPM_USER_DEFINED,
+        control_symbols=SPM_CONTROL,
+        character_coverage=1.0,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        add_dummy_prefix=fl["add_dummy_prefix"],
+        allow_whitespace_only_pieces=True,
+        max_sentence_length=100000,
+        num_threads=1,
+        minloglevel=2,
+        **fl["ids"],
+        **{f"{k}_piece": fl[k] for k in ("bos", "eos", "unk", "pad") if fl[k]},
+    )
     model = buf.getvalue()
     sp = spm.SentencePieceProcessor(model_proto=model)
     ids = fl["ids"]
@@ -214,30 +256,47 @@ def train_spm_tokenizer(out: Path, flavor: str) -> int:
     (out / "tokenizer.model").write_bytes(model)
     # added_tokens_decoder: how HF tokenizer configs mark added tokens; convert_hf_to_gguf.py types them CONTROL
     # ("special": true) or USER_DEFINED (false) - its sentencepiece reader alone would make user-defined pieces NORMAL
-    added = {str(sp.PieceToId(t)): dict(content=t, lstrip=False, normalized=False, rstrip=False, single_word=False,
-                                        special=t in SPM_CONTROL) for t in SPM_USER_DEFINED + SPM_CONTROL}
-    specials = {k: fl[k.split("_")[0]] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if fl[k.split("_")[0]]}
-    cfg = dict(tokenizer_class=fl["tokenizer_class"], add_bos_token=True, add_eos_token=False, legacy=False,
-               sp_model_kwargs={}, added_tokens_decoder=dict(sorted(added.items(), key=lambda kv: int(kv[0]))),
-               **specials)
+    added = {
+        str(sp.PieceToId(t)): dict(
+            content=t, lstrip=False, normalized=False, rstrip=False, single_word=False, special=t in SPM_CONTROL
+        )
+        for t in SPM_USER_DEFINED + SPM_CONTROL
+    }
+    specials = {
+        k: fl[k.split("_")[0]] for k in ("bos_token", "eos_token", "unk_token", "pad_token") if fl[k.split("_")[0]]
+    }
+    cfg = dict(
+        tokenizer_class=fl["tokenizer_class"],
+        add_bos_token=True,
+        add_eos_token=False,
+        legacy=False,
+        sp_model_kwargs={},
+        added_tokens_decoder=dict(sorted(added.items(), key=lambda kv: int(kv[0]))),
+        **specials,
+    )
     (out / "tokenizer_config.json").write_text(json.dumps(cfg, indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2))
     return sp.vocab_size()
 
 
 def spm_token_ids(flavor: str) -> dict:
-    """config.json token ids of an SPM flavor (what convert_hf_to_gguf.py's SpecialVocab reads without tokenizer.json)."""
+    """config.json token ids of an SPM flavor (what convert_hf_to_gguf.py's SpecialVocab reads without
+    tokenizer.json)."""
     ids = SPM_FLAVORS[flavor]["ids"]
-    return dict(bos_token_id=ids["bos_id"], eos_token_id=ids["eos_id"],
-                pad_token_id=ids["pad_id"] if ids["pad_id"] >= 0 else None)
+    return dict(
+        bos_token_id=ids["bos_id"],
+        eos_token_id=ids["eos_id"],
+        pad_token_id=ids["pad_id"] if ids["pad_id"] >= 0 else None,
+    )
 
 
 def spm_available(path: str) -> bool:
     if path and Path(path).is_dir() and path not in sys.path:
         sys.path.append(path)
     try:
-        import sentencepiece  # noqa: F401
         import google.protobuf  # noqa: F401
+        import sentencepiece  # noqa: F401
+
         return True
     except ImportError:
         return False
@@ -246,10 +305,20 @@ def spm_available(path: str) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 # 2. random models
 
+
 def _common(vocab: int, **kw) -> dict:
-    d = dict(vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, num_hidden_layers=2,
-             num_attention_heads=N_HEADS, num_key_value_heads=2, max_position_embeddings=2048,
-             bos_token_id=0, eos_token_id=1, pad_token_id=None)
+    d = dict(
+        vocab_size=vocab,
+        hidden_size=HIDDEN,
+        intermediate_size=INTERMEDIATE,
+        num_hidden_layers=2,
+        num_attention_heads=N_HEADS,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=0,
+        eos_token_id=1,
+        pad_token_id=None,
+    )
     d.update(kw)
     return d
 
@@ -262,71 +331,161 @@ def build_model(name: str, vocab: int, init: float | None = None):
     torch.manual_seed(SEED)
     init = ARCHS[name].get("init", INIT) if init is None else init
     spec = ARCHS[name]
-    name = spec.get("base", name)   # *-spm: the model of their base arch (only the vocabulary differs)
+    name = spec.get("base", name)  # *-spm: the model of their base arch (only the vocabulary differs)
     emb_scale = spec.get("emb_scale", EMB_SCALE)
     head_scale = 1.0
     if name == "llama":
-        cfg = T.LlamaConfig(**_common(vocab, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                                      initializer_range=init))
+        cfg = T.LlamaConfig(
+            **_common(vocab, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=init)
+        )
         cls = T.LlamaForCausalLM
     elif name == "llama3rope":
-        cfg = T.LlamaConfig(**_common(vocab, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True,
-                                      initializer_range=init, max_position_embeddings=512,
-                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                                    "high_freq_factor": 4.0,
-                                                    "original_max_position_embeddings": 64}))
+        cfg = T.LlamaConfig(
+            **_common(
+                vocab,
+                rms_norm_eps=1e-5,
+                rope_theta=10000.0,
+                tie_word_embeddings=True,
+                initializer_range=init,
+                max_position_embeddings=512,
+                rope_scaling={
+                    "rope_type": "llama3",
+                    "factor": 8.0,
+                    "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0,
+                    "original_max_position_embeddings": 64,
+                },
+            )
+        )
         cls = T.LlamaForCausalLM
     elif name == "mistral":
-        cfg = T.MistralConfig(**_common(vocab, rms_norm_eps=1e-5, rope_theta=1e6, sliding_window=None,
-                                        head_dim=HIDDEN // N_HEADS, tie_word_embeddings=False,
-                                        initializer_range=init))
+        cfg = T.MistralConfig(
+            **_common(
+                vocab,
+                rms_norm_eps=1e-5,
+                rope_theta=1e6,
+                sliding_window=None,
+                head_dim=HIDDEN // N_HEADS,
+                tie_word_embeddings=False,
+                initializer_range=init,
+            )
+        )
         cls = T.MistralForCausalLM
     elif name == "qwen2":
-        cfg = T.Qwen2Config(**_common(vocab, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
-                                      use_sliding_window=False, initializer_range=init))
+        cfg = T.Qwen2Config(
+            **_common(
+                vocab,
+                rms_norm_eps=1e-6,
+                rope_theta=1e6,
+                tie_word_embeddings=True,
+                use_sliding_window=False,
+                initializer_range=init,
+            )
+        )
         cls = T.Qwen2ForCausalLM
     elif name == "qwen3":
-        cfg = T.Qwen3Config(**_common(vocab, rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True,
-                                      head_dim=HIDDEN // N_HEADS, use_sliding_window=False,
-                                      initializer_range=init))
+        cfg = T.Qwen3Config(
+            **_common(
+                vocab,
+                rms_norm_eps=1e-6,
+                rope_theta=1e6,
+                tie_word_embeddings=True,
+                head_dim=HIDDEN // N_HEADS,
+                use_sliding_window=False,
+                initializer_range=init,
+            )
+        )
         cls = T.Qwen3ForCausalLM
     elif name == "gemma":
-        cfg = T.GemmaConfig(**_common(vocab, num_key_value_heads=1, head_dim=HIDDEN // N_HEADS,
-                                      rms_norm_eps=1e-6, rope_theta=10000.0, hidden_activation="gelu_pytorch_tanh",
-                                      tie_word_embeddings=True, initializer_range=init, pad_token_id=None))
+        cfg = T.GemmaConfig(
+            **_common(
+                vocab,
+                num_key_value_heads=1,
+                head_dim=HIDDEN // N_HEADS,
+                rms_norm_eps=1e-6,
+                rope_theta=10000.0,
+                hidden_activation="gelu_pytorch_tanh",
+                tie_word_embeddings=True,
+                initializer_range=init,
+                pad_token_id=None,
+            )
+        )
         cls = T.GemmaForCausalLM
     elif name == "gemma2":
-        cfg = T.Gemma2Config(**_common(vocab, head_dim=HIDDEN // N_HEADS, query_pre_attn_scalar=HIDDEN // N_HEADS,
-                                       rms_norm_eps=1e-6, rope_theta=10000.0, sliding_window=16,
-                                       attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
-                                       hidden_activation="gelu_pytorch_tanh", tie_word_embeddings=True,
-                                       initializer_range=init))
+        cfg = T.Gemma2Config(
+            **_common(
+                vocab,
+                head_dim=HIDDEN // N_HEADS,
+                query_pre_attn_scalar=HIDDEN // N_HEADS,
+                rms_norm_eps=1e-6,
+                rope_theta=10000.0,
+                sliding_window=16,
+                attn_logit_softcapping=50.0,
+                final_logit_softcapping=30.0,
+                hidden_activation="gelu_pytorch_tanh",
+                tie_word_embeddings=True,
+                initializer_range=init,
+            )
+        )
         cls = T.Gemma2ForCausalLM
     elif name == "gemma3":
         # 6 layers: llama.cpp has no per-layer pattern key for gemma3 GGUFs and uses its built-in pattern of 6
         # (layers 0-4 sliding, layer 5 global), which is also transformers' default layer_types.
         # intermediate 256 (not 512) keeps the 6-layer file under ~1.5 MB
-        cfg = T.Gemma3TextConfig(**_common(vocab, num_hidden_layers=6, num_key_value_heads=1, intermediate_size=256,
-                                           head_dim=HIDDEN // N_HEADS, query_pre_attn_scalar=HIDDEN // N_HEADS,
-                                           rms_norm_eps=1e-6, rope_theta=1e6, rope_local_base_freq=10000.0,
-                                           sliding_window=16, hidden_activation="gelu_pytorch_tanh",
-                                           tie_word_embeddings=True, initializer_range=init))
+        cfg = T.Gemma3TextConfig(
+            **_common(
+                vocab,
+                num_hidden_layers=6,
+                num_key_value_heads=1,
+                intermediate_size=256,
+                head_dim=HIDDEN // N_HEADS,
+                query_pre_attn_scalar=HIDDEN // N_HEADS,
+                rms_norm_eps=1e-6,
+                rope_theta=1e6,
+                rope_local_base_freq=10000.0,
+                sliding_window=16,
+                hidden_activation="gelu_pytorch_tanh",
+                tie_word_embeddings=True,
+                initializer_range=init,
+            )
+        )
         assert cfg.layer_types == ["sliding_attention"] * 5 + ["full_attention"], cfg.layer_types
         cls = T.Gemma3ForCausalLM
     elif name == "phi3":
-        cfg = T.Phi3Config(**_common(vocab, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                                     original_max_position_embeddings=2048, sliding_window=None,
-                                     initializer_range=init))
+        cfg = T.Phi3Config(
+            **_common(
+                vocab,
+                rms_norm_eps=1e-5,
+                rope_theta=10000.0,
+                tie_word_embeddings=False,
+                original_max_position_embeddings=2048,
+                sliding_window=None,
+                initializer_range=init,
+            )
+        )
         cls = T.Phi3ForCausalLM
     elif name in ("falcon", "falcon40b"):
-        kw = dict(vocab_size=vocab, hidden_size=HIDDEN, ffn_hidden_size=4 * HIDDEN, num_hidden_layers=2,
-                  num_attention_heads=N_HEADS, alibi=False, bias=False, parallel_attn=True,
-                  layer_norm_epsilon=1e-5, rope_theta=10000.0, bos_token_id=0, eos_token_id=1,
-                  max_position_embeddings=2048, tie_word_embeddings=True, initializer_range=init)
-        if name == "falcon":   # falcon-7b style: one layernorm, parallel attention/MLP, multi-query
+        kw = dict(
+            vocab_size=vocab,
+            hidden_size=HIDDEN,
+            ffn_hidden_size=4 * HIDDEN,
+            num_hidden_layers=2,
+            num_attention_heads=N_HEADS,
+            alibi=False,
+            bias=False,
+            parallel_attn=True,
+            layer_norm_epsilon=1e-5,
+            rope_theta=10000.0,
+            bos_token_id=0,
+            eos_token_id=1,
+            max_position_embeddings=2048,
+            tie_word_embeddings=True,
+            initializer_range=init,
+        )
+        if name == "falcon":  # falcon-7b style: one layernorm, parallel attention/MLP, multi-query
             # num_kv_heads=1 explicitly: transformers ignores it under multi_query, but convert_hf_to_gguf reads it
             kw.update(new_decoder_architecture=False, multi_query=True, num_kv_heads=1)
-        else:                  # falcon-40b style "new decoder architecture": ln_attn + ln_mlp, grouped KV
+        else:  # falcon-40b style "new decoder architecture": ln_attn + ln_mlp, grouped KV
             kw.update(new_decoder_architecture=True, num_kv_heads=2)
         cfg = T.FalconConfig(**kw)
         cls = T.FalconForCausalLM
@@ -335,11 +494,19 @@ def build_model(name: str, vocab: int, init: float | None = None):
         # frequency; the long set applies when the sequence (llama.cpp: the padded per-sequence context) exceeds
         # original_max_position_embeddings, and both scale cos/sin by sqrt(1 + ln(max/orig) / ln(orig))
         short, long = longrope_factors((HIDDEN // N_HEADS) // 2)
-        cfg = T.Phi3Config(**_common(vocab, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
-                                     max_position_embeddings=LONGROPE_MAX_POS,
-                                     original_max_position_embeddings=LONGROPE_ORIG_POS, sliding_window=None,
-                                     initializer_range=init,
-                                     rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long}))
+        cfg = T.Phi3Config(
+            **_common(
+                vocab,
+                rms_norm_eps=1e-5,
+                rope_theta=10000.0,
+                tie_word_embeddings=False,
+                max_position_embeddings=LONGROPE_MAX_POS,
+                original_max_position_embeddings=LONGROPE_ORIG_POS,
+                sliding_window=None,
+                initializer_range=init,
+                rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long},
+            )
+        )
         cls = T.Phi3ForCausalLM
     else:
         raise KeyError(name)
@@ -363,7 +530,7 @@ def build_model(name: str, vocab: int, init: float | None = None):
         for n, p in model.named_parameters():
             if n.endswith("norm.weight") or ".ln_" in n or "layernorm.weight" in n or n.endswith("ln_f.weight"):
                 if "gemma" in name:
-                    p.add_(torch.randn_like(p) * 0.1)          # stored as (w-1)
+                    p.add_(torch.randn_like(p) * 0.1)  # stored as (w-1)
                 else:
                     p.mul_(1.0 + torch.randn_like(p) * 0.1)
             elif n.endswith(".bias"):
@@ -371,8 +538,8 @@ def build_model(name: str, vocab: int, init: float | None = None):
     return model
 
 
-LONGROPE_ORIG_POS = 64      # phi3longrope: original_max_position_embeddings (< PPL_CTX: the long factors are used)
-LONGROPE_MAX_POS = 4096     # max_position_embeddings: attention factor sqrt(1 + ln(64)/ln(64)) = sqrt(2)
+LONGROPE_ORIG_POS = 64  # phi3longrope: original_max_position_embeddings (< PPL_CTX: the long factors are used)
+LONGROPE_MAX_POS = 4096  # max_position_embeddings: attention factor sqrt(1 + ln(64)/ln(64)) = sqrt(2)
 
 
 def longrope_factors(n: int) -> tuple[list[float], list[float]]:
@@ -383,7 +550,7 @@ def longrope_factors(n: int) -> tuple[list[float], list[float]]:
     for i in range(n):
         x = i / (n - 1)
         short.append(round(1.0 + 1.9 * x * x + 0.1 * (0.5 + 0.5 * math.sin(3.0 * i)), 4))
-        long.append(round(2.0 + 17.0 * x ** 1.5 + 1.0 * (0.5 + 0.5 * math.cos(2.0 * i)), 4))
+        long.append(round(2.0 + 17.0 * x**1.5 + 1.0 * (0.5 + 0.5 * math.cos(2.0 * i)), 4))
     return short, long
 
 
@@ -394,36 +561,48 @@ def rope_scaling_info(meta: dict, per_tensor: dict) -> dict | None:
     if "rope_factors_long.weight" not in per_tensor:
         return None
     arch = meta["general.architecture"]
-    keys = {k: meta[k] for k in (f"{arch}.context_length", f"{arch}.rope.scaling.original_context_length",
-                                 f"{arch}.rope.scaling.attn_factor", f"{arch}.rope.freq_base",
-                                 f"{arch}.rope.dimension_count") if k in meta}
+    keys = {
+        k: meta[k]
+        for k in (
+            f"{arch}.context_length",
+            f"{arch}.rope.scaling.original_context_length",
+            f"{arch}.rope.scaling.attn_factor",
+            f"{arch}.rope.freq_base",
+            f"{arch}.rope.dimension_count",
+        )
+        if k in meta
+    }
     orig = int(keys[f"{arch}.rope.scaling.original_context_length"])
     n_ctx_seq = -(-PPL_CTX // 256) * 256
     attn = round(float(keys[f"{arch}.rope.scaling.attn_factor"]), 7)
     used = "long" if n_ctx_seq > orig else "short"
     tensors = {n: t for n, t in per_tensor.items() if n.startswith("rope_factors_")}
-    hf_used = "long" if PPL_CTX > orig else "short"   # transformers: max position id + 1 > original max positions
-    notes = (f"LongRoPE: llama.cpp picks rope_factors_{used} here (llama-perplexity -c {PPL_CTX} pads the context to "
-             f"n_ctx_seq = {n_ctx_seq} {'>' if used == 'long' else '<='} original_context_length {orig}); "
-             f"transformers picks the {hf_used} factors (each chunk has {PPL_CTX} positions, "
-             f"original_max_position_embeddings {orig}); "
-             f"rope.scaling.attn_factor = {attn} (sqrt(1 + ln(context_length/original_context_length) / "
-             f"ln(original_context_length))) multiplies cos and sin of the rotation of q and k; theta_i = "
-             f"pos * freq_base^(-2i/n_rot) / factor_i.")
-    return dict(factor_set_used=used, n_ctx_seq=n_ctx_seq, attn_factor=attn, gguf_keys=keys,
-                factor_tensors=tensors, notes=notes)
+    hf_used = "long" if orig < PPL_CTX else "short"  # transformers: max position id + 1 > original max positions
+    notes = (
+        f"LongRoPE: llama.cpp picks rope_factors_{used} here (llama-perplexity -c {PPL_CTX} pads the context to "
+        f"n_ctx_seq = {n_ctx_seq} {'>' if used == 'long' else '<='} original_context_length {orig}); "
+        f"transformers picks the {hf_used} factors (each chunk has {PPL_CTX} positions, "
+        f"original_max_position_embeddings {orig}); "
+        f"rope.scaling.attn_factor = {attn} (sqrt(1 + ln(context_length/original_context_length) / "
+        f"ln(original_context_length))) multiplies cos and sin of the rotation of q and k; theta_i = "
+        f"pos * freq_base^(-2i/n_rot) / factor_i."
+    )
+    return dict(
+        factor_set_used=used, n_ctx_seq=n_ctx_seq, attn_factor=attn, gguf_keys=keys, factor_tensors=tensors, notes=notes
+    )
 
 
 def scale_qk(model, name: str, f: float):
     """Multiplies the query and key projections by f (attention logits by f^2): with a small init the attention
     would otherwise be nearly uniform, and position handling (rope) would hardly matter."""
     import torch
+
     cfg = model.config
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     nh = cfg.num_attention_heads
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if name in ("qwen3", "gemma3"):            # q/k RMS norms undo any scale of q_proj/k_proj
+            if name in ("qwen3", "gemma3"):  # q/k RMS norms undo any scale of q_proj/k_proj
                 if n.endswith(("q_norm.weight", "k_norm.weight")):
                     if name == "gemma3":
                         p.copy_((1.0 + p) * f - 1.0)
@@ -431,27 +610,28 @@ def scale_qk(model, name: str, f: float):
                         p.mul_(f)
             elif n.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
                 p.mul_(f)
-            elif n.endswith("qkv_proj.weight"):         # phi3, phi3longrope: [q; k; v]
+            elif n.endswith("qkv_proj.weight"):  # phi3, phi3longrope: [q; k; v]
                 nkv = cfg.num_key_value_heads
-                p[:(nh + nkv) * hd].mul_(f)
+                p[: (nh + nkv) * hd].mul_(f)
             elif n.endswith("query_key_value.weight"):  # falcon
-                if cfg.new_decoder_architecture:       # per KV group: nh/nkv query heads, 1 key, 1 value head
+                if cfg.new_decoder_architecture:  # per KV group: nh/nkv query heads, 1 key, 1 value head
                     nkv = cfg.num_kv_heads
                     v = p.view(nkv, nh // nkv + 2, hd, -1)
                     v[:, :-1].mul_(f)
-                else:                                  # multi-query: [q (nh heads); k (1 head); v (1 head)]
-                    p[:(nh + 1) * hd].mul_(f)
+                else:  # multi-query: [q (nh heads); k (1 head); v (1 head)]
+                    p[: (nh + 1) * hd].mul_(f)
 
 
 def final_norm(model):
-    base = getattr(model, "model", None) or getattr(model, "transformer")
-    return getattr(base, "norm", None) or getattr(base, "ln_f")
+    base = getattr(model, "model", None) or model.transformer
+    return getattr(base, "norm", None) or base.ln_f
 
 
 def calibrate(model, name: str, tok_dir: Path, target: float = TARGET_TOP1) -> float:
     """Scales the final norm (i.e. the logits before any softcap) so the mean top-1 probability of the f32 HF model
     on the first PPL_CTX tokens of the text is about `target`. Returns the factor."""
     import torch
+
     norm = final_norm(model)
     gemma = "gemma" in name
     w0 = norm.weight.detach().clone()
@@ -459,7 +639,7 @@ def calibrate(model, name: str, tok_dir: Path, target: float = TARGET_TOP1) -> f
 
     def apply(f):
         with torch.no_grad():
-            if gemma:                       # Gemma RMSNorm computes x * (1 + w)
+            if gemma:  # Gemma RMSNorm computes x * (1 + w)
                 norm.weight.copy_((1.0 + w0) * f - 1.0)
             else:
                 norm.weight.copy_(w0 * f)
@@ -482,17 +662,19 @@ def calibrate(model, name: str, tok_dir: Path, target: float = TARGET_TOP1) -> f
 def hf_chunks(tok_dir: Path) -> list[list[int]]:
     """The token chunks llama-perplexity evaluates (BOS prepended, cut into PPL_CTX-token chunks, first token of each
     chunk overwritten with BOS)."""
-    if (tok_dir / "tokenizer.model").is_file():    # *-spm: sentencepiece itself (BOS + pieces), no transformers
+    if (tok_dir / "tokenizer.model").is_file():  # *-spm: sentencepiece itself (BOS + pieces), no transformers
         import sentencepiece as spm
+
         sp = spm.SentencePieceProcessor(model_file=str(tok_dir / "tokenizer.model"))
         bos = sp.bos_id()
         ids = [bos] + sp.encode(TEXT_FILE.read_text())
     else:
         from transformers import AutoTokenizer
+
         tok = AutoTokenizer.from_pretrained(tok_dir)
         ids = tok(TEXT_FILE.read_text())["input_ids"]
         bos = tok.bos_token_id
-    chunks = [list(ids[c * PPL_CTX:(c + 1) * PPL_CTX]) for c in range(PPL_CHUNKS)]
+    chunks = [list(ids[c * PPL_CTX : (c + 1) * PPL_CTX]) for c in range(PPL_CHUNKS)]
     for c in chunks:
         c[0] = bos
     return chunks
@@ -501,21 +683,24 @@ def hf_chunks(tok_dir: Path) -> list[list[int]]:
 def hf_scored_logits(model, tok_dir: Path):
     """f32 HF logits at the scored positions of all chunks, (PPL_CHUNKS * (PPL_CTX/2 - 1), vocab)."""
     import torch
+
     with torch.no_grad():
-        return torch.cat([model(torch.tensor([c])).logits[0, PPL_CTX // 2:PPL_CTX - 1].float()
-                          for c in hf_chunks(tok_dir)])
+        return torch.cat(
+            [model(torch.tensor([c])).logits[0, PPL_CTX // 2 : PPL_CTX - 1].float() for c in hf_chunks(tok_dir)]
+        )
 
 
 def hf_peakedness(model, tok_dir: Path) -> float:
     """Mean top-1 probability of the f32 HF model at llama-perplexity's scored positions."""
     import torch
+
     return float(torch.softmax(hf_scored_logits(model, tok_dir), -1).max(-1).values.mean())
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # conversion with llama.cpp's convert_hf_to_gguf.py
 
-CONVERT_WRAPPER = r'''
+CONVERT_WRAPPER = r"""
 import sys, runpy
 src = sys.argv.pop(1)
 sys.path.insert(0, src + "/gguf-py")
@@ -543,7 +728,7 @@ if not (__import__("pathlib").Path(sys.argv[1]) / "tokenizer.model").is_file():
         getattr(mod, clsname).set_vocab = _gpt2_vocab
 sys.argv = ["convert_hf_to_gguf.py"] + sys.argv[1:]
 runpy.run_path(src + "/convert_hf_to_gguf.py", run_name="__main__")
-'''
+"""
 
 
 def convert(src: Path, model_dir: Path, out: Path, tmp: Path, model_name: str, spm_pkgs: str = "") -> list[str]:
@@ -552,17 +737,44 @@ def convert(src: Path, model_dir: Path, out: Path, tmp: Path, model_name: str, s
     env = dict(os.environ)
     env.pop("NO_LOCAL_GGUF", None)
     env["PYTHONPATH"] = spm_pkgs
-    cmd = [sys.executable, str(wrapper), str(src), str(model_dir), "--outtype", "f32", "--outfile", str(out),
-           "--model-name", model_name]
+    cmd = [
+        sys.executable,
+        str(wrapper),
+        str(src),
+        str(model_dir),
+        "--outtype",
+        "f32",
+        "--outfile",
+        str(out),
+        "--model-name",
+        model_name,
+    ]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"convert failed for {model_dir}:\n{r.stdout[-3000:]}\n{r.stderr[-6000:]}")
     if (model_dir / "tokenizer.model").is_file():
-        return ["convert_hf_to_gguf.py", "<model_dir>", "--outtype", "f32", "--outfile", "<f32.gguf>",
-                "--model-name", model_name, "(sentencepiece tokenizer.model: _set_vocab_sentencepiece)"]
-    return ["convert_hf_to_gguf.py", "<model_dir>", "--outtype", "f32", "--outfile", "<f32.gguf>",
-            "--model-name", model_name,
-            "(get_vocab_base_pre -> 'gpt-2'; gemma/gemma2/phi3 set_vocab -> _set_vocab_gpt2)"]
+        return [
+            "convert_hf_to_gguf.py",
+            "<model_dir>",
+            "--outtype",
+            "f32",
+            "--outfile",
+            "<f32.gguf>",
+            "--model-name",
+            model_name,
+            "(sentencepiece tokenizer.model: _set_vocab_sentencepiece)",
+        ]
+    return [
+        "convert_hf_to_gguf.py",
+        "<model_dir>",
+        "--outtype",
+        "f32",
+        "--outfile",
+        "<f32.gguf>",
+        "--model-name",
+        model_name,
+        "(get_vocab_base_pre -> 'gpt-2'; gemma/gemma2/phi3 set_vocab -> _set_vocab_gpt2)",
+    ]
 
 
 def quantize(llama_dir: Path, f32: Path, out: Path, qtype: str) -> list[str]:
@@ -575,6 +787,7 @@ def quantize(llama_dir: Path, f32: Path, out: Path, qtype: str) -> list[str]:
 
 def tensor_types(path: Path, gguf_src: Path) -> tuple[dict, dict]:
     import gguf
+
     reader = gguf.GGUFReader(str(path))
     counts = collections.Counter(t.tensor_type.name for t in reader.tensors)
     per_tensor = {t.name: t.tensor_type.name for t in reader.tensors}
@@ -583,6 +796,7 @@ def tensor_types(path: Path, gguf_src: Path) -> tuple[dict, dict]:
 
 # ----------------------------------------------------------------------------------------------------------------
 # 3. llama-perplexity
+
 
 def read_kl_base(path: Path) -> dict:
     """Decodes llama-perplexity's --kl-divergence-base (a.k.a. --save-all-logits) file.
@@ -606,24 +820,47 @@ def read_kl_base(path: Path) -> dict:
     n_rows = n_ctx - 1 - first
     body = np.frombuffer(raw, dtype="<u2", offset=off).reshape(n_chunk, n_rows, nv)
     assert body.nbytes == len(raw) - off, (body.nbytes, len(raw) - off)
-    header = body[:, :, :4].copy().view("<f4")              # (n_chunk, n_rows, 2)
+    header = body[:, :, :4].copy().view("<f4")  # (n_chunk, n_rows, 2)
     scale, floor = header[..., 0], header[..., 1]
-    q = body[:, :, 4:4 + n_vocab].astype(np.float64)
+    q = body[:, :, 4 : 4 + n_vocab].astype(np.float64)
     logprobs = floor[..., None].astype(np.float64) + scale[..., None].astype(np.float64) * q
-    return dict(n_ctx=n_ctx, n_vocab=n_vocab, n_chunk=n_chunk, tokens=tokens, first=first, logprobs=logprobs,
-                floor=floor.astype(np.float64), scale=scale.astype(np.float64))
+    return dict(
+        n_ctx=n_ctx,
+        n_vocab=n_vocab,
+        n_chunk=n_chunk,
+        tokens=tokens,
+        first=first,
+        logprobs=logprobs,
+        floor=floor.astype(np.float64),
+        scale=scale.astype(np.float64),
+    )
 
 
 def run_perplexity(llama_dir: Path, gguf_path: Path, tmp: Path) -> dict:
     dump = tmp / (gguf_path.stem + ".kld")
-    cmd = [str(llama_dir / "llama-perplexity"), "-m", str(gguf_path), "-f", str(TEXT_FILE), "-c", str(PPL_CTX),
-           "-b", str(PPL_CTX), "-t", str(PPL_THREADS), "--chunks", str(PPL_CHUNKS), "--no-repack", "--kl-divergence-base",
-           str(dump)]
+    cmd = [
+        str(llama_dir / "llama-perplexity"),
+        "-m",
+        str(gguf_path),
+        "-f",
+        str(TEXT_FILE),
+        "-c",
+        str(PPL_CTX),
+        "-b",
+        str(PPL_CTX),
+        "-t",
+        str(PPL_THREADS),
+        "--chunks",
+        str(PPL_CHUNKS),
+        "--no-repack",
+        "--kl-divergence-base",
+        str(dump),
+    ]
     # llama.cpp's logger is asynchronous and now and then loses its last stderr lines at exit (the process still
     # exits 0 and the dump is complete): retry a few times until the "Final estimate" line is there; failing that,
     # the last running value "[n]x.xxxx" is the same number (exp(mean nll) over all chunks, same %.4f format).
     final = err = None
-    for attempt in range(20):
+    for _attempt in range(20):
         r = subprocess.run(cmd, capture_output=True, text=True)
         out = r.stdout + "\n" + r.stderr
         if r.returncode != 0:
@@ -641,11 +878,25 @@ def run_perplexity(llama_dir: Path, gguf_path: Path, tmp: Path) -> dict:
         final, err, source = running[-1], None, "last_running_value"
     kl = read_kl_base(dump)
     dump.unlink()
-    cmdline = ["llama-perplexity", "-m", gguf_path.name, "-f", "tests/data/english.txt", "-c", str(PPL_CTX),
-               "-b", str(PPL_CTX), "-t", str(PPL_THREADS), "--chunks", str(PPL_CHUNKS), "--no-repack",
-               "--kl-divergence-base", "<tmpfile>"]
-    return dict(final_ppl=final, final_ppl_err=err, final_ppl_source=source, running_ppl=running, kl=kl,
-                cmd=cmdline)
+    cmdline = [
+        "llama-perplexity",
+        "-m",
+        gguf_path.name,
+        "-f",
+        "tests/data/english.txt",
+        "-c",
+        str(PPL_CTX),
+        "-b",
+        str(PPL_CTX),
+        "-t",
+        str(PPL_THREADS),
+        "--chunks",
+        str(PPL_CHUNKS),
+        "--no-repack",
+        "--kl-divergence-base",
+        "<tmpfile>",
+    ]
+    return dict(final_ppl=final, final_ppl_err=err, final_ppl_source=source, running_ppl=running, kl=kl, cmd=cmdline)
 
 
 def summarize(ppl: dict, bos_id: int | None, add_bos: bool) -> dict:
@@ -657,7 +908,7 @@ def summarize(ppl: dict, bos_id: int | None, add_bos: bool) -> dict:
         toks = [int(t) for t in kl["tokens"][c]]
         if add_bos:
             toks[0] = int(bos_id)
-        lp = kl["logprobs"][c]                    # (n_rows, n_vocab)
+        lp = kl["logprobs"][c]  # (n_rows, n_vocab)
         positions, top1, margin, target_lp, topk_ids, topk_lp, floor_flags = [], [], [], [], [], [], []
         nll = 0.0
         for r in range(lp.shape[0]):
@@ -676,21 +927,38 @@ def summarize(ppl: dict, bos_id: int | None, add_bos: bool) -> dict:
             all_top1p.append(math.exp(float(row[order[0]])))
             all_margin.append(float(row[order[0]] - row[order[1]]))
             top1_is_input.append(int(order[0]) == toks[p])
-        chunks.append(dict(tokens=toks, scored_positions=positions, top1=top1, margin=margin,
-                           target_logprob=target_lp, target_at_floor=floor_flags, topk_ids=topk_ids,
-                           topk_logprob=topk_lp, logprob_floor=[round(float(x), 5) for x in kl["floor"][c]],
-                           logprob_step=[float(x) for x in kl["scale"][c]],
-                           ppl_from_dump=round(math.exp(nll / len(positions)), 5),
-                           running_ppl_printed=ppl["running_ppl"][c] if c < len(ppl["running_ppl"]) else None))
-    return dict(n_ctx=n_ctx, n_vocab=kl["n_vocab"], n_chunk=kl["n_chunk"], first_scored=first, chunks=chunks,
-                final_ppl=ppl["final_ppl"], final_ppl_err=ppl["final_ppl_err"],
-                final_ppl_source=ppl["final_ppl_source"],
-                mean_top1_prob=round(float(np.mean(all_top1p)), 5),
-                share_margin_gt_0_5=round(float(np.mean(np.array(all_margin) > 0.5)), 5),
-                share_margin_gt_0_1=round(float(np.mean(np.array(all_margin) > 0.1)), 5),
-                share_top1_is_input=round(float(np.mean(top1_is_input)), 5),
-                n_distinct_top1=len({t for c in chunks for t in c["top1"]}),
-                min_margin=round(float(np.min(all_margin)), 6))
+        chunks.append(
+            dict(
+                tokens=toks,
+                scored_positions=positions,
+                top1=top1,
+                margin=margin,
+                target_logprob=target_lp,
+                target_at_floor=floor_flags,
+                topk_ids=topk_ids,
+                topk_logprob=topk_lp,
+                logprob_floor=[round(float(x), 5) for x in kl["floor"][c]],
+                logprob_step=[float(x) for x in kl["scale"][c]],
+                ppl_from_dump=round(math.exp(nll / len(positions)), 5),
+                running_ppl_printed=ppl["running_ppl"][c] if c < len(ppl["running_ppl"]) else None,
+            )
+        )
+    return dict(
+        n_ctx=n_ctx,
+        n_vocab=kl["n_vocab"],
+        n_chunk=kl["n_chunk"],
+        first_scored=first,
+        chunks=chunks,
+        final_ppl=ppl["final_ppl"],
+        final_ppl_err=ppl["final_ppl_err"],
+        final_ppl_source=ppl["final_ppl_source"],
+        mean_top1_prob=round(float(np.mean(all_top1p)), 5),
+        share_margin_gt_0_5=round(float(np.mean(np.array(all_margin) > 0.5)), 5),
+        share_margin_gt_0_1=round(float(np.mean(np.array(all_margin) > 0.1)), 5),
+        share_top1_is_input=round(float(np.mean(top1_is_input)), 5),
+        n_distinct_top1=len({t for c in chunks for t in c["top1"]}),
+        min_margin=round(float(np.min(all_margin)), 6),
+    )
 
 
 def compare_with_f32(summ: dict, f32: dict) -> dict:
@@ -705,15 +973,20 @@ def compare_with_f32(summ: dict, f32: dict) -> dict:
             same.append(t == t32)
             if m32 > 0.1:
                 same_clear.append(t == t32)
-    return dict(f32_final_ppl=f32["final_ppl"], f32_final_ppl_err=f32["final_ppl_err"],
-                f32_mean_top1_prob=f32["mean_top1_prob"],
-                agreement_with_f32=round(float(np.mean(same)), 5),
-                agreement_with_f32_margin_gt_0_1=round(float(np.mean(same_clear)), 5) if same_clear else None,
-                n_scored=len(same), n_scored_f32_margin_gt_0_1=len(same_clear))
+    return dict(
+        f32_final_ppl=f32["final_ppl"],
+        f32_final_ppl_err=f32["final_ppl_err"],
+        f32_mean_top1_prob=f32["mean_top1_prob"],
+        agreement_with_f32=round(float(np.mean(same)), 5),
+        agreement_with_f32_margin_gt_0_1=round(float(np.mean(same_clear)), 5) if same_clear else None,
+        n_scored=len(same),
+        n_scored_f32_margin_gt_0_1=len(same_clear),
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # 4. llama-server references for real models
+
 
 def free_port() -> int:
     with contextlib.closing(socket.socket()) as s:
@@ -722,8 +995,9 @@ def free_port() -> int:
 
 
 def _post(port: int, path: str, body: dict, timeout=120) -> dict:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -732,9 +1006,22 @@ def _post(port: int, path: str, body: dict, timeout=120) -> dict:
 def llama_server(llama_dir: Path, model: Path, n_ctx: int):
     """Runs llama-server on 127.0.0.1 (free port) with `model` until the block ends; yields the port."""
     port = free_port()
-    cmd = [str(llama_dir / "llama-server"), "-m", str(model), "-c", str(n_ctx), "-t", "2", "--no-webui",
-           "--no-repack", "--host", "127.0.0.1", "--port", str(port)]
-    logf = tempfile.TemporaryFile()
+    cmd = [
+        str(llama_dir / "llama-server"),
+        "-m",
+        str(model),
+        "-c",
+        str(n_ctx),
+        "-t",
+        "2",
+        "--no-webui",
+        "--no-repack",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    logf = tempfile.TemporaryFile()  # noqa: SIM115 (the server's log, read after it stops)
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)
     try:
         deadline = time.time() + 180
@@ -783,54 +1070,97 @@ def spm_tokenize_reference(llama_dir: Path, model: Path) -> list[dict]:
                 ids = _post(port, "/tokenize", body)["tokens"]
                 pieces = _pieces(_post(port, "/tokenize", dict(body, with_pieces=True)))
                 assert all(isinstance(i, int) for i in ids) and len(pieces) == len(ids), (text, ids, pieces)
-                cases.append(dict(text=text, add_special=add_special, parse_special=parse_special, tokens=ids,
-                                  pieces=pieces))
+                cases.append(
+                    dict(text=text, add_special=add_special, parse_special=parse_special, tokens=ids, pieces=pieces)
+                )
     return cases
 
 
 def server_reference(llama_dir: Path, model: Path, out_json: Path, tokenize: list[str], complete: list[str]):
     with llama_server(llama_dir, model, 2048) as port:
         props = {}
-        with contextlib.suppress(Exception):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=10) as r:
-                props = json.loads(r.read())
+        with contextlib.suppress(Exception), urllib.request.urlopen(f"http://127.0.0.1:{port}/props", timeout=10) as r:
+            props = json.loads(r.read())
         toks = []
         for s in tokenize:
             ids = _post(port, "/tokenize", {"content": s, "add_special": True, "parse_special": True})["tokens"]
-            pieces = _post(port, "/tokenize", {"content": s, "add_special": True, "parse_special": True,
-                                               "with_pieces": True}).get("tokens")
-            toks.append(dict(text=s, add_special=True, parse_special=True, tokens=ids,
-                             pieces=[p.get("piece") if isinstance(p, dict) else None for p in pieces]
-                             if pieces and isinstance(pieces[0], dict) else None))
+            pieces = _post(
+                port, "/tokenize", {"content": s, "add_special": True, "parse_special": True, "with_pieces": True}
+            ).get("tokens")
+            toks.append(
+                dict(
+                    text=s,
+                    add_special=True,
+                    parse_special=True,
+                    tokens=ids,
+                    pieces=[p.get("piece") if isinstance(p, dict) else None for p in pieces]
+                    if pieces and isinstance(pieces[0], dict)
+                    else None,
+                )
+            )
         comps = []
         for s in complete:
-            body = {"prompt": s, "n_predict": REAL_N_PREDICT, "temperature": 0, "cache_prompt": False,
-                    "return_tokens": True, "seed": 0}
+            body = {
+                "prompt": s,
+                "n_predict": REAL_N_PREDICT,
+                "temperature": 0,
+                "cache_prompt": False,
+                "return_tokens": True,
+                "seed": 0,
+            }
             r = _post(port, "/completion", body, timeout=300)
             prompt_ids = _post(port, "/tokenize", {"content": s, "add_special": True, "parse_special": True})["tokens"]
-            comps.append(dict(prompt=s, request=body, prompt_tokens=prompt_ids, content=r.get("content"),
-                              tokens=r.get("tokens"), tokens_predicted=r.get("tokens_predicted"),
-                              stop_type=r.get("stop_type"), stopped_eos=r.get("stopped_eos"),
-                              stopped_limit=r.get("stopped_limit")))
+            comps.append(
+                dict(
+                    prompt=s,
+                    request=body,
+                    prompt_tokens=prompt_ids,
+                    content=r.get("content"),
+                    tokens=r.get("tokens"),
+                    tokens_predicted=r.get("tokens_predicted"),
+                    stop_type=r.get("stop_type"),
+                    stopped_eos=r.get("stopped_eos"),
+                    stopped_limit=r.get("stopped_limit"),
+                )
+            )
         try:
             shown = str(model.resolve().relative_to(REPO))
         except ValueError:
             shown = str(model)
-        meta = {"model_file": shown, "model_size_bytes": model.stat().st_size,
-                "server_cmd": ["llama-server", "-m", model.name, "-c", "2048", "-t", "2", "--no-webui",
-                               "--no-repack", "--host", "127.0.0.1", "--port", "<free>"],
-                "llama_cpp": llama_cpp_version(llama_dir),
-                "props_build_info": props.get("build_info"),
-                "bos_token": props.get("bos_token"), "eos_token": props.get("eos_token"),
-                "tokenize": toks, "completions": comps,
-                "notes": "tokens from POST /tokenize {content, add_special: true, parse_special: true}; completions "
-                         "from POST /completion with temperature 0 (greedy), n_predict 24, cache_prompt false; "
-                         "'tokens' are the generated token ids (return_tokens)."}
+        meta = {
+            "model_file": shown,
+            "model_size_bytes": model.stat().st_size,
+            "server_cmd": [
+                "llama-server",
+                "-m",
+                model.name,
+                "-c",
+                "2048",
+                "-t",
+                "2",
+                "--no-webui",
+                "--no-repack",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "<free>",
+            ],
+            "llama_cpp": llama_cpp_version(llama_dir),
+            "props_build_info": props.get("build_info"),
+            "bos_token": props.get("bos_token"),
+            "eos_token": props.get("eos_token"),
+            "tokenize": toks,
+            "completions": comps,
+            "notes": "tokens from POST /tokenize {content, add_special: true, parse_special: true}; completions "
+            "from POST /completion with temperature 0 (greedy), n_predict 24, cache_prompt false; "
+            "'tokens' are the generated token ids (return_tokens).",
+        }
         out_json.write_text(json.dumps(meta, indent=1, ensure_ascii=False) + "\n")
         log("wrote", out_json)
 
 
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def llama_cpp_version(llama_dir: Path) -> dict:
     r = subprocess.run([str(llama_dir / "llama-perplexity"), "--version"], capture_output=True, text=True)
@@ -839,31 +1169,43 @@ def llama_cpp_version(llama_dir: Path) -> dict:
     src = llama_dir / "src" / "vendor" / "llama.cpp"
     full = None
     with contextlib.suppress(Exception):
-        full = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip() or None
+        full = (
+            subprocess.run(
+                ["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, check=True
+            ).stdout.strip()
+            or None
+        )
     pkg = sorted(p.name for p in llama_dir.glob("llama_cpp_python-*.tar.gz"))
-    return {"version_output": text, "commit": m.group(1) if m else None, "source_commit": full,
-            "source_package": pkg[0] if pkg else None}
+    return {
+        "version_output": text,
+        "commit": m.group(1) if m else None,
+        "source_commit": full,
+        "source_package": pkg[0] if pkg else None,
+    }
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--llama-dir", default=os.environ.get("LLAMA_SERVER_DIR",
-                                                          str(Path.home() / ".cache" / "llama-server-peer")))
+    ap.add_argument(
+        "--llama-dir", default=os.environ.get("LLAMA_SERVER_DIR", str(Path.home() / ".cache" / "llama-server-peer"))
+    )
     ap.add_argument("--out", default=str(OUT_DIR))
     ap.add_argument("--only", default="", help="comma separated subset of: " + ",".join(ARCHS))
     ap.add_argument("--skip-server", action="store_true", help="skip the real-model llama-server references")
     ap.add_argument("--server-only", action="store_true", help="only the real-model llama-server references")
     ap.add_argument("--gemma-real", default="/tmp/gemma/gemma-3-270m-q4_k_m.gguf")
     ap.add_argument("--keep-tmp", action="store_true")
-    ap.add_argument("--spm-pkgs", default=os.environ.get("SPM_PKGS", DEFAULT_SPM_PKGS),
-                    help="directory with the sentencepiece and protobuf packages (pip install --target DIR "
-                         "sentencepiece protobuf), needed for the *-spm entries")
+    ap.add_argument(
+        "--spm-pkgs",
+        default=os.environ.get("SPM_PKGS", DEFAULT_SPM_PKGS),
+        help="directory with the sentencepiece and protobuf packages (pip install --target DIR "
+        "sentencepiece protobuf), needed for the *-spm entries",
+    )
     args = ap.parse_args()
 
     llama_dir = Path(args.llama_dir).expanduser()
     src = llama_dir / "src" / "vendor" / "llama.cpp"
-    sys.path.insert(0, str(src / "gguf-py"))   # read GGUFs with llama.cpp's own gguf-py
+    sys.path.insert(0, str(src / "gguf-py"))  # read GGUFs with llama.cpp's own gguf-py
     for t in ("llama-quantize", "llama-perplexity", "llama-server"):
         if not (llama_dir / t).exists():
             sys.exit(f"{llama_dir / t} missing: run bash /work/shared/peers/build-llama-server.sh first")
@@ -881,8 +1223,13 @@ def main():
                 log("skip gemma3 270m reference:", real, "missing")
             smol = sorted((REPO / ".venv").rglob("SmolLM2*.gguf"))
             if smol:
-                server_reference(llama_dir, smol[0], out_dir / "smollm2-llamacpp.json",
-                                 REAL_TOKENIZE + ["<|im_start|>user\nHi<|im_end|>\n"], REAL_COMPLETE)
+                server_reference(
+                    llama_dir,
+                    smol[0],
+                    out_dir / "smollm2-llamacpp.json",
+                    REAL_TOKENIZE + ["<|im_start|>user\nHi<|im_end|>\n"],
+                    REAL_COMPLETE,
+                )
             else:
                 log("skip SmolLM2 reference: no SmolLM2*.gguf under .venv")
     finally:
@@ -899,9 +1246,11 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
             sys.exit(f"unknown arch {a}")
     todo = [n for n in ARCHS if not only or n in only]
     if any("spm" in ARCHS[n] for n in todo) and not spm_available(args.spm_pkgs):
-        sys.exit(f"the *-spm entries need sentencepiece + protobuf (not in the project venv): "
-                 f"{sys.executable} -m pip install --target {args.spm_pkgs} sentencepiece protobuf "
-                 f"(or --spm-pkgs DIR), or leave them out with --only")
+        sys.exit(
+            f"the *-spm entries need sentencepiece + protobuf (not in the project venv): "
+            f"{sys.executable} -m pip install --target {args.spm_pkgs} sentencepiece protobuf "
+            f"(or --spm-pkgs DIR), or leave them out with --only"
+        )
     tok_dir = tmp / "tokenizer"
     vocab = train_tokenizer(tok_dir)
     log("tokenizer vocab", vocab)
@@ -940,11 +1289,16 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
             # llama.cpp on the unquantized model, same settings: the yardstick for how much quantization (and
             # llama.cpp's own activation rounding on quantized weights) moves its answers
             f32_meta = gguf_meta(f32, src)
-            f32_summ = summarize(run_perplexity(llama_dir, f32, tmp), f32_meta.get("tokenizer.ggml.bos_token_id"),
-                                 bool(f32_meta.get("tokenizer.ggml.add_bos_token", False)))
-            log(f"{name} f32: PPL {f32_summ['final_ppl']:.4f}  top1p {f32_summ['mean_top1_prob']:.3f}  margin>0.1 "
+            f32_summ = summarize(
+                run_perplexity(llama_dir, f32, tmp),
+                f32_meta.get("tokenizer.ggml.bos_token_id"),
+                bool(f32_meta.get("tokenizer.ggml.add_bos_token", False)),
+            )
+            log(
+                f"{name} f32: PPL {f32_summ['final_ppl']:.4f}  top1p {f32_summ['mean_top1_prob']:.3f}  margin>0.1 "
                 f"{f32_summ['share_margin_gt_0_1']:.3f}  top1==input {f32_summ['share_top1_is_input']:.3f}  "
-                f"distinct top1 {f32_summ['n_distinct_top1']}")
+                f"distinct top1 {f32_summ['n_distinct_top1']}"
+            )
             for q in spec["quants"]:
                 fname = f"{name}-{q.lower()}.gguf"
                 dst = out_dir / fname
@@ -965,18 +1319,31 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
                     extra["notes"] = SPM_NOTES
                     log(f"{fname}: {len(extra['tokenize'])} tokenize cases")
                 files[fname] = dict(
-                    file=fname, arch=name, gguf_arch=meta.get("general.architecture"), hf_architecture=arch_cfg.get(
-                        "architectures", [None])[0], hf_model_type=arch_cfg.get("model_type"), quant=q,
-                    size_bytes=dst.stat().st_size, tensor_types=counts, tensor_type_by_name=per_tensor,
-                    add_bos=add_bos, bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
-                    eos_token_id=meta.get("tokenizer.ggml.eos_token_id"), hf_mean_top1_prob=round(peak, 4),
+                    file=fname,
+                    arch=name,
+                    gguf_arch=meta.get("general.architecture"),
+                    hf_architecture=arch_cfg.get("architectures", [None])[0],
+                    hf_model_type=arch_cfg.get("model_type"),
+                    quant=q,
+                    size_bytes=dst.stat().st_size,
+                    tensor_types=counts,
+                    tensor_type_by_name=per_tensor,
+                    add_bos=add_bos,
+                    bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+                    eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+                    hf_mean_top1_prob=round(peak, 4),
                     final_norm_scale=round(calib, 5),
-                    hf_config=arch_cfg, commands=dict(convert=conv_cmd, quantize=q_cmd, perplexity=ppl["cmd"]),
-                    **extra, **summ)
-                log(f"{fname}: {dst.stat().st_size/1e6:.2f} MB  PPL {summ['final_ppl']:.4f} (f32 "
+                    hf_config=arch_cfg,
+                    commands=dict(convert=conv_cmd, quantize=q_cmd, perplexity=ppl["cmd"]),
+                    **extra,
+                    **summ,
+                )
+                log(
+                    f"{fname}: {dst.stat().st_size / 1e6:.2f} MB  PPL {summ['final_ppl']:.4f} (f32 "
                     f"{summ['f32_final_ppl']:.4f})  top1p {summ['mean_top1_prob']:.3f} (hf f32 {peak:.3f})  "
                     f"agree_f32 {summ['agreement_with_f32']:.4f} (margin>0.1 "
-                    f"{summ['agreement_with_f32_margin_gt_0_1']:.4f})  types {counts}")
+                    f"{summ['agreement_with_f32_margin_gt_0_1']:.4f})  types {counts}"
+                )
             f32.unlink()
             shutil.rmtree(mdir)
         except Exception as e:  # keep going with the other architectures
@@ -987,10 +1354,20 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
         "generator": "scripts/make_reference_ggufs.py",
         "llama_cpp": llama_cpp_version(llama_dir),
         "text_file": "tests/data/english.txt",
-        "tokenizer": {"type": "byte-level BPE (tokenizers), GPT-2 pre-tokenizer regex", "vocab_size": vocab,
-                      "bos": "<s>", "eos": "</s>", "trained_on": "tests/data/english.txt"},
-        "perplexity": {"n_ctx": PPL_CTX, "n_batch": PPL_CTX, "threads": PPL_THREADS, "chunks": PPL_CHUNKS,
-                       "topk": TOPK},
+        "tokenizer": {
+            "type": "byte-level BPE (tokenizers), GPT-2 pre-tokenizer regex",
+            "vocab_size": vocab,
+            "bos": "<s>",
+            "eos": "</s>",
+            "trained_on": "tests/data/english.txt",
+        },
+        "perplexity": {
+            "n_ctx": PPL_CTX,
+            "n_batch": PPL_CTX,
+            "threads": PPL_THREADS,
+            "chunks": PPL_CHUNKS,
+            "topk": TOPK,
+        },
         "conventions": CONVENTIONS,
         "files": dict(sorted(files.items())),
         "failures": failures,
@@ -1001,37 +1378,52 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
 
 def spm_vocab_size(tok_dir: Path) -> int:
     import sentencepiece as spm
+
     return spm.SentencePieceProcessor(model_file=str(tok_dir / "tokenizer.model")).vocab_size()
 
 
 def spm_tokenizer_info(tok_dir: Path, flavor: str, vocab: int) -> dict:
     import hashlib
+
     fl = SPM_FLAVORS[flavor]
-    return {"type": "sentencepiece BPE (sentencepiece package), byte_fallback, split_digits, identity normalization, "
-                    "remove_extra_whitespaces false", "flavor": flavor, "vocab_size": vocab,
-            "add_dummy_prefix": fl["add_dummy_prefix"], "ids": fl["ids"],
-            "bos": fl["bos"], "eos": fl["eos"], "unk": fl["unk"], "pad": fl["pad"],
-            "user_defined_symbols": SPM_USER_DEFINED, "control_symbols": SPM_CONTROL,
-            "required_chars": "0123456789", "trained_on": "tests/data/english.txt",
-            "tokenizer_model_sha256": hashlib.sha256((tok_dir / "tokenizer.model").read_bytes()).hexdigest()}
+    return {
+        "type": "sentencepiece BPE (sentencepiece package), byte_fallback, split_digits, identity normalization, "
+        "remove_extra_whitespaces false",
+        "flavor": flavor,
+        "vocab_size": vocab,
+        "add_dummy_prefix": fl["add_dummy_prefix"],
+        "ids": fl["ids"],
+        "bos": fl["bos"],
+        "eos": fl["eos"],
+        "unk": fl["unk"],
+        "pad": fl["pad"],
+        "user_defined_symbols": SPM_USER_DEFINED,
+        "control_symbols": SPM_CONTROL,
+        "required_chars": "0123456789",
+        "trained_on": "tests/data/english.txt",
+        "tokenizer_model_sha256": hashlib.sha256((tok_dir / "tokenizer.model").read_bytes()).hexdigest(),
+    }
 
 
 def spm_gguf_info(path: Path) -> dict:
     """The tokenizer keys of an SPM GGUF and its token-type counts (1 normal, 2 unknown, 3 control, 4 user defined,
     5 unused, 6 byte)."""
     import gguf
+
     reader = gguf.GGUFReader(str(path))
     out = {}
     for k, f in reader.fields.items():
-        if k.startswith("tokenizer.ggml.") and k not in ("tokenizer.ggml.tokens", "tokenizer.ggml.scores",
-                                                          "tokenizer.ggml.token_type"):
+        if k.startswith("tokenizer.ggml.") and k not in (
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.scores",
+            "tokenizer.ggml.token_type",
+        ):
             with contextlib.suppress(Exception):
                 out[k] = f.contents()
     types = reader.fields["tokenizer.ggml.token_type"].contents()
     tokens = reader.fields["tokenizer.ggml.tokens"].contents()
     out["token_type_counts"] = {str(t): c for t, c in sorted(collections.Counter(int(x) for x in types).items())}
-    out["non_normal_tokens"] = {str(i): [tokens[i], int(t)] for i, t in enumerate(types)
-                                if int(t) not in (1, 6)}
+    out["non_normal_tokens"] = {str(i): [tokens[i], int(t)] for i, t in enumerate(types) if int(t) not in (1, 6)}
     return out
 
 
@@ -1040,16 +1432,22 @@ SPM_NOTES = (
     "{content, add_special, parse_special} (ids) and the same with with_pieces (pieces: a string, or a list of byte "
     "values when the piece is not valid UTF-8, e.g. a lone byte-fallback token), llama-server -c 256 -t 2 --no-webui "
     "--no-repack on 127.0.0.1. Every string with add_special true and false (parse_special true); strings containing "
-    "'<' also with parse_special false. add_special adds BOS (add_bos_token true), never EOS.")
+    "'<' also with parse_special false. add_special adds BOS (add_bos_token true), never EOS."
+)
 
 
 def gguf_meta(path: Path, gguf_src: Path) -> dict:
     import gguf
+
     reader = gguf.GGUFReader(str(path))
     out = {}
     for k, f in reader.fields.items():
-        if k in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
-                 "tokenizer.ggml.scores"):
+        if k in (
+            "tokenizer.ggml.tokens",
+            "tokenizer.ggml.merges",
+            "tokenizer.ggml.token_type",
+            "tokenizer.ggml.scores",
+        ):
             continue
         try:
             out[k] = f.contents()

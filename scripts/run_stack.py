@@ -10,6 +10,7 @@ With --require-secret (the container images' command) JWT_SECRET must come from 
 the stack refuses to start, nothing is written and no token is printed. The ports and the proxy's address
 also come from the environment there (PORT, PROXY_PORT, PROXY_HOST), as the server and the proxy read them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,22 +67,38 @@ def wait_ready(url: str, procs: list[subprocess.Popen], timeout: float) -> dict:
     raise RuntimeError(f"{url} not ready after {timeout:.0f}s")
 
 
-MISSING_SECRET = ("JWT_SECRET is not set: refusing to start an open model server. Pass a secret of at least 32 "
-                  "random bytes, e.g. docker run -e JWT_SECRET=\"$(openssl rand -base64 48)\" -p 1223:1223 IMAGE")
+MISSING_SECRET = (
+    "JWT_SECRET is not set: refusing to start an open model server. Pass a secret of at least 32 "
+    'random bytes, e.g. docker run -e JWT_SECRET="$(openssl rand -base64 48)" -p 1223:1223 IMAGE'
+)
 
 
 def main() -> int:
     env_in = os.environ
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--server-port", type=int, default=int(env_in.get("PORT") or 8000),
-                    help="the server's port on 127.0.0.1 (env PORT)")
-    ap.add_argument("--proxy-port", type=int, default=int(env_in.get("PROXY_PORT") or 1223),
-                    help="the proxy's port (env PROXY_PORT)")
-    ap.add_argument("--proxy-host", default=env_in.get("PROXY_HOST") or "0.0.0.0",
-                    help="the proxy's listen address, the stack's public side (env PROXY_HOST)")
+    ap.add_argument(
+        "--server-port",
+        type=int,
+        default=int(env_in.get("PORT") or 8000),
+        help="the server's port on 127.0.0.1 (env PORT)",
+    )
+    ap.add_argument(
+        "--proxy-port",
+        type=int,
+        default=int(env_in.get("PROXY_PORT") or 1223),
+        help="the proxy's port (env PROXY_PORT)",
+    )
+    ap.add_argument(
+        "--proxy-host",
+        default=env_in.get("PROXY_HOST") or "0.0.0.0",
+        help="the proxy's listen address, the stack's public side (env PROXY_HOST)",
+    )
     ap.add_argument("--env-file", type=Path, default=ROOT / ".env", help="where JWT_SECRET is kept")
-    ap.add_argument("--require-secret", action="store_true",
-                    help="JWT_SECRET must be in the environment: never generated, never printed in a token")
+    ap.add_argument(
+        "--require-secret",
+        action="store_true",
+        help="JWT_SECRET must be in the environment: never generated, never printed in a token",
+    )
     ap.add_argument("--ready-timeout", type=float, default=600)
     args, server_flags = ap.parse_known_args()
 
@@ -96,10 +113,35 @@ def main() -> int:
     env.setdefault("PYTHONUNBUFFERED", "1")
     server_url = f"http://127.0.0.1:{args.server_port}"
     procs = [
-        subprocess.Popen([sys.executable, "-m", "inference_api", "--host", "127.0.0.1",
-                          "--port", str(args.server_port), *server_flags], cwd=ROOT, env=env),
-        subprocess.Popen([sys.executable, "-m", "proxy", "--host", args.proxy_host, "--port", str(args.proxy_port),
-                          "--upstream", server_url], cwd=ROOT, env=env),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "inference_api",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(args.server_port),
+                *server_flags,
+            ],
+            cwd=ROOT,
+            env=env,
+        ),
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "proxy",
+                "--host",
+                args.proxy_host,
+                "--port",
+                str(args.proxy_port),
+                "--upstream",
+                server_url,
+            ],
+            cwd=ROOT,
+            env=env,
+        ),
     ]
 
     def stop(*_):
@@ -123,20 +165,29 @@ def main() -> int:
         health = wait_ready(server_url, procs, args.ready_timeout)
         wait_ready(f"http://127.0.0.1:{args.proxy_port}", procs, 60)
         if args.require_secret:
-            print(f"\nReady: {health['model']} behind the JWT proxy on port {args.proxy_port} (the server listens "
-                  f"on 127.0.0.1:{args.server_port} only). Make a token with scripts/jwt_util.py and your "
-                  f"JWT_SECRET; the chat page is at / on the same port.\n", flush=True)
+            print(
+                f"\nReady: {health['model']} behind the JWT proxy on port {args.proxy_port} (the server listens "
+                f"on 127.0.0.1:{args.server_port} only). Make a token with scripts/jwt_util.py and your "
+                f"JWT_SECRET; the chat page is at / on the same port.\n",
+                flush=True,
+            )
             return _wait(procs)
-        token = jwt.encode({"team_id": "local", "token_id": "readme", "exp": int(time.time()) + 30 * 86400},
-                           env["JWT_SECRET"], algorithm="HS256")
-        print(f"\nReady: {health['model']} behind the JWT proxy on port {args.proxy_port}. Try:\n\n"
-              f"curl -N http://127.0.0.1:{args.proxy_port}/predictions/{quote(health['model'], safe='/')} \\\n"
-              f"  -H 'Authorization: Bearer {token}' \\\n"
-              f"  -H 'Content-Type: application/json' \\\n"
-              f"  -d '{{\"text\": \"What is the capital of France?\", \"max_tokens\": 64}}'\n\n"
-              f"Or chat in a browser: http://127.0.0.1:{args.proxy_port}/ (paste the token after 'Bearer' "
-              f"when the page asks).\n\n"
-              f"Ctrl-C drains and stops both processes.\n", flush=True)
+        token = jwt.encode(
+            {"team_id": "local", "token_id": "readme", "exp": int(time.time()) + 30 * 86400},
+            env["JWT_SECRET"],
+            algorithm="HS256",
+        )
+        print(
+            f"\nReady: {health['model']} behind the JWT proxy on port {args.proxy_port}. Try:\n\n"
+            f"curl -N http://127.0.0.1:{args.proxy_port}/predictions/{quote(health['model'], safe='/')} \\\n"
+            f"  -H 'Authorization: Bearer {token}' \\\n"
+            f"  -H 'Content-Type: application/json' \\\n"
+            f'  -d \'{{"text": "What is the capital of France?", "max_tokens": 64}}\'\n\n'
+            f"Or chat in a browser: http://127.0.0.1:{args.proxy_port}/ (paste the token after 'Bearer' "
+            f"when the page asks).\n\n"
+            f"Ctrl-C drains and stops both processes.\n",
+            flush=True,
+        )
         return _wait(procs)
     except KeyboardInterrupt:
         return 0

@@ -1,17 +1,18 @@
 """Shared fixtures: one real-model server and one mock server per test session, on loopback."""
+
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-
 from servers import MODEL_CACHE, MODEL_NAME, ServerProcess
 
 
 def _real_model_server(*precision: str):
     """The embedded model with the tests' context and queue, and these precision flags."""
-    server = ServerProcess("--model-cache-dir", MODEL_CACHE, "--context-length", "1024", "--max-waiting", "64",
-                           *precision)
+    server = ServerProcess(
+        "--model-cache-dir", MODEL_CACHE, "--context-length", "1024", "--max-waiting", "64", *precision
+    )
     yield server
     server.stop()
 

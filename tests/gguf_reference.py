@@ -22,12 +22,14 @@ Conventions (also in reference.json["conventions"]):
   * top1_f32 / f32_final_ppl / agreement_with_f32: llama.cpp's results on the unquantized f32 GGUF of the same model
     (same settings), i.e. how far quantization alone moves llama.cpp itself.
 """
+
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 GGUF_DIR = Path(__file__).resolve().parent / "data" / "gguf"
 REFERENCE_JSON = GGUF_DIR / "reference.json"
@@ -35,17 +37,17 @@ REFERENCE_JSON = GGUF_DIR / "reference.json"
 
 @dataclass(frozen=True)
 class ScoredPosition:
-    position: int                 # index into Chunk.tokens whose output logits were scored
-    target: int                   # Chunk.tokens[position + 1]
-    top1: int                     # llama.cpp's argmax
-    margin: float                 # logprob(top1) - logprob(top2)
-    target_logprob: float         # logprob of the actual next token (== logprob_floor when target_at_floor)
+    position: int  # index into Chunk.tokens whose output logits were scored
+    target: int  # Chunk.tokens[position + 1]
+    top1: int  # llama.cpp's argmax
+    margin: float  # logprob(top1) - logprob(top2)
+    target_logprob: float  # logprob of the actual next token (== logprob_floor when target_at_floor)
     target_at_floor: bool
     topk_ids: tuple[int, ...]
     topk_logprob: tuple[float, ...]
-    logprob_floor: float          # values at or below this were clipped by llama.cpp's dump format
-    logprob_step: float           # quantization step of this row's log-probs
-    top1_f32: int | None = None   # llama.cpp's argmax on the f32 GGUF of the same model
+    logprob_floor: float  # values at or below this were clipped by llama.cpp's dump format
+    logprob_step: float  # quantization step of this row's log-probs
+    top1_f32: int | None = None  # llama.cpp's argmax on the f32 GGUF of the same model
     margin_f32: float | None = None
 
 
@@ -62,29 +64,37 @@ class Chunk:
     topk_logprob: tuple[tuple[float, ...], ...]
     logprob_floor: tuple[float, ...]
     logprob_step: tuple[float, ...]
-    ppl_from_dump: float          # exp(-mean target_logprob) for this chunk alone (floor-clipped values included)
+    ppl_from_dump: float  # exp(-mean target_logprob) for this chunk alone (floor-clipped values included)
     running_ppl_printed: float | None  # llama.cpp's printed running PPL after this chunk
-    top1_f32: tuple[int, ...] = ()     # llama.cpp's argmax on the f32 GGUF of the same model, per scored position
+    top1_f32: tuple[int, ...] = ()  # llama.cpp's argmax on the f32 GGUF of the same model, per scored position
     margin_f32: tuple[float, ...] = ()  # ... and its margin there
 
     def positions(self) -> Iterator[ScoredPosition]:
         for i, p in enumerate(self.scored_positions):
-            yield ScoredPosition(position=p, target=self.tokens[p + 1], top1=self.top1[i], margin=self.margin[i],
-                                 target_logprob=self.target_logprob[i], target_at_floor=self.target_at_floor[i],
-                                 topk_ids=self.topk_ids[i], topk_logprob=self.topk_logprob[i],
-                                 logprob_floor=self.logprob_floor[i], logprob_step=self.logprob_step[i],
-                                 top1_f32=self.top1_f32[i] if self.top1_f32 else None,
-                                 margin_f32=self.margin_f32[i] if self.margin_f32 else None)
+            yield ScoredPosition(
+                position=p,
+                target=self.tokens[p + 1],
+                top1=self.top1[i],
+                margin=self.margin[i],
+                target_logprob=self.target_logprob[i],
+                target_at_floor=self.target_at_floor[i],
+                topk_ids=self.topk_ids[i],
+                topk_logprob=self.topk_logprob[i],
+                logprob_floor=self.logprob_floor[i],
+                logprob_step=self.logprob_step[i],
+                top1_f32=self.top1_f32[i] if self.top1_f32 else None,
+                margin_f32=self.margin_f32[i] if self.margin_f32 else None,
+            )
 
 
 @dataclass(frozen=True)
 class ReferenceFile:
-    file: str                     # file name inside tests/data/gguf/
+    file: str  # file name inside tests/data/gguf/
     path: Path
-    arch: str                     # our name (ARCHS in the script): llama, llama3rope, gemma2, phi3longrope, ...
-    gguf_arch: str                # general.architecture in the GGUF
+    arch: str  # our name (ARCHS in the script): llama, llama3rope, gemma2, phi3longrope, ...
+    gguf_arch: str  # general.architecture in the GGUF
     hf_architecture: str
-    quant: str                    # llama-quantize type, e.g. Q4_K_M
+    quant: str  # llama-quantize type, e.g. Q4_K_M
     size_bytes: int
     tensor_types: dict[str, int]  # ggml type name -> number of tensors
     tensor_type_by_name: dict[str, str]
@@ -93,8 +103,8 @@ class ReferenceFile:
     eos_token_id: int | None
     n_ctx: int
     n_vocab: int
-    first_scored: int             # n_ctx // 2
-    final_ppl: float              # llama.cpp's "Final estimate: PPL"
+    first_scored: int  # n_ctx // 2
+    final_ppl: float  # llama.cpp's "Final estimate: PPL"
     final_ppl_err: float | None
     mean_top1_prob: float
     share_margin_gt_0_5: float
@@ -105,7 +115,7 @@ class ReferenceFile:
     # llama.cpp on the f32 (unquantized) GGUF of the same model, same settings:
     f32_final_ppl: float | None = None
     f32_mean_top1_prob: float | None = None
-    agreement_with_f32: float | None = None            # share of scored positions with top1 == top1_f32
+    agreement_with_f32: float | None = None  # share of scored positions with top1 == top1_f32
     agreement_with_f32_margin_gt_0_1: float | None = None  # the same where the f32 margin > 0.1
     share_margin_gt_0_1: float | None = None
     # only for files with LongRoPE factor tensors (phi3longrope): which factor set llama.cpp used, its attn_factor,
@@ -138,9 +148,10 @@ class ReferenceFile:
 @dataclass(frozen=True)
 class ServerReference:
     """llama-server's tokenization and greedy completions for a real model (gemma-3-270m, SmolLM2)."""
+
     model_file: str
-    tokenize: tuple[dict[str, Any], ...]      # {text, tokens, pieces, add_special, parse_special}
-    completions: tuple[dict[str, Any], ...]   # {prompt, prompt_tokens, content, tokens, request}
+    tokenize: tuple[dict[str, Any], ...]  # {text, tokens, pieces, add_special, parse_special}
+    completions: tuple[dict[str, Any], ...]  # {prompt, prompt_tokens, content, tokens, request}
     raw: dict[str, Any] = field(repr=False)
 
     def tokens_for(self, text: str) -> list[int]:
@@ -155,13 +166,23 @@ def load_reference_raw(path: Path | str = REFERENCE_JSON) -> dict[str, Any]:
 
 
 def _chunk(i: int, c: dict[str, Any]) -> Chunk:
-    return Chunk(index=i, tokens=tuple(c["tokens"]), scored_positions=tuple(c["scored_positions"]),
-                 top1=tuple(c["top1"]), margin=tuple(c["margin"]), target_logprob=tuple(c["target_logprob"]),
-                 target_at_floor=tuple(c["target_at_floor"]), topk_ids=tuple(tuple(x) for x in c["topk_ids"]),
-                 topk_logprob=tuple(tuple(x) for x in c["topk_logprob"]), logprob_floor=tuple(c["logprob_floor"]),
-                 logprob_step=tuple(c["logprob_step"]), ppl_from_dump=c["ppl_from_dump"],
-                 running_ppl_printed=c.get("running_ppl_printed"), top1_f32=tuple(c.get("top1_f32", ())),
-                 margin_f32=tuple(c.get("margin_f32", ())))
+    return Chunk(
+        index=i,
+        tokens=tuple(c["tokens"]),
+        scored_positions=tuple(c["scored_positions"]),
+        top1=tuple(c["top1"]),
+        margin=tuple(c["margin"]),
+        target_logprob=tuple(c["target_logprob"]),
+        target_at_floor=tuple(c["target_at_floor"]),
+        topk_ids=tuple(tuple(x) for x in c["topk_ids"]),
+        topk_logprob=tuple(tuple(x) for x in c["topk_logprob"]),
+        logprob_floor=tuple(c["logprob_floor"]),
+        logprob_step=tuple(c["logprob_step"]),
+        ppl_from_dump=c["ppl_from_dump"],
+        running_ppl_printed=c.get("running_ppl_printed"),
+        top1_f32=tuple(c.get("top1_f32", ())),
+        margin_f32=tuple(c.get("margin_f32", ())),
+    )
 
 
 def load_reference(path: Path | str = REFERENCE_JSON) -> dict[str, ReferenceFile]:
@@ -171,24 +192,45 @@ def load_reference(path: Path | str = REFERENCE_JSON) -> dict[str, ReferenceFile
     out: dict[str, ReferenceFile] = {}
     for name, f in sorted(data["files"].items()):
         out[name] = ReferenceFile(
-            file=name, path=path.parent / name, arch=f["arch"], gguf_arch=f["gguf_arch"],
-            hf_architecture=f["hf_architecture"], quant=f["quant"], size_bytes=f["size_bytes"],
-            tensor_types=dict(f["tensor_types"]), tensor_type_by_name=dict(f["tensor_type_by_name"]),
-            add_bos=f["add_bos"], bos_token_id=f.get("bos_token_id"), eos_token_id=f.get("eos_token_id"),
-            n_ctx=f["n_ctx"], n_vocab=f["n_vocab"], first_scored=f["first_scored"], final_ppl=f["final_ppl"],
-            final_ppl_err=f.get("final_ppl_err"), mean_top1_prob=f["mean_top1_prob"],
+            file=name,
+            path=path.parent / name,
+            arch=f["arch"],
+            gguf_arch=f["gguf_arch"],
+            hf_architecture=f["hf_architecture"],
+            quant=f["quant"],
+            size_bytes=f["size_bytes"],
+            tensor_types=dict(f["tensor_types"]),
+            tensor_type_by_name=dict(f["tensor_type_by_name"]),
+            add_bos=f["add_bos"],
+            bos_token_id=f.get("bos_token_id"),
+            eos_token_id=f.get("eos_token_id"),
+            n_ctx=f["n_ctx"],
+            n_vocab=f["n_vocab"],
+            first_scored=f["first_scored"],
+            final_ppl=f["final_ppl"],
+            final_ppl_err=f.get("final_ppl_err"),
+            mean_top1_prob=f["mean_top1_prob"],
             share_margin_gt_0_5=f["share_margin_gt_0_5"],
-            chunks=tuple(_chunk(i, c) for i, c in enumerate(f["chunks"])), hf_config=f.get("hf_config", {}),
-            commands=f.get("commands", {}), raw=f, f32_final_ppl=f.get("f32_final_ppl"),
-            f32_mean_top1_prob=f.get("f32_mean_top1_prob"), agreement_with_f32=f.get("agreement_with_f32"),
+            chunks=tuple(_chunk(i, c) for i, c in enumerate(f["chunks"])),
+            hf_config=f.get("hf_config", {}),
+            commands=f.get("commands", {}),
+            raw=f,
+            f32_final_ppl=f.get("f32_final_ppl"),
+            f32_mean_top1_prob=f.get("f32_mean_top1_prob"),
+            agreement_with_f32=f.get("agreement_with_f32"),
             agreement_with_f32_margin_gt_0_1=f.get("agreement_with_f32_margin_gt_0_1"),
-            share_margin_gt_0_1=f.get("share_margin_gt_0_1"), rope_scaling=f.get("rope_scaling"),
-            notes=f.get("notes"), tokenizer=f.get("tokenizer"), tokenize=tuple(f.get("tokenize", ())))
+            share_margin_gt_0_1=f.get("share_margin_gt_0_1"),
+            rope_scaling=f.get("rope_scaling"),
+            notes=f.get("notes"),
+            tokenizer=f.get("tokenizer"),
+            tokenize=tuple(f.get("tokenize", ())),
+        )
     return out
 
 
 def load_server_reference(name: str) -> ServerReference:
     """name: "gemma3-270m" or "smollm2" (tests/data/gguf/<name>-llamacpp.json)."""
     d = json.loads((GGUF_DIR / f"{name}-llamacpp.json").read_text(encoding="utf-8"))
-    return ServerReference(model_file=d["model_file"], tokenize=tuple(d["tokenize"]),
-                           completions=tuple(d["completions"]), raw=d)
+    return ServerReference(
+        model_file=d["model_file"], tokenize=tuple(d["tokenize"]), completions=tuple(d["completions"]), raw=d
+    )

@@ -1,4 +1,5 @@
 """Start real servers (gunicorn, real processes) on free loopback ports, for end-to-end tests."""
+
 from __future__ import annotations
 
 import os
@@ -27,16 +28,25 @@ def free_port() -> int:
 class Process:
     """A server subprocess on a free loopback port; ready once GET /health answers (any status unless told)."""
 
-    def __init__(self, argv: list[str], port: int, env: dict[str, str] | None = None, ready_timeout: float = 60,
-                 ready_status: int | None = None, stop_signal: int = signal.SIGTERM, cwd: Path = ROOT):
+    def __init__(
+        self,
+        argv: list[str],
+        port: int,
+        env: dict[str, str] | None = None,
+        ready_timeout: float = 60,
+        ready_status: int | None = None,
+        stop_signal: int = signal.SIGTERM,
+        cwd: Path = ROOT,
+    ):
         self.port = port
         self.stop_signal = stop_signal
         self.url = f"http://127.0.0.1:{port}"
-        self.log = tempfile.NamedTemporaryFile(prefix="test-server-", suffix=".log", delete=False)
+        self.log = tempfile.NamedTemporaryFile(prefix="test-server-", suffix=".log", delete=False)  # noqa: SIM115
         full_env = {k: v for k, v in os.environ.items() if k != "JWT_SECRET"}
         full_env.update({"PYTHONUNBUFFERED": "1", **(env or {})})
-        self.proc = subprocess.Popen(argv, cwd=cwd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            argv, cwd=cwd, env=full_env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         try:
             self._wait_ready(ready_timeout, ready_status)
         except BaseException:
@@ -78,8 +88,13 @@ class ServerProcess(Process):
         port = free_port()
         # free memory varies with whatever else the machine runs: a pre-flight refusal must not fail unrelated
         # tests (tests/test_preflight.py and test_lifecycle.py test the refusal itself)
-        super().__init__([sys.executable, "-m", "inference_api", "--port", str(port), *flags], port,
-                         env={"SKIP_PREFLIGHT": "1", **(env or {})}, ready_timeout=ready_timeout, ready_status=200)
+        super().__init__(
+            [sys.executable, "-m", "inference_api", "--port", str(port), *flags],
+            port,
+            env={"SKIP_PREFLIGHT": "1", **(env or {})},
+            ready_timeout=ready_timeout,
+            ready_status=200,
+        )
 
     def health(self) -> dict:
         return requests.get(self.url + "/health", timeout=5).json()
@@ -114,9 +129,24 @@ class RedisProcess:
     def __init__(self, port: int | None = None):
         self.port = port or free_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.proc = subprocess.Popen(["redis-server", "--bind", "127.0.0.1", "--port", str(self.port), "--save", "",
-                                      "--appendonly", "no", "--protected-mode", "yes"],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [
+                "redis-server",
+                "--bind",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--protected-mode",
+                "yes",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         import redis
 
         client = redis.Redis.from_url(self.url, socket_timeout=1)
@@ -128,7 +158,7 @@ class RedisProcess:
             except redis.RedisError:
                 if self.proc.poll() is not None or time.monotonic() > deadline:
                     self.stop()
-                    raise RuntimeError("redis-server did not start")
+                    raise RuntimeError("redis-server did not start") from None
                 time.sleep(0.05)
         self.client = client
 

@@ -6,6 +6,7 @@ fixed text stored beside them (scripts/make_reference_ggufs.py regenerates them;
 llama.cpp). Each file is served as the server serves it, in the default mode, straight from the GGUF, and must
 give llama-perplexity's perplexity within 1 % and its top-1 token on at least 98 % of the scored positions.
 """
+
 from __future__ import annotations
 
 import math
@@ -13,20 +14,21 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from gguf_reference import load_reference
+from servers import MODEL_CACHE
+
 from inference_api.config import ServerConfig
 from inference_api.engine.architectures import FAMILIES
 from inference_api.engine.process import build_engine
-from servers import MODEL_CACHE
 
 REFERENCE = load_reference()
 
 
 def serve(path: Path, **flags):
     """The engine the server builds for a GGUF file (the kernels and model folders in the suite's cache)."""
-    return build_engine(ServerConfig(model=str(path), model_cache_dir=Path(MODEL_CACHE), rows=2,
-                                     context_length=256, **flags))
+    return build_engine(
+        ServerConfig(model=str(path), model_cache_dir=Path(MODEL_CACHE), rows=2, context_length=256, **flags)
+    )
 
 
 def score(engine, ref) -> tuple[float, float]:
@@ -59,8 +61,10 @@ def test_a_gguf_gives_llama_cpps_perplexity_and_next_tokens(name):
     engine, ready = serve(ref.path)
     assert engine.runner.plan.model == "compact", "every family here runs on the compact decoder"
     ppl, agree = score(engine, ref)
-    print(f"\n{name}: perplexity {ppl:.1f} against llama.cpp's {ref.final_ppl:.1f} "
-          f"({(ppl / ref.final_ppl - 1) * 100:+.2f} %), top-1 {agree * 100:.1f} % of llama.cpp's")
+    print(
+        f"\n{name}: perplexity {ppl:.1f} against llama.cpp's {ref.final_ppl:.1f} "
+        f"({(ppl / ref.final_ppl - 1) * 100:+.2f} %), top-1 {agree * 100:.1f} % of llama.cpp's"
+    )
     assert abs(ppl / ref.final_ppl - 1) < 0.01
     assert agree >= 0.98
 
@@ -88,7 +92,7 @@ def test_the_file_decides_bos_and_the_tokenizer_splits_as_llama_cpp():
     text = Path(__file__).with_name("data").joinpath("english.txt").read_text()
     ids = engine.tokenizer.encode(text)
     assert ref.add_bos and ids[0] == ref.bos_token_id
-    assert ids[:ref.n_ctx] == list(ref.chunks[0].tokens)
+    assert ids[: ref.n_ctx] == list(ref.chunks[0].tokens)
 
 
 @pytest.mark.parametrize("kind", ["Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q8_0"])
@@ -97,14 +101,15 @@ def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
     equal to gguf-py's dequantization, through gguf-py's and through the kernels' own dequantization."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
+    from servers import MODEL_CACHE
 
     from inference_api.engine.gguf_blocks import packed
     from inference_api.engine.kernels import load_kernels
-    from servers import MODEL_CACHE
 
     files = [ref.path for ref in REFERENCE.values() if kind in ref.tensor_types]
-    tensor = next(t for f in files for t in GGUFReader(str(f)).tensors
-                  if t.tensor_type.name == kind and len(t.shape) == 2)
+    tensor = next(
+        t for f in files for t in GGUFReader(str(f)).tensors if t.tensor_type.name == kind and len(t.shape) == 2
+    )
     want = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).reshape(int(tensor.shape[1]), -1)
     assert torch.equal(packed(tensor).dequantize(), want)
     assert torch.equal(packed(tensor).dequantize(load_kernels(Path(MODEL_CACHE))), want)

@@ -1,4 +1,5 @@
 """scripts/bench.py against real servers on loopback, with tiny loads."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -9,13 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from servers import MODEL_CACHE, ServerProcess
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
 GGUF_DIR = Path(__file__).resolve().parent / "data" / "gguf"
-ONE_STREAM = (r"one stream, {}: ([\d.]+) MB read per token, ([\d.]+) tok/s = ([\d.]+) GB/s of ([\d.]+) GB/s probe "
-              r"\(ceiling (\d+) tok/s, (\d+) % of it\)")
+ONE_STREAM = (
+    r"one stream, {}: ([\d.]+) MB read per token, ([\d.]+) tok/s = ([\d.]+) GB/s of ([\d.]+) GB/s probe "
+    r"\(ceiling (\d+) tok/s, (\d+) % of it\)"
+)
 PROBE = r"read-bandwidth probe \((start|end)\): ([\d.]+) GB/s reading ([\d.]+) GiB"
 
 
@@ -75,8 +77,9 @@ def test_decode_bytes_count_one_embedding_row_unless_the_head_is_tied(module, tm
     assert module.decode_bytes(tmp_path / "tied.gguf") == (40 + 16) * 4
 
 
-@pytest.mark.parametrize("name, tied", [("llama-q4_0", False), ("mistral-q4_k_m", False), ("qwen2-q4_k_m", True),
-                                        ("gemma3-q4_k_m", True)])
+@pytest.mark.parametrize(
+    "name, tied", [("llama-q4_0", False), ("mistral-q4_k_m", False), ("qwen2-q4_k_m", True), ("gemma3-q4_k_m", True)]
+)
 def test_decode_bytes_of_quantized_files(module, name, tied):
     from gguf import GGUFReader
 
@@ -107,8 +110,7 @@ def test_read_bandwidth_probe_gives_a_positive_figure(module):
 
 def test_one_stream_against_the_read_bandwidth_for_server_and_peer(mock_server):
     """The mock stands in for the peer too; both are measured against the embedded model's bytes."""
-    result = bench("--url", mock_server.url, "--peer-url", mock_server.url, "--concurrency", "1",
-                   "--max-tokens", "8")
+    result = bench("--url", mock_server.url, "--peer-url", mock_server.url, "--concurrency", "1", "--max-tokens", "8")
     assert result.returncode == 0, result.stderr
     probes = re.findall(PROBE, result.stdout)
     assert [w for w, _, _ in probes] == ["start", "end"] and all(float(g) > 0 for _, g, _ in probes), result.stdout
@@ -130,8 +132,18 @@ def test_unknown_decode_bytes_leave_the_figures_out(mock_server):
 
 
 def test_fresh_prompts_start_with_a_tag_of_their_own_in_every_run(mock_server, monkeypatch):
-    result = bench("--url", mock_server.url, "--concurrency", "2", "--max-tokens", "40", "--fresh-prompts",
-                   "--api", "openai", "--ignore-eos")
+    result = bench(
+        "--url",
+        mock_server.url,
+        "--concurrency",
+        "2",
+        "--max-tokens",
+        "40",
+        "--fresh-prompts",
+        "--api",
+        "openai",
+        "--ignore-eos",
+    )
     assert result.returncode == 0, result.stderr
     assert len(rows(result.stdout)) == 2
     assert bench("--url", mock_server.url, "--ignore-eos").returncode != 0  # the native API has no ignore_eos

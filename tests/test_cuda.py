@@ -3,6 +3,7 @@
 Skipped where torch sees no CUDA device (CI has none); run on a GPU machine with
 ``python -m pytest tests/test_cuda.py``.
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -11,19 +12,28 @@ import pytest
 import requests
 import torch
 import torch.nn.functional as F
-
-from inference_api.engine.linear import Int4CudaLinear, linear_factory
-from inference_api.engine.quant import quantize_int4
 from servers import MODEL_CACHE, ServerProcess
 from test_native_real import MAX_TOKENS, PROMPTS, assert_greedy_equivalent, reference  # noqa: F401 (fixture)
 from test_quality import exact_plan, perplexity, plan_for, text_ids  # noqa: F401 (fixture)
+
+from inference_api.engine.linear import Int4CudaLinear, linear_factory
+from inference_api.engine.quant import quantize_int4
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
 def cuda_server(*precision: str) -> ServerProcess:
-    return ServerProcess("--model-cache-dir", MODEL_CACHE, "--device", "cuda", "--context-length", "1024",
-                         "--max-waiting", "64", *precision)
+    return ServerProcess(
+        "--model-cache-dir",
+        MODEL_CACHE,
+        "--device",
+        "cuda",
+        "--context-length",
+        "1024",
+        "--max-waiting",
+        "64",
+        *precision,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +54,11 @@ def answers(server, prompts: list[str], chat: list[bool], model_name: str, worke
     def one(job):
         prompt, templated = job
         route = "predictions" if templated else "inference"
-        r = requests.post(f"{server.url}/{route}/{model_name}", timeout=300,
-                          json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": False})
+        r = requests.post(
+            f"{server.url}/{route}/{model_name}",
+            timeout=300,
+            json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": False},
+        )
         assert r.status_code == 200, r.text
         return r.json()["text"]
 
@@ -71,20 +84,22 @@ def test_tinygemm_int4_linear_is_linear_on_the_dequantized_weight(bias):
         torch.testing.assert_close(y.float(), expected, rtol=0.02, atol=0.05)
 
 
-def test_default_cuda_perplexity_is_within_two_percent_of_exact(model_dir, text_ids):
+def test_default_cuda_perplexity_is_within_two_percent_of_exact(model_dir, text_ids):  # noqa: F811 (fixture)
     precision = plan_for("cuda")
     assert precision.quantize == "int4" and precision.kv_dtype == "bfloat16"  # the GGUF's blocks, bf16 cache
     exact = perplexity(model_dir, exact_plan("cuda"), text_ids)
     default = perplexity(model_dir, precision, text_ids)
     one_row = perplexity(model_dir, precision, text_ids, decode=True)
-    print(f"\nCUDA perplexity on {len(text_ids)} tokens: exact (float32) {exact:.3f}; default (int4 tinygemm, "
-          f"bfloat16): {default:.3f} ({(default / exact - 1) * 100:+.2f} %), one token at a time {one_row:.3f} "
-          f"({(one_row / exact - 1) * 100:+.2f} %)")
+    print(
+        f"\nCUDA perplexity on {len(text_ids)} tokens: exact (float32) {exact:.3f}; default (int4 tinygemm, "
+        f"bfloat16): {default:.3f} ({(default / exact - 1) * 100:+.2f} %), one token at a time {one_row:.3f} "
+        f"({(one_row / exact - 1) * 100:+.2f} %)"
+    )
     assert exact < 40
     assert default <= exact * 1.02 and one_row <= exact * 1.02
 
 
-def test_forty_concurrent_greedy_requests_on_cuda_float32_match_generate(exact_cuda_server, model_name, reference):
+def test_forty_concurrent_greedy_requests_on_cuda_float32_match_generate(exact_cuda_server, model_name, reference):  # noqa: F811, E501
     health = exact_cuda_server.health()
     assert health["device"] == "cuda" and health["quantize"] == "none"
     chat = [i % 5 == 4 for i in range(len(PROMPTS))]

@@ -1,5 +1,6 @@
 """``python -m inference_api.generate`` over the mock: a few hundred lines, killed halfway and run again, end
 with every line answered once and in input order; bad lines get error lines in their place."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,11 @@ def write_input(path: Path) -> dict[int, dict]:
         if n in BAD:
             lines.append(BAD[n])
             continue
-        obj = {"prompt": f"line {n}", "id": f"q{n}"} if n % 5 else \
-            {"messages": [{"role": "user", "content": f"chat {n}"}], "max_tokens": 6}
+        obj = (
+            {"prompt": f"line {n}", "id": f"q{n}"}
+            if n % 5
+            else {"messages": [{"role": "user", "content": f"chat {n}"}], "max_tokens": 6}
+        )
         good[n] = obj
         lines.append(json.dumps(obj))
         if i == 200:
@@ -40,9 +44,22 @@ def write_input(path: Path) -> dict[int, dict]:
 
 
 def start(tmp_path: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "inference_api.generate", str(tmp_path / "in.jsonl"),
-                             str(tmp_path / "out.jsonl"), *FLAGS, *extra], cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "inference_api.generate",
+            str(tmp_path / "in.jsonl"),
+            str(tmp_path / "out.jsonl"),
+            *FLAGS,
+            *extra,
+        ],
+        cwd=ROOT,
+        start_new_session=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def count_lines(path: Path) -> int:
@@ -80,8 +97,14 @@ def test_killed_halfway_and_resumed_answers_every_line_once_in_order(tmp_path):
             assert r["text"] == echo(f"<|user|>chat {n}\n<|assistant|>", 6) and r["completion_tokens"] == 6
             assert "id" not in r
         else:
-            assert r == {"line": n, "id": f"q{n}", "text": echo(f"line {n}", 12), "finish_reason": "length",
-                         "prompt_tokens": len(f"line {n}"), "completion_tokens": 12}
+            assert r == {
+                "line": n,
+                "id": f"q{n}",
+                "text": echo(f"line {n}", 12),
+                "finish_reason": "length",
+                "prompt_tokens": len(f"line {n}"),
+                "completion_tokens": 12,
+            }
     assert "temperature must be a number in [0, 2]" in next(r["error"] for r in records if r["line"] == 97)
 
     third = start(tmp_path, "--no-progress")  # nothing left to do

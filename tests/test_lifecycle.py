@@ -1,5 +1,6 @@
 """Deploys and crashes, with real processes on loopback: drain on SIGTERM, no orphaned engine, post-processing
 faults isolated, pre-flight refusal of settings that cannot fit."""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,7 @@ import threading
 import time
 from pathlib import Path
 
-import pytest
 import requests
-
 from servers import MODEL_CACHE, MODEL_NAME, ROOT, ServerProcess
 
 SCRIPT = "Echo: ab — "  # what the mock backend says to the prompt "ab", over and over
@@ -44,13 +43,14 @@ def wait_until(condition, timeout: float, step: float = 0.02) -> bool:
 
 
 def sse_events(response: requests.Response) -> list[str]:
-    return [line[len("data: "):] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    return [line[len("data: ") :] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
 
 
 def native_stream(url: str, tokens: int, out: dict, key: str) -> None:
     try:
-        with requests.post(f"{url}/inference/{MODEL_NAME}", json={"text": "ab", "max_tokens": tokens},
-                           stream=True, timeout=120) as r:
+        with requests.post(
+            f"{url}/inference/{MODEL_NAME}", json={"text": "ab", "max_tokens": tokens}, stream=True, timeout=120
+        ) as r:
             out[key] = b"".join(r.iter_content(chunk_size=None)).decode()
     except requests.RequestException as exc:
         out[key] = exc
@@ -58,8 +58,12 @@ def native_stream(url: str, tokens: int, out: dict, key: str) -> None:
 
 def openai_stream(url: str, tokens: int, out: dict, key: str) -> None:
     try:
-        with requests.post(f"{url}/v1/completions", json={"model": MODEL_NAME, "prompt": "ab", "max_tokens": tokens,
-                                                          "stream": True}, stream=True, timeout=120) as r:
+        with requests.post(
+            f"{url}/v1/completions",
+            json={"model": MODEL_NAME, "prompt": "ab", "max_tokens": tokens, "stream": True},
+            stream=True,
+            timeout=120,
+        ) as r:
             out[key] = sse_events(r)
     except requests.RequestException as exc:
         out[key] = exc
@@ -67,8 +71,12 @@ def openai_stream(url: str, tokens: int, out: dict, key: str) -> None:
 
 def tgi_stream(url: str, tokens: int, out: dict, key: str) -> None:
     try:
-        with requests.post(f"{url}/generate_stream", json={"inputs": "ab", "parameters": {"max_new_tokens": tokens}},
-                           stream=True, timeout=120) as r:
+        with requests.post(
+            f"{url}/generate_stream",
+            json={"inputs": "ab", "parameters": {"max_new_tokens": tokens}},
+            stream=True,
+            timeout=120,
+        ) as r:
             out[key] = sse_events(r)
     except requests.RequestException as exc:
         out[key] = exc
@@ -76,8 +84,10 @@ def tgi_stream(url: str, tokens: int, out: dict, key: str) -> None:
 
 def start_streams(url: str, tokens: int) -> tuple[list[threading.Thread], dict]:
     out: dict = {}
-    threads = [threading.Thread(target=f, args=(url, tokens, out, f"{f.__name__}{i}"))
-               for i, f in enumerate([native_stream, native_stream, native_stream, openai_stream, tgi_stream])]
+    threads = [
+        threading.Thread(target=f, args=(url, tokens, out, f"{f.__name__}{i}"))
+        for i, f in enumerate([native_stream, native_stream, native_stream, openai_stream, tgi_stream])
+    ]
     for t in threads:
         t.start()
     return threads, out
@@ -126,9 +136,11 @@ def test_drain_deadline_ends_unfinished_streams_as_failed_streams():
     server = ServerProcess("--mock", "--mock-tokens-per-second", "20", "--drain-timeout", "2")
     engine = server.health()["backend_pid"]
     out: dict = {}
-    threads = [threading.Thread(target=native_stream, args=(server.url, 1000, out, "native")),
-               threading.Thread(target=openai_stream, args=(server.url, 1000, out, "openai")),
-               threading.Thread(target=tgi_stream, args=(server.url, 1000, out, "tgi"))]
+    threads = [
+        threading.Thread(target=native_stream, args=(server.url, 1000, out, "native")),
+        threading.Thread(target=openai_stream, args=(server.url, 1000, out, "openai")),
+        threading.Thread(target=tgi_stream, args=(server.url, 1000, out, "tgi")),
+    ]
     for t in threads:
         t.start()
     try:
@@ -158,7 +170,9 @@ def test_engine_dies_with_its_worker_busy_or_idle(model_name):
                 stream.start()
                 assert wait_until(lambda: server.health()["rows_in_use"] == 1, 20)
             os.kill(worker, signal.SIGKILL)
-            assert wait_until(lambda: gone(engine), 2.0), f"engine {engine} outlived its worker (busy={busy})"
+            assert wait_until(lambda engine=engine: gone(engine), 2.0), (
+                f"engine {engine} outlived its worker (busy={busy})"
+            )
             if busy:
                 stream.join(30)
                 assert isinstance(out["s"], requests.RequestException)
@@ -190,30 +204,52 @@ def test_a_post_processing_fault_fails_only_its_request(model_name):
         healthy = threading.Thread(target=native_stream, args=(server.url, 3 * len(SCRIPT.encode()), out, "ok"))
         healthy.start()
         assert wait_until(lambda: server.health()["rows_in_use"] == 1, 20)
-        bad = requests.post(f"{server.url}/inference/{MODEL_NAME}", json={"text": "kaboom", "stream": False},
-                            timeout=30)
+        bad = requests.post(
+            f"{server.url}/inference/{MODEL_NAME}", json={"text": "kaboom", "stream": False}, timeout=30
+        )
         # the client gets a generic error; the fault's own text is in the server's log only
         assert bad.status_code == 503 and "failed on the server" in bad.json()["message"]
         assert "injected post-processing fault" not in bad.text
         assert wait_until(lambda: "injected post-processing fault" in server.output(), 10)
-        bad_stream = requests.post(f"{server.url}/v1/completions", json={"model": MODEL_NAME, "prompt": "kaboom",
-                                                                         "stream": True}, stream=True, timeout=30)
+        bad_stream = requests.post(
+            f"{server.url}/v1/completions",
+            json={"model": MODEL_NAME, "prompt": "kaboom", "stream": True},
+            stream=True,
+            timeout=30,
+        )
         assert bad_stream.status_code == 503
         healthy.join(30)
         assert out["ok"] == SCRIPT * 3
         health = server.health()
         assert health["status"] == "ready" and health["backend_pid"] == engine and health["engine_restarts"] == 0
-        assert requests.post(f"{server.url}/inference/{MODEL_NAME}", json={"text": "ab", "max_tokens": 4},
-                             timeout=30).text == "Echo"
+        assert (
+            requests.post(f"{server.url}/inference/{MODEL_NAME}", json={"text": "ab", "max_tokens": 4}, timeout=30).text
+            == "Echo"
+        )
     finally:
         server.stop()
 
 
 def test_a_context_length_beyond_memory_exits_at_once_with_the_numbers():
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "inference_api", "--model-cache-dir", MODEL_CACHE,
-                           "--context-length", "100000000", "--port", "1"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=120, env={k: v for k, v in os.environ.items() if k != "SKIP_PREFLIGHT"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "inference_api",
+            "--model-cache-dir",
+            MODEL_CACHE,
+            "--context-length",
+            "100000000",
+            "--port",
+            "1",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "SKIP_PREFLIGHT"},
+    )
     assert proc.returncode == 2
     assert time.monotonic() - started < 60
     message = proc.stderr
@@ -230,8 +266,12 @@ def test_health_reports_the_preflight_numbers(real_server):
 
 
 def test_the_server_returns_and_logs_the_request_id(mock_server, model_name):
-    r = requests.post(f"{mock_server.url}/inference/{model_name}", json={"text": "ab", "max_tokens": 13},
-                      headers={"X-Request-Id": "trace-42"}, timeout=30)
+    r = requests.post(
+        f"{mock_server.url}/inference/{model_name}",
+        json={"text": "ab", "max_tokens": 13},
+        headers={"X-Request-Id": "trace-42"},
+        timeout=30,
+    )
     assert r.headers["X-Request-Id"] == "trace-42"
 
     def logged():
@@ -251,8 +291,10 @@ def test_the_server_has_header_and_body_deadlines(model_name):
     body = socket.create_connection(("127.0.0.1", server.port), timeout=20)
     try:
         headers.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
-        body.sendall(f"POST /inference/{model_name} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: 100\r\n\r\n{{\"text\": ".encode())
+        body.sendall(
+            f"POST /inference/{model_name} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f'Content-Length: 100\r\n\r\n{{"text": '.encode()
+        )
         assert read_all(headers) == b""  # closed, unanswered
         answer = read_all(body)
         assert answer.startswith(b"HTTP/1.1 408 ") and b"not received within 1 s" in answer

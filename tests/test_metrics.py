@@ -1,5 +1,6 @@
 """GET /metrics: Prometheus counters for answers, tokens, endings and the prefix cache, latency histograms, row and
 KV cache gauges."""
+
 from __future__ import annotations
 
 import time
@@ -13,14 +14,27 @@ from inference_api.metrics import Metrics
 
 
 def samples(text: str) -> dict[tuple, float]:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_api_labels_never_carry_the_raw_path():
-    assert [api_of(p) for p in ("/v1/chat/completions", "/generate", "/", "/inference/m", "/predictions/x",
-                                "/inference/completion", "/health", "/no/such/path")] == [
-        "openai", "tgi", "tgi", "native", "native", "llama_stack", "other", "other"]
+    assert [
+        api_of(p)
+        for p in (
+            "/v1/chat/completions",
+            "/generate",
+            "/",
+            "/inference/m",
+            "/predictions/x",
+            "/inference/completion",
+            "/health",
+            "/no/such/path",
+        )
+    ] == ["openai", "tgi", "tgi", "native", "native", "llama_stack", "other", "other"]
     assert api_of("/generate", {"text": "x"}) == "shortfin" and api_of("/generate", {"inputs": "x"}) == "tgi"
     assert api_of("/tokenize", {"prompt": "x"}) == "openai" and api_of("/tokenize", {"inputs": "x"}) == "tgi"
 
@@ -49,10 +63,17 @@ def test_counters_histograms_and_gauges():
     assert got[("inference_request_duration_seconds_count", ())] == 1
     assert got[("inference_http_requests_total", (("api", "openai"), ("status", "200")))] == 1
     assert got[("inference_http_requests_total", (("api", "native"), ("status", "400")))] == 1
-    assert (got[("inference_rows_in_use", ())], got[("inference_rows_total", ())], got[("inference_queue_length", ())],
-            got[("inference_open_sessions", ())]) == (3, 32, 5, 8)
-    assert (got[("inference_kv_cache_tokens_in_use", ())], got[("inference_kv_cache_capacity_tokens", ())],
-            got[("inference_kv_cache_usage_ratio", ())]) == (512, 65536, 512 / 65536)
+    assert (
+        got[("inference_rows_in_use", ())],
+        got[("inference_rows_total", ())],
+        got[("inference_queue_length", ())],
+        got[("inference_open_sessions", ())],
+    ) == (3, 32, 5, 8)
+    assert (
+        got[("inference_kv_cache_tokens_in_use", ())],
+        got[("inference_kv_cache_capacity_tokens", ())],
+        got[("inference_kv_cache_usage_ratio", ())],
+    ) == (512, 65536, 512 / 65536)
     assert got[("inference_prefix_cache_hit_rate", ())] == 0  # nothing looked up yet
 
 
@@ -66,15 +87,20 @@ def test_engine_counters_fold_into_counters_that_never_go_down_across_engine_res
             metrics.engine_stats(previous, current)
             previous = current
         got = samples(metrics.exposition().decode())
-        return (got[("inference_prefix_cache_queries_total", ())], got[("inference_prefix_cache_hits_total", ())],
-                got[("inference_prefix_cache_hit_rate", ())])
+        return (
+            got[("inference_prefix_cache_queries_total", ())],
+            got[("inference_prefix_cache_hits_total", ())],
+            got[("inference_prefix_cache_hit_rate", ())],
+        )
 
     assert fold((10, 0), (10, 0), (30, 15)) == (30, 15, 0.5)
     # the client resets its stats when an engine is lost: the next engine's counts add from zero
     assert fold((20, 5)) == (50, 20, 0.4)
     # stats that went down without that reset are a new engine's too: added as they are, never subtracted
-    metrics.engine_stats(EngineStats(prefix_queried_tokens=100, prefix_hit_tokens=90),
-                         EngineStats(prefix_queried_tokens=10, prefix_hit_tokens=10))
+    metrics.engine_stats(
+        EngineStats(prefix_queried_tokens=100, prefix_hit_tokens=90),
+        EngineStats(prefix_queried_tokens=10, prefix_hit_tokens=10),
+    )
     assert fold() == (60, 30, 0.5)
 
 

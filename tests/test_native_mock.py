@@ -1,4 +1,5 @@
 """The native HTTP API over the mock backend: errors, limits, cancellation, clean-up, backend death."""
+
 from __future__ import annotations
 
 import json
@@ -10,7 +11,6 @@ import time
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
-
 from servers import ServerProcess
 
 
@@ -38,18 +38,28 @@ def test_max_tokens_and_stop_sequence(mock_server, model_name):
     assert r.text == "abcEcho:"
 
 
-@pytest.mark.parametrize("kwargs,status,fragment", [
-    (dict(data="{not json", headers={"Content-Type": "application/json"}), 400, "Malformed JSON"),
-    (dict(data="[" * 5000, headers={"Content-Type": "application/json"}), 400, "nested too deeply"),
-    (dict(data="[1, 2]", headers={"Content-Type": "application/json"}), 400, "JSON object"),
-    (dict(data='{"text": "hi"}', headers={"Content-Type": "text/plain"}), 400, "Content-Type"),
-    (dict(json={"text": "hi", "top_k": "many"}), 400, "top_k"),
-    (dict(json={"text": "hi", "max_tokens": 5000}), 400, "max_tokens"),
-    (dict(data=b'{"text": "' + b"x" * (2 << 20) + b'"}', headers={"Content-Type": "application/json"}), 413, "large"),
-    # the same without a Content-Length (chunked): refused too, never cut and served
-    (dict(data=iter([b'{"text": "', b"x" * (2 << 20), b'"}']), headers={"Content-Type": "application/json"}), 413,
-     "large"),
-])
+@pytest.mark.parametrize(
+    "kwargs,status,fragment",
+    [
+        (dict(data="{not json", headers={"Content-Type": "application/json"}), 400, "Malformed JSON"),
+        (dict(data="[" * 5000, headers={"Content-Type": "application/json"}), 400, "nested too deeply"),
+        (dict(data="[1, 2]", headers={"Content-Type": "application/json"}), 400, "JSON object"),
+        (dict(data='{"text": "hi"}', headers={"Content-Type": "text/plain"}), 400, "Content-Type"),
+        (dict(json={"text": "hi", "top_k": "many"}), 400, "top_k"),
+        (dict(json={"text": "hi", "max_tokens": 5000}), 400, "max_tokens"),
+        (
+            dict(data=b'{"text": "' + b"x" * (2 << 20) + b'"}', headers={"Content-Type": "application/json"}),
+            413,
+            "large",
+        ),
+        # the same without a Content-Length (chunked): refused too, never cut and served
+        (
+            dict(data=iter([b'{"text": "', b"x" * (2 << 20), b'"}']), headers={"Content-Type": "application/json"}),
+            413,
+            "large",
+        ),
+    ],
+)
 def test_bad_requests_get_json_errors(mock_server, model_name, kwargs, status, fragment):
     r = requests.post(f"{mock_server.url}/inference/{model_name}", timeout=30, **kwargs)
     assert r.status_code == status
@@ -70,8 +80,11 @@ def open_stream(server, model_name, text, max_tokens=2000):
     """A raw socket streaming request, so the test controls exactly when the client goes away."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     body = json.dumps({"text": text, "max_tokens": max_tokens}).encode()
-    sock.sendall(f"POST /inference/{model_name} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    sock.sendall(
+        f"POST /inference/{model_name} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     assert b"200 OK" in sock.recv(4096)
     return sock
 
@@ -83,8 +96,11 @@ def test_queue_full_is_answered_at_once_and_disconnects_free_everything(mock_ser
     for i in range(4):
         sock = socket.create_connection(("127.0.0.1", mock_server.port), timeout=10)
         body = json.dumps({"text": f"waiter {i}", "max_tokens": 10}).encode()
-        sock.sendall(f"POST /inference/{model_name} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        sock.sendall(
+            f"POST /inference/{model_name} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
         waiting.append(sock)
     deadline = time.monotonic() + 10
     while mock_server.health()["open_sessions"] < 8 and time.monotonic() < deadline:
@@ -155,8 +171,12 @@ def test_engine_death_ends_streams_with_an_error_and_a_new_engine_takes_over(mod
 def counters(server) -> dict[str, float]:
     """The server's unlabelled counters (``*_total``) by name."""
     text = requests.get(server.url + "/metrics", timeout=5).text
-    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name.endswith("_total") and not s.labels}
+    return {
+        s.name: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name.endswith("_total") and not s.labels
+    }
 
 
 def test_stopping_the_server_stops_the_engine_process(model_name):
@@ -190,6 +210,10 @@ def test_gunicorns_own_errors_are_json(mock_server):
 
 def test_a_chunked_body_within_the_limit_is_served(mock_server, model_name):
     """A body without a Content-Length reaches the route whole (the capped read stands in for the stream)."""
-    r = requests.post(f"{mock_server.url}/inference/{model_name}", data=iter([b'{"text": "hi",', b' "max_tokens": 3}']),
-                      headers={"Content-Type": "application/json"}, timeout=30)
+    r = requests.post(
+        f"{mock_server.url}/inference/{model_name}",
+        data=iter([b'{"text": "hi",', b' "max_tokens": 3}']),
+        headers={"Content-Type": "application/json"},
+        timeout=30,
+    )
     assert r.status_code == 200 and r.text == "Ech"

@@ -1,4 +1,5 @@
 """The native API with the real default model: greedy equivalence under load, stops, seeds, disconnects."""
+
 from __future__ import annotations
 
 import functools
@@ -10,11 +11,31 @@ import requests
 import torch
 
 MAX_TOKENS = 20
-SUBJECTS = ["the sea", "a robot", "Paris", "bread", "winter", "a violin", "the moon", "coffee", "a library",
-            "mountains", "a cat", "rain", "trains", "chess", "gardens", "the desert", "a lighthouse", "honey",
-            "volcanoes", "a clock"]
-PROMPTS = [f"Write one sentence about {s}." for s in SUBJECTS] + [f"Here is a short story about {s}:"
-                                                                  for s in SUBJECTS]  # 40 prompts
+SUBJECTS = [
+    "the sea",
+    "a robot",
+    "Paris",
+    "bread",
+    "winter",
+    "a violin",
+    "the moon",
+    "coffee",
+    "a library",
+    "mountains",
+    "a cat",
+    "rain",
+    "trains",
+    "chess",
+    "gardens",
+    "the desert",
+    "a lighthouse",
+    "honey",
+    "volcanoes",
+    "a clock",
+]
+PROMPTS = [f"Write one sentence about {s}." for s in SUBJECTS] + [
+    f"Here is a short story about {s}:" for s in SUBJECTS
+]  # 40 prompts
 
 
 @pytest.fixture(scope="module")
@@ -28,14 +49,22 @@ def reference(model_dir):
     @functools.cache  # greedy and one model: the exact and the quantized server are checked against one run
     def generate(prompt: str, chat: bool) -> tuple[list[int], list[torch.Tensor], str]:
         if chat:
-            text = tok.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
-                                           add_generation_prompt=True)
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+            )
             ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
         else:
             ids = tok(prompt, return_tensors="pt").input_ids
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS, do_sample=False,
-                             output_scores=True, return_dict_in_generate=True, pad_token_id=tok.eos_token_id)
-        new = out.sequences[0, ids.shape[1]:].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=MAX_TOKENS,
+            do_sample=False,
+            output_scores=True,
+            return_dict_in_generate=True,
+            pad_token_id=tok.eos_token_id,
+        )
+        new = out.sequences[0, ids.shape[1] :].tolist()
         return new, list(out.scores), tok.decode(new, skip_special_tokens=True)
 
     generate.tokenizer = tok
@@ -47,13 +76,17 @@ def assert_greedy_equivalent(server_text: str, prompt: str, chat: bool, referenc
     if server_text == ref_text:
         return
     tok = reference.tokenizer
-    step = next(i for i in range(len(ref_ids) + 1)
-                if i == len(ref_ids) or not server_text.startswith(tok.decode(ref_ids[:i + 1],
-                                                                              skip_special_tokens=True)))
+    step = next(
+        i
+        for i in range(len(ref_ids) + 1)
+        if i == len(ref_ids) or not server_text.startswith(tok.decode(ref_ids[: i + 1], skip_special_tokens=True))
+    )
     top2 = scores[min(step, len(scores) - 1)][0].topk(2).values
     margin = float(top2[0] - top2[1])
-    assert margin < 1e-4, (f"outputs part at step {step} where the reference's top-2 margin is {margin:.2e}:\n"
-                           f"server:    {server_text!r}\nreference: {ref_text!r}")
+    assert margin < 1e-4, (
+        f"outputs part at step {step} where the reference's top-2 margin is {margin:.2e}:\n"
+        f"server:    {server_text!r}\nreference: {ref_text!r}"
+    )
     print(f"near-tie accepted at step {step}: margin {margin:.2e}")
 
 
@@ -69,8 +102,12 @@ def test_forty_concurrent_greedy_requests_match_generate_alone(mode, request, mo
     def run(job):
         prompt, chat = job
         route = "predictions" if chat else "inference"
-        r = requests.post(f"{real_server.url}/{route}/{model_name}", timeout=300,
-                          json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS}, stream=True)
+        r = requests.post(
+            f"{real_server.url}/{route}/{model_name}",
+            timeout=300,
+            json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS},
+            stream=True,
+        )
         assert r.status_code == 200, r.text
         return b"".join(r.iter_content(chunk_size=None)).decode("utf-8")
 
@@ -95,12 +132,16 @@ def test_stop_sequence_spanning_tokens_cuts_exactly(real_server, model_name, ref
     pieces = [reference.tokenizer.decode(ref_ids[:i], skip_special_tokens=True) for i in range(len(ref_ids) + 1)]
     # a stop string that starts inside one token and ends inside a later one
     start = len(pieces[2]) - 2
-    stop = full[start:len(pieces[4]) - 1]
+    stop = full[start : len(pieces[4]) - 1]
     assert len(stop) >= 3
-    r = requests.post(f"{real_server.url}/inference/{model_name}", stream=True, timeout=120,
-                      json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stop_sequence": [stop]})
+    r = requests.post(
+        f"{real_server.url}/inference/{model_name}",
+        stream=True,
+        timeout=120,
+        json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stop_sequence": [stop]},
+    )
     streamed = b"".join(r.raw.read_chunked(decode_content=False)).decode("utf-8")
-    assert streamed == full[:full.index(stop)]
+    assert streamed == full[: full.index(stop)]
     result = native(real_server, model_name, text=prompt, temperature=0, max_tokens=MAX_TOKENS, stop_sequence=stop)
     assert result["text"] == streamed and result["finish_reason"] == "stop"
 
@@ -119,22 +160,30 @@ def test_non_streaming_reports_counts_and_reason(real_server, model_name, hf_tok
     result = native(real_server, model_name, text=prompt, temperature=0, max_tokens=5)
     assert result["finish_reason"] == "length" and result["completion_tokens"] == 5
     assert result["prompt_tokens"] == len(hf_tokenizer.encode(prompt))
-    chat = requests.post(f"{real_server.url}/predictions/{model_name}", timeout=120,
-                         json={"text": "What is the capital of France?", "temperature": 0, "stream": False}).json()
+    chat = requests.post(
+        f"{real_server.url}/predictions/{model_name}",
+        timeout=120,
+        json={"text": "What is the capital of France?", "temperature": 0, "stream": False},
+    ).json()
     assert "Paris" in chat["text"] and chat["finish_reason"] == "eos"
 
 
 def test_prompt_plus_max_tokens_must_fit_the_context(real_server, model_name):
-    r = requests.post(f"{real_server.url}/inference/{model_name}", timeout=30,
-                      json={"text": "word " * 600, "max_tokens": 600})
+    r = requests.post(
+        f"{real_server.url}/inference/{model_name}", timeout=30, json={"text": "word " * 600, "max_tokens": 600}
+    )
     assert r.status_code == 400 and "context" in r.json()["message"]
 
 
 def test_disconnect_frees_the_row(real_server, model_name):
     real_server.wait_idle()
     # greedy through the chat template: hundreds of tokens, never an early end token (sampling could end it at once)
-    r = requests.post(f"{real_server.url}/predictions/{model_name}", stream=True, timeout=60,
-                      json={"text": "Write a very long essay about rivers.", "max_tokens": 900, "temperature": 0})
+    r = requests.post(
+        f"{real_server.url}/predictions/{model_name}",
+        stream=True,
+        timeout=60,
+        json={"text": "Write a very long essay about rivers.", "max_tokens": 900, "temperature": 0},
+    )
     next(r.iter_content(chunk_size=None))
     assert real_server.health()["rows_in_use"] == 1
     r.close()
@@ -178,14 +227,25 @@ def test_the_same_prompt_gives_the_same_answer_whatever_the_load(default_server,
     server = default_server
     health = server.health()
     assert health["int8_inputs"] is True and health["kernels"] == "native"  # the set-up step built them for this CPU
-    prefixes = ("You are a careful assistant. Answer in one plain sentence, with no list. ",
-                "Here is a question from a quiz for children, and its short answer. ")
-    prompts = [f"{prefix}Question {i}: what is special about {subject}?"
-               for prefix in prefixes for i, subject in enumerate(SUBJECTS[:12])]
+    prefixes = (
+        "You are a careful assistant. Answer in one plain sentence, with no list. ",
+        "Here is a question from a quiz for children, and its short answer. ",
+    )
+    prompts = [
+        f"{prefix}Question {i}: what is special about {subject}?"
+        for prefix in prefixes
+        for i, subject in enumerate(SUBJECTS[:12])
+    ]
 
     def complete(prompt: str) -> list[int]:
-        body = {"model": model_name, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
-                "logprobs": 0}
+        body = {
+            "model": model_name,
+            "prompt": prompt,
+            "max_tokens": 24,
+            "temperature": 0,
+            "ignore_eos": True,
+            "logprobs": 0,
+        }
         r = requests.post(f"{server.url}/v1/completions", json=body, timeout=300)
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["logprobs"]["tokens"]
@@ -210,18 +270,36 @@ def test_a_victims_answer_alone_equals_its_answer_beside_adversarial_requests(de
         assert r.status_code == 200, r.text
         return r.json()["choices"][0]["logprobs"]["tokens"] if body.get("logprobs") is not None else []
 
-    victim = {"prompt": "Write two sentences about the history of the violin.", "max_tokens": 40,
-              "temperature": 0, "ignore_eos": True, "logprobs": 0}
+    victim = {
+        "prompt": "Write two sentences about the history of the violin.",
+        "max_tokens": 40,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 0,
+    }
     alone = complete(victim)
     adversaries = [
         {"prompt": "Tell me a story.", "max_tokens": 40, "temperature": 1.8, "top_p": 1.0, "seed": 7},
-        {"prompt": "List fruits:", "max_tokens": 40, "temperature": 0.9, "repetition_penalty": 1.9,
-         "frequency_penalty": 2.0, "presence_penalty": 2.0, "seed": 3, "logprobs": 5},
+        {
+            "prompt": "List fruits:",
+            "max_tokens": 40,
+            "temperature": 0.9,
+            "repetition_penalty": 1.9,
+            "frequency_penalty": 2.0,
+            "presence_penalty": 2.0,
+            "seed": 3,
+            "logprobs": 5,
+        },
         {"prompt": "Count: one, two,", "max_tokens": 40, "temperature": 0, "stop": [",", " "], "min_tokens": 30},
         {"prompt": "Hi", "max_tokens": 1, "temperature": 0},
         {"prompt": "word " * 700, "max_tokens": 8, "temperature": 0.5, "ignore_eos": True},
-        {"prompt": "Write two sentences about the history of the violin. No,", "max_tokens": 40,
-         "temperature": 0, "min_p": 0.2, "top_k": 3},
+        {
+            "prompt": "Write two sentences about the history of the violin. No,",
+            "max_tokens": 40,
+            "temperature": 0,
+            "min_p": 0.2,
+            "top_k": 3,
+        },
     ]
     with ThreadPoolExecutor(1 + 2 * len(adversaries)) as pool:
         others = [pool.submit(complete, a) for a in adversaries * 2]

@@ -1,5 +1,6 @@
 """The offline Python API over the mock backend: handle life cycle, statuses, stop/release/sync, timeouts, many
 handles, generate order, and one validation with the HTTP API."""
+
 from __future__ import annotations
 
 import time
@@ -100,8 +101,9 @@ def test_outputs_carry_tokens_text_counts_and_logprobs(llm):
 
 def test_many_handles_beyond_the_rows_each_get_their_own_text(llm):
     wait_for(lambda: idle(llm))
-    handles = [llm.start_request(f"p{i:02d}", SamplingParams(max_tokens=9 + i % 3, temperature=0))
-               for i in range(24)]  # 12 times the rows; most wait
+    handles = [
+        llm.start_request(f"p{i:02d}", SamplingParams(max_tokens=9 + i % 3, temperature=0)) for i in range(24)
+    ]  # 12 times the rows; most wait
     assert sum(h.status is RequestStatus.WAITING for h in handles) >= 24 - ROWS - 1
     for i, h in enumerate(reversed(handles)):  # read in another order than they run
         i = 23 - i
@@ -136,28 +138,35 @@ def test_generate_keeps_input_order_over_an_iterable(llm, capsys):
     bar = capsys.readouterr().err
     assert "6/6" in bar and "tok/s" in bar  # finished/total and the token rate
 
-    chats = llm.chat([[{"role": "user", "content": f"c{i}"}] for i in range(3)], SamplingParams(max_tokens=20),
-                     use_tqdm=False)
+    chats = llm.chat(
+        [[{"role": "user", "content": f"c{i}"}] for i in range(3)], SamplingParams(max_tokens=20), use_tqdm=False
+    )
     assert [r.text for r in chats] == [echo(f"<|user|>c{i}\n<|assistant|>", 20) for i in range(3)]  # the template
     one = llm.chat([{"role": "user", "content": "one"}], use_tqdm=False)  # one conversation, not a list of them
     assert len(one) == 1 and one[0].prompt_tokens == len("<|user|>one\n<|assistant|>")
 
 
-@pytest.mark.parametrize("params,field,http_body", [
-    (dict(temperature=5), "temperature", {"temperature": 5}),
-    (dict(top_p=1.5), "top_p", {"top_p": 1.5}),
-    (dict(max_tokens=0), "max_tokens", {"max_tokens": 0}),
-    (dict(stop=list("abcdefghi")), "stop", {"stop": list("abcdefghi")}),  # over the default 8 stop sequences
-    (dict(logprobs=9), "logprobs", {"logprobs": 9}),
-    (dict(top_k="many"), "top_k", {"top_k": "many"}),
-    (dict(n=9), "n", {"n": 9}),  # over the cap of 8 choices
-])
+@pytest.mark.parametrize(
+    "params,field,http_body",
+    [
+        (dict(temperature=5), "temperature", {"temperature": 5}),
+        (dict(top_p=1.5), "top_p", {"top_p": 1.5}),
+        (dict(max_tokens=0), "max_tokens", {"max_tokens": 0}),
+        (dict(stop=list("abcdefghi")), "stop", {"stop": list("abcdefghi")}),  # over the default 8 stop sequences
+        (dict(logprobs=9), "logprobs", {"logprobs": 9}),
+        (dict(top_k="many"), "top_k", {"top_k": "many"}),
+        (dict(n=9), "n", {"n": 9}),  # over the cap of 8 choices
+    ],
+)
 def test_bad_parameters_fail_as_the_http_api_does(mock_server, params, field, http_body):
     with pytest.raises(ParameterError) as err:
         SamplingParams(**params)
     assert err.value.field == field
-    r = requests.post(f"{mock_server.url}/v1/completions", timeout=30,
-                      json={"model": mock_server.health()["model"], "prompt": "x", **http_body})
+    r = requests.post(
+        f"{mock_server.url}/v1/completions",
+        timeout=30,
+        json={"model": mock_server.health()["model"], "prompt": "x", **http_body},
+    )
     assert r.status_code == 400 and r.json()["error"]["message"] == str(err.value)  # one validation
 
 
@@ -180,8 +189,9 @@ def test_n_choices_offline(llm):
 
 def test_generate_waits_for_as_many_places_as_a_request_has_choices():
     with LLM(mock=True, rows=2, max_waiting=1, mock_tokens_per_second=0) as small:  # 3 places
-        results = small.generate([f"p{i}" for i in range(4)], SamplingParams(temperature=0, max_tokens=4, n=2),
-                                 use_tqdm=False)
+        results = small.generate(
+            [f"p{i}" for i in range(4)], SamplingParams(temperature=0, max_tokens=4, n=2), use_tqdm=False
+        )
     assert [[c.text for c in r.outputs] for r in results] == [[echo(f"p{i}", 4)] * 2 for i in range(4)]
 
 

@@ -1,5 +1,6 @@
 """The offline API with the real default model: greedy ``generate`` and ``chat`` over the native tests' prompt
 list give the server's greedy answers for the same prompts."""
+
 from __future__ import annotations
 
 import time
@@ -7,10 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-
-from inference_api import LLM, ParameterError, SamplingParams
 from servers import MODEL_CACHE
 from test_native_real import MAX_TOKENS, PROMPTS, assert_greedy_equivalent, reference  # noqa: F401 (fixture)
+
+from inference_api import LLM, ParameterError, SamplingParams
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +25,11 @@ def server_answers(server, model_name: str, prompts: list[str], chat: bool) -> l
     route = "predictions" if chat else "inference"
 
     def one(prompt: str) -> str:
-        r = requests.post(f"{server.url}/{route}/{model_name}", timeout=300,
-                          json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": False})
+        r = requests.post(
+            f"{server.url}/{route}/{model_name}",
+            timeout=300,
+            json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": False},
+        )
         assert r.status_code == 200, r.text
         return r.json()["text"]
 
@@ -57,8 +61,15 @@ def test_greedy_offline_answers_equal_the_servers(llm, real_server, model_name, 
     assert len(differ) <= 2, differ
     for r in results:
         assert r.finish_reason in ("length", "eos") and 0 < r.completion_tokens <= MAX_TOKENS
-        assert r.prompt_tokens == len(r.prompt_token_ids) == len(llm.tokenizer.encode_chat(
-            [{"role": "user", "content": r.prompt[0]["content"]}]) if chat else llm.tokenizer.encode(r.prompt))
+        assert (
+            r.prompt_tokens
+            == len(r.prompt_token_ids)
+            == len(
+                llm.tokenizer.encode_chat([{"role": "user", "content": r.prompt[0]["content"]}])
+                if chat
+                else llm.tokenizer.encode(r.prompt)
+            )
+        )
 
 
 def test_structured_output_offline(llm):
@@ -67,11 +78,20 @@ def test_structured_output_offline(llm):
 
     import jsonschema
 
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"],
-              "additionalProperties": False}
-    results = llm.generate(["The capital of France, as JSON:", "Is water wet? Answer:"],
-                           [SamplingParams(temperature=0, max_tokens=40, guided_json=schema),
-                            SamplingParams(temperature=0, max_tokens=8, guided_choice=["yes", "no"])], use_tqdm=False)
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    results = llm.generate(
+        ["The capital of France, as JSON:", "Is water wet? Answer:"],
+        [
+            SamplingParams(temperature=0, max_tokens=40, guided_json=schema),
+            SamplingParams(temperature=0, max_tokens=8, guided_choice=["yes", "no"]),
+        ],
+        use_tqdm=False,
+    )
     jsonschema.validate(json.loads(results[0].text), schema)
     assert results[1].text in ("yes", "no") and results[1].finish_reason == "stop"
     with pytest.raises(ParameterError) as err:
@@ -85,11 +105,11 @@ def test_tools_offline(llm):
     import json
 
     import jsonschema
-
     from api.test_tools_real import ASK, SCHEMAS, TOOLS
 
-    forced, again = llm.chat([ASK, ASK], SamplingParams(temperature=0, max_tokens=60), tools=TOOLS,
-                            tool_choice="required", use_tqdm=False)
+    forced, again = llm.chat(
+        [ASK, ASK], SamplingParams(temperature=0, max_tokens=60), tools=TOOLS, tool_choice="required", use_tqdm=False
+    )
     assert forced.tool_calls and forced.text.startswith("<tool_call>")
     for call in forced.tool_calls:
         jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])

@@ -1,27 +1,49 @@
 """Pre-flight arithmetic and decisions, without loading any weights."""
+
 from __future__ import annotations
 
 import math
 from pathlib import Path
 
 import pytest
+from servers import MODEL_CACHE
 
 from inference_api.config import ServerConfig
 from inference_api.plan import Machine, ModelFacts, make_plan
-from inference_api.preflight import (GiB, PreflightError, bytes_per_kv, bytes_per_weight, estimate_bytes, model_plan,
-                                     preflight, safetensors_params, shape_from_config)
-from servers import MODEL_CACHE
+from inference_api.preflight import (
+    GiB,
+    PreflightError,
+    bytes_per_kv,
+    bytes_per_weight,
+    estimate_bytes,
+    model_plan,
+    preflight,
+    safetensors_params,
+    shape_from_config,
+)
 
-SMOLLM2 = {"hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30, "num_attention_heads": 9,
-           "num_key_value_heads": 3, "head_dim": 64, "vocab_size": 49152, "tie_word_embeddings": True}
+SMOLLM2 = {
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
 
 
 def test_estimate_bytes_is_weights_plus_keys_and_values_for_every_row_and_position():
     weights, kv = estimate_bytes(1000, 0.5, 2, num_layers=2, num_kv_heads=3, head_dim=4, rows=5, context_length=9)
     assert weights == 500
     # an untied embedding dense, the head in int8 groups of 32, the rest at 0.5
-    assert estimate_bytes(1000, 0.5, 2, 2, 3, 4, 5, 9, dense_params=100, bytes_per_dense=4, head_params=100,
-                          bytes_per_head=1.25)[0] == 800 * 0.5 + 100 * 4 + 100 * 1.25
+    assert (
+        estimate_bytes(
+            1000, 0.5, 2, 2, 3, 4, 5, 9, dense_params=100, bytes_per_dense=4, head_params=100, bytes_per_head=1.25
+        )[0]
+        == 800 * 0.5 + 100 * 4 + 100 * 1.25
+    )
     assert kv == 2 * 2 * 5 * 3 * (9 + 1) * 4 * 2  # keys and values, layers, rows, heads, positions (+scratch)
 
 
@@ -94,8 +116,9 @@ def test_too_large_refuses_unless_skipped(model_dir):
     here = model_plan(ServerConfig(model_cache_dir=Path(MODEL_CACHE)))  # this machine's plan for the default model
     bf16 = 2 if here.batch_dtype else 0
     vnni4, vnni8 = (0.5 + 4 / 32, 1 + 8 / 32) if here.vnni else (0, 0)
-    assert default.weights_bytes == math.ceil((134_515_008 - head) * (0.5 + 4 / 32 + bf16 + vnni4)
-                                              + head * (1 + 4 / 32 + bf16 + vnni8))
+    assert default.weights_bytes == math.ceil(
+        (134_515_008 - head) * (0.5 + 4 / 32 + bf16 + vnni4) + head * (1 + 4 / 32 + bf16 + vnni8)
+    )
     assert default.kv_cache_bytes == math.ceil(dense.kv_cache_bytes / 4 * (1 + 2 / 64))  # int8 instead of float32
     assert preflight(ServerConfig(mock=True, context_length=10**8)) is None  # the mock loads nothing
 
@@ -117,10 +140,16 @@ def test_pre_flight_counts_sliding_window_layers_as_the_rings_the_engine_keeps()
     """A Gemma 3 GGUF (five layers in six slide over 16 positions): pre-flight counts each sliding layer's ring of
     window + prefill chunk, not the context, and the engine allocates exactly that."""
     from gguf_reference import GGUF_DIR
+
     from inference_api.engine.process import build_engine
 
-    config = ServerConfig(model=str(GGUF_DIR / "gemma3-q4_k_m.gguf"), model_cache_dir=Path(MODEL_CACHE), rows=2,
-                          context_length=256, prefill_chunk=32)
+    config = ServerConfig(
+        model=str(GGUF_DIR / "gemma3-q4_k_m.gguf"),
+        model_cache_dir=Path(MODEL_CACHE),
+        rows=2,
+        context_length=256,
+        prefill_chunk=32,
+    )
     est = preflight(ServerConfig(**{**config.__dict__, "skip_preflight": True}))
     engine, _ = build_engine(config)
     assert engine.runner.cache.layer_slots == [48] * 5 + [256]

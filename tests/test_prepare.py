@@ -1,4 +1,5 @@
 """Request preparation without a server or an engine: prompts into ids, max_tokens defaults, the context fit."""
+
 from __future__ import annotations
 
 import subprocess
@@ -64,7 +65,9 @@ def test_model_check():
 def test_no_transport_below_the_routes():
     """Preparation, the parsers and the formatters load without Flask (the offline API does not need it)."""
     modules = ["inference_api.prepare", "inference_api.offline"] + [
-        f"inference_api.dialects.{d}.{m}" for d in ("openai", "tgi", "native", "llama_stack", "shortfin")
-        for m in ("protocol", "format")]
+        f"inference_api.dialects.{d}.{m}"
+        for d in ("openai", "tgi", "native", "llama_stack", "shortfin")
+        for m in ("protocol", "format")
+    ]
     code = f"import sys\nfor m in {modules!r}: __import__(m)\nprint('flask' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout == "False\n"

@@ -1,20 +1,20 @@
 """Quality of the quantized default against the exact mode on the real model, in-process."""
+
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
-
-from dataclasses import replace
+from servers import MODEL_CACHE
 
 from inference_api.config import ServerConfig
 from inference_api.engine.kernels import load_kernels
 from inference_api.engine.model_runner import ModelRunner
 from inference_api.model_loader import load_model
 from inference_api.plan import ExecutionPlan, ModelFacts, make_plan, probe_machine
-from servers import MODEL_CACHE
 
 EMBEDDED = ModelFacts("llama", gguf=True, gguf_quantize="int4")  # the embedded SmolLM2 Q4_1 GGUF
 
@@ -31,6 +31,7 @@ def exact_plan(device: str = "cpu") -> ExecutionPlan:
 def int8_cache_plan() -> ExecutionPlan:
     """The default weights and int8 cache with float32 inputs (no bfloat16 copy, no int8 inputs)."""
     return replace(plan_for(), batch_dtype=None, int8_inputs=False, vnni=False)
+
 
 TEXT = Path(__file__).with_name("data") / "english.txt"
 CHUNK = 128  # fed through the row cache in prefill chunks, so later chunks read earlier ones back
@@ -51,10 +52,10 @@ def perplexity(model_dir: Path, plan: ExecutionPlan, ids: list[int], decode: boo
                     logits = runner.decode([0], [ids[i]], [i])[0]
             return math.exp(nll / (len(ids) - 1))
         for start in range(0, len(ids) - 1, CHUNK):
-            chunk = ids[start:start + CHUNK]
+            chunk = ids[start : start + CHUNK]
             logits = runner.score(0, chunk, start)
-            targets = torch.tensor(ids[start + 1:start + len(chunk) + 1], device=logits.device)
-            lp = torch.log_softmax(logits[:len(targets)].float(), dim=-1)
+            targets = torch.tensor(ids[start + 1 : start + len(chunk) + 1], device=logits.device)
+            lp = torch.log_softmax(logits[: len(targets)].float(), dim=-1)
             nll -= float(lp.gather(1, targets[:, None]).sum())
     return math.exp(nll / (len(ids) - 1))
 
@@ -76,10 +77,12 @@ def test_quantized_default_perplexity_is_within_two_percent_of_exact(model_dir, 
     vnni = precision.int8_inputs and load_kernels(Path(MODEL_CACHE)).vnni()  # every row count on int8 inputs
     matmuls = "int8 (VNNI)" if vnni else precision.batch_dtype or ("int8" if precision.int8_inputs else "float32")
     inputs = "int8" if precision.int8_inputs else "float32"
-    print(f"\nperplexity on {len(text_ids)} tokens: exact {exact:.3f}; default ({precision.quantize} weights, "
-          f"int8 KV cache): {default:.3f} ({(default / exact - 1) * 100:+.2f} %) with {matmuls} multi-row "
-          f"matmuls, {one_row:.3f} ({(one_row / exact - 1) * 100:+.2f} %) one token at a time with {inputs} "
-          "one-row inputs")
+    print(
+        f"\nperplexity on {len(text_ids)} tokens: exact {exact:.3f}; default ({precision.quantize} weights, "
+        f"int8 KV cache): {default:.3f} ({(default / exact - 1) * 100:+.2f} %) with {matmuls} multi-row "
+        f"matmuls, {one_row:.3f} ({(one_row / exact - 1) * 100:+.2f} %) one token at a time with {inputs} "
+        "one-row inputs"
+    )
     assert exact < 40  # the model reads English: a broken forward gives hundreds or thousands
     assert default <= exact * 1.02 and one_row <= exact * 1.02
 
@@ -95,8 +98,9 @@ def test_decode_kernels_over_the_int8_cache_match_the_prefill_path(model_dir, te
     for several rows where the CPU has it): within that rounding's noise on logits of about 26 (up to 1.4
     measured with int8 inputs; the perplexity test bounds what it costs)."""
     precision = plan_for() if matmuls == "default" else int8_cache_plan()
-    runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 256, precision,
-                         load_kernels(Path(MODEL_CACHE)))
+    runner = ModelRunner(
+        load_model(model_dir, "cpu", torch.float32), 3, 256, precision, load_kernels(Path(MODEL_CACHE))
+    )
     ids = text_ids[:40]
     with torch.inference_mode():
         runner.prefill([0, 1], [ids[:39], ids[:39]], [0, 0])
@@ -116,8 +120,9 @@ def test_decode_kernels_over_the_int8_cache_match_the_prefill_path(model_dir, te
 def _int8_cache_runner(model_dir: Path) -> ModelRunner:
     """3 rows of 64 positions: the default weights and int8 cache, float32 inputs (with the defaults a
     chunk of up to 16 tokens would take int8 inputs, a longer one not)."""
-    return ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 64, int8_cache_plan(),
-                       load_kernels(Path(MODEL_CACHE)))
+    return ModelRunner(
+        load_model(model_dir, "cpu", torch.float32), 3, 64, int8_cache_plan(), load_kernels(Path(MODEL_CACHE))
+    )
 
 
 def test_a_prefix_copied_from_another_row_gives_the_logits_of_computing_it_there(model_dir, text_ids):
@@ -131,7 +136,9 @@ def test_a_prefix_copied_from_another_row_gives_the_logits_of_computing_it_there
         runner.copy_prefix(0, 1, 24)
         rest = runner.prefill([1], [ids[24:]], [24])[0]
         uncopied = runner.prefill([2], [ids[24:]], [24])[0]
-    print(f"\ncopied prefix: {float((rest - whole).abs().max()):.2e}; none: {float((uncopied - whole).abs().max()):.2f}")
+    print(
+        f"\ncopied prefix: {float((rest - whole).abs().max()):.2e}; none: {float((uncopied - whole).abs().max()):.2f}"
+    )
     assert (rest - whole).abs().max() < 0.15  # as the decode test: summation order vs int8 rounding steps
     assert (uncopied - whole).abs().max() > 1.0
 
@@ -161,8 +168,13 @@ def test_chunks_of_different_lengths_prefilled_together_match_transformers(model
     next decode step over what it wrote into its row, equal transformers' forward on that chunk alone
     (exact mode)."""
     plan = exact_plan() if kernels == "cpu kernels" else exact_plan().without_cpu_kernels()
-    runner = ModelRunner(load_model(model_dir, "cpu", torch.float32), 3, 64, plan,
-                         load_kernels(Path(MODEL_CACHE)) if kernels == "cpu kernels" else None)
+    runner = ModelRunner(
+        load_model(model_dir, "cpu", torch.float32),
+        3,
+        64,
+        plan,
+        load_kernels(Path(MODEL_CACHE)) if kernels == "cpu kernels" else None,
+    )
     reference = load_model(model_dir, "cpu", torch.float32)
     chunks = [text_ids[:6], text_ids[100:118], text_ids[200:241]]  # prompts of 5, 17 and 40, and a next token
     with torch.inference_mode():

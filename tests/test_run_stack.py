@@ -1,4 +1,5 @@
 """The README's run command: server and proxy together, a first-run secret, a curl line that works, Ctrl-C."""
+
 from __future__ import annotations
 
 import os
@@ -8,12 +9,10 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import jwt
 import pytest
 import requests
-
 from servers import ROOT, free_port
 
 
@@ -23,13 +22,31 @@ def stack(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "JWT_SECRET"}
     env["PYTHONUNBUFFERED"] = "1"
     env_file = tmp_path / ".env"
-    proc = subprocess.Popen([sys.executable, "scripts/run_stack.py", "--server-port", str(server_port),
-                             "--proxy-port", str(proxy_port), "--proxy-host", "127.0.0.1", "--env-file", str(env_file),
-                             "--mock", "--rows", "4"],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True,
-                            # as a script's background job starts it (`cmd &` ignores SIGINT), whatever runs the tests
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "scripts/run_stack.py",
+            "--server-port",
+            str(server_port),
+            "--proxy-port",
+            str(proxy_port),
+            "--proxy-host",
+            "127.0.0.1",
+            "--env-file",
+            str(env_file),
+            "--mock",
+            "--rows",
+            "4",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+        # as a script's background job starts it (`cmd &` ignores SIGINT), whatever runs the tests
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+    )
     # the stack's output is read to its end on a thread: a pipe nobody reads fills up (64 KiB of logs) and
     # blocks the children's writes, so they could never finish their drain
     lines, ready = [], threading.Event()
@@ -57,7 +74,7 @@ def test_first_run_writes_a_secret_prints_a_working_curl_and_ctrl_c_stops_both(s
     assert len(secret) >= 32
     assert env_file.stat().st_mode & 0o777 == 0o600  # the secret's file: its owner's alone
 
-    command = output[output.index("curl -N"):output.index("\n\nOr chat in a browser")]
+    command = output[output.index("curl -N") : output.index("\n\nOr chat in a browser")]
     token = re.search(r"Bearer (\S+)'", command).group(1)
     assert {"team_id", "token_id", "exp"} <= set(jwt.decode(token, secret, algorithms=["HS256"]))
     assert f"127.0.0.1:{proxy_port}/predictions/" in command

@@ -4,6 +4,7 @@ The embedded model (9 attention heads, 3 KV heads) is split over 3 ranks in the 
 (8 heads, 4 KV heads) over 2 and 4 ranks in-process. One 3-rank server serves the module's server tests; the
 test that kills one of its ranks runs last.
 """
+
 from __future__ import annotations
 
 import functools
@@ -16,15 +17,15 @@ import pytest
 import requests
 import torch
 import transformers as T
+from servers import MODEL_CACHE, ServerProcess, wait_for
+from test_model_loader import VOCAB
+from test_native_real import MAX_TOKENS, PROMPTS, assert_greedy_equivalent, reference  # noqa: F401 (a fixture)
 
 from inference_api.config import ServerConfig
 from inference_api.engine.process import build_engine
 from inference_api.messages import GenerateRequest, SamplingParams
 from inference_api.plan import Machine, ModelFacts, PlanError, make_plan
 from inference_api.preflight import PreflightError, estimate, preflight
-from servers import MODEL_CACHE, ServerProcess, wait_for
-from test_model_loader import VOCAB
-from test_native_real import MAX_TOKENS, PROMPTS, assert_greedy_equivalent, reference  # noqa: F401 (a fixture)
 
 GREEDY_PROMPTS = PROMPTS[::10]  # 4 of the 40 (two of each kind), concurrently: the 3-rank server's share of the suite
 
@@ -32,8 +33,20 @@ GREEDY_PROMPTS = PROMPTS[::10]  # 4 of the 40 (two of each kind), concurrently: 
 @pytest.fixture(scope="module")
 def tp3_server():
     """The embedded model in the exact mode (float32 weights and KV cache) split over 3 ranks."""
-    server = ServerProcess("--model-cache-dir", MODEL_CACHE, "--context-length", "1024", "--rows", "8",
-                           "--quantize", "none", "--dtype", "float32", "--tensor-parallel-size", "3")
+    server = ServerProcess(
+        "--model-cache-dir",
+        MODEL_CACHE,
+        "--context-length",
+        "1024",
+        "--rows",
+        "8",
+        "--quantize",
+        "none",
+        "--dtype",
+        "float32",
+        "--tensor-parallel-size",
+        "3",
+    )
     yield server
     server.stop()
 
@@ -51,8 +64,11 @@ def test_three_ranks_answer_as_generate_and_report_every_rank(tp3_server, model_
     def run(job):
         prompt, chat = job
         route = "predictions" if chat else "inference"
-        r = requests.post(f"{tp3_server.url}/{route}/{model_name}", timeout=300,
-                          json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": False})
+        r = requests.post(
+            f"{tp3_server.url}/{route}/{model_name}",
+            timeout=300,
+            json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": False},
+        )
         assert r.status_code == 200, r.text
         return r.json()["text"]
 
@@ -63,8 +79,12 @@ def test_three_ranks_answer_as_generate_and_report_every_rank(tp3_server, model_
     metrics = requests.get(tp3_server.url + "/metrics", timeout=5).text
     assert all(f'inference_engine_rank_up{{rank="{r}"}} 1.0' in metrics for r in range(3)), metrics
     # a client that goes away mid-stream frees its row on every rank's step as with one rank
-    r = requests.post(f"{tp3_server.url}/predictions/{model_name}", stream=True, timeout=60,
-                      json={"text": "Write a very long essay about rivers.", "max_tokens": 900, "temperature": 0})
+    r = requests.post(
+        f"{tp3_server.url}/predictions/{model_name}",
+        stream=True,
+        timeout=60,
+        json={"text": "Write a very long essay about rivers.", "max_tokens": 900, "temperature": 0},
+    )
     next(r.iter_content(chunk_size=None))
     r.close()
     health = tp3_server.wait_idle(timeout=20)
@@ -78,8 +98,12 @@ def test_a_rank_killed_while_streaming_ends_the_request_and_the_group_restarts(t
     tp3_server.wait_idle()
     old = tp3_server.health()
     old_pids = [r["pid"] for r in old["ranks"]]
-    r = requests.post(f"{tp3_server.url}/predictions/{model_name}", stream=True, timeout=120,
-                      json={"text": "Write a very long essay about rivers.", "max_tokens": 900, "temperature": 0})
+    r = requests.post(
+        f"{tp3_server.url}/predictions/{model_name}",
+        stream=True,
+        timeout=120,
+        json={"text": "Write a very long essay about rivers.", "max_tokens": 900, "temperature": 0},
+    )
     chunks = r.iter_content(chunk_size=None)
     assert next(chunks)
     os.kill(old_pids[1], signal.SIGKILL)
@@ -92,8 +116,11 @@ def test_a_rank_killed_while_streaming_ends_the_request_and_the_group_restarts(t
     assert len(health["ranks"]) == 3 and all(r["alive"] for r in health["ranks"])
     assert not {r["pid"] for r in health["ranks"]} & set(old_pids)
     assert wait_for(lambda: not any(_running(pid) for pid in old_pids), 20), "a rank of the old group survived"
-    answer = requests.post(f"{tp3_server.url}/inference/{model_name}", timeout=120,
-                           json={"text": "One, two,", "temperature": 0, "max_tokens": 4, "stream": False})
+    answer = requests.post(
+        f"{tp3_server.url}/inference/{model_name}",
+        timeout=120,
+        json={"text": "One, two,", "temperature": 0, "max_tokens": 4, "stream": False},
+    )
     assert answer.status_code == 200 and answer.json()["completion_tokens"] == 4
     # SIGTERM to the server's process group, as a container stop sends it: the server drains and ends the engine,
     # which ends its ranks; none outlives it
@@ -119,8 +146,15 @@ def tiny_llama(tmp_path_factory, model_dir):
     """A random llama with 8 attention heads and 4 KV heads (divisible by 2 and 4) of 16 dims, the real tokenizer."""
     folder = tmp_path_factory.mktemp("tiny-tp")
     torch.manual_seed(0)
-    config = T.LlamaConfig(vocab_size=VOCAB, hidden_size=128, num_hidden_layers=2, num_attention_heads=8,
-                           num_key_value_heads=4, intermediate_size=256, initializer_range=0.2)
+    config = T.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=256,
+        initializer_range=0.2,
+    )
     model = T.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(folder)
     T.AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
@@ -131,15 +165,27 @@ def tiny_llama(tmp_path_factory, model_dir):
 def _greedy(folder, size: int, quantize: str) -> list[list[int]]:
     """Each prompt's 10 greedy tokens from an engine split over ``size`` ranks, the prompts decoded together and
     the long one prefilled in chunks of 8."""
-    engine, ready = build_engine(ServerConfig(model=str(folder), rows=4, context_length=128, prefill_chunk=8,
-                                              quantize=quantize, dtype="float32", kv_dtype="float32",
-                                              tensor_parallel_size=size))
+    engine, ready = build_engine(
+        ServerConfig(
+            model=str(folder),
+            rows=4,
+            context_length=128,
+            prefill_chunk=8,
+            quantize=quantize,
+            dtype="float32",
+            kv_dtype="float32",
+            tensor_parallel_size=size,
+        )
+    )
     try:
         assert ready.tensor_parallel_size == size and len(ready.rank_pids) == size - 1
         tok = T.AutoTokenizer.from_pretrained(folder)
         for i, p in enumerate(TINY_PROMPTS):
-            engine.add(GenerateRequest(str(i), tuple(tok.encode(p)),
-                                       SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)))
+            engine.add(
+                GenerateRequest(
+                    str(i), tuple(tok.encode(p)), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+                )
+            )
         out: dict[str, list[int]] = {str(i): [] for i in range(len(TINY_PROMPTS))}
         while engine.has_work:
             for event in engine.step():
@@ -166,28 +212,46 @@ def test_an_input_split_that_breaks_quantized_blocks_is_refused():
     from inference_api.engine.linear import quantize as quantize_weight
     from inference_api.engine.parallel import Shard
 
-    model = T.AutoModelForCausalLM.from_config(T.LlamaConfig(vocab_size=256, hidden_size=64, num_hidden_layers=1,
-                                                             num_attention_heads=4, num_key_value_heads=4,
-                                                             intermediate_size=128))
+    model = T.AutoModelForCausalLM.from_config(
+        T.LlamaConfig(
+            vocab_size=256,
+            hidden_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            intermediate_size=128,
+        )
+    )
     spec = describe(model.config)
     layer = HFWeights(model, spec.family).layer(0)
     blocks = {**layer, "o": quantize_weight(layer["o"], "int4")}
     for w in (layer, blocks):
-        with pytest.raises(ValueError, match=r"--tensor-parallel-size 4: layer 0's attention output \(int4, 64 "
-                                             r"inputs per row\) would split into 16 inputs per rank, not a whole "
-                                             r"number of its 32-weight blocks"):
+        with pytest.raises(
+            ValueError,
+            match=r"--tensor-parallel-size 4: layer 0's attention output \(int4, 64 "
+            r"inputs per row\) would split into 16 inputs per rank, not a whole "
+            r"number of its 32-weight blocks",
+        ):
             Shard(1, 4, "int4").split_layer(w, spec, 0)
         half = Shard(1, 2, "int4").split_layer(w, spec, 0)
-        assert half["o"].dequantize().equal(blocks["o"].dequantize()[:, 32:]) if w is blocks else half["o"].shape == (64, 32)
-    assert Shard(3, 4).split_layer(layer, spec, 0)["o"].equal(layer["o"][:, 48:])  # float weights served float: any split
+        assert (
+            half["o"].dequantize().equal(blocks["o"].dequantize()[:, 32:])
+            if w is blocks
+            else half["o"].shape == (64, 32)
+        )
+    assert (
+        Shard(3, 4).split_layer(layer, spec, 0)["o"].equal(layer["o"][:, 48:])
+    )  # float weights served float: any split
 
 
 # refusals and pre-flight, without loading weights
 def test_head_counts_that_do_not_divide_are_refused_before_anything_loads():
     facts = ModelFacts("llama", gguf=True, gguf_quantize="int4", heads=9, kv_heads=3)
     assert make_plan(ServerConfig(tensor_parallel_size=3), facts, Machine()).tp == 3
-    with pytest.raises(PlanError, match="--tensor-parallel-size 2: the model's 9 attention heads and 3 key/value "
-                                        "heads do not divide by 2"):
+    with pytest.raises(
+        PlanError,
+        match="--tensor-parallel-size 2: the model's 9 attention heads and 3 key/value heads do not divide by 2",
+    ):
         make_plan(ServerConfig(tensor_parallel_size=2), facts, Machine())
     with pytest.raises(PlanError, match="transformers' layers, which cannot be split"):
         make_plan(ServerConfig(tensor_parallel_size=2), ModelFacts("gpt2", heads=4, kv_heads=4), Machine())
@@ -201,8 +265,9 @@ def test_preflight_counts_each_ranks_share():
     """3 ranks: each holds a third of the layers' weights and KV cache and the whole (tied) embedding; on CPU the
     three shares and runtimes must fit in the RAM together."""
     one = estimate(ServerConfig(model_cache_dir=Path(MODEL_CACHE), quantize="none", dtype="float32"))
-    three = estimate(ServerConfig(model_cache_dir=Path(MODEL_CACHE), quantize="none", dtype="float32",
-                                  tensor_parallel_size=3))
+    three = estimate(
+        ServerConfig(model_cache_dir=Path(MODEL_CACHE), quantize="none", dtype="float32", tensor_parallel_size=3)
+    )
     embedding = 49152 * 576 * 4  # float32, tied: on every rank
     assert three.ranks == 3 and three.kv_cache_bytes == pytest.approx(one.kv_cache_bytes / 3, abs=1)
     assert three.weights_bytes == pytest.approx(embedding + (one.weights_bytes - embedding) / 3, abs=1)

@@ -1,4 +1,5 @@
 """Native request validation: a table of good and bad bodies."""
+
 import pytest
 
 from inference_api.dialects.native.protocol import parse_native
@@ -6,8 +7,10 @@ from inference_api.request_errors import RequestError
 
 GOOD = [
     ({"text": "hi"}, dict(temperature=1.0, top_k=10, top_p=0.9, max_tokens=128, stop=(), seed=None)),
-    ({"text": "hi", "temperature": "1", "top_k": "40", "top_p": "0.9", "max_tokens": "32"},
-     dict(temperature=1.0, top_k=40, top_p=0.9, max_tokens=32)),
+    (
+        {"text": "hi", "temperature": "1", "top_k": "40", "top_p": "0.9", "max_tokens": "32"},
+        dict(temperature=1.0, top_k=40, top_p=0.9, max_tokens=32),
+    ),
     ({"text": "hi", "temperature": 0, "top_k": 1, "top_p": 1, "max_tokens": 2048}, dict(temperature=0, top_k=1)),
     ({"text": "hi", "temperature": None, "top_k": None}, dict(temperature=1.0, top_k=10)),
     ({"text": "hi", "stop_sequence": "."}, dict(stop=(".",))),

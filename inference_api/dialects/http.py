@@ -1,9 +1,10 @@
 """What every dialect's routes share at the HTTP edge: a blueprint fixed to its API family, the JSON body, the
 streaming response."""
+
 from __future__ import annotations
 
 import json
-from typing import Iterator
+from collections.abc import Iterator
 
 from flask import Blueprint, Request, Response, stream_with_context
 
@@ -41,5 +42,6 @@ def json_body(request: Request) -> dict:
 def sse_response(chunks: Iterator[bytes], mimetype: str = "text/event-stream") -> Response:
     """A streaming response, sent piece by piece (no proxy buffering); call inside the request (it keeps the
     request context)."""
-    return Response(stream_with_context(chunks), mimetype=mimetype,
-                    headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return Response(
+        stream_with_context(chunks), mimetype=mimetype, headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )

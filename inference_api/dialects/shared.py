@@ -1,6 +1,7 @@
 """Paths two dialects share, told apart by the body: ``/generate`` (TGI sends ``inputs``; shortfin ``text`` or
 ``input_ids``) and ``/tokenize`` (TGI sends ``inputs``; vLLM ``prompt`` or ``messages``). Until the body is
 read, errors have the path's family (TGI's, as before these paths were shared); then the body's."""
+
 from __future__ import annotations
 
 from flask import Blueprint, request

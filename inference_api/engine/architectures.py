@@ -4,6 +4,7 @@ embedding scale, its tensor names), and ``describe`` reads one model's numbers f
 (attention scale, soft-capping, each layer's sliding window and rotary base). compact.py runs any of them
 through the same layers; everything else runs on transformers' own modules (the fallback).
 """
+
 from __future__ import annotations
 
 import copy
@@ -23,9 +24,18 @@ class Family:
     gated: bool = True  # the MLP is act(gate) * up; else act(up) (falcon)
     gguf_only: bool = False  # run from a GGUF's tensors only (a transformers folder of it keeps transformers' layers)
     # transformers' tensor names, per layer (after "model.layers.N.") and for the fused forms (phi3)
-    names: dict = field(default_factory=lambda: dict(
-        attn_norm="input_layernorm", mlp_norm="post_attention_layernorm", post_attn_norm=None,
-        post_mlp_norm=None, q_norm="self_attn.q_norm", k_norm="self_attn.k_norm", qkv=None, gate_up=None))
+    names: dict = field(
+        default_factory=lambda: dict(
+            attn_norm="input_layernorm",
+            mlp_norm="post_attention_layernorm",
+            post_attn_norm=None,
+            post_mlp_norm=None,
+            q_norm="self_attn.q_norm",
+            k_norm="self_attn.k_norm",
+            qkv=None,
+            gate_up=None,
+        )
+    )
 
 
 def _names(**over) -> dict:
@@ -33,8 +43,11 @@ def _names(**over) -> dict:
 
 
 _LLAMA = Family()
-_GEMMA_NAMES = _names(post_attn_norm="post_attention_layernorm", mlp_norm="pre_feedforward_layernorm",
-                      post_mlp_norm="post_feedforward_layernorm")
+_GEMMA_NAMES = _names(
+    post_attn_norm="post_attention_layernorm",
+    mlp_norm="pre_feedforward_layernorm",
+    post_mlp_norm="post_feedforward_layernorm",
+)
 
 FAMILIES: dict[str, Family] = {
     "llama": _LLAMA,
@@ -45,12 +58,18 @@ FAMILIES: dict[str, Family] = {
     "gemma": Family(norm_offset=1.0, activation="gelu_tanh", embed_scale=True),
     "gemma2": Family(norm_offset=1.0, activation="gelu_tanh", embed_scale=True, sandwich=True, names=_GEMMA_NAMES),
     "falcon": Family(activation="gelu_tanh", norm="layer", parallel=True, gated=False, gguf_only=True),
-    "gemma3_text": Family(norm_offset=1.0, activation="gelu_tanh", embed_scale=True, sandwich=True, qk_norm=True,
-                          names=_GEMMA_NAMES),
+    "gemma3_text": Family(
+        norm_offset=1.0, activation="gelu_tanh", embed_scale=True, sandwich=True, qk_norm=True, names=_GEMMA_NAMES
+    ),
 }
 
-_ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh", "gelu_tanh": "gelu_tanh",
-                "gelu": "gelu_tanh"}  # gemma's and falcon's configs say "gelu" where llama.cpp computes tanh's
+_ACTIVATIONS = {
+    "silu": "silu",
+    "swish": "silu",
+    "gelu_pytorch_tanh": "gelu_tanh",
+    "gelu_tanh": "gelu_tanh",
+    "gelu": "gelu_tanh",
+}  # gemma's and falcon's configs say "gelu" where llama.cpp computes tanh's
 
 
 def supported(arch: str, cfg: dict | None = None, gguf: bool = True) -> bool:
@@ -88,11 +107,19 @@ class ModelSpec:
     def plain(self) -> bool:
         """A llama-shaped model: what the fused decode kernels (rope_store, decode_attention, Decoder) run."""
         f = self.family
-        return (self.activation == "silu" and not (f.qk_norm or f.sandwich or f.embed_scale or f.norm_offset)
-                and f.norm == "rms" and not f.parallel and f.gated
-                and self.attn_softcap is None and self.final_softcap is None and set(self.windows) == {None}
-                and len(self.ropes) == 1 and self.rot_dim == self.head_dim
-                and math.isclose(self.attn_scale, self.head_dim ** -0.5))
+        return (
+            self.activation == "silu"
+            and not (f.qk_norm or f.sandwich or f.embed_scale or f.norm_offset)
+            and f.norm == "rms"
+            and not f.parallel
+            and f.gated
+            and self.attn_softcap is None
+            and self.final_softcap is None
+            and set(self.windows) == {None}
+            and len(self.ropes) == 1
+            and self.rot_dim == self.head_dim
+            and math.isclose(self.attn_scale, self.head_dim**-0.5)
+        )
 
 
 def layer_windows(config) -> tuple[int | None, ...]:
@@ -123,14 +150,25 @@ def describe(config) -> ModelSpec:
         ropes.append(local)
         rope = [1 if w else 0 for w in windows]
     scalar = getattr(config, "query_pre_attn_scalar", None)
-    act = (getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-           or getattr(config, "activation", None) or "silu")
+    act = (
+        getattr(config, "hidden_activation", None)
+        or getattr(config, "hidden_act", None)
+        or getattr(config, "activation", None)
+        or "silu"
+    )
     return ModelSpec(
-        arch=arch, family=family, heads=heads, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-        head_dim=head_dim, eps=getattr(config, "rms_norm_eps", None) or config.layer_norm_epsilon,
+        arch=arch,
+        family=family,
+        heads=heads,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        eps=getattr(config, "rms_norm_eps", None) or config.layer_norm_epsilon,
         activation=_ACTIVATIONS[act],
         attn_scale=1.0 / math.sqrt(scalar if scalar else head_dim),  # as the kernels compute 1 / sqrt(D)
         attn_softcap=getattr(config, "attn_logit_softcapping", None) or None,
         final_softcap=getattr(config, "final_logit_softcapping", None) or None,
-        windows=windows, rope=tuple(rope), ropes=tuple(ropes),
-        rot_dim=int(head_dim * getattr(config, "partial_rotary_factor", 1.0)))
+        windows=windows,
+        rope=tuple(rope),
+        ropes=tuple(ropes),
+        rot_dim=int(head_dim * getattr(config, "partial_rotary_factor", 1.0)),
+    )

@@ -4,6 +4,7 @@ transformers' own SDPA path copies every layer's keys and values to repeat them 
 whenever a mask is given (it always is here). On CPU, SDPA takes the mask and the grouped heads as they
 are, which makes a decode step of 32 rows about a tenth faster. Results are identical.
 """
+
 from __future__ import annotations
 
 import torch
@@ -12,10 +13,19 @@ import torch.nn.functional as F
 NAME = "row_sdpa"
 
 
-def row_sdpa(module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-             attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0, **kwargs):
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                         enable_gqa=key.shape[1] != query.shape[1])
+def row_sdpa(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs,
+):
+    out = F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=key.shape[1] != query.shape[1]
+    )
     return out.transpose(1, 2).contiguous(), None
 
 

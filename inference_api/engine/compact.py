@@ -8,11 +8,12 @@ families (norms, activation, q/k norms, soft-capping, sliding windows) comes fro
 branches per family. Llama-shaped models (``ModelSpec.plain``) decode through the fused CPU kernels.
 transformers' own modules stay the fallback for every other architecture.
 """
+
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -84,8 +85,9 @@ def _pad(x: torch.Tensor, tokens: torch.Tensor, total: int) -> torch.Tensor:
 QUERY_BLOCK = 128  # prefill attention runs this many queries at a time
 
 
-def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-               softcap: float | None) -> torch.Tensor:
+def _attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
     """Attention over blocks of queries: the same result at the same speed, with temporaries of about 4 MB for
     512 queries over 2048 positions instead of 76 MB in one call (measured on the 2-core machine). SDPA, or the
     scores written out where they are soft-capped (gemma2: cap * tanh(scores / cap) before the softmax)."""
@@ -100,8 +102,13 @@ def _attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: 
         scores = torch.tanh(qb @ keys.transpose(-1, -2) * (scale / softcap)) * softcap
         return scores.masked_fill_(~mb, float("-inf")).softmax(-1).to(values.dtype) @ values
 
-    return torch.cat([block(q[:, :, i:i + QUERY_BLOCK], mask[:, :, i:i + QUERY_BLOCK])
-                      for i in range(0, q.shape[2], QUERY_BLOCK)], dim=2)
+    return torch.cat(
+        [
+            block(q[:, :, i : i + QUERY_BLOCK], mask[:, :, i : i + QUERY_BLOCK])
+            for i in range(0, q.shape[2], QUERY_BLOCK)
+        ],
+        dim=2,
+    )
 
 
 def _whole(t: torch.Tensor) -> torch.Tensor:
@@ -116,10 +123,21 @@ class CompactLM:
     all_reduce: a tensor-parallel rank's sum over every rank of a row-split layer's partial outputs (attention's o
     and the MLP's down), in place; None: the model is not split. spec then holds this rank's own head counts."""
 
-    def __init__(self, spec: ModelSpec, embed: Callable[[torch.Tensor], torch.Tensor], embed_scale: float,
-                 layers: list[Layer], norm: torch.Tensor, head: Linear | None, length: int, device, dtype: torch.dtype,
-                 kernels=None, norm_b: torch.Tensor | None = None,
-                 all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        spec: ModelSpec,
+        embed: Callable[[torch.Tensor], torch.Tensor],
+        embed_scale: float,
+        layers: list[Layer],
+        norm: torch.Tensor,
+        head: Linear | None,
+        length: int,
+        device,
+        dtype: torch.dtype,
+        kernels=None,
+        norm_b: torch.Tensor | None = None,
+        all_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ):
         self.kernels = kernels if torch.device(device).type == "cpu" and dtype == torch.float32 else None
         self.split = all_reduce is not None
         self.all_reduce = all_reduce or _whole
@@ -135,8 +153,9 @@ class CompactLM:
         # rotary + cache write in one kernel call for any family whose rotary turns whole heads
         self.rope_kernel = self.kernels is not None and spec.rot_dim == spec.head_dim
         # the Decoder runs a step's layers in one C++ call: none where the sums go through an all-reduce
-        self.fused, self.fused_max_rows = fused_decoder(self.kernels if self.fast and not self.split else None,
-                                                        layers, self.heads, self.eps)
+        self.fused, self.fused_max_rows = fused_decoder(
+            self.kernels if self.fast and not self.split else None, layers, self.heads, self.eps
+        )
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm as transformers computes it: in float32, the weight applied after the cast back (the CPU
@@ -196,9 +215,18 @@ class CompactLM:
                 if layer.q_norm is not None:  # the per-head norms before the rotary, written back into qkv
                     heads = qkv.view(-1, hq + 2 * hk, d)
                     heads[:, :hq] = self._norm(heads[:, :hq], layer.q_norm)
-                    heads[:, hq:hq + hk] = self._norm(heads[:, hq:hq + hk], layer.k_norm)
-                q = k.rope_store(qkv, cos, sin, cache.keys[i], cache.values[i], *cache.scales(i),
-                                 slots[cache.layer_slots[i]], hq, rows)
+                    heads[:, hq : hq + hk] = self._norm(heads[:, hq : hq + hk], layer.k_norm)
+                q = k.rope_store(
+                    qkv,
+                    cos,
+                    sin,
+                    cache.keys[i],
+                    cache.values[i],
+                    *cache.scales(i),
+                    slots[cache.layer_slots[i]],
+                    hq,
+                    rows,
+                )
             else:
                 q, key, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
                 q, key, v = q.reshape(-1, hq, d), key.reshape(-1, hk, d), v.reshape(-1, hk, d)
@@ -207,9 +235,18 @@ class CompactLM:
                 q, key = _rope(q, cos[:, None], sin[:, None]), _rope(key, cos[:, None], sin[:, None])
                 cache.write(i, key, v, flats[cache.layer_slots[i]])
             if per_token:
-                a = k.decode_attention(q.reshape(-1, hq, d), cache.keys[i], cache.values[i], *cache.scales(i),
-                                       lengths, spec.attn_scale, rows, starts[spec.windows[i]],
-                                       spec.attn_softcap or 0.0, cache.ring(i)).view(-1, hq * d)
+                a = k.decode_attention(
+                    q.reshape(-1, hq, d),
+                    cache.keys[i],
+                    cache.values[i],
+                    *cache.scales(i),
+                    lengths,
+                    spec.attn_scale,
+                    rows,
+                    starts[spec.windows[i]],
+                    spec.attn_softcap or 0.0,
+                    cache.ring(i),
+                ).view(-1, hq * d)
             else:
                 keys, values = cache.read(i, batch.rows, batch.attend, q.dtype)
                 if keys.dtype != q.dtype:  # a 16-bit cache: attention itself in the model's dtype
@@ -245,19 +282,29 @@ class CompactLM:
     def _decode(self, batch: ForwardBatch, cache) -> torch.Tensor:
         """One token for each of rows 0..B-1 through the CPU kernels: a few calls per layer, each row reading
         only its own cached positions. Returns logits [B, V]."""
-        k, d = self.kernels, self.head_dim
+        k = self.kernels
         write, lengths = batch.write[:, 0], batch.lengths()
         cos, sin = (t[batch.positions[:, 0]] for t in self.ropes[0])
         x = self._embed(batch.ids[:, 0])
         if self.fused is not None and x.shape[0] <= self.fused_max_rows:
-            x = self.fused.forward(x, cos, sin, write, lengths, cache.keys, cache.values, cache.key_scales,
-                                   cache.value_scales)
+            x = self.fused.forward(
+                x, cos, sin, write, lengths, cache.keys, cache.values, cache.key_scales, cache.value_scales
+            )
             return self.head(k.rms_norm(x, self.norm, self.eps))
         for i, layer in enumerate(self.layers):
             keys, values = cache.keys[i], cache.values[i]
             key_scales, value_scales = cache.scales(i)
-            q = k.rope_store(layer.qkv(k.rms_norm(x, layer.attn_norm, self.eps)), cos, sin, keys, values,
-                             key_scales, value_scales, write, self.heads)
+            q = k.rope_store(
+                layer.qkv(k.rms_norm(x, layer.attn_norm, self.eps)),
+                cos,
+                sin,
+                keys,
+                values,
+                key_scales,
+                value_scales,
+                write,
+                self.heads,
+            )
             a = k.decode_attention(q, keys, values, key_scales, value_scales, lengths, self.spec.attn_scale)
             x = x + self.all_reduce(layer.o(a.view(x.shape[0], -1)))
             x = x + self.all_reduce(layer.down(k.silu_mul(layer.gate_up(k.rms_norm(x, layer.mlp_norm, self.eps)))))
@@ -269,12 +316,19 @@ def fused_decoder(kernels, layers: list[Layer], heads: int, eps: float) -> tuple
     the most rows it may take: one where layers run several rows on a oneDNN copy (SplitLinear), else any."""
     if kernels is None:
         return None, 0
-    one_row = [[getattr(lin, "quantized", lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-               for layer in layers]  # SplitLinear: its quantized half
+    one_row = [
+        [getattr(lin, "quantized", lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] for layer in layers
+    ]  # SplitLinear: its quantized half
     if not all(isinstance(lin, QuantLinear) for four in one_row for lin in four):
         return None, 0
-    decoder = kernels.Decoder([(layer.attn_norm, qkv.parts(), o.parts(), layer.mlp_norm, gu.parts(), down.parts())
-                               for layer, (qkv, o, gu, down) in zip(layers, one_row)], heads, eps)
+    decoder = kernels.Decoder(
+        [
+            (layer.attn_norm, qkv.parts(), o.parts(), layer.mlp_norm, gu.parts(), down.parts())
+            for layer, (qkv, o, gu, down) in zip(layers, one_row)
+        ],
+        heads,
+        eps,
+    )
     split = any(lin is not layer.qkv for layer, (lin, *_) in zip(layers, one_row))
     return decoder, 1 if split else math.inf
 
@@ -312,11 +366,20 @@ class HFWeights:
 
         attn = [f"self_attn.{n}_proj" for n in "qkv"]
         norm = lambda role: self._norm(p + names[role]) if names[role] else None  # noqa: E731
-        return dict(attn_norm=norm("attn_norm"), qkv=fused(attn, names["qkv"]), qkv_bias=fused(attn, names["qkv"], "bias"),
-                    o=sd[p + "self_attn.o_proj.weight"], o_bias=sd.get(p + "self_attn.o_proj.bias"),
-                    mlp_norm=norm("mlp_norm"), gate_up=fused(["mlp.gate_proj", "mlp.up_proj"], names["gate_up"]),
-                    down=sd[p + "mlp.down_proj.weight"], q_norm=norm("q_norm"), k_norm=norm("k_norm"),
-                    post_attn_norm=norm("post_attn_norm"), post_mlp_norm=norm("post_mlp_norm"))
+        return dict(
+            attn_norm=norm("attn_norm"),
+            qkv=fused(attn, names["qkv"]),
+            qkv_bias=fused(attn, names["qkv"], "bias"),
+            o=sd[p + "self_attn.o_proj.weight"],
+            o_bias=sd.get(p + "self_attn.o_proj.bias"),
+            mlp_norm=norm("mlp_norm"),
+            gate_up=fused(["mlp.gate_proj", "mlp.up_proj"], names["gate_up"]),
+            down=sd[p + "mlp.down_proj.weight"],
+            q_norm=norm("q_norm"),
+            k_norm=norm("k_norm"),
+            post_attn_norm=norm("post_attn_norm"),
+            post_mlp_norm=norm("post_mlp_norm"),
+        )
 
     def drop_layer(self, i: int) -> None:
         """A packed layer's dense weights go at once, which keeps the start-up peak low."""
@@ -325,8 +388,15 @@ class HFWeights:
             del self.sd[name]
 
 
-def build_compact(model, make_linear: Callable, embed_fn: Callable, length: int, kernels=None, shard=None,
-                  all_reduce: Callable | None = None) -> CompactLM:
+def build_compact(
+    model,
+    make_linear: Callable,
+    embed_fn: Callable,
+    length: int,
+    kernels=None,
+    shard=None,
+    all_reduce: Callable | None = None,
+) -> CompactLM:
     """A CompactLM from a transformers model of a described architecture, or from a GGUFModel (its weights read
     straight from the file): tensors are copied or quantized one layer at a time. shard (parallel.Shard): only this
     tensor-parallel rank's share of each layer is kept, sliced before make_linear quantizes or packs it."""
@@ -344,16 +414,38 @@ def build_compact(model, make_linear: Callable, embed_fn: Callable, length: int,
             w = shard.split_layer(w, spec, i)
         bias = None if w["qkv_bias"] is None else w["qkv_bias"].float()
         modes = w.get("modes", {})  # a GGUF's: the mode that keeps each linear's own tensor types
-        linear = lambda role, b=None: make_linear(w[role], b, as_mode=modes.get(role))  # noqa: E731
-        layers.append(Layer(
-            attn_norm=w["attn_norm"], qkv=linear("qkv", bias), o=linear("o", w["o_bias"]),
-            mlp_norm=w["mlp_norm"], gate_up=linear("gate_up"), down=linear("down"),
-            q_norm=w["q_norm"] if spec.family.qk_norm else None, k_norm=w["k_norm"] if spec.family.qk_norm else None,
-            post_attn_norm=w["post_attn_norm"], post_mlp_norm=w["post_mlp_norm"], attn_norm_b=w.get("attn_norm_b"),
-            mlp_norm_b=w.get("mlp_norm_b")))
+        linear = lambda role, b=None, w=w, modes=modes: make_linear(w[role], b, as_mode=modes.get(role))  # noqa: E731
+        layers.append(
+            Layer(
+                attn_norm=w["attn_norm"],
+                qkv=linear("qkv", bias),
+                o=linear("o", w["o_bias"]),
+                mlp_norm=w["mlp_norm"],
+                gate_up=linear("gate_up"),
+                down=linear("down"),
+                q_norm=w["q_norm"] if spec.family.qk_norm else None,
+                k_norm=w["k_norm"] if spec.family.qk_norm else None,
+                post_attn_norm=w["post_attn_norm"],
+                post_mlp_norm=w["post_mlp_norm"],
+                attn_norm_b=w.get("attn_norm_b"),
+                mlp_norm_b=w.get("mlp_norm_b"),
+            )
+        )
         del w
         src.drop_layer(i)
-    embed_scale = config.hidden_size ** 0.5 if spec.family.embed_scale else 1.0
+    embed_scale = config.hidden_size**0.5 if spec.family.embed_scale else 1.0
     final_b = src.final_norm_bias() if hasattr(src, "final_norm_bias") else None
-    return CompactLM(shard.local(spec) if shard is not None else spec, embed, embed_scale, layers, src.final_norm(),
-                     head, length, model.device, model.dtype, kernels, final_b, all_reduce)
+    return CompactLM(
+        shard.local(spec) if shard is not None else spec,
+        embed,
+        embed_scale,
+        layers,
+        src.final_norm(),
+        head,
+        length,
+        model.device,
+        model.dtype,
+        kernels,
+        final_b,
+        all_reduce,
+    )

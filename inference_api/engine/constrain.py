@@ -5,12 +5,13 @@ vocabulary) and each grammar (a bounded cache keyed by the grammar; each row get
 thread of their own, while the engine keeps stepping the other rows; a request waits for its matcher before it
 takes a row. llguidance drops the GIL while it builds, so the decode loop does not wait on it.
 """
+
 from __future__ import annotations
 
 import collections
 import logging
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable
 
 import numpy as np
 import torch
@@ -53,9 +54,9 @@ class Constraints:
         self._cache.move_to_end(grammar)
         return template.deep_copy()
 
-
-    def mask(self, logits: torch.Tensor, rows: list[tuple[int, object]],
-             unmasked: torch.Tensor | None = None) -> torch.Tensor:
+    def mask(
+        self, logits: torch.Tensor, rows: list[tuple[int, object]], unmasked: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``logits`` with rows ``i`` of ``rows`` (index, matcher) keeping only the tokens their matcher allows;
         every other row untouched (a new tensor: the raw logits stay for log-probs). All rows' masks come from
         one call (llguidance's executor, in parallel, the GIL released) and go on in one pass. ``unmasked``: the
@@ -68,8 +69,7 @@ class Constraints:
         vocab = logits.shape[-1]
         words = (vocab + 31) // 32
         bits = np.full((logits.shape[0], words), -1, dtype=np.int32)  # unconstrained rows: every token allowed
-        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in rows], bits.ctypes.data, words * 4,
-                                               logits.shape[0])
+        self._executor.unsafe_compute_mask_ptr([(m, i) for i, m in rows], bits.ctypes.data, words * 4, logits.shape[0])
         allowed = torch.from_numpy(np.unpackbits(bits.view(np.uint8), axis=-1, bitorder="little")[:, :vocab])
         allowed = allowed.to(device=logits.device, dtype=torch.bool)
         out = torch.where(allowed, logits, float("-inf"))
@@ -86,8 +86,9 @@ def for_hf_tokenizer(hf_tokenizer, vocab_size: int, eos_ids) -> Constraints:
     def make():
         from llguidance import LLTokenizer
 
-        return LLTokenizer(llguidance_json(hf_tokenizer.backend_tokenizer.to_str()), n_vocab=vocab_size,
-                           eos_token=sorted(eos_ids))
+        return LLTokenizer(
+            llguidance_json(hf_tokenizer.backend_tokenizer.to_str()), n_vocab=vocab_size, eos_token=sorted(eos_ids)
+        )
 
     return Constraints(make)
 

@@ -4,9 +4,10 @@ The prefix/read offset scheme of TGI and vLLM: decode a short window of recent t
 without the newest ones) and emit the difference, holding it back while it ends in U+FFFD (an
 incomplete UTF-8 sequence). Decoding a window, not the single token, keeps SentencePiece spaces right.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 REPLACEMENT = "\ufffd"
 
@@ -23,9 +24,9 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> str:
         """Append one token; return the new complete text (possibly empty)."""
         self.ids.append(token_id)
-        prefix_text = self._decode(self.ids[self._prefix:self._read])
-        new_text = self._decode(self.ids[self._prefix:])
+        prefix_text = self._decode(self.ids[self._prefix : self._read])
+        new_text = self._decode(self.ids[self._prefix :])
         if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT):
             self._prefix, self._read = self._read, len(self.ids)
-            return new_text[len(prefix_text):]
+            return new_text[len(prefix_text) :]
         return ""

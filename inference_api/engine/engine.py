@@ -1,10 +1,12 @@
 """The engine: the scheduler plans a step, the runner computes it, the engine samples every row and emits text."""
+
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Protocol, Sequence as Seq
+from typing import Protocol
 
 import torch
 
@@ -54,13 +56,20 @@ class Engine:
     """Each step: the scheduler admits and plans, the runner computes logits, the engine samples every row and
     turns tokens into events."""
 
-    def __init__(self, runner: Runner, tokenizer: Detokenizer, rows: int, context_length: int,
-                 prefill_chunk: int, eos_ids: frozenset[int], prefix_cache: bool = True,
-                 constraints: Constraints | None = None):
+    def __init__(
+        self,
+        runner: Runner,
+        tokenizer: Detokenizer,
+        rows: int,
+        context_length: int,
+        prefill_chunk: int,
+        eos_ids: frozenset[int],
+        prefix_cache: bool = True,
+        constraints: Constraints | None = None,
+    ):
         self.runner = runner
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(rows, prefill_chunk, prefix_cache, context_length,
-                                   getattr(runner, "holds", None))
+        self.scheduler = Scheduler(rows, prefill_chunk, prefix_cache, context_length, getattr(runner, "holds", None))
         self.context_length = context_length
         self.eos_ids = eos_ids
         self.params = RowParams.allocate(rows, runner.vocab_size, runner.device)
@@ -131,7 +140,7 @@ class Engine:
             if not seqs:
                 return failed  # only prompt chunks that did not finish: nothing to sample
             tokens = self._sample(seqs, logits)
-        except Exception as exc:  # a failed forward must not take the process (and every stream) down
+        except Exception:  # a failed forward must not take the process (and every stream) down
             log.exception("engine step failed")
             return failed + self._fail_running(ENGINE_ERROR)
         return failed + self._postprocess(seqs, tokens, logits)
@@ -162,8 +171,7 @@ class Engine:
     def _admit(self) -> None:
         for admission in self.scheduler.admit():
             seq = admission.seq
-            seed = (choice_seed(seq.params.seed, seq.index) if seq.params.seed is not None
-                    else self._rng.getrandbits(63))
+            seed = choice_seed(seq.params.seed, seq.index) if seq.params.seed is not None else self._rng.getrandbits(63)
             self.params.set_row(seq.row, seq.params, seed, seq.prompt_ids)
             if admission.copy_from is not None:
                 try:
@@ -178,8 +186,11 @@ class Engine:
         if step.prefill:
             prefill = self._prefill(step.prefill)
         if step.decode:
-            decode = self.runner.decode([s.row for s in step.decode], [s.last_token for s in step.decode],
-                                        [s.num_tokens - 1 for s in step.decode])
+            decode = self.runner.decode(
+                [s.row for s in step.decode],
+                [s.last_token for s in step.decode],
+                [s.num_tokens - 1 for s in step.decode],
+            )
         done = self.scheduler.computed(step)
         seqs = [step.prefill[i][0] for i in done] + step.decode
         parts = ([prefill[done]] if prefill is not None else []) + ([decode] if decode is not None else [])
@@ -191,15 +202,17 @@ class Engine:
         plain = [(s, n) for s, n in chunks if not s.scores_prompt]
         logits = None
         if plain:
-            logits = self.runner.prefill([s.row for s, _ in plain],
-                                         [s.prompt_ids[s.num_cached:s.num_cached + n] for s, n in plain],
-                                         [s.num_cached for s, _ in plain])
+            logits = self.runner.prefill(
+                [s.row for s, _ in plain],
+                [s.prompt_ids[s.num_cached : s.num_cached + n] for s, n in plain],
+                [s.num_cached for s, _ in plain],
+            )
         if len(plain) == len(chunks):
             return logits
         rows, j = [], 0
         for s, n in chunks:
             if s.scores_prompt:
-                every = self.runner.score(s.row, s.prompt_ids[s.num_cached:s.num_cached + n], s.num_cached)
+                every = self.runner.score(s.row, s.prompt_ids[s.num_cached : s.num_cached + n], s.num_cached)
                 self._score_prompt(s, every, s.num_cached)
                 rows.append(every[-1])
             else:
@@ -210,16 +223,16 @@ class Engine:
     def _score_prompt(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
         """The log-probs of the prompt tokens that positions start.. predict (the last prompt position predicts
         the first output token: not a prompt token)."""
-        targets = seq.prompt_ids[start + 1:start + 1 + logits.shape[0]]
+        targets = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
         if not targets:
             return
         n, decode = seq.params.prompt_logprobs, self.tokenizer.decode
         for a in range(0, len(targets), SCORE_SLICE):  # a slice at a time: one copy of the chunk's logits at most
-            part = targets[a:a + SCORE_SLICE]
-            lp = torch.log_softmax(logits[a:a + len(part)].float(), dim=-1)
+            part = targets[a : a + SCORE_SLICE]
+            lp = torch.log_softmax(logits[a : a + len(part)].float(), dim=-1)
             chosen = lp.gather(1, torch.tensor(part, device=lp.device)[:, None])
             ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-            top_v, top_i = (lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long()))
+            top_v, top_i = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
             for t, v, rank, ids, vals in zip(part, chosen[:, 0].tolist(), ranks, top_i.tolist(), top_v.tolist()):
                 top = tuple((decode([i]), x) for i, x in zip(ids, vals))
                 seq.prompt_logprobs.append(TokenLogprob(decode([t]), v, top, t, rank, tuple(ids)))
@@ -227,8 +240,9 @@ class Engine:
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         p = self.params
         rows = torch.tensor([s.row for s in seqs], device=logits.device)
-        penalised = any(s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1.0
-                        for s in seqs)
+        penalised = any(
+            s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1.0 for s in seqs
+        )
         if penalised:
             logits = apply_penalties(logits, rows, p)
         early = [(i, s) for i, s in enumerate(seqs) if s.num_output < s.params.min_tokens]
@@ -263,7 +277,7 @@ class Engine:
                 if logprob_error is not None and i in want_logprobs:
                     raise logprob_error
                 events.extend(self._advance(seq, token, logprobs.get(i)))
-            except Exception as exc:
+            except Exception:
                 log.exception("post-processing failed for request %s", seq.session_id)
                 events.append(self._fail(seq, ENGINE_ERROR))
         return events
@@ -289,18 +303,27 @@ class Engine:
         return events
 
     def _event(self, seq: Sequence, text: str, error: str | None = None) -> TokenEvent:
-        event = TokenEvent(session_id=seq.session_id, text=text, token_ids=tuple(seq.pending_ids),
-                           logprobs=tuple(seq.pending_logprobs), finish_reason=seq.finish_reason,
-                           prompt_tokens=seq.num_prompt, completion_tokens=seq.num_output, error=error,
-                           cached_tokens=seq.num_reused, index=seq.index,
-                           prompt_logprobs=None if seq.prompt_logprobs is None else tuple(seq.prompt_logprobs))
+        event = TokenEvent(
+            session_id=seq.session_id,
+            text=text,
+            token_ids=tuple(seq.pending_ids),
+            logprobs=tuple(seq.pending_logprobs),
+            finish_reason=seq.finish_reason,
+            prompt_tokens=seq.num_prompt,
+            completion_tokens=seq.num_output,
+            error=error,
+            cached_tokens=seq.num_reused,
+            index=seq.index,
+            prompt_logprobs=None if seq.prompt_logprobs is None else tuple(seq.prompt_logprobs),
+        )
         seq.prompt_logprobs = None  # sent once, with the first event
         seq.pending_ids.clear()
         seq.pending_logprobs.clear()
         return event
 
-    def _logprobs(self, logits: torch.Tensor, idx: list[int], tokens: list[int],
-                  seqs: list[Sequence]) -> dict[int, TokenLogprob]:
+    def _logprobs(
+        self, logits: torch.Tensor, idx: list[int], tokens: list[int], seqs: list[Sequence]
+    ) -> dict[int, TokenLogprob]:
         lp = torch.log_softmax(logits[idx].float(), dim=-1)
         top_n = max(seqs[i].params.logprobs for i in idx)
         top_v, top_i = lp.topk(max(top_n, 1), dim=-1)

@@ -1,5 +1,6 @@
 """For tests only: an Engine that fails the post-processing of requests whose prompt contains a given text, to
 show that one request's failure leaves every other stream intact (TEST_FAULT_TEXT)."""
+
 from __future__ import annotations
 
 from ..messages import GenerateRequest, TokenEvent, TokenLogprob

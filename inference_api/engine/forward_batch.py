@@ -5,6 +5,7 @@ Entries are laid out [B, T]: each entry is one row's chunk of tokens, left-padde
 token is last. ``write`` says where each token's key and value go in its row's cache; padding (and an idle
 row of a decode step) writes to the cache's scratch position, which no row ever attends to.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

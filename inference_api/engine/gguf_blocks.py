@@ -9,6 +9,7 @@
 - F32 and any other type are served as float32, dequantized by gguf-py; a type gguf-py cannot read stops the
   start with its name.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -40,12 +41,14 @@ def int4_weight(t) -> Int4Weight:
         blocks = raw.reshape(n, k // 32, size)
         d = _f16(blocks[..., 0:2])
         m = (d * np.float16(-8)) if kind == "Q4_0" else _f16(blocks[..., 2:4])
-        q = blocks[..., size - 16:]  # the layout's own nibble order
+        q = blocks[..., size - 16 :]  # the layout's own nibble order
     else:
         raise ValueError(f"{kind} is not a 4-bit block type taken as it is")
-    return Int4Weight(torch.from_numpy(np.ascontiguousarray(q).reshape(n, k // 2)),
-                      torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // 32)),
-                      torch.from_numpy(np.ascontiguousarray(m).reshape(n, k // 32)))
+    return Int4Weight(
+        torch.from_numpy(np.ascontiguousarray(q).reshape(n, k // 2)),
+        torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // 32)),
+        torch.from_numpy(np.ascontiguousarray(m).reshape(n, k // 32)),
+    )
 
 
 def block_weight(t) -> BlockWeight:

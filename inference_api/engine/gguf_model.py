@@ -7,11 +7,11 @@ built from the metadata, which architectures.describe reads), ``device``, ``dtyp
 (``weights()``) for compact.build_compact. Linear weights keep their own blocks (gguf_blocks); norms and
 other float tensors are read as float32.
 """
+
 from __future__ import annotations
 
-from pathlib import Path
-
 import logging
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -23,8 +23,16 @@ from .quant import QUANTIZED, stack
 log = logging.getLogger(__name__)
 
 # llama.cpp's architecture names -> transformers' model_type, for the architectures the compact decoder runs
-ARCHS = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma": "gemma", "gemma2": "gemma2",
-         "gemma3": "gemma3_text", "phi3": "phi3", "falcon": "falcon"}
+ARCHS = {
+    "llama": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "gemma": "gemma",
+    "gemma2": "gemma2",
+    "gemma3": "gemma3_text",
+    "phi3": "phi3",
+    "falcon": "falcon",
+}
 # llama.cpp rotates adjacent pairs for these (rope type NORM): convert_hf_to_gguf permuted their q and k rows,
 # which are permuted back here for the half-split rotary the decoder runs
 ROPE_NORM = {"llama"}
@@ -74,7 +82,7 @@ class GGUFModel:
         rest = w.shape[1:]
         return w.reshape(heads, w.shape[0] // heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
 
-    def weights(self) -> "GGUFWeights":
+    def weights(self) -> GGUFWeights:
         return GGUFWeights(self)
 
 
@@ -117,8 +125,12 @@ class GGUFWeights:
         if not as_blocks:
             odd = sorted({t.tensor_type.name for t, b in zip(tensors, blocks) if b is None} - {"F32"})
             if odd:
-                log.warning("GGUF tensors %s of type %s are served dequantized to float32 (no kernel takes them "
-                            "in their own blocks)", ", ".join(names), "/".join(odd))
+                log.warning(
+                    "GGUF tensors %s of type %s are served dequantized to float32 (no kernel takes them "
+                    "in their own blocks)",
+                    ", ".join(names),
+                    "/".join(odd),
+                )
         parts = []
         for t, b, h in zip(tensors, blocks, heads):
             w = b if as_blocks else self.m.tensor(t.name)
@@ -135,28 +147,49 @@ class GGUFWeights:
             qkv_bias = t("attn_qkv.bias")
         else:  # q, k and v apart: q and k back to the half-split rotary's order, then fused
             qkv, qkv_mode = self.linear([f"blk.{i}.attn_{n}.weight" for n in "qkv"], [self.heads, self.kv_heads, None])
-            biases = [self.m._unpermute(t("attn_q.bias"), self.heads), self.m._unpermute(t("attn_k.bias"), self.kv_heads),
-                      t("attn_v.bias")]
+            biases = [
+                self.m._unpermute(t("attn_q.bias"), self.heads),
+                self.m._unpermute(t("attn_k.bias"), self.kv_heads),
+                t("attn_v.bias"),
+            ]
             qkv_bias = None if any(b is None for b in biases) else torch.cat(biases)
         # phi3 and falcon: ffn_up alone (phi3's holds [gate | up])
-        gate_up, gate_up_mode = self.linear([f"blk.{i}.ffn_{n}.weight" for n in ("gate", "up") if has(f"ffn_{n}.weight")],
-                                            [None, None])
+        gate_up, gate_up_mode = self.linear(
+            [f"blk.{i}.ffn_{n}.weight" for n in ("gate", "up") if has(f"ffn_{n}.weight")], [None, None]
+        )
         o, o_mode = self.linear([f"blk.{i}.attn_output.weight"], [None])
         down, down_mode = self.linear([f"blk.{i}.ffn_down.weight"], [None])
-        norms = dict(attn_norm=t("attn_norm.weight"), attn_norm_b=t("attn_norm.bias"), mlp_norm=t("ffn_norm.weight"),
-                     mlp_norm_b=t("ffn_norm.bias"))
+        norms = dict(
+            attn_norm=t("attn_norm.weight"),
+            attn_norm_b=t("attn_norm.bias"),
+            mlp_norm=t("ffn_norm.weight"),
+            mlp_norm_b=t("ffn_norm.bias"),
+        )
         if self.m.arch == "falcon":  # one LayerNorm for both (7B), or attention's own norm_2 (40B)
             first = norms["attn_norm"], norms["attn_norm_b"]
             second = t("attn_norm_2.weight"), t("attn_norm_2.bias")
-            norms = dict(attn_norm=second[0] if second[0] is not None else first[0],
-                         attn_norm_b=second[1] if second[0] is not None else first[1], mlp_norm=first[0],
-                         mlp_norm_b=first[1])
+            norms = dict(
+                attn_norm=second[0] if second[0] is not None else first[0],
+                attn_norm_b=second[1] if second[0] is not None else first[1],
+                mlp_norm=first[0],
+                mlp_norm_b=first[1],
+            )
             if second[0] is None:
                 norms["mlp_norm"], norms["mlp_norm_b"] = norms["attn_norm"], norms["attn_norm_b"]
-        return dict(**norms, qkv=qkv, qkv_bias=qkv_bias, o=o, o_bias=t("attn_output.bias"), gate_up=gate_up,
-                    down=down, modes=dict(qkv=qkv_mode, o=o_mode, gate_up=gate_up_mode, down=down_mode),
-                    q_norm=t("attn_q_norm.weight"), k_norm=t("attn_k_norm.weight"),
-                    post_attn_norm=t("post_attention_norm.weight"), post_mlp_norm=t("post_ffw_norm.weight"))
+        return dict(
+            **norms,
+            qkv=qkv,
+            qkv_bias=qkv_bias,
+            o=o,
+            o_bias=t("attn_output.bias"),
+            gate_up=gate_up,
+            down=down,
+            modes=dict(qkv=qkv_mode, o=o_mode, gate_up=gate_up_mode, down=down_mode),
+            q_norm=t("attn_q_norm.weight"),
+            k_norm=t("attn_k_norm.weight"),
+            post_attn_norm=t("post_attention_norm.weight"),
+            post_mlp_norm=t("post_ffw_norm.weight"),
+        )
 
     def drop_layer(self, i: int) -> None:
         """Nothing held: each tensor is read when asked for."""
@@ -172,13 +205,19 @@ def gguf_config(m: GGUFModel):
     heads = int(m.hparam("attention.head_count"))
     head_dim = int(m.hparam("attention.key_length") or hidden // heads)
     layers = int(m.hparam("block_count"))
-    kw = dict(vocab_size=int(embd.shape[1]), hidden_size=hidden, intermediate_size=int(m.hparam("feed_forward_length")),
-              num_hidden_layers=layers, num_attention_heads=heads,
-              num_key_value_heads=int(m.hparam("attention.head_count_kv") or heads), head_dim=head_dim,
-              rms_norm_eps=float(m.hparam("attention.layer_norm_rms_epsilon", 1e-5)),
-              rope_theta=float(m.hparam("rope.freq_base", 10000.0)),
-              max_position_embeddings=int(m.hparam("context_length", 4096)),
-              tie_word_embeddings="output.weight" not in m.tensors)
+    kw = dict(
+        vocab_size=int(embd.shape[1]),
+        hidden_size=hidden,
+        intermediate_size=int(m.hparam("feed_forward_length")),
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=int(m.hparam("attention.head_count_kv") or heads),
+        head_dim=head_dim,
+        rms_norm_eps=float(m.hparam("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(m.hparam("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(m.hparam("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in m.tensors,
+    )
     rot = m.hparam("rope.dimension_count")
     if rot and int(rot) != head_dim:
         kw["partial_rotary_factor"] = int(rot) / head_dim
@@ -188,8 +227,9 @@ def gguf_config(m: GGUFModel):
         kw["hidden_activation"] = "gelu_pytorch_tanh"
         # llama.cpp's attention scale: 1 / sqrt(head_dim), but for the 27B models 1 / sqrt(hidden / heads)
         kw["query_pre_attn_scalar"] = hidden // heads if layers in (46, 62) else head_dim
-    windows = layer_windows(arch, layers, m.hparam("attention.sliding_window"),
-                            m.hparam("attention.sliding_window_pattern"))
+    windows = layer_windows(
+        arch, layers, m.hparam("attention.sliding_window"), m.hparam("attention.sliding_window_pattern")
+    )
     if arch in SWA_PATTERN:
         kw["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
         if any(windows):
@@ -204,10 +244,18 @@ def gguf_config(m: GGUFModel):
         kw["use_sliding_window"] = False
     if arch == "falcon":
         eps = float(m.hparam("attention.layer_norm_epsilon", 1e-5))
-        kw.update(layer_norm_epsilon=eps, num_kv_heads=kw["num_key_value_heads"], activation="gelu",
-                  alibi=False, rope_theta=kw["rope_theta"],
-                  new_decoder_architecture="blk.0.attn_norm_2.weight" in m.tensors, parallel_attn=True,
-                  multi_query=kw["num_key_value_heads"] == 1, bias=False, ffn_hidden_size=kw.pop("intermediate_size"))
+        kw.update(
+            layer_norm_epsilon=eps,
+            num_kv_heads=kw["num_key_value_heads"],
+            activation="gelu",
+            alibi=False,
+            rope_theta=kw["rope_theta"],
+            new_decoder_architecture="blk.0.attn_norm_2.weight" in m.tensors,
+            parallel_attn=True,
+            multi_query=kw["num_key_value_heads"] == 1,
+            bias=False,
+            ffn_hidden_size=kw.pop("intermediate_size"),
+        )
         kw.pop("rms_norm_eps")
     config = AutoConfig.for_model(ARCHS[arch], **{k: v for k, v in kw.items() if arch != "falcon" or k != "head_dim"})
     for key in ("num_key_value_heads", "head_dim"):  # what the decoder reads, whatever the config class calls it
@@ -219,8 +267,9 @@ def gguf_config(m: GGUFModel):
     long, short = m.tensor("rope_factors_long.weight"), m.tensor("rope_factors_short.weight")
     if long is not None and short is not None:  # Phi-3's LongRoPE: the long divisors past the original context
         config.rope_factors_long, config.rope_factors_short = [float(f) for f in long], [float(f) for f in short]
-        config.rope_original_context = int(m.hparam("rope.scaling.original_context_length")
-                                           or m.hparam("context_length"))
+        config.rope_original_context = int(
+            m.hparam("rope.scaling.original_context_length") or m.hparam("context_length")
+        )
     attn_factor = m.hparam("rope.scaling.attn_factor")
     if attn_factor:
         config.rope_attn_factor = float(attn_factor)  # cos and sin scaled by it, as llama.cpp's mscale

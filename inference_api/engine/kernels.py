@@ -15,6 +15,7 @@ another. Two kinds:
 compiler; it compiles a native build only when there is none. With neither a build nor a compiler it returns
 None and says why in one line: the caller then serves dequantized weights, several times slower.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -32,13 +33,26 @@ CSRC = Path(__file__).with_name("csrc")
 PREBUILT = Path(__file__).with_name("prebuilt")  # the image's builds (git-ignored in a checkout)
 # instruction-set levels a build can target ahead of time, best first: (-march, the /proc/cpuinfo flags it needs)
 LEVELS = {
-    "avx512vnni": ("cascadelake", frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2",
-                                             "fma", "f16c"})),
+    "avx512vnni": (
+        "cascadelake",
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"}),
+    ),
     "avx2": ("haswell", frozenset({"avx2", "fma", "f16c", "bmi2"})),
 }
 # the flags that change what -march=native compiles (a native build's key)
-NATIVE_KEY = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx512_bf16",
-              "avx512_fp16", "amx_tile")
+NATIVE_KEY = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512bw",
+    "avx512vl",
+    "avx512dq",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx512_fp16",
+    "amx_tile",
+)
 # what a server without its kernels pays, measured on SmolLM2 (docs/performance.md): said when they are missing
 WITHOUT_KERNELS = "weights are served dequantized, about 8x slower per token (40 against 5 ms on SmolLM2)"
 
@@ -55,8 +69,10 @@ def level_for(flags: frozenset[str]) -> str | None:
 
 def _build_dir(root: Path, target: str, cflags: tuple[str, ...]) -> tuple[str, Path]:
     """(module name, folder) of a build for target under root (a cache's kernels folder, or PREBUILT)."""
-    digest = hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))
-                            + " ".join((target, *cflags)).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(
+        b"".join(p.name.encode() + p.read_bytes() for p in sorted(CSRC.glob("*.[ch]*")))
+        + " ".join((target, *cflags)).encode()
+    ).hexdigest()[:12]
     # resolved: torch's extension versioner hashes the folder's name, so a relative and an absolute name of one
     # cache in one process would otherwise compile a second version over the first one's objects
     return f"woq_{digest}", Path(root).resolve() / f"woq-{digest}"
@@ -87,8 +103,13 @@ def _compile(root: Path, march: str, target: str, cflags: tuple[str, ...]):
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    return cpp_extension.load(name, [str(p) for p in sources()], build_directory=str(build),
-                              extra_cflags=["-O3", f"-march={march}", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"])
+    return cpp_extension.load(
+        name,
+        [str(p) for p in sources()],
+        build_directory=str(build),
+        extra_cflags=["-O3", f"-march={march}", "-fopenmp", *cflags],
+        extra_ldflags=["-fopenmp"],
+    )
 
 
 def load_kernels(cache_dir: Path, cflags: tuple[str, ...] = ()):

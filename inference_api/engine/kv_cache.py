@@ -7,13 +7,15 @@ window's positions across the ring's wrap in position order. An int8 cache also
 holds one float16 scale per row, head and position ([rows, kv_heads, length], for keys and for values):
 each head vector is stored as round(x / s) with s = max |x| / 127, and read back as q * s. Nothing is bound to
 the cache between calls: each forward passes its rows, the position each new token is written to and how many
-positions attention reads (forward_batch.ForwardBatch). The last position is a scratch slot: rows in a decode batch that have no
-token this step write there, and no row ever attends to it.
+positions attention reads (forward_batch.ForwardBatch). The last position is a scratch slot: rows in a decode
+batch that have no token this step write there, and no row ever attends to it.
 """
+
 from __future__ import annotations
 
 import mmap
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache
@@ -34,9 +36,18 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
 
 
 class RowKVCache:
-    def __init__(self, num_layers: int, rows: int, kv_heads: int, length: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device, windows: Sequence[int | None] | None = None,
-                 chunk: int = 0):
+    def __init__(
+        self,
+        num_layers: int,
+        rows: int,
+        kv_heads: int,
+        length: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        windows: Sequence[int | None] | None = None,
+        chunk: int = 0,
+    ):
         """windows: each layer's sliding window, to keep those layers in rings of window + chunk slots (chunk:
         the most tokens one forward writes into a row: a prefill chunk's queries still read the window before
         it while the chunk is written); None: every layer as long as the context."""
@@ -86,8 +97,9 @@ class RowKVCache:
     def holds(self, cached: int, length: int) -> bool:
         """Whether a row that has written ``cached`` positions still holds what a request reusing its first
         ``length`` needs: each ring the window before position ``length`` (it holds the last n positions)."""
-        return all(cached <= n or cached - n <= length - w for n, w in zip(self.layer_slots, self.windows)
-                   if n < self.length)
+        return all(
+            cached <= n or cached - n <= length - w for n, w in zip(self.layer_slots, self.windows) if n < self.length
+        )
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         """Copy positions 0..length-1 of row src into row dst, every layer, keys, values and scales (a ring: its
@@ -118,13 +130,16 @@ class RowKVCache:
                 store.view(-1, dim).index_copy_(0, flat, q)
                 scales.view(-1).index_copy_(0, flat, s)
 
-    def read(self, layer_idx: int, rows: torch.Tensor | slice, attend: int,
-             dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(
+        self, layer_idx: int, rows: torch.Tensor | slice, attend: int, dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows' first ``attend`` positions of a layer's keys and values [B, kv_heads, attend, head_dim]: an int8
         cache's in dtype, other caches' as they are stored."""
         ks, vs = self.scales(layer_idx)
-        return (self._read(self.keys[layer_idx], ks, rows, attend, dtype),
-                self._read(self.values[layer_idx], vs, rows, attend, dtype))
+        return (
+            self._read(self.keys[layer_idx], ks, rows, attend, dtype),
+            self._read(self.values[layer_idx], vs, rows, attend, dtype),
+        )
 
     @staticmethod
     def _read(store, scales, rows, attend: int, dtype: torch.dtype) -> torch.Tensor:
@@ -133,7 +148,7 @@ class RowKVCache:
             return read
         return read.to(dtype) * scales[rows, :, :attend, None].to(dtype)
 
-    def view(self, batch) -> "BatchCache":
+    def view(self, batch) -> BatchCache:
         """This cache seen by one forward batch through transformers' Cache interface (the fallback's layers)."""
         return BatchCache(self, batch)
 
@@ -147,8 +162,13 @@ class BatchCache(Cache):
         rows = batch.rows.repeat_interleave(batch.ids.shape[1])
         self.flat = cache.flat_index(rows, batch.write.reshape(-1))  # every [B, T] token, padding to scratch
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int,
-               cache_kwargs: dict[str, Any] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        layer_idx: int,
+        cache_kwargs: dict[str, Any] | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Write the batch's keys and values [B, kv_heads, T, head_dim]; return its rows' first attend
         positions, read back in the states' dtype."""
         k, v = (s.transpose(1, 2).reshape(-1, *s.shape[1:2], s.shape[-1]) for s in (key_states, value_states))

@@ -1,5 +1,6 @@
 """What every engine process (rank 0 and the tensor-parallel ranks) does for its life: die with the process that
 started it, and hand freed memory back to the system."""
+
 from __future__ import annotations
 
 import ctypes

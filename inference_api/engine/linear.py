@@ -14,10 +14,11 @@
   without it (before Ampere) gets the dequantized weights instead.
 - Other devices and 8-bit weights: F.linear in the model's dtype, on the (dequantized) weights.
 """
+
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -90,9 +91,13 @@ class Int4CudaLinear:
     def fits(cls, weight: Int4Weight, device: torch.device) -> bool:
         """Whether the kernel takes this weight here: an Ampere or later GPU, K a multiple of its k-tiles."""
         n, k = weight.q.shape[0], weight.q.shape[1] * 2
-        return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
-                and hasattr(torch.ops.aten, "_weight_int4pack_mm") and n % 8 == 0
-                and k % (cls.INNER_K_TILES * 16) == 0)
+        return (
+            device.type == "cuda"
+            and torch.cuda.get_device_capability(device) >= (8, 0)
+            and hasattr(torch.ops.aten, "_weight_int4pack_mm")
+            and n % 8 == 0
+            and k % (cls.INNER_K_TILES * 16) == 0
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
@@ -120,8 +125,14 @@ def quantize(weight: torch.Tensor, mode: str, group: int | None = None) -> Int8W
     return quantize_int8(weight, group) if mode == "int8" else quantize_int4(weight)
 
 
-def linear_factory(device: torch.device, dtype: torch.dtype, mode: str, kernels,
-                   batch_dtype: torch.dtype | None = None, int8_inputs: bool = False) -> Callable:
+def linear_factory(
+    device: torch.device,
+    dtype: torch.dtype,
+    mode: str,
+    kernels,
+    batch_dtype: torch.dtype | None = None,
+    int8_inputs: bool = False,
+) -> Callable:
     """make_linear(weight [N, K], bias) -> a callable layer, for this device, dtype and quantization;
     batch_dtype: the dtype of a oneDNN copy that quantized layers run several rows on (None: no copy, the
     kernels run them); int8_inputs: the kernels round up to 16 rows' inputs to int8 blocks (QuantLinear)."""
@@ -169,11 +180,16 @@ class LinearModule(nn.Module):
 def use_linears(model: nn.Module, make_linear: Callable) -> int:
     """Replace every nn.Linear of a transformers model by a layer of make_linear; return how many. The
     tensors left dense are copied, so the memory-mapped weights file (and the replaced weights) go."""
-    targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if type(child) is nn.Linear]
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is nn.Linear
+    ]
     for parent, name, child in targets:
-        setattr(parent, name, LinearModule(make_linear(child.weight, child.bias), child.in_features,
-                                           child.out_features))
+        setattr(
+            parent, name, LinearModule(make_linear(child.weight, child.bias), child.in_features, child.out_features)
+        )
     for tensor in [*model.parameters(), *model.buffers()]:
         tensor.data = tensor.data.clone()
     return len(targets)

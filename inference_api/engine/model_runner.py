@@ -5,6 +5,7 @@ ForwardBatch. Architectures that architectures.py describes run as a CompactLM (
 runs transformers' own modules with their linears swapped for the ones linear.py picked, as the
 ExecutionPlan says. Both take the same call.
 """
+
 from __future__ import annotations
 
 import torch
@@ -38,9 +39,15 @@ class _HFModel:
         mask = torch.zeros(visible.shape, dtype=self.model.dtype, device=visible.device)
         mask.masked_fill_(~visible, torch.finfo(self.model.dtype).min)  # additive: sdpa and eager alike
         positions = batch.positions
-        out = self.model(input_ids=batch.ids, position_ids=positions, attention_mask=mask[:, None],
-                         past_key_values=cache.view(batch), cache_position=positions[0], use_cache=True,
-                         logits_to_keep=1 if batch.last_only else 0)
+        out = self.model(
+            input_ids=batch.ids,
+            position_ids=positions,
+            attention_mask=mask[:, None],
+            past_key_values=cache.view(batch),
+            cache_position=positions[0],
+            use_cache=True,
+            logits_to_keep=1 if batch.last_only else 0,
+        )
         logits = out.logits.float()
         return logits[:, -1] if batch.last_only else logits
 
@@ -48,8 +55,9 @@ class _HFModel:
 def build_model(model, plan: ExecutionPlan, kernels, length: int, shard=None, all_reduce=None):
     """The callable model for the runner: the compact decoder or transformers' modules, as the plan says. shard
     (parallel.Shard) and all_reduce: this rank's share of a tensor-parallel group; only rank 0 keeps a head."""
-    make_linear = linear_factory(model.device, model.dtype, plan.quantize, kernels, plan.torch(plan.batch_dtype),
-                                 plan.int8_inputs)
+    make_linear = linear_factory(
+        model.device, model.dtype, plan.quantize, kernels, plan.torch(plan.batch_dtype), plan.int8_inputs
+    )
     if plan.model == "compact":
         logits = shard is None or shard.rank == 0
 
@@ -66,17 +74,20 @@ def build_model(model, plan: ExecutionPlan, kernels, length: int, shard=None, al
                 return (lambda ids: embed_w.rows(ids, kernels)), head
             table = embed_w.detach().clone()
             return (lambda ids: F.embedding(ids, table)), head
+
         return build_compact(model, make_linear, embed_fn, length, kernels, shard, all_reduce)
     if shard is not None:  # (the plan refuses this where it knows the architecture)
-        raise ValueError(f"--tensor-parallel-size {shard.size}: architecture {plan.arch or 'unknown'!r} runs on "
-                         f"transformers' layers, which cannot be split")
+        raise ValueError(
+            f"--tensor-parallel-size {shard.size}: architecture {plan.arch or 'unknown'!r} runs on "
+            f"transformers' layers, which cannot be split"
+        )
     if model.device.type == "cpu" or plan.quantize != "none":
         use_linears(model, lambda w, b: make_linear(w, b, plan.group))
     use_row_attention(model)
     return _HFModel(model)
 
 
-def load_runner(config, plan: ExecutionPlan, kernels, gguf, model_dir, shard=None, all_reduce=None) -> "ModelRunner":
+def load_runner(config, plan: ExecutionPlan, kernels, gguf, model_dir, shard=None, all_reduce=None) -> ModelRunner:
     """The runner over the model read straight from a GGUF file (gguf: where the compact decoder reads one) or
     loaded from the transformers folder model_dir: one tensor-parallel rank's share where shard says."""
     from ..model_loader import load_model
@@ -84,15 +95,25 @@ def load_runner(config, plan: ExecutionPlan, kernels, gguf, model_dir, shard=Non
 
     dtype = plan.torch(plan.dtype)
     model = GGUFModel(gguf, plan.device, dtype) if gguf is not None else load_model(model_dir, plan.device, dtype)
-    return ModelRunner(model, config.rows, config.context_length, plan, kernels, config.prefill_chunk, shard,
-                       all_reduce)
+    return ModelRunner(
+        model, config.rows, config.context_length, plan, kernels, config.prefill_chunk, shard, all_reduce
+    )
 
 
 class ModelRunner:
     """Owns the KV cache and every batch tensor: the scheduler's step in, logits out."""
 
-    def __init__(self, model, rows: int, context_length: int, plan: ExecutionPlan, kernels=None,
-                 prefill_chunk: int = 512, shard=None, all_reduce=None):
+    def __init__(
+        self,
+        model,
+        rows: int,
+        context_length: int,
+        plan: ExecutionPlan,
+        kernels=None,
+        prefill_chunk: int = 512,
+        shard=None,
+        all_reduce=None,
+    ):
         """shard (parallel.Shard) and all_reduce: this rank's share of a tensor-parallel group (its heads, its KV
         heads; a rank other than 0 returns no logits)."""
         self.device = model.device
@@ -103,8 +124,17 @@ class ModelRunner:
         layers, kv_heads, head_dim = kv_geometry(model.config)
         kv_heads //= shard.size if shard is not None else 1
         windows = self.model.spec.windows if plan.kv_ring and isinstance(self.model, CompactLM) else None
-        self.cache = RowKVCache(layers, rows, kv_heads, context_length, head_dim, plan.torch(plan.kv_dtype),
-                                self.device, windows, prefill_chunk)
+        self.cache = RowKVCache(
+            layers,
+            rows,
+            kv_heads,
+            context_length,
+            head_dim,
+            plan.torch(plan.kv_dtype),
+            self.device,
+            windows,
+            prefill_chunk,
+        )
 
     def _batch(self, rows: list[int], chunks: list[list[int]], starts: list[int], last_only: bool) -> ForwardBatch:
         """Chunks left-padded so every row's last token is last; padding writes to the scratch slot and sees
@@ -120,8 +150,15 @@ class ModelRunner:
             write[i, pad:] = positions[i, pad:]
         attend = max(s + len(c) for s, c in zip(starts, chunks))
         ids, positions, write = (t.to(self.device) for t in (ids, positions, write))
-        return ForwardBatch(ids, positions, write, torch.tensor(rows, device=self.device), attend,
-                            self.cache.scratch, last_only=last_only)
+        return ForwardBatch(
+            ids,
+            positions,
+            write,
+            torch.tensor(rows, device=self.device),
+            attend,
+            self.cache.scratch,
+            last_only=last_only,
+        )
 
     @torch.inference_mode()
     def prefill(self, rows: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
@@ -134,8 +171,10 @@ class ModelRunner:
         """Write ids at positions start.. of a row; return the logits after every one of them [len(ids), V]
         (in pieces of at most a prefill chunk where the cache has rings)."""
         piece = self.cache.chunk or len(ids)
-        parts = [self.model.forward(self._batch([row], [ids[i:i + piece]], [start + i], False), self.cache)
-                 for i in range(0, len(ids), piece)]
+        parts = [
+            self.model.forward(self._batch([row], [ids[i : i + piece]], [start + i], False), self.cache)
+            for i in range(0, len(ids), piece)
+        ]
         return None if parts[0] is None else torch.cat([p[0] for p in parts])
 
     @torch.inference_mode()
@@ -152,8 +191,15 @@ class ModelRunner:
         pos[index, 0] = torch.tensor(positions)
         write[index, 0] = pos[index, 0]
         ids, pos, write = (t.to(self.device) for t in (ids, pos, write))
-        batch = ForwardBatch(ids, pos, write, torch.arange(width, device=self.device), max(positions) + 1,
-                             self.cache.scratch, decode=True)
+        batch = ForwardBatch(
+            ids,
+            pos,
+            write,
+            torch.arange(width, device=self.device),
+            max(positions) + 1,
+            self.cache.scratch,
+            decode=True,
+        )
         logits = self.model.forward(batch, self.cache)
         if logits is None or (len(rows) == width and rows == sorted(rows)):
             return logits

@@ -21,6 +21,7 @@
   in rank 0's own share of a step (or a collective past the group's timeout) raises ``GroupLost``, which no step
   catches, so the process exits the same way. The other ranks die with rank 0 (lifeline.die_with_parent).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -100,22 +101,31 @@ def take_columns(w, start: int, end: int, name: str, size: int, dense: tuple[int
     block, kind = block_of(w, dense)
     if start % block or end % block:
         k = end - start
-        raise ValueError(f"--tensor-parallel-size {size}: {name} ({kind}, {k * size} inputs per row) would split "
-                         f"into {k} inputs per rank, not a whole number of its {block}-weight blocks; choose a size "
-                         f"that keeps them whole")
+        raise ValueError(
+            f"--tensor-parallel-size {size}: {name} ({kind}, {k * size} inputs per row) would split "
+            f"into {k} inputs per rank, not a whole number of its {block}-weight blocks; choose a size "
+            f"that keeps them whole"
+        )
     if isinstance(w, torch.Tensor):
         return w[:, start:end].contiguous()
     if isinstance(w, Int4Weight):
-        return Int4Weight(*(t[:, a:b].contiguous() for t, a, b in ((w.q, start // 2, end // 2),
-                                                                  (w.d, start // 32, end // 32),
-                                                                  (w.m, start // 32, end // 32))))
+        return Int4Weight(
+            *(
+                t[:, a:b].contiguous()
+                for t, a, b in (
+                    (w.q, start // 2, end // 2),
+                    (w.d, start // 32, end // 32),
+                    (w.m, start // 32, end // 32),
+                )
+            )
+        )
     if isinstance(w, Int8Weight):
-        s = w.s if w.s.shape[1] == 1 else w.s[:, start // block:end // block]
+        s = w.s if w.s.shape[1] == 1 else w.s[:, start // block : end // block]
         return Int8Weight(w.q[:, start:end].contiguous(), s.contiguous())
     from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
     per_block = GGML_QUANT_SIZES[GGMLQuantizationType(w.ggml_type)][1]
-    raw = w.raw[:, start // block * per_block:end // block * per_block].contiguous()
+    raw = w.raw[:, start // block * per_block : end // block * per_block].contiguous()
     return BlockWeight(raw, w.ggml_type, end - start)
 
 
@@ -138,7 +148,7 @@ class Shard:
         return (self.group or 1, "int8") if self.quantize == "int8" else (1, "none")
 
     @classmethod
-    def of(cls, plan, rank: int) -> "Shard":
+    def of(cls, plan, rank: int) -> Shard:
         """Rank ``rank``'s share of the group the plan runs."""
         return cls(rank, plan.tp, plan.quantize, plan.group)
 
@@ -169,14 +179,15 @@ class Shard:
         li = inter // n
         gate_up_rows = torch.cat([span(0, li), span(inter, li)]) if spec.family.gated else span(0, li)
         name = f"layer {layer}'s"
-        return {**w, "qkv": take_rows(w["qkv"], qkv_rows),
-                "qkv_bias": None if w["qkv_bias"] is None else w["qkv_bias"][qkv_rows].contiguous(),
-                "o": take_columns(w["o"], r * lq * d, (r + 1) * lq * d, f"{name} attention output", n,
-                                  self.dense_block),
-                "o_bias": w["o_bias"] if r == 0 else None,
-                "gate_up": take_rows(w["gate_up"], gate_up_rows),
-                "down": take_columns(w["down"], r * li, (r + 1) * li, f"{name} MLP down projection", n,
-                                     self.dense_block)}
+        return {
+            **w,
+            "qkv": take_rows(w["qkv"], qkv_rows),
+            "qkv_bias": None if w["qkv_bias"] is None else w["qkv_bias"][qkv_rows].contiguous(),
+            "o": take_columns(w["o"], r * lq * d, (r + 1) * lq * d, f"{name} attention output", n, self.dense_block),
+            "o_bias": w["o_bias"] if r == 0 else None,
+            "gate_up": take_rows(w["gate_up"], gate_up_rows),
+            "down": take_columns(w["down"], r * li, (r + 1) * li, f"{name} MLP down projection", n, self.dense_block),
+        }
 
 
 def threads_per_rank(torch_threads: int, size: int) -> int:
@@ -221,8 +232,9 @@ def run_rank(config, plan, rank: int, port: int, conn, gguf, model_dir) -> None:
     from .model_runner import load_runner
 
     die_with_parent()
-    logging.basicConfig(level=config.log_level.upper(),
-                        format=f"%(asctime)s engine rank {rank} %(levelname)s %(message)s")
+    logging.basicConfig(
+        level=config.log_level.upper(), format=f"%(asctime)s engine rank {rank} %(levelname)s %(message)s"
+    )
     try:
         threads = threads_per_rank(config.torch_threads, plan.tp)
         if threads:
@@ -260,7 +272,12 @@ class GroupRunner:
 
     def __init__(self, runner, group: Group, ranks: list, conns: list):
         self.runner, self.group, self.ranks, self.conns = runner, group, ranks, conns
-        self.device, self.vocab_size, self.cache, self.plan = runner.device, runner.vocab_size, runner.cache, runner.plan
+        self.device, self.vocab_size, self.cache, self.plan = (
+            runner.device,
+            runner.vocab_size,
+            runner.cache,
+            runner.plan,
+        )
         self.closing = threading.Event()
         threading.Thread(target=self._watch, name="rank-watch", daemon=True).start()
 
@@ -275,8 +292,11 @@ class GroupRunner:
         if self.closing.is_set():
             return
         rank = 1 + [p.sentinel for p in self.ranks].index(ended[0])
-        log.critical("tensor-parallel rank %d ended (exit code %s): the engine group goes down", rank,
-                     self.ranks[rank - 1].exitcode)
+        log.critical(
+            "tensor-parallel rank %d ended (exit code %s): the engine group goes down",
+            rank,
+            self.ranks[rank - 1].exitcode,
+        )
         os._exit(3)
 
     def _call(self, name: str, *args):
@@ -379,8 +399,12 @@ def start_group(config, plan, kernels, gguf, model_dir):
     try:
         for rank in range(1, plan.tp):
             ours, theirs = ctx.Pipe()
-            p = ctx.Process(target=run_rank, args=(config, plan, rank, store.port, theirs, gguf, model_dir),
-                            name=f"inference-engine-rank-{rank}", daemon=True)
+            p = ctx.Process(
+                target=run_rank,
+                args=(config, plan, rank, store.port, theirs, gguf, model_dir),
+                name=f"inference-engine-rank-{rank}",
+                daemon=True,
+            )
             _start_child(p)
             theirs.close()
             ranks.append(p)

@@ -3,9 +3,11 @@
 A row keeps its keys and values after its request ends, until another request is written over them. Free
 rows are recorded here when released; rows in use are passed in by the engine (their sequence's cached tokens).
 """
+
 from __future__ import annotations
 
-from typing import Callable, Mapping, Sequence as Seq
+from collections.abc import Callable, Mapping
+from collections.abc import Sequence as Seq
 
 CHUNK = 64  # tokens compared per slice: C-speed comparisons, one Python step per chunk
 
@@ -14,7 +16,7 @@ def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     """Length of the common prefix of two token lists."""
     n = min(len(a), len(b))
     i = 0
-    while i < n and a[i:i + CHUNK] == b[i:i + CHUNK]:
+    while i < n and a[i : i + CHUNK] == b[i : i + CHUNK]:
         i += CHUNK
     while i < n and a[i] == b[i]:
         i += 1
@@ -29,8 +31,13 @@ class PrefixIndex:
         """Record what a row's cache holds as the row is freed ([] if it cannot be trusted)."""
         self._held[row] = tokens
 
-    def longest(self, prompt: Seq[int], in_use: Mapping[int, Seq[int]], limit: int,
-                holds: Callable[[int, int], bool] | None = None) -> tuple[int, int]:
+    def longest(
+        self,
+        prompt: Seq[int],
+        in_use: Mapping[int, Seq[int]],
+        limit: int,
+        holds: Callable[[int, int], bool] | None = None,
+    ) -> tuple[int, int]:
         """(row, length) of the longest prefix of prompt, at most limit tokens, that a row holds; rows in use
         are given by in_use (row -> tokens cached), the others by what they held when freed. holds(cached,
         length): whether a row that wrote cached positions still holds a reuse of length (a sliding-window

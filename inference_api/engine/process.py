@@ -1,11 +1,12 @@
 """The backend process: build the engine, then loop: read requests, step, push outputs."""
+
 from __future__ import annotations
 
 import logging
 import queue
 
 from ..config import ServerConfig
-from ..messages import (CancelRequest, EngineFailed, EngineReady, GenerateRequest, Shutdown, StepOutput)
+from ..messages import CancelRequest, EngineFailed, EngineReady, GenerateRequest, Shutdown, StepOutput
 from .engine import Engine
 from .lifeline import die_with_parent, release_free_memory
 
@@ -42,8 +43,16 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
         from ..mock.tokenizer import EOS, ByteTokenizer
 
         runner = MockRunner(config.rows, config.mock_tokens_per_second)
-        engine = _engine(config, runner, ByteTokenizer(), config.rows, config.context_length, config.prefill_chunk,
-                         frozenset([EOS]), prefix_cache=config.prefix_cache)
+        engine = _engine(
+            config,
+            runner,
+            ByteTokenizer(),
+            config.rows,
+            config.context_length,
+            config.prefill_chunk,
+            frozenset([EOS]),
+            prefix_cache=config.prefix_cache,
+        )
         return engine, EngineReady("", model_name(config), config.context_length, runner.vocab_size, "cpu", "none")
 
     import torch
@@ -81,18 +90,48 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
         runner = load_runner(config, plan, kernels, source, model_dir)
     release_freed_memory()
     if plan.model != "compact":
-        log.warning("architecture %r is not described for the compact decoder: it runs on transformers' layers "
-                    "(correct, slower)", plan.arch)
+        log.warning(
+            "architecture %r is not described for the compact decoder: it runs on transformers' layers "
+            "(correct, slower)",
+            plan.arch,
+        )
     rings = sorted({n for n in runner.cache.layer_slots if n < config.context_length})
-    log.info("model %s on %s; KV cache %.0f MiB%s for %d rows x %d tokens%s", model_dir, plan.describe(),
-             runner.cache.nbytes / 2**20, " per rank" if plan.tp > 1 else "", config.rows, config.context_length,
-             f" (sliding-window layers in rings of {', '.join(map(str, rings))})" if rings else "")
-    engine = _engine(config, runner, tokenizer, config.rows, config.context_length, config.prefill_chunk, eos,
-                     prefix_cache=config.prefix_cache,
-                     constraints=for_hf_tokenizer(tokenizer.tok, runner.vocab_size, eos))
-    ready = EngineReady(str(model_dir), model_name(config), config.context_length, runner.vocab_size, plan.device,
-                        plan.dtype, plan.quantize, plan.kv_dtype, plan.matmul_dtype, plan.int8_inputs,
-                        tensor_parallel_size=plan.tp, rank_pids=getattr(runner, "pids", ()), kernels=kernels_state)
+    log.info(
+        "model %s on %s; KV cache %.0f MiB%s for %d rows x %d tokens%s",
+        model_dir,
+        plan.describe(),
+        runner.cache.nbytes / 2**20,
+        " per rank" if plan.tp > 1 else "",
+        config.rows,
+        config.context_length,
+        f" (sliding-window layers in rings of {', '.join(map(str, rings))})" if rings else "",
+    )
+    engine = _engine(
+        config,
+        runner,
+        tokenizer,
+        config.rows,
+        config.context_length,
+        config.prefill_chunk,
+        eos,
+        prefix_cache=config.prefix_cache,
+        constraints=for_hf_tokenizer(tokenizer.tok, runner.vocab_size, eos),
+    )
+    ready = EngineReady(
+        str(model_dir),
+        model_name(config),
+        config.context_length,
+        runner.vocab_size,
+        plan.device,
+        plan.dtype,
+        plan.quantize,
+        plan.kv_dtype,
+        plan.matmul_dtype,
+        plan.int8_inputs,
+        tensor_parallel_size=plan.tp,
+        rank_pids=getattr(runner, "pids", ()),
+        kernels=kernels_state,
+    )
     return engine, ready
 
 

@@ -11,6 +11,7 @@
 The kernels (``csrc/``: linear.cpp's one ladder over int_forms.h and block_form.h) compute float32 ``F.linear``
 on the dequantized weight, up to summation order, while reading the quantized bytes.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -35,7 +36,7 @@ class Int8Weight:
         q, s = self.q[ids], self.s[ids]
         return (q.view(*q.shape[:-1], s.shape[-1], -1).float() * s[..., None]).flatten(-2)
 
-    def map_rows(self, fn) -> "Int8Weight":
+    def map_rows(self, fn) -> Int8Weight:
         return Int8Weight(fn(self.q), fn(self.s))
 
 
@@ -55,13 +56,14 @@ class Int4Weight:
         nib = torch.cat([q & 15, q >> 4], dim=-1).float()  # [..., K/32, 32]
         return (nib * self.d[ids].float()[..., None] + self.m[ids].float()[..., None]).flatten(-2)
 
-    def map_rows(self, fn) -> "Int4Weight":
+    def map_rows(self, fn) -> Int4Weight:
         return Int4Weight(fn(self.q), fn(self.d), fn(self.m))
 
 
 @dataclass
 class BlockWeight:
     """A GGUF tensor [N, K] in its own blocks: ``raw`` [N, bytes per row] uint8, ``ggml_type`` its type's number."""
+
     raw: torch.Tensor
     ggml_type: int
     k: int
@@ -86,11 +88,14 @@ class BlockWeight:
             from gguf import GGMLQuantizationType
             from gguf.quants import dequantize
 
-            out = torch.from_numpy(np.asarray(dequantize(flat.numpy(), GGMLQuantizationType(self.ggml_type)),
-                                              dtype=np.float32).reshape(flat.shape[0], self.k))
+            out = torch.from_numpy(
+                np.asarray(dequantize(flat.numpy(), GGMLQuantizationType(self.ggml_type)), dtype=np.float32).reshape(
+                    flat.shape[0], self.k
+                )
+            )
         return out.view(*raw.shape[:-1], self.k)
 
-    def map_rows(self, fn) -> "BlockWeight":
+    def map_rows(self, fn) -> BlockWeight:
         return BlockWeight(fn(self.raw), self.ggml_type, self.k)
 
 
@@ -98,6 +103,7 @@ class BlockWeight:
 class StackedWeight:
     """Weights of different forms or types stacked along their rows: one layer's pieces (a fused QKV whose v is
     Q6_K while q and k are Q4_K), each served in its own form."""
+
     pieces: list
 
     def dequantize(self, kernels=None) -> torch.Tensor:
@@ -115,9 +121,12 @@ def stack(parts: list) -> Int8Weight | Int4Weight | BlockWeight | StackedWeight:
     first = parts[0]
     if len(parts) == 1:
         return first
-    if all(type(p) is type(first) for p in parts) and not isinstance(first, StackedWeight) and (
-            not isinstance(first, BlockWeight) or all(p.ggml_type == first.ggml_type for p in parts)) and (
-            not isinstance(first, Int8Weight) or len({p.s.shape[1] for p in parts}) == 1):
+    if (
+        all(type(p) is type(first) for p in parts)
+        and not isinstance(first, StackedWeight)
+        and (not isinstance(first, BlockWeight) or all(p.ggml_type == first.ggml_type for p in parts))
+        and (not isinstance(first, Int8Weight) or len({p.s.shape[1] for p in parts}) == 1)
+    ):
         if isinstance(first, BlockWeight):
             return BlockWeight(torch.cat([p.raw for p in parts]), first.ggml_type, first.k)
         return type(first)(*(torch.cat([getattr(p, f.name) for p in parts]) for f in fields(first)))

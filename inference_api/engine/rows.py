@@ -1,4 +1,5 @@
 """Free list over the fixed user-row indices (each row owns one slice of the KV cache)."""
+
 from __future__ import annotations
 
 import heapq

@@ -3,6 +3,7 @@
 Randomness is a counter-based hash of (seed, step, rank), so a seeded request draws the same numbers
 whatever else shares the batch: same seed and prompt, same output.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -20,8 +21,9 @@ def _i64(x: int) -> int:
     return x - (1 << 64) if x >= 1 << 63 else x
 
 
-_GOLDEN, _MIX1, _MIX2, _STEP = (_i64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
-                                                   0x94D049BB133111EB, 0xD6E8FEB86659FD93))
+_GOLDEN, _MIX1, _MIX2, _STEP = (
+    _i64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB, 0xD6E8FEB86659FD93)
+)
 
 
 def _shr(x: torch.Tensor, n: int) -> torch.Tensor:
@@ -66,13 +68,19 @@ class RowParams:
     seen: torch.Tensor  # [rows, vocab] token appears in prompt or output (repetition penalty)
 
     @classmethod
-    def allocate(cls, rows: int, vocab: int, device: torch.device) -> "RowParams":
+    def allocate(cls, rows: int, vocab: int, device: torch.device) -> RowParams:
         f = dict(dtype=torch.float32, device=device)
         return cls(
-            temperature=torch.ones(rows, **f), top_k=torch.full((rows,), vocab, dtype=torch.int64, device=device),
-            top_p=torch.ones(rows, **f), min_p=torch.zeros(rows, **f), seed=torch.zeros(rows, dtype=torch.int64, device=device),
-            presence=torch.zeros(rows, **f), frequency=torch.zeros(rows, **f), repetition=torch.ones(rows, **f),
-            output_counts=torch.zeros(rows, vocab, **f), seen=torch.zeros(rows, vocab, dtype=torch.bool, device=device),
+            temperature=torch.ones(rows, **f),
+            top_k=torch.full((rows,), vocab, dtype=torch.int64, device=device),
+            top_p=torch.ones(rows, **f),
+            min_p=torch.zeros(rows, **f),
+            seed=torch.zeros(rows, dtype=torch.int64, device=device),
+            presence=torch.zeros(rows, **f),
+            frequency=torch.zeros(rows, **f),
+            repetition=torch.ones(rows, **f),
+            output_counts=torch.zeros(rows, vocab, **f),
+            seen=torch.zeros(rows, vocab, dtype=torch.bool, device=device),
         )
 
     def set_row(self, row: int, params: SamplingParams, seed: int, prompt_ids: list[int]) -> None:
@@ -109,12 +117,20 @@ def mask_tokens(logits: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:
     min_tokens): the other rows' logits are untouched."""
     if cells.numel() == 0:
         return logits
-    return logits.index_put((cells[:, 0], cells[:, 1]), torch.tensor(float("-inf"), dtype=logits.dtype,
-                                                                      device=logits.device))
+    return logits.index_put(
+        (cells[:, 0], cells[:, 1]), torch.tensor(float("-inf"), dtype=logits.dtype, device=logits.device)
+    )
 
 
-def sample(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-           seeds: torch.Tensor, steps: torch.Tensor, min_p: torch.Tensor | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    min_p: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Pick one token per row. temperature <= 0 is greedy; top_k holds the vocabulary size when disabled;
     min_p (0: off) drops tokens less likely than min_p times the row's most likely token."""
     greedy_tokens = logits.argmax(dim=-1)

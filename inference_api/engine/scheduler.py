@@ -5,11 +5,12 @@ engine asks it to ``admit`` waiting requests into free rows (with the prefix eac
 row's cache), then for the ``Step`` to run: up to ``prefill_chunk`` tokens of prompt chunks, packed with their
 padding, and every decoding row. After the forward, ``computed`` records what the cache now holds.
 """
+
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ..messages import EngineStats
 from .prefix import PrefixIndex
@@ -34,8 +35,14 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, rows: int, prefill_chunk: int, prefix_cache: bool = True, context_length: int = 0,
-                 holds: Callable[[int, int], bool] | None = None):
+    def __init__(
+        self,
+        rows: int,
+        prefill_chunk: int,
+        prefix_cache: bool = True,
+        context_length: int = 0,
+        holds: Callable[[int, int], bool] | None = None,
+    ):
         self.rows = RowTable(rows)
         self.prefill_chunk = prefill_chunk
         self.context_length = context_length  # KV positions per row (for the stats' cache occupancy)
@@ -53,10 +60,15 @@ class Scheduler:
     @property
     def stats(self) -> EngineStats:
         """Built after every step: one pass over the rows in use for the cache positions they hold."""
-        return EngineStats(rows_in_use=self.rows.num_used, rows_total=self.rows.num_rows, waiting=len(self.waiting),
-                           kv_tokens_in_use=sum(s.num_cached for s in self.running.values()),
-                           kv_tokens_total=self.rows.num_rows * self.context_length,
-                           prefix_queried_tokens=self.prefix_queried, prefix_hit_tokens=self.prefix_hits)
+        return EngineStats(
+            rows_in_use=self.rows.num_used,
+            rows_total=self.rows.num_rows,
+            waiting=len(self.waiting),
+            kv_tokens_in_use=sum(s.num_cached for s in self.running.values()),
+            kv_tokens_total=self.rows.num_rows * self.context_length,
+            prefix_queried_tokens=self.prefix_queried,
+            prefix_hit_tokens=self.prefix_hits,
+        )
 
     def add(self, seq: Sequence, first: bool = False) -> None:
         """Queue a request; ``first``: ahead of the others (the other choices of a request already admitted)."""
@@ -76,7 +88,7 @@ class Scheduler:
             seq.status = Status.PREFILL
             admission = Admission(seq)
             if self.prefixes is not None and not seq.scores_prompt:  # prompt log-probs need every position
-                held = {row: s.all_ids[:s.num_cached] for row, s in self.running.items()}
+                held = {row: s.all_ids[: s.num_cached] for row, s in self.running.items()}
                 src, length = self.prefixes.longest(seq.prompt_ids, held, seq.num_prompt - 1, self.holds)
                 self.prefix_queried += seq.num_prompt
                 self.prefix_hits += length
@@ -125,6 +137,6 @@ class Scheduler:
         if seq.row is not None and self.running.get(seq.row) is seq:
             del self.running[seq.row]
             if self.prefixes is not None:
-                self.prefixes.hold(seq.row, seq.all_ids[:seq.num_cached] if cache_valid else [])
+                self.prefixes.hold(seq.row, seq.all_ids[: seq.num_cached] if cache_valid else [])
             self.rows.free(seq.row)
         seq.row = None

@@ -1,8 +1,10 @@
 """One request inside the engine: its tokens, its row, its status, and the text it has streamed."""
+
 from __future__ import annotations
 
 import enum
-from typing import Callable, Sequence as Seq
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
 
 from ..messages import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
 from .detokenize import IncrementalDetokenizer
@@ -39,7 +41,9 @@ class Sequence:
         self.future = None  # a held choice's matcher being built (a request with a grammar)
         # choice 0 of a request with prompt_logprobs: each prompt token's log-prob, gathered as its prompt is
         # computed (in full: such a request reuses no cached prefix); None otherwise
-        self.prompt_logprobs: list | None = [None] if index == 0 and request.params.prompt_logprobs is not None else None
+        self.prompt_logprobs: list | None = (
+            [None] if index == 0 and request.params.prompt_logprobs is not None else None
+        )
 
     # derived values
     @property
@@ -91,7 +95,7 @@ class Sequence:
         stop = check_stop(self._text, self.params.stop if not early else (), self._checked)  # as vLLM: none early
         self._checked = len(self._text)
         if stop.stopped:
-            self._text = self._text[:stop.safe_len]
+            self._text = self._text[: stop.safe_len]
             return self.finish(FinishReason.STOP)
         if self.num_output >= self.params.max_tokens or self.num_tokens >= context_length:
             return self.finish(FinishReason.LENGTH)
@@ -101,9 +105,11 @@ class Sequence:
         """End the sequence; return whatever held-back text may still be sent."""
         self.status = Status.FINISHED
         self.finish_reason = reason
-        return self._take(len(self._text)) if reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.EOS) else ""
+        return (
+            self._take(len(self._text)) if reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.EOS) else ""
+        )
 
     def _take(self, upto: int) -> str:
-        piece = self._text[self._sent:upto]
+        piece = self._text[self._sent : upto]
         self._sent = max(self._sent, upto)
         return piece

@@ -3,6 +3,7 @@
 Pure functions: given the text produced so far, say how much of it is safe to send and whether a
 stop sequence has matched. Nothing that might turn out to be the start of a stop sequence is sent.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,7 +35,7 @@ def held_back(text: str, stops: tuple[str, ...]) -> int:
     (a plain scan of every suffix length would cost O(len(stop)^2) per token)."""
     longest = 0
     for stop in stops:
-        window = text[-(len(stop) - 1):] if len(stop) > 1 else ""
+        window = text[-(len(stop) - 1) :] if len(stop) > 1 else ""
         i = window.find(stop[0]) if window else -1
         while i != -1 and len(window) - i > longest:
             if stop.startswith(window[i:]):

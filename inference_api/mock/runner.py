@@ -1,4 +1,5 @@
 """A fake model runner: logits that spell "Echo: <prompt> — " over and over, at a fixed step rate."""
+
 from __future__ import annotations
 
 import time

@@ -1,7 +1,8 @@
 """A byte-level tokenizer: token i < 256 is byte i; one end token. UTF-8 text splits across tokens."""
+
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 EOS = 256
 VOCAB = 257

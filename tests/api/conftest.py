@@ -1,4 +1,5 @@
 """Fixtures for the OpenAI and TGI API tests: clients on the session's servers, the native API's answers."""
+
 from __future__ import annotations
 
 import pytest
@@ -36,6 +37,6 @@ def sse_data():
         assert body.endswith("\n\n"), body[-200:]
         events = body[:-2].split("\n\n")
         assert all(e.startswith("data: ") and "\n" not in e for e in events), body[:500]
-        return [e[len("data: "):] for e in events]
+        return [e[len("data: ") :] for e in events]
 
     return parse

@@ -1,4 +1,5 @@
 """OpenAI and TGI endpoints over the mock backend: queue-full 503s, and engine failures mid-stream."""
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,14 @@ from servers import ServerProcess
 def open_chat_stream(server, model_name: str, text: str) -> socket.socket:
     """A streaming chat request on a raw socket, left unread: it holds a row or a queue place."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
-    body = json.dumps({"model": model_name, "messages": [{"role": "user", "content": text}], "max_tokens": 500,
-                       "stream": True}).encode()
-    sock.sendall(f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                 f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    body = json.dumps(
+        {"model": model_name, "messages": [{"role": "user", "content": text}], "max_tokens": 500, "stream": True}
+    ).encode()
+    sock.sendall(
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     return sock
 
 
@@ -31,8 +36,11 @@ def test_queue_full_gives_503_with_retry_after_in_each_api_format(mock_server, m
         deadline = time.monotonic() + 10
         while mock_server.health()["open_sessions"] < 8 and time.monotonic() < deadline:
             time.sleep(0.05)
-        r = requests.post(mock_server.url + "/v1/chat/completions", timeout=10,
-                          json={"model": model_name, "messages": [{"role": "user", "content": "hi"}]})
+        r = requests.post(
+            mock_server.url + "/v1/chat/completions",
+            timeout=10,
+            json={"model": model_name, "messages": [{"role": "user", "content": "hi"}]},
+        )
         assert r.status_code == 503 and r.headers["Retry-After"] == "1"
         error = r.json()["error"]
         assert set(error) == {"message", "type", "param", "code"} and "busy" in error["message"]
@@ -61,8 +69,9 @@ def test_engine_failure_mid_stream_is_an_error_event(model_name):
     server = ServerProcess("--mock", "--mock-tokens-per-second", "20")
     try:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
-        chat = client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "doomed"}],
-                                              max_tokens=1000, stream=True)
+        chat = client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": "doomed"}], max_tokens=1000, stream=True
+        )
         tgi = text_generation.Client(server.url, timeout=30).generate_stream("doomed too", max_new_tokens=1000)
         assert next(chat).choices[0].delta.role == "assistant" and next(tgi).token.text
         os.kill(server.health()["backend_pid"], signal.SIGKILL)

@@ -1,4 +1,5 @@
 """n choices from one prefill, echo and prompt log-probs, through the real openai client on the real model."""
+
 from __future__ import annotations
 
 import re
@@ -7,7 +8,6 @@ import time
 from collections import defaultdict
 
 import requests
-
 from servers import wait_idle
 
 PROMPT = "The three most useful kitchen tools are"
@@ -62,26 +62,35 @@ def test_echo_and_prompt_logprobs_agree_with_the_generated_tokens(oai, model_nam
     echoed = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0, echo=True)
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
     whole = hf_tokenizer.encode(PROMPT + plain.choices[0].text)
-    assert whole[:len(ids)] == ids and len(whole) == len(ids) + 4  # the answer's tokens, re-tokenized alike
-    scored = oai.completions.create(model=model_name, prompt=whole, max_tokens=1, temperature=0, logprobs=2,
-                                    echo=True, n=2)
+    assert whole[: len(ids)] == ids and len(whole) == len(ids) + 4  # the answer's tokens, re-tokenized alike
+    scored = oai.completions.create(
+        model=model_name, prompt=whole, max_tokens=1, temperature=0, logprobs=2, echo=True, n=2
+    )
     for choice in scored.choices:  # every choice echoes the prompt and its log-probs
         lp = choice.logprobs
         assert len(lp.tokens) == len(whole) + 1 and lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
-        assert "".join(lp.tokens[:len(whole)]) == choice.text[:len(hf_tokenizer.decode(whole))]
+        assert "".join(lp.tokens[: len(whole)]) == choice.text[: len(hf_tokenizer.decode(whole))]
         assert lp.text_offset[:3] == [0, len(lp.tokens[0]), len(lp.tokens[0]) + len(lp.tokens[1])]
         # the prompt's last 4 tokens are the answer's: their log-probs in the prefill equal those of decoding
-        for got, want in zip(lp.token_logprobs[len(ids):len(whole)], plain.choices[0].logprobs.token_logprobs):
+        for got, want in zip(lp.token_logprobs[len(ids) : len(whole)], plain.choices[0].logprobs.token_logprobs):
             assert abs(got - want) < 2e-3
         assert all(len(t) == 2 for t in lp.top_logprobs[1:])
-    vllm = oai.completions.create(model=model_name, prompt=whole, max_tokens=1, temperature=0,
-                                  extra_body={"prompt_logprobs": 3}).choices[0].model_extra["prompt_logprobs"]
+    vllm = (
+        oai.completions.create(
+            model=model_name, prompt=whole, max_tokens=1, temperature=0, extra_body={"prompt_logprobs": 3}
+        )
+        .choices[0]
+        .model_extra["prompt_logprobs"]
+    )
     assert len(vllm) == len(whole) and vllm[0] is None  # vLLM's form: {token id: {logprob, rank, decoded_token}}
     for entry, token, want in zip(vllm[1:], whole[1:], scored.choices[0].logprobs.token_logprobs[1:]):
         assert abs(entry[str(token)]["logprob"] - want) < 1e-4 and entry[str(token)]["rank"] >= 1
         assert 3 <= len(entry) <= 4 and sorted(e["rank"] for e in entry.values())[:3] == [1, 2, 3]
-    streamed = list(oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=4, temperature=0,
-                                           echo=True, logprobs=1, stream=True))
+    streamed = list(
+        oai.completions.create(
+            model=model_name, prompt=PROMPT, max_tokens=4, temperature=0, echo=True, logprobs=1, stream=True
+        )
+    )
     assert streamed[0].choices[0].text == PROMPT and streamed[0].choices[0].logprobs.token_logprobs[0] is None
     assert "".join(c.choices[0].text for c in streamed) == PROMPT + plain.choices[0].text
 
@@ -93,13 +102,20 @@ def test_cancelling_a_streamed_n4_request_frees_every_row_and_others_are_unchang
 
     def other():
         time.sleep(0.3)
-        beside["answer"] = oai.chat.completions.create(model=model_name, messages=question, max_tokens=16,
-                                                       temperature=0)
+        beside["answer"] = oai.chat.completions.create(
+            model=model_name, messages=question, max_tokens=16, temperature=0
+        )
 
     thread = threading.Thread(target=other)
     thread.start()
-    stream = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": "Tell a story."}],
-                                         max_tokens=400, temperature=1.0, n=4, stream=True)
+    stream = oai.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": "Tell a story."}],
+        max_tokens=400,
+        temperature=1.0,
+        n=4,
+        stream=True,
+    )
     seen = set()
     for chunk in stream:
         seen.update(c.index for c in chunk.choices if c.delta.content)

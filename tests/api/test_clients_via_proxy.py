@@ -1,5 +1,6 @@
 """The official clients through the JWT proxy (``python -m proxy``): openai with the JWT as its api_key, and
 text-generation with it in an Authorization header."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -26,15 +28,20 @@ pytestmark = pytest.mark.skipif(not (ROOT / "proxy" / "__main__.py").exists(), r
 def proxy_url(real_server):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile(prefix="proxy-", suffix=".log", delete=False)
-    proc = subprocess.Popen([sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(port),
-                             "--upstream", real_server.url], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env={**os.environ, "JWT_SECRET": SECRET}, start_new_session=True)
+    log = tempfile.NamedTemporaryFile(prefix="proxy-", suffix=".log", delete=False)  # noqa: SIM115 (the proxy writes it)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(port), "--upstream", real_server.url],
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "JWT_SECRET": SECRET},
+        start_new_session=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:
             if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("proxy did not start:\n" + open(log.name, errors="replace").read()[-3000:])
+                raise RuntimeError("proxy did not start:\n" + Path(log.name).read_text(errors="replace")[-3000:])
             try:
                 if requests.get(url + "/health", timeout=2).status_code == 200:
                     break
@@ -51,14 +58,16 @@ def proxy_url(real_server):
 def token(**claims) -> str:
     import jwt
 
-    return jwt.encode({"team_id": "team-a", "token_id": "key-1", "exp": int(time.time()) + 3600, **claims}, SECRET,
-                      algorithm="HS256")
+    return jwt.encode(
+        {"team_id": "team-a", "token_id": "key-1", "exp": int(time.time()) + 3600, **claims}, SECRET, algorithm="HS256"
+    )
 
 
 def test_openai_client_through_the_proxy(proxy_url, oai, model_name):
     client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=token(), max_retries=0, timeout=60)
-    kwargs = dict(model=model_name, messages=[{"role": "user", "content": "Name a planet."}], max_tokens=6,
-                  temperature=0)
+    kwargs = dict(
+        model=model_name, messages=[{"role": "user", "content": "Name a planet."}], max_tokens=6, temperature=0
+    )
     direct = oai.chat.completions.create(**kwargs).choices[0].message.content
     assert client.chat.completions.create(**kwargs).choices[0].message.content == direct
     streamed = client.chat.completions.create(**kwargs, stream=True, stream_options={"include_usage": True})
@@ -74,7 +83,8 @@ def test_bad_jwt_is_an_authentication_error(proxy_url, model_name):
         forged.models.list()
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=proxy_url + "/v1", api_key="unused", max_retries=0).completions.create(
-            model=model_name, prompt="hi", max_tokens=2)
+            model=model_name, prompt="hi", max_tokens=2
+        )
 
 
 def test_async_openai_client_streams_through_the_proxy(proxy_url, oai, model_name):
@@ -102,8 +112,9 @@ def test_text_generation_client_through_the_proxy(proxy_url, real_server):
     assert events[-1].generated_text == direct.generated_text
 
     async def run_async() -> str:
-        response = await AsyncClient(proxy_url, headers={"Authorization": f"Bearer {token()}"},
-                                     timeout=60).generate(prompt, max_new_tokens=n)
+        response = await AsyncClient(proxy_url, headers={"Authorization": f"Bearer {token()}"}, timeout=60).generate(
+            prompt, max_new_tokens=n
+        )
         return response.generated_text
 
     assert asyncio.run(run_async()) == direct.generated_text

@@ -1,4 +1,5 @@
 """More streaming chat clients than rows (36 > 32): each stream carries its own answer, nobody else's."""
+
 from __future__ import annotations
 
 import asyncio
@@ -7,10 +8,44 @@ from openai import AsyncOpenAI
 
 CLIENTS = 36
 MAX_TOKENS = 6
-THINGS = ["apples", "rivers", "clocks", "tigers", "violins", "glaciers", "bread", "comets", "lanterns", "owls",
-          "deserts", "pianos", "bridges", "honey", "storms", "castles", "whales", "maps", "candles", "forests",
-          "trains", "mirrors", "islands", "kites", "tea", "volcanoes", "robots", "gardens", "snow", "ships",
-          "books", "bees", "rockets", "coral", "chess", "wolves"]
+THINGS = [
+    "apples",
+    "rivers",
+    "clocks",
+    "tigers",
+    "violins",
+    "glaciers",
+    "bread",
+    "comets",
+    "lanterns",
+    "owls",
+    "deserts",
+    "pianos",
+    "bridges",
+    "honey",
+    "storms",
+    "castles",
+    "whales",
+    "maps",
+    "candles",
+    "forests",
+    "trains",
+    "mirrors",
+    "islands",
+    "kites",
+    "tea",
+    "volcanoes",
+    "robots",
+    "gardens",
+    "snow",
+    "ships",
+    "books",
+    "bees",
+    "rockets",
+    "coral",
+    "chess",
+    "wolves",
+]
 
 
 def messages(i: int) -> list[dict]:
@@ -19,16 +54,20 @@ def messages(i: int) -> list[dict]:
 
 def test_36_concurrent_streaming_chats_each_get_their_own_answer(real_server, model_name):
     async def run() -> tuple[list[str], list[str], list[str]]:
-        async with AsyncOpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0,
-                               timeout=120) as client:
+        async with AsyncOpenAI(
+            base_url=real_server.url + "/v1", api_key="unused", max_retries=0, timeout=120
+        ) as client:
+
             async def alone(i: int) -> str:
-                out = await client.chat.completions.create(model=model_name, messages=messages(i),
-                                                           max_tokens=MAX_TOKENS, temperature=0)
+                out = await client.chat.completions.create(
+                    model=model_name, messages=messages(i), max_tokens=MAX_TOKENS, temperature=0
+                )
                 return out.choices[0].message.content
 
             async def streamed(i: int) -> tuple[str, str]:
-                stream = await client.chat.completions.create(model=model_name, messages=messages(i),
-                                                              max_tokens=MAX_TOKENS, temperature=0, stream=True)
+                stream = await client.chat.completions.create(
+                    model=model_name, messages=messages(i), max_tokens=MAX_TOKENS, temperature=0, stream=True
+                )
                 ids, parts = set(), []
                 async for chunk in stream:
                     ids.add(chunk.id)

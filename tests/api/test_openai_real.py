@@ -1,5 +1,6 @@
 """The official openai client against the real model: greedy parity with the native API, usage, stop, seed,
 streaming format, errors."""
+
 from __future__ import annotations
 
 import asyncio
@@ -65,9 +66,12 @@ def test_chat_greedy_matches_native_predictions(oai, model_name, native, hf_toke
 
 
 def test_chat_template_covers_every_turn_and_text_parts(oai, model_name, hf_tokenizer):
-    messages = [{"role": "system", "content": "You answer in one word."},
-                {"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "Apple."},
-                {"role": "user", "content": [{"type": "text", "text": "Name a color."}]}]
+    messages = [
+        {"role": "system", "content": "You answer in one word."},
+        {"role": "user", "content": "Name a fruit."},
+        {"role": "assistant", "content": "Apple."},
+        {"role": "user", "content": [{"type": "text", "text": "Name a color."}]},
+    ]
     out = oai.chat.completions.create(model=model_name, messages=messages, max_completion_tokens=3, temperature=0)
     flat = messages[:3] + [{"role": "user", "content": "Name a color."}]
     assert out.usage.prompt_tokens == len(hf_tokenizer.encode_chat(flat))
@@ -77,8 +81,16 @@ def test_chat_template_covers_every_turn_and_text_parts(oai, model_name, hf_toke
 def test_chat_stream_concatenates_to_the_full_answer(oai, model_name):
     messages = [{"role": "user", "content": QUESTION}]
     full = oai.chat.completions.create(model=model_name, messages=messages, max_tokens=N, temperature=0)
-    chunks = list(oai.chat.completions.create(model=model_name, messages=messages, max_tokens=N, temperature=0,
-                                              stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        oai.chat.completions.create(
+            model=model_name,
+            messages=messages,
+            max_tokens=N,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].choices[0].delta.content == ""
     assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -86,15 +98,23 @@ def test_chat_stream_concatenates_to_the_full_answer(oai, model_name):
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
     assert finish == [full.choices[0].finish_reason]
     assert chunks[-1].choices == [] and chunks[-1].usage.total_tokens == full.usage.total_tokens
-    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == \
-        (full.usage.prompt_tokens, full.usage.completion_tokens)
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (
+        full.usage.prompt_tokens,
+        full.usage.completion_tokens,
+    )
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == full.usage.prompt_tokens - 1  # asked again
     assert all(c.usage is None for c in chunks[:-1])
 
 
 def test_completion_sse_format(real_server, model_name, sse_data):
-    body = {"model": model_name, "prompt": PROMPT, "max_tokens": 5, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model_name,
+        "prompt": PROMPT,
+        "max_tokens": 5,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     response = requests.post(real_server.url + "/v1/completions", json=body, timeout=60)
     assert response.status_code == 200
     data = sse_data(response)
@@ -107,11 +127,11 @@ def test_completion_sse_format(real_server, model_name, sse_data):
     assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-2])
     # without include_usage: no usage field and no usage chunk
     body.pop("stream_options")
-    plain = [json.loads(d) for d in sse_data(requests.post(real_server.url + "/v1/completions", json=body,
-                                                           timeout=60))[:-1]]
+    plain = [
+        json.loads(d) for d in sse_data(requests.post(real_server.url + "/v1/completions", json=body, timeout=60))[:-1]
+    ]
     assert all("usage" not in c and c["choices"] for c in plain)
-    assert "".join(c["choices"][0]["text"] for c in plain) == "".join(c["choices"][0]["text"]
-                                                                     for c in chunks[:-1])
+    assert "".join(c["choices"][0]["text"] for c in plain) == "".join(c["choices"][0]["text"] for c in chunks[:-1])
 
 
 def test_stop_cuts_exactly_where_the_stop_string_starts(oai, model_name):
@@ -120,14 +140,20 @@ def test_stop_cuts_exactly_where_the_stop_string_starts(oai, model_name):
     cut = free.index(stop)
     out = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=N, temperature=0, stop=[stop, "@@@"])
     assert out.choices[0].text == free[:cut] and out.choices[0].finish_reason == "stop"
-    streamed = oai.completions.create(model=model_name, prompt=PROMPT, max_tokens=N, temperature=0, stop=stop,
-                                      stream=True)
+    streamed = oai.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=N, temperature=0, stop=stop, stream=True
+    )
     assert "".join(c.choices[0].text for c in streamed) == free[:cut]
 
 
 def test_seed_reproduces_sampled_output(oai, model_name):
-    kwargs = dict(model=model_name, messages=[{"role": "user", "content": "Tell me a story."}], max_tokens=8,
-                  temperature=1.0, seed=4242)
+    kwargs = dict(
+        model=model_name,
+        messages=[{"role": "user", "content": "Tell me a story."}],
+        max_tokens=8,
+        temperature=1.0,
+        seed=4242,
+    )
     first = oai.chat.completions.create(**kwargs).choices[0].message.content
     assert oai.chat.completions.create(**kwargs).choices[0].message.content == first
     streamed = oai.chat.completions.create(**kwargs, stream=True)
@@ -135,8 +161,14 @@ def test_seed_reproduces_sampled_output(oai, model_name):
 
 
 def test_logprobs(oai, model_name):
-    chat = oai.chat.completions.create(model=model_name, messages=[{"role": "user", "content": QUESTION}],
-                                       max_tokens=4, temperature=0, logprobs=True, top_logprobs=2)
+    chat = oai.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "user", "content": QUESTION}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
     content = chat.choices[0].logprobs.content
     assert len(content) == chat.usage.completion_tokens == 4
     assert "".join(c.token for c in content) == chat.choices[0].message.content
@@ -147,15 +179,25 @@ def test_logprobs(oai, model_name):
     assert lp.text_offset[0] == 0 and all(v <= 0 for v in lp.token_logprobs)
 
 
-@pytest.mark.parametrize("kwargs, param", [
-    ({"n": 9}, "n"), ({"temperature": 2.5}, "temperature"), ({"presence_penalty": 3}, "presence_penalty"),
-    ({"logit_bias": {"1": 5}}, "logit_bias"), ({"response_format": {"type": "xml"}}, "response_format"),
-    ({"top_logprobs": 3}, "top_logprobs"), ({"stop": list("abcdefghi")}, "stop"),  # over the default 8
-    ({"max_tokens": 5000}, "max_tokens"), ({"extra_body": {"mirostat": 1}}, "mirostat"),
-    ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
-     "messages[0].content[0]"),
-])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"n": 9}, "n"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"presence_penalty": 3}, "presence_penalty"),
+        ({"logit_bias": {"1": 5}}, "logit_bias"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"top_logprobs": 3}, "top_logprobs"),
+        ({"stop": list("abcdefghi")}, "stop"),  # over the default 8
+        ({"max_tokens": 5000}, "max_tokens"),
+        ({"extra_body": {"mirostat": 1}}, "mirostat"),
+        ({"messages": [{"role": "function", "content": "x", "name": "f"}]}, "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+            "messages[0].content[0]",
+        ),
+    ],
+)
 def test_bad_chat_parameters_raise_bad_request_naming_them(oai, model_name, kwargs, param):
     kwargs = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **kwargs}
     with pytest.raises(openai.BadRequestError) as info:
@@ -163,9 +205,16 @@ def test_bad_chat_parameters_raise_bad_request_naming_them(oai, model_name, kwar
     assert info.value.body["param"] == param and info.value.body["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("kwargs, param", [({"echo": "yes"}, "echo"), ({"best_of": 3}, "best_of"),
-                                           ({"logprobs": 6}, "logprobs"), ({"prompt": ["a", "b"]}, "prompt"),
-                                           ({"suffix": "end"}, "suffix")])
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [
+        ({"echo": "yes"}, "echo"),
+        ({"best_of": 3}, "best_of"),
+        ({"logprobs": 6}, "logprobs"),
+        ({"prompt": ["a", "b"]}, "prompt"),
+        ({"suffix": "end"}, "suffix"),
+    ],
+)
 def test_bad_completion_parameters_raise_bad_request(oai, model_name, kwargs, param):
     with pytest.raises(openai.BadRequestError) as info:
         oai.completions.create(model=model_name, **{"prompt": "hi", "max_tokens": 2, **kwargs})
@@ -179,10 +228,18 @@ def test_unknown_model_is_404_model_not_found(oai):
 
 
 def test_harmless_client_fields_are_accepted(oai, model_name):
-    out = oai.chat.completions.create(model=model_name, messages=[{"role": "developer", "content": "Be brief."},
-                                                                  {"role": "user", "content": "hi", "name": "ann"}],
-                                      max_tokens=2, user="u-1", metadata={"k": "v"}, store=False, n=1,
-                                      frequency_penalty=0.5, presence_penalty=0.5, top_p=0.9)
+    out = oai.chat.completions.create(
+        model=model_name,
+        messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "hi", "name": "ann"}],
+        max_tokens=2,
+        user="u-1",
+        metadata={"k": "v"},
+        store=False,
+        n=1,
+        frequency_penalty=0.5,
+        presence_penalty=0.5,
+        top_p=0.9,
+    )
     assert out.usage.completion_tokens <= 2
 
 
@@ -191,11 +248,14 @@ def test_async_client_stream_equals_non_stream(real_server, model_name):
 
     async def run() -> tuple[str, str]:
         async with AsyncOpenAI(base_url=real_server.url + "/v1", api_key="unused", max_retries=0) as client:
-            kwargs = dict(model=model_name, messages=[{"role": "user", "content": QUESTION}], max_tokens=6,
-                          temperature=0)
+            kwargs = dict(
+                model=model_name, messages=[{"role": "user", "content": QUESTION}], max_tokens=6, temperature=0
+            )
             full = await client.chat.completions.create(**kwargs)
-            parts = [c.choices[0].delta.content or "" async for c in await client.chat.completions.create(
-                **kwargs, stream=True)]
+            parts = [
+                c.choices[0].delta.content or ""
+                async for c in await client.chat.completions.create(**kwargs, stream=True)
+            ]
             return full.choices[0].message.content, "".join(parts)
 
     full, streamed = asyncio.run(run())

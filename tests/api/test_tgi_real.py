@@ -1,5 +1,6 @@
 """The text-generation client against the real model: greedy parity with the native API, streaming, stop,
 seed, validation errors, /info and the raw TGI formats."""
+
 from __future__ import annotations
 
 import asyncio
@@ -25,8 +26,10 @@ def test_generate_greedy_matches_native(tgi, native):
     assert out.generated_text == ref["text"]
     details = out.details
     assert details.generated_tokens == ref["completion_tokens"] == len(details.tokens)
-    assert details.finish_reason.value == {"length": "length", "stop": "stop_sequence",
-                                           "eos": "eos_token"}[ref["finish_reason"]]
+    assert (
+        details.finish_reason.value
+        == {"length": "length", "stop": "stop_sequence", "eos": "eos_token"}[ref["finish_reason"]]
+    )
     assert details.seed is None and details.prefill == []
     assert "".join(t.text for t in details.tokens if not t.special) == out.generated_text
     assert all(t.logprob is not None and t.logprob <= 0 for t in details.tokens)
@@ -48,7 +51,7 @@ def test_stop_sequence_cuts_exactly(tgi):
     free = tgi.generate(PROMPT, max_new_tokens=N).generated_text
     stop = free.strip().split()[1][:3]
     out = tgi.generate(PROMPT, max_new_tokens=N, stop_sequences=[stop])
-    assert out.generated_text == free[:free.index(stop)]
+    assert out.generated_text == free[: free.index(stop)]
     assert out.details.finish_reason.value == "stop_sequence"
     last = list(tgi.generate_stream(PROMPT, max_new_tokens=N, stop_sequences=[stop]))[-1]
     assert last.generated_text == out.generated_text
@@ -72,9 +75,18 @@ def test_return_full_text_and_truncate(tgi):
     assert short.details.generated_tokens == 3
 
 
-@pytest.mark.parametrize("kwargs", [{"watermark": True}, {"do_sample": True, "best_of": 2},
-                                    {"typical_p": 0.5}, {"top_n_tokens": 3}, {"decoder_input_details": True},
-                                    {"max_new_tokens": 5000}, {"temperature": 200.0}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"watermark": True},
+        {"do_sample": True, "best_of": 2},
+        {"typical_p": 0.5},
+        {"top_n_tokens": 3},
+        {"decoder_input_details": True},
+        {"max_new_tokens": 5000},
+        {"temperature": 200.0},
+    ],
+)
 def test_unsupported_or_bad_parameters_raise_validation_error(tgi, kwargs):
     with pytest.raises(ValidationError):
         tgi.generate(PROMPT, **{"max_new_tokens": 2, **kwargs})
@@ -100,8 +112,9 @@ def test_raw_generate_and_errors(real_server):
 
 def test_raw_generate_stream_events(real_server, sse_data):
     body = {"inputs": PROMPT, "parameters": {"max_new_tokens": 4, "details": True}}
-    events = [json.loads(d) for d in sse_data(requests.post(real_server.url + "/generate_stream", json=body,
-                                                            timeout=60))]
+    events = [
+        json.loads(d) for d in sse_data(requests.post(real_server.url + "/generate_stream", json=body, timeout=60))
+    ]
     assert all(set(e) >= {"index", "token", "generated_text", "details"} for e in events)
     assert all(set(e["token"]) == {"id", "text", "logprob", "special"} for e in events)
     assert events[-1]["details"] == {"finish_reason": "length", "generated_tokens": 4, "seed": None}
@@ -118,8 +131,7 @@ def test_async_client(real_server, tgi):
     async def run():
         client = AsyncClient(real_server.url, timeout=60)
         out = await client.generate(PROMPT, max_new_tokens=4)
-        parts = [e.token.text async for e in client.generate_stream(PROMPT, max_new_tokens=4)
-                 if not e.token.special]
+        parts = [e.token.text async for e in client.generate_stream(PROMPT, max_new_tokens=4) if not e.token.special]
         return out.generated_text, "".join(parts)
 
     generated, streamed = asyncio.run(run())

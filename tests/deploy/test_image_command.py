@@ -1,17 +1,18 @@
 """The images' commands run in the project's venv exactly as the images run them (their CMD, ENV and HEALTHCHECK read
 from the Dockerfile), on free loopback ports and the mock backend: `docker run -e JWT_SECRET=... IMAGE` brings up the
 server (on 127.0.0.1 only) and the proxy, and a token streams an answer; without JWT_SECRET it refuses to start."""
+
 from __future__ import annotations
 
 import os
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import jwt
 import pytest
 import requests
-
 from image_spec import exec_form, healthcheck, local_argv, local_env, stages
 from servers import ROOT, Process, free_port
 
@@ -23,7 +24,7 @@ def listening_addresses(port: int) -> set[str]:
     found = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            lines = open(table).read().splitlines()[1:]
+            lines = Path(table).read_text().splitlines()[1:]
         except OSError:
             continue
         for line in lines:
@@ -40,8 +41,13 @@ def stack():
     ports = {"PORT": str(free_port()), "PROXY_PORT": str(free_port())}
     # the test's only changes: its ports, the proxy on loopback, the mock backend, a secret
     env = local_env(server, **ports, PROXY_HOST="127.0.0.1", MOCK_MODEL="1", MAX_USERS="4", JWT_SECRET=SECRET)
-    process = Process(local_argv(exec_form(server.last("CMD"))), int(ports["PROXY_PORT"]), env=env,
-                      ready_timeout=180, ready_status=200)
+    process = Process(
+        local_argv(exec_form(server.last("CMD"))),
+        int(ports["PROXY_PORT"]),
+        env=env,
+        ready_timeout=180,
+        ready_status=200,
+    )
     process.env = env
     process.server_port = int(ports["PORT"])
     yield process
@@ -51,16 +57,24 @@ def stack():
 @pytest.mark.timeout(240)
 def test_with_jwt_secret_both_come_up_and_a_token_streams_an_answer(stack):
     assert requests.get(f"{stack.url}/health", timeout=10).json() == {"status": "ready"}  # public: the status only
-    token = jwt.encode({"team_id": "docker", "token_id": "run", "exp": int(time.time()) + 3600}, SECRET, algorithm="HS256")
+    token = jwt.encode(
+        {"team_id": "docker", "token_id": "run", "exp": int(time.time()) + 3600}, SECRET, algorithm="HS256"
+    )
     health = requests.get(f"{stack.url}/health", headers={"Authorization": f"Bearer {token}"}, timeout=10).json()
     assert health["status"] == "ready" and health["mock"] is True
-    with requests.post(f"{stack.url}/predictions/{health['model']}", json={"text": "container", "max_tokens": 30},
-                       headers={"Authorization": f"Bearer {token}"}, stream=True, timeout=60) as answer:
+    with requests.post(
+        f"{stack.url}/predictions/{health['model']}",
+        json={"text": "container", "max_tokens": 30},
+        headers={"Authorization": f"Bearer {token}"},
+        stream=True,
+        timeout=60,
+    ) as answer:
         assert answer.status_code == 200, answer.text
         pieces = list(answer.iter_content(chunk_size=None))
     assert len(pieces) > 1 and b"".join(pieces).startswith(b"Echo: ")
-    assert requests.post(f"{stack.url}/predictions/{health['model']}", json={"text": "x"}, timeout=10).status_code \
-        == 401
+    assert (
+        requests.post(f"{stack.url}/predictions/{health['model']}", json={"text": "x"}, timeout=10).status_code == 401
+    )
     wait_for_line = time.monotonic() + 30
     while "Ready:" not in stack.output() and time.monotonic() < wait_for_line:
         time.sleep(0.2)
@@ -82,17 +96,27 @@ def test_the_image_health_check_passes_while_both_run(stack):
 def test_the_proxy_image_command_fronts_the_server(stack):
     proxy = stages()["proxy"]
     port = free_port()
-    env = local_env(proxy, PROXY_PORT=str(port), PROXY_HOST="127.0.0.1", JWT_SECRET=SECRET,
-                    UPSTREAM_URL=f"http://127.0.0.1:{stack.server_port}")
+    env = local_env(
+        proxy,
+        PROXY_PORT=str(port),
+        PROXY_HOST="127.0.0.1",
+        JWT_SECRET=SECRET,
+        UPSTREAM_URL=f"http://127.0.0.1:{stack.server_port}",
+    )
     process = Process(local_argv(exec_form(proxy.last("CMD"))), port, env=env, ready_status=200)
     try:
         check = subprocess.run(local_argv(healthcheck(proxy)), cwd=ROOT, env=env, capture_output=True, timeout=30)
         assert check.returncode == 0, check.stderr
         model = requests.get(f"http://127.0.0.1:{stack.server_port}/health", timeout=10).json()["model"]
-        token = jwt.encode({"team_id": "docker", "token_id": "proxy", "exp": int(time.time()) + 3600}, SECRET,
-                           algorithm="HS256")
-        answer = requests.post(f"{process.url}/inference/{model}", json={"text": "slim", "max_tokens": 10},
-                               headers={"Authorization": f"Bearer {token}"}, timeout=60)
+        token = jwt.encode(
+            {"team_id": "docker", "token_id": "proxy", "exp": int(time.time()) + 3600}, SECRET, algorithm="HS256"
+        )
+        answer = requests.post(
+            f"{process.url}/inference/{model}",
+            json={"text": "slim", "max_tokens": 10},
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=60,
+        )
         assert answer.status_code == 200 and answer.content.startswith(b"Echo: slim")
     finally:
         process.stop()
@@ -122,8 +146,9 @@ def test_without_jwt_secret_it_refuses_to_start_with_a_message():
     before = env_file.read_bytes() if env_file.exists() else None
     env = local_env(server, **ports, PROXY_HOST="127.0.0.1", MOCK_MODEL="1")
     assert "JWT_SECRET" not in env
-    result = subprocess.run(local_argv(exec_form(server.last("CMD"))), cwd=ROOT, env=env, capture_output=True,
-                            text=True, timeout=30)
+    result = subprocess.run(
+        local_argv(exec_form(server.last("CMD"))), cwd=ROOT, env=env, capture_output=True, text=True, timeout=30
+    )
     assert result.returncode == 2
     assert "JWT_SECRET is not set: refusing to start" in result.stderr
     assert (env_file.read_bytes() if env_file.exists() else None) == before  # no secret was made up

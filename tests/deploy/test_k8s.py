@@ -1,4 +1,5 @@
 """deploy/k8s: every manifest valid against the Kubernetes API schemas, and wired together as docs/deploy.md says."""
+
 from __future__ import annotations
 
 import copy
@@ -7,11 +8,11 @@ from urllib.parse import urlsplit
 import kubernetes_validate
 import pytest
 import yaml
+from servers import ROOT
 
 from inference_api.config import ServerConfig
 from lifecycle.drain import EXIT_MARGIN
 from proxy.config import ProxyConfig
-from servers import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
 VERSIONS = ["1.30.0", kubernetes_validate.latest_version()]  # preStop sleep is there from 1.30
@@ -30,7 +31,7 @@ def quantity(text: str) -> float:
     units = {"Ki": 1 << 10, "Mi": 1 << 20, "Gi": 1 << 30, "m": 1e-3}
     for unit, factor in units.items():
         if str(text).endswith(unit):
-            return float(str(text)[:-len(unit)]) * factor
+            return float(str(text)[: -len(unit)]) * factor
     return float(text)
 
 
@@ -75,8 +76,9 @@ def test_server_probes_grace_period_resources_and_scrape_annotations():
     pod = deployment["spec"]["template"]
     c = container(deployment)
     port = port_number(c, "http")
-    assert c["command"][:3] == ["python", "-m", "inference_api"] and c["command"][c["command"].index("--port") + 1] \
-        == str(port)
+    assert c["command"][:3] == ["python", "-m", "inference_api"] and c["command"][
+        c["command"].index("--port") + 1
+    ] == str(port)
     for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
         get = c[probe]["httpGet"]
         assert get["path"] == "/health" and port_number(c, get["port"]) == port, probe
@@ -95,8 +97,10 @@ def test_server_probes_grace_period_resources_and_scrape_annotations():
 
 
 def test_services_select_their_pods():
-    for service_name, deployment_name in (("server-service.yaml", "server-deployment.yaml"),
-                                          ("proxy-service.yaml", "proxy-deployment.yaml")):
+    for service_name, deployment_name in (
+        ("server-service.yaml", "server-deployment.yaml"),
+        ("proxy-service.yaml", "proxy-deployment.yaml"),
+    ):
         service, deployment = load(service_name), load(deployment_name)
         labels = deployment["spec"]["template"]["metadata"]["labels"]
         assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
@@ -130,12 +134,17 @@ def test_disruption_budgets_and_autoscaler_target_the_deployments():
     server, proxy = load("server-deployment.yaml"), load("proxy-deployment.yaml")
     for pdb_name, deployment in (("server-pdb.yaml", server), ("proxy-pdb.yaml", proxy)):
         pdb = load(pdb_name)
-        assert pdb["spec"]["selector"]["matchLabels"].items() <= \
-            deployment["spec"]["template"]["metadata"]["labels"].items()
+        assert (
+            pdb["spec"]["selector"]["matchLabels"].items()
+            <= deployment["spec"]["template"]["metadata"]["labels"].items()
+        )
         assert pdb["spec"]["minAvailable"] < deployment["spec"]["replicas"]  # a node drain can go on
     hpa = load("server-hpa.yaml")
-    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
-                                             "name": server["metadata"]["name"]}
+    assert hpa["spec"]["scaleTargetRef"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": server["metadata"]["name"],
+    }
     assert hpa["spec"]["minReplicas"] >= 2 and hpa["spec"]["maxReplicas"] > hpa["spec"]["minReplicas"]
     assert container(server)["resources"]["requests"]["cpu"]  # CPU utilisation needs a request
 
@@ -160,15 +169,18 @@ def test_only_the_proxy_pods_reach_the_servers_and_both_share_the_internal_secre
 def test_the_team_limits_are_shared_through_the_clusters_redis():
     deployment, service, policy = yaml.safe_load_all((K8S / "redis-deployment.yaml").read_text())
     assert "redis-deployment.yaml" in (K8S / "kustomization.yaml").read_text()
-    env = {name: {e["name"]: e.get("value") for e in container(load(name))["env"]}
-           for name in ("proxy-deployment.yaml", "server-deployment.yaml")}
+    env = {
+        name: {e["name"]: e.get("value") for e in container(load(name))["env"]}
+        for name in ("proxy-deployment.yaml", "server-deployment.yaml")
+    }
     for values in env.values():
         url = urlsplit(values["REDIS_URL"])
         assert url.hostname == service["metadata"]["name"] and url.port == service["spec"]["ports"][0]["port"]
     assert service["spec"]["selector"] == deployment["spec"]["template"]["metadata"]["labels"]
     assert int(env["proxy-deployment.yaml"]["MAX_CONCURRENT_PER_TEAM"]) == ProxyConfig().max_concurrent_per_team
-    assert int(env["server-deployment.yaml"]["TOKENS_PER_MINUTE_PER_TEAM"]) == \
-        ServerConfig().tokens_per_minute_per_team
-    allowed = {peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for peer in policy["spec"]["ingress"][0]["from"]}
+    assert int(env["server-deployment.yaml"]["TOKENS_PER_MINUTE_PER_TEAM"]) == ServerConfig().tokens_per_minute_per_team
+    allowed = {
+        peer["podSelector"]["matchLabels"]["app.kubernetes.io/name"] for peer in policy["spec"]["ingress"][0]["from"]
+    }
     assert allowed == {"llm-proxy", "llm-server"}
     assert "--save" in container(deployment)["args"]  # counters only: nothing written to disk

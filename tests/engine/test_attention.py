@@ -24,8 +24,15 @@ def test_row_sdpa_equals_transformers_sdpa_on_grouped_heads_with_a_mask():
 
 def _tiny_model(attn: str) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                         num_attention_heads=6, num_key_value_heads=2, attn_implementation=attn)
+    config = LlamaConfig(
+        vocab_size=64,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        attn_implementation=attn,
+    )
     return LlamaForCausalLM(config).eval()
 
 

@@ -1,4 +1,5 @@
 """Engine.step() over the mock runner (no weights, no sleeping): scheduling, chunked prefill, release."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -34,8 +35,9 @@ class SpyRunner(MockRunner):
         super().copy_prefix(src, dst, length)
 
 
-def make_engine(rows: int = 4, prefill_chunk: int = 64, context: int = 4096,
-                prefix_cache: bool = True) -> tuple[Engine, SpyRunner]:
+def make_engine(
+    rows: int = 4, prefill_chunk: int = 64, context: int = 4096, prefix_cache: bool = True
+) -> tuple[Engine, SpyRunner]:
     runner = SpyRunner(rows)
     engine = Engine(runner, ByteTokenizer(), rows, context, prefill_chunk, frozenset([EOS]), prefix_cache=prefix_cache)
     return engine, runner
@@ -165,10 +167,16 @@ def test_min_tokens_hold_the_end_token_off_and_ignore_eos_runs_to_max_tokens():
 
 def test_stop_token_ids_end_the_output_without_showing_the_token():
     engine, _ = make_engine()
-    engine.add(GenerateRequest("s", tuple(b"number"), SamplingParams(temperature=0, max_tokens=12,
-                                                                     stop_token_ids=(ord("o"),))))
-    engine.add(GenerateRequest("m", tuple(b"number"), SamplingParams(temperature=0, max_tokens=12, min_tokens=4,
-                                                                     stop_token_ids=(ord("o"),))))
+    engine.add(
+        GenerateRequest("s", tuple(b"number"), SamplingParams(temperature=0, max_tokens=12, stop_token_ids=(ord("o"),)))
+    )
+    engine.add(
+        GenerateRequest(
+            "m",
+            tuple(b"number"),
+            SamplingParams(temperature=0, max_tokens=12, min_tokens=4, stop_token_ids=(ord("o"),)),
+        )
+    )
     events = run(engine)
     assert text(events["s"]) == "Ech" and events["s"][-1].finish_reason is FinishReason.STOP
     assert events["s"][-1].completion_tokens == 4
@@ -184,8 +192,13 @@ def test_another_requests_min_tokens_never_masks_this_rows_tokens():
     want = text(run(alone)["victim"])
     engine, _ = make_engine()
     everything_but_x = tuple(t for t in range(256) if t != ord("X"))
-    engine.add(GenerateRequest("hostile", tuple(b"ho"), SamplingParams(temperature=0, max_tokens=40, min_tokens=40,
-                                                                       stop_token_ids=everything_but_x)))
+    engine.add(
+        GenerateRequest(
+            "hostile",
+            tuple(b"ho"),
+            SamplingParams(temperature=0, max_tokens=40, min_tokens=40, stop_token_ids=everything_but_x),
+        )
+    )
     engine.add(GenerateRequest("victim", tuple(b"hi"), SamplingParams(temperature=0, max_tokens=10, min_tokens=10)))
     events = run(engine)
     assert text(events["victim"]) == want and "X" not in want
@@ -205,17 +218,30 @@ def test_random_parameter_mixes_beside_a_victim_never_change_its_answer(trial):
     def params(victim: bool) -> SamplingParams:
         if victim:
             hot = rng.random() < 0.5
-            return SamplingParams(temperature=0.9 if hot else 0, seed=rng.randrange(1 << 30) if hot else None,
-                                  max_tokens=12, min_tokens=rng.choice([0, 6]))
+            return SamplingParams(
+                temperature=0.9 if hot else 0,
+                seed=rng.randrange(1 << 30) if hot else None,
+                max_tokens=12,
+                min_tokens=rng.choice([0, 6]),
+            )
         return SamplingParams(
-            temperature=rng.choice([0, 0.5, 1.5, 3.0]), top_k=rng.choice([0, 1, 5, 50]), top_p=rng.choice([1.0, 0.5]),
-            min_p=rng.choice([0.0, 0.2]), max_tokens=rng.randrange(1, 30), min_tokens=rng.choice([0, 10, 40]),
+            temperature=rng.choice([0, 0.5, 1.5, 3.0]),
+            top_k=rng.choice([0, 1, 5, 50]),
+            top_p=rng.choice([1.0, 0.5]),
+            min_p=rng.choice([0.0, 0.2]),
+            max_tokens=rng.randrange(1, 30),
+            min_tokens=rng.choice([0, 10, 40]),
             stop=tuple(rng.sample(["E", "o", ": ", "x"], rng.randrange(0, 3))),
             stop_token_ids=tuple(rng.sample(range(256), rng.choice([0, 5, 200]))),
-            seed=rng.choice([None, rng.randrange(1 << 30)]), presence_penalty=rng.choice([0.0, 2.0, -2.0]),
-            frequency_penalty=rng.choice([0.0, 1.5]), repetition_penalty=rng.choice([1.0, 1.3, 0.7]),
-            logprobs=rng.choice([None, 0, 5]), ignore_eos=rng.random() < 0.3, n=rng.choice([1, 1, 2, 3]),
-            prompt_logprobs=rng.choice([None, None, 0, 3]))
+            seed=rng.choice([None, rng.randrange(1 << 30)]),
+            presence_penalty=rng.choice([0.0, 2.0, -2.0]),
+            frequency_penalty=rng.choice([0.0, 1.5]),
+            repetition_penalty=rng.choice([1.0, 1.3, 0.7]),
+            logprobs=rng.choice([None, 0, 5]),
+            ignore_eos=rng.random() < 0.3,
+            n=rng.choice([1, 1, 2, 3]),
+            prompt_logprobs=rng.choice([None, None, 0, 3]),
+        )
 
     victim = GenerateRequest("victim", tuple(b"abc"), params(True))
     alone, _ = make_engine()

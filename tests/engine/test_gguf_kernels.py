@@ -7,6 +7,7 @@ rounded to int8 blocks of 32, the minimums the exact inputs), for one row (the m
 and for several (groups of 4 input rows, tiles, sgemm), on the ISA this machine builds (AVX-512 with VNNI here,
 or AVX2).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -15,17 +16,28 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
+from servers import MODEL_CACHE
 
 from inference_api.engine.kernels import load_kernels
-from servers import MODEL_CACHE
 
 # per type: where its float16 scales lie in a block, and the bytes of its codes (zeroed, a block dequantizes to
 # its minimums: w = d * code + m); signed types have no minimums
-LAYOUT = {T.Q4_0: ([0], (2, 18)), T.Q4_1: ([0, 2], (4, 20)), T.Q5_0: ([0], (2, 22)), T.Q5_1: ([0, 2], (4, 24)),
-          T.Q8_0: ([0], None), T.IQ4_NL: ([0], None), T.Q2_K: ([80, 82], (16, 80)), T.Q3_K: ([108], (0, 96)),
-          T.Q4_K: ([0, 2], (16, 144)), T.Q5_K: ([0, 2], (16, 176)), T.Q6_K: ([208], (0, 192))}
+LAYOUT = {
+    T.Q4_0: ([0], (2, 18)),
+    T.Q4_1: ([0, 2], (4, 20)),
+    T.Q5_0: ([0], (2, 22)),
+    T.Q5_1: ([0, 2], (4, 24)),
+    T.Q8_0: ([0], None),
+    T.IQ4_NL: ([0], None),
+    T.Q2_K: ([80, 82], (16, 80)),
+    T.Q3_K: ([108], (0, 96)),
+    T.Q4_K: ([0, 2], (16, 144)),
+    T.Q5_K: ([0, 2], (16, 176)),
+    T.Q6_K: ([208], (0, 192)),
+}
 FLOATS = (T.F16, T.BF16)
 TYPES = [*LAYOUT, *FLOATS]
 
@@ -46,7 +58,7 @@ def _raw(t: T, n: int, k: int, seed: int = 0) -> np.ndarray:
     raw = rng.integers(0, 256, size=(n, k // size, block), dtype=np.uint8)
     for i, at in enumerate(LAYOUT[t][0]):  # scales in [0.001, 0.021); Q4_1 and Q5_1's minimums negative
         scale = (rng.random(raw.shape[:2]) * 0.02 + 0.001) * (-1 if i == 1 and t in (T.Q4_1, T.Q5_1) else 1)
-        raw[..., at:at + 2] = scale.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+        raw[..., at : at + 2] = scale.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(n, -1)
 
 
@@ -58,7 +70,7 @@ def _weights(t: T, raw: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]
         return deq(raw), torch.zeros(raw.shape[0], k)
     size, block = GGML_QUANT_SIZES[t]
     zeroed = raw.reshape(raw.shape[0], -1, block).copy()
-    zeroed[..., codes[0]:codes[1]] = 0
+    zeroed[..., codes[0] : codes[1]] = 0
     return deq(raw), deq(zeroed.reshape(raw.shape))
 
 
@@ -91,16 +103,17 @@ def test_linear_on_blocks_is_float32_linear_on_gguf_py_weights(kernels, t, rows)
     x, b = torch.randn(rows, 512), torch.randn(70)
     raw_t = torch.from_numpy(raw)
     scale = w.abs().max().item()
-    torch.testing.assert_close(kernels.linear_gguf(x, raw_t, int(t), b, False), F.linear(x, w, b),
-                               rtol=1e-5, atol=1e-5 * scale * 512 ** 0.5)
+    torch.testing.assert_close(
+        kernels.linear_gguf(x, raw_t, int(t), b, False), F.linear(x, w, b), rtol=1e-5, atol=1e-5 * scale * 512**0.5
+    )
     got = kernels.linear_gguf(x, raw_t, int(t), b, True)
     if t in FLOATS:  # no integer codes: the float kernels whatever the inputs
         want = F.linear(x, w, b)
     else:  # the codes against the inputs rounded to int8 blocks, the minimums against the exact inputs
         rounded = _int8_blocks(x)
         want = F.linear(rounded, w - mins, b) + F.linear(x, mins)
-        assert not torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * scale * 512 ** 0.5)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale * 512 ** 0.5)
+        assert not torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * scale * 512**0.5)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale * 512**0.5)
 
 
 def test_an_unserved_type_is_refused_by_name(kernels):
@@ -119,4 +132,4 @@ def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it(kernels, t):
     for rows in (x[:32], x[5:6]):
         part = kernels.linear_gguf(rows, raw, int(t), None, True)
         start = 0 if rows.shape[0] == 32 else 5
-        assert torch.equal(part, batch[start:start + rows.shape[0]])
+        assert torch.equal(part, batch[start : start + rows.shape[0]])

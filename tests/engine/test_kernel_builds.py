@@ -1,17 +1,21 @@
 """How the kernels are found: a build that exists is imported without the compiler (the server image has none);
 with no build and no compiler the server says so in one line, with what it costs, and serves without them."""
+
 from __future__ import annotations
 
 import os
 import subprocess
 import sys
 
-from inference_api.engine.kernels import LEVELS, level_for
 from servers import MODEL_CACHE, ROOT
 
-LOAD = ("import logging, sys; from pathlib import Path; logging.basicConfig();"
-        "from inference_api.engine.kernels import load_kernels;"
-        "k = load_kernels(Path(sys.argv[1])); print('loaded' if k is not None else 'none')")
+from inference_api.engine.kernels import LEVELS, level_for
+
+LOAD = (
+    "import logging, sys; from pathlib import Path; logging.basicConfig();"
+    "from inference_api.engine.kernels import load_kernels;"
+    "k = load_kernels(Path(sys.argv[1])); print('loaded' if k is not None else 'none')"
+)
 
 
 def load_without_compiler(cache: str) -> subprocess.CompletedProcess:

@@ -2,6 +2,7 @@
 numbers as a cache as long as the context, past the ring's wrap, in prefill chunks and decode steps, and a prefix
 reused only while the row still holds the window before it. The tiny Gemma 3 file (6 layers, window 16) from
 tests/data/gguf, served as the server serves it."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -9,20 +10,28 @@ from pathlib import Path
 
 import pytest
 import torch
+from servers import MODEL_CACHE, ROOT
 
 from inference_api.config import ServerConfig
 from inference_api.engine.kv_cache import RowKVCache
 from inference_api.engine.process import build_engine
 from inference_api.messages import GenerateRequest, SamplingParams
-from servers import MODEL_CACHE, ROOT
 
 GEMMA3 = ROOT / "tests" / "data" / "gguf" / "gemma3-q4_k_m.gguf"
 CHUNK = 24  # the prefill chunk: rings of 16 + 24 = 40 slots in a context of 256
 
 
 def serve(**flags):
-    return build_engine(ServerConfig(model=str(GEMMA3), model_cache_dir=Path(MODEL_CACHE), rows=4,
-                                     context_length=256, prefill_chunk=CHUNK, **flags))[0]
+    return build_engine(
+        ServerConfig(
+            model=str(GEMMA3),
+            model_cache_dir=Path(MODEL_CACHE),
+            rows=4,
+            context_length=256,
+            prefill_chunk=CHUNK,
+            **flags,
+        )
+    )[0]
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +42,9 @@ def engine():
 def full_cache(runner) -> RowKVCache:
     """The same runner's cache geometry with every layer as long as the context (no rings)."""
     c = runner.cache
-    return RowKVCache(len(c.keys), c.keys[0].shape[0], c.keys[0].shape[1], c.length, c.keys[0].shape[3], c.dtype,
-                      runner.device)
+    return RowKVCache(
+        len(c.keys), c.keys[0].shape[0], c.keys[0].shape[1], c.length, c.keys[0].shape[3], c.dtype, runner.device
+    )
 
 
 def test_the_sliding_layers_keep_rings_and_the_others_the_context(engine):
@@ -60,7 +70,7 @@ def test_a_ring_gives_the_numbers_of_a_cache_as_long_as_the_context(engine):
         runner.cache = rings
     assert torch.equal(ringed, whole)
     for start in range(0, 150, CHUNK):  # as the scheduler prefills: a chunk at a time
-        runner.prefill([0], [ids[start:min(start + CHUNK, 150)]], [start])
+        runner.prefill([0], [ids[start : min(start + CHUNK, 150)]], [start])
     ring_steps = [runner.decode([0], [t], [150 + i]) for i, t in enumerate(ids[150:])]
     assert all(torch.equal(a, b) for a, b in zip(ring_steps, full_steps))
 
@@ -74,8 +84,9 @@ def test_a_prefix_is_reused_only_while_the_ring_still_holds_the_window_before_it
     def answer(engine, prompts: dict[str, list[int]]) -> dict[str, list[int]]:
         out = defaultdict(list)
         for sid, prompt in prompts.items():
-            engine.add(GenerateRequest(sid, tuple(prompt), SamplingParams(temperature=0, max_tokens=12,
-                                                                          ignore_eos=True)))
+            engine.add(
+                GenerateRequest(sid, tuple(prompt), SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+            )
             while engine.has_work:
                 for event in engine.step():
                     out[event.session_id].extend(event.token_ids)

@@ -3,18 +3,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from servers import MODEL_CACHE
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
 from inference_api.engine.kernels import load_kernels
-from inference_api.engine.linear import (DenseLinear, OneDNNLinear, SplitLinear, linear_factory, row_bucket,
-                                         use_linears)
+from inference_api.engine.linear import DenseLinear, OneDNNLinear, SplitLinear, linear_factory, row_bucket, use_linears
 from inference_api.engine.quant import QuantLinear, quantize_int4
-from servers import MODEL_CACHE
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
-onednn_bf16 = pytest.mark.skipif(not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-                                 reason="oneDNN has no bfloat16 on this CPU")
+onednn_bf16 = pytest.mark.skipif(
+    not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+    reason="oneDNN has no bfloat16 on this CPU",
+)
 
 
 @onednn
@@ -45,7 +46,7 @@ def test_bfloat16_onednn_linear_is_linear_on_bfloat16_rounded_inputs(bias):
         rounded = F.linear(x.bfloat16().float(), linear.weight.bfloat16().float(), linear.bias)
     assert y.dtype == torch.float32 and y.shape == (5, 3, 80)
     # float32 accumulation of the rounded values; the sum itself is rounded to bfloat16 (2 ** -8 relative)
-    torch.testing.assert_close(y, rounded, rtol=2 ** -8, atol=1e-3)
+    torch.testing.assert_close(y, rounded, rtol=2**-8, atol=1e-3)
     assert not torch.allclose(y, F.linear(x, linear.weight, linear.bias), rtol=1e-5, atol=1e-5)  # not float32
 
 
@@ -68,7 +69,8 @@ def test_factory_picks_by_device_dtype_and_quantization():
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_quantized_layers_run_every_row_count_on_the_kernels_without_a_dense_copy(mode):
     layer = linear_factory(torch.device("cpu"), torch.float32, mode, load_kernels(Path(MODEL_CACHE)))(
-        torch.randn(64, 96), torch.randn(64))
+        torch.randn(64, 96), torch.randn(64)
+    )
     assert isinstance(layer, QuantLinear)
     for x in (torch.randn(1, 1, 96), torch.randn(4, 96), torch.randn(2, 3, 96), torch.randn(80, 96)):
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight.dequantize(), layer.bias), rtol=1e-5, atol=1e-5)
@@ -78,14 +80,16 @@ def test_quantized_layers_run_every_row_count_on_the_kernels_without_a_dense_cop
 @pytest.mark.parametrize("mode", ["int8", "int4"])
 def test_with_a_bfloat16_copy_one_row_takes_the_kernel_and_several_rows_onednn(mode, monkeypatch):
     kernels = load_kernels(Path(MODEL_CACHE))
-    layer = linear_factory(torch.device("cpu"), torch.float32, mode, kernels, torch.bfloat16)(torch.randn(64, 96),
-                                                                                            torch.randn(64))
+    layer = linear_factory(torch.device("cpu"), torch.float32, mode, kernels, torch.bfloat16)(
+        torch.randn(64, 96), torch.randn(64)
+    )
     assert isinstance(layer, SplitLinear) and isinstance(layer.quantized, QuantLinear)
     assert layer.dense.dtype == torch.bfloat16 and layer.dense.packed.dtype == torch.bfloat16
     calls = []
     for part in (QuantLinear, OneDNNLinear):
-        monkeypatch.setattr(part, "__call__", lambda self, x, run=part.__call__, name=part.__name__:
-                            calls.append(name) or run(self, x))
+        monkeypatch.setattr(
+            part, "__call__", lambda self, x, run=part.__call__, name=part.__name__: calls.append(name) or run(self, x)
+        )
     for x in (torch.randn(1, 1, 96), torch.randn(4, 96), torch.randn(2, 3, 96)):
         expected = F.linear(x, layer.quantized.weight.dequantize(), layer.quantized.bias)
         torch.testing.assert_close(layer(x), expected, rtol=0.05, atol=0.1)  # bfloat16 rounding on several rows
@@ -96,8 +100,16 @@ def test_with_a_bfloat16_copy_one_row_takes_the_kernel_and_several_rows_onednn(m
 def test_every_linear_of_a_transformers_model_is_replaced_and_logits_stay_the_same(model):
     torch.manual_seed(0)
     if model == "llama":
-        m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                         num_attention_heads=6, num_key_value_heads=2)).eval()
+        m = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=64,
+                hidden_size=48,
+                intermediate_size=96,
+                num_hidden_layers=2,
+                num_attention_heads=6,
+                num_key_value_heads=2,
+            )
+        ).eval()
     else:  # gpt2's projections are Conv1D, not nn.Linear: only its head is replaced
         m = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=48, n_layer=2, n_head=4)).eval()
     ids = torch.tensor([[5, 9, 13, 2, 7]])

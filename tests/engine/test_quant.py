@@ -1,4 +1,5 @@
 """The quantized CPU kernels and the decode-step kernels against plain torch on the same numbers."""
+
 from __future__ import annotations
 
 import os
@@ -7,12 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+from servers import MODEL_CACHE
 
+from inference_api.engine.compact import _rope
 from inference_api.engine.kernels import load_kernels
 from inference_api.engine.kv_cache import quantize_heads
-from inference_api.engine.compact import _rope
 from inference_api.engine.quant import Int4Weight, QuantLinear, quantize_int4, quantize_int8
-from servers import MODEL_CACHE
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +48,11 @@ def _weight(n: int, k: int) -> torch.Tensor:
 def test_quantized_linear_is_float32_linear_on_the_dequantized_weight(kernels, shape, rows, form, bias):
     n, k = shape
     w = _weight(n, k)
-    packed = {"int8-channel": lambda: quantize_int8(w), "int8-group32": lambda: quantize_int8(w, 32),
-              "int4": lambda: quantize_int4(w)}[form]()
+    packed = {
+        "int8-channel": lambda: quantize_int8(w),
+        "int8-group32": lambda: quantize_int8(w, 32),
+        "int4": lambda: quantize_int4(w),
+    }[form]()
     b = torch.randn(n) if bias else None
     x = torch.randn(rows, k)
     if isinstance(packed, Int4Weight):
@@ -70,8 +74,11 @@ AVX2 = "avx2" in Path("/proc/cpuinfo").read_text()
 
 def _int8_input_case(form: str, n: int, k: int, rows: int):
     w = _weight(n, k)
-    packed = {"int8-channel": lambda: quantize_int8(w), "int8-group32": lambda: quantize_int8(w, 32),
-              "int4": lambda: quantize_int4(w)}[form]()
+    packed = {
+        "int8-channel": lambda: quantize_int8(w),
+        "int8-group32": lambda: quantize_int8(w, 32),
+        "int4": lambda: quantize_int4(w),
+    }[form]()
     return packed, torch.randn(n), torch.randn(rows, k)
 
 
@@ -143,10 +150,11 @@ def test_decode_attention_equals_sdpa_over_each_rows_length(kernels, dtype, head
     values, value_scales, value_ref = _cache_form(torch.randn(rows, hk, length, dim), dtype)
     q = torch.randn(6, hq, dim)
     lengths = torch.tensor([1, 7, 150, 23, 64, 129])  # within, at and across the kernel's blocks of 64 positions
-    out = kernels.decode_attention(q, keys, values, key_scales, value_scales, lengths, dim ** -0.5)
+    out = kernels.decode_attention(q, keys, values, key_scales, value_scales, lengths, dim**-0.5)
     mask = (torch.arange(length)[None, :] < lengths[:, None])[:, None, None, :]
-    ref = F.scaled_dot_product_attention(q[:, :, None], key_ref[:6], value_ref[:6], attn_mask=mask,
-                                         enable_gqa=True)[:, :, 0]
+    ref = F.scaled_dot_product_attention(q[:, :, None], key_ref[:6], value_ref[:6], attn_mask=mask, enable_gqa=True)[
+        :, :, 0
+    ]
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -176,19 +184,37 @@ def test_decode_attention_reads_a_window_across_a_rings_wrap_with_the_same_numbe
     lengths = written[rows_of]
     starts = lengths - window
     for cap in (0.0, 5.0):
-        full = kernels.decode_attention(q, keys, values, key_scales, value_scales, lengths, dim ** -0.5, rows_of,
-                                        starts, cap)
-        wrapped = kernels.decode_attention(q, ringed(keys), ringed(values), ringed(key_scales), ringed(value_scales),
-                                           lengths, dim ** -0.5, rows_of, starts, cap, ring)
+        full = kernels.decode_attention(
+            q, keys, values, key_scales, value_scales, lengths, dim**-0.5, rows_of, starts, cap
+        )
+        wrapped = kernels.decode_attention(
+            q,
+            ringed(keys),
+            ringed(values),
+            ringed(key_scales),
+            ringed(value_scales),
+            lengths,
+            dim**-0.5,
+            rows_of,
+            starts,
+            cap,
+            ring,
+        )
         assert torch.equal(full, wrapped)
     k = keys[rows_of[:, None], :, torch.arange(window) + starts[:, None]]  # [5, window, hk, dim]
-    k_ref = (k.float() * key_scales[rows_of[:, None], :, torch.arange(window) + starts[:, None]].float()[..., None]
-             if key_scales is not None else k.float())
+    k_ref = (
+        k.float() * key_scales[rows_of[:, None], :, torch.arange(window) + starts[:, None]].float()[..., None]
+        if key_scales is not None
+        else k.float()
+    )
     v = values[rows_of[:, None], :, torch.arange(window) + starts[:, None]]
-    v_ref = (v.float() * value_scales[rows_of[:, None], :, torch.arange(window) + starts[:, None]].float()[..., None]
-             if value_scales is not None else v.float())
+    v_ref = (
+        v.float() * value_scales[rows_of[:, None], :, torch.arange(window) + starts[:, None]].float()[..., None]
+        if value_scales is not None
+        else v.float()
+    )
     k_ref, v_ref = (t.repeat_interleave(hq // hk, dim=2) for t in (k_ref, v_ref))
-    scores = torch.einsum("bhd,blhd->bhl", q, k_ref) * dim ** -0.5
+    scores = torch.einsum("bhd,blhd->bhl", q, k_ref) * dim**-0.5
     ref = torch.einsum("bhl,blhd->bhd", (torch.tanh(scores / 5.0) * 5.0).softmax(-1), v_ref)
     torch.testing.assert_close(wrapped, ref, rtol=1e-4, atol=1e-4)
 
@@ -237,8 +263,10 @@ def test_norm_and_rotary_store(kernels, dtype, rows):
     c, s = cos[:, None], sin[:, None]
     torch.testing.assert_close(q, _rope(heads[:, :hq], c, s))
     for i, p in enumerate(pos.tolist()):
-        for stored, scales, want in ((kc, ks, _rope(heads[i:i + 1, hq:hq + hk], c[i:i + 1], s[i:i + 1])[0]),
-                                     (vc, vs, heads[i, hq + hk:])):
+        for stored, scales, want in (
+            (kc, ks, _rope(heads[i : i + 1, hq : hq + hk], c[i : i + 1], s[i : i + 1])[0]),
+            (vc, vs, heads[i, hq + hk :]),
+        ):
             values, want_scales, _ = _cache_form(want, dtype)
             if scaled:  # the same rounding as the prefill path's quantize_heads
                 assert torch.equal(stored[rows[i], :, p], values) and torch.equal(scales[rows[i], :, p], want_scales)

@@ -7,9 +7,13 @@ from inference_api.messages import SamplingParams
 def rows(n, **kw):
     base = dict(temperature=1.0, top_k=1000, top_p=1.0, seed=0, step=0)
     base.update(kw)
-    return (torch.full((n,), float(base["temperature"])), torch.full((n,), base["top_k"], dtype=torch.long),
-            torch.full((n,), float(base["top_p"])), torch.full((n,), base["seed"], dtype=torch.long),
-            torch.full((n,), base["step"], dtype=torch.long))
+    return (
+        torch.full((n,), float(base["temperature"])),
+        torch.full((n,), base["top_k"], dtype=torch.long),
+        torch.full((n,), float(base["top_p"])),
+        torch.full((n,), base["seed"], dtype=torch.long),
+        torch.full((n,), base["step"], dtype=torch.long),
+    )
 
 
 def test_greedy_rows_take_the_argmax():

@@ -39,8 +39,10 @@ def test_held_back_equals_the_plain_scan_of_every_suffix():
     for _ in range(2000):
         text = "".join(rng.choice("ab") for _ in range(rng.randint(0, 12)))
         stops = tuple("".join(rng.choice("ab") for _ in range(rng.randint(1, 6))) for _ in range(rng.randint(1, 3)))
-        plain = max([n for stop in stops for n in range(1, min(len(stop) - 1, len(text)) + 1)
-                     if text.endswith(stop[:n])], default=0)
+        plain = max(
+            [n for stop in stops for n in range(1, min(len(stop) - 1, len(text)) + 1) if text.endswith(stop[:n])],
+            default=0,
+        )
         assert held_back(text, stops) == plain, (text, stops)
 
 

@@ -1,8 +1,8 @@
 """Proxy fixtures: a stand-in upstream in this process, proxies as real subprocesses on loopback ports."""
+
 from __future__ import annotations
 
 import pytest
-
 from proxy_helpers import start_mock_inference_server, start_proxy
 from stub_upstream import StubUpstream
 

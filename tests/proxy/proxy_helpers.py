@@ -1,11 +1,11 @@
 """Helpers for the proxy tests: free ports, subprocesses with bounded start-up, tokens."""
+
 from __future__ import annotations
 
 import sys
 import time
 
 import jwt
-
 from servers import ROOT, Process, free_port, wait_idle  # noqa: F401 - one definition for all tests
 
 SECRET = "proxy-tests-secret-" + "0123456789abcdef" * 4  # 83 bytes: long enough for HS512 too
@@ -22,13 +22,25 @@ def bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
 
 
-def start_proxy(upstream: str | list[str], *flags: str, secret: str | None = SECRET,
-                env: dict[str, str] | None = None) -> Process:
+def start_proxy(
+    upstream: str | list[str], *flags: str, secret: str | None = SECRET, env: dict[str, str] | None = None
+) -> Process:
     """The proxy in front of one upstream URL, or of several (one --upstream flag each)."""
     port = free_port()
     upstreams = [upstream] if isinstance(upstream, str) else upstream
-    argv = [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(port),
-            *[arg for url in upstreams for arg in ("--upstream", url)], "--threads", "128", *flags]
+    argv = [
+        sys.executable,
+        "-m",
+        "proxy",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *[arg for url in upstreams for arg in ("--upstream", url)],
+        "--threads",
+        "128",
+        *flags,
+    ]
     full_env = {**({"JWT_SECRET": secret} if secret is not None else {}), **(env or {})}
     return Process(argv, port, env=full_env)
 
@@ -37,5 +49,6 @@ def start_mock_inference_server(tokens_per_second: float = 50, *flags: str, port
     """The real inference server over its mock backend (``python -m inference_api --mock``)."""
     port = port or free_port()
     argv = [sys.executable, "-m", "inference_api", "--mock", "--host", "127.0.0.1", "--port", str(port), *flags]
-    return Process(argv, port, env={"MOCK_TOKENS_PER_SECOND": str(tokens_per_second)}, ready_timeout=180,
-                   ready_status=200)
+    return Process(
+        argv, port, env={"MOCK_TOKENS_PER_SECOND": str(tokens_per_second)}, ready_timeout=180, ready_status=200
+    )

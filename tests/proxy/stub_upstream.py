@@ -13,6 +13,7 @@ Paths (any method):
   (everything)             503 with Retry-After: 2 while `overloaded` is set
   anything else            JSON echo of the method, raw target, headers and body (base64)
 """
+
 from __future__ import annotations
 
 import base64
@@ -102,8 +103,16 @@ def _make_handler(stub: StubUpstream):
                 if stub.overloaded:
                     self._json(503, {"status_code": 503, "message": "overloaded"}, {"Retry-After": "2"})
                 elif url.path == "/health" and self.command == "GET":
-                    self._json(200, {"status": "ready", "model": "stub-model", "rows_in_use": 0,
-                                     "queue_length": 0, "open_sessions": stub.open_streams()})
+                    self._json(
+                        200,
+                        {
+                            "status": "ready",
+                            "model": "stub-model",
+                            "rows_in_use": 0,
+                            "queue_length": 0,
+                            "open_sessions": stub.open_streams(),
+                        },
+                    )
                 elif url.path == "/stream":
                     self._stream(query, chunked=True)
                 elif url.path == "/sized":
@@ -116,8 +125,10 @@ def _make_handler(stub: StubUpstream):
                     self._chunk(b"")
                 elif url.path == "/gzip":
                     data = gzip.compress(GZIP_TEXT)
-                    self._start(200, {"Content-Type": "text/plain", "Content-Encoding": "gzip",
-                                      "Content-Length": str(len(data))})
+                    self._start(
+                        200,
+                        {"Content-Type": "text/plain", "Content-Encoding": "gzip", "Content-Length": str(len(data))},
+                    )
                     self.wfile.write(data)
                 elif url.path == "/slow-headers":
                     time.sleep(float(query.get("delay", "3")))
@@ -126,13 +137,23 @@ def _make_handler(stub: StubUpstream):
                     code = int(url.path.rsplit("/", 1)[1])
                     self._json(code, {"status": code}, {"Retry-After": "7"})
                 else:
-                    self._json(200, {"method": self.command, "target": self.path,
-                                     "headers": [[k, v] for k, v in self.headers.items()],
-                                     "body": base64.b64encode(body).decode()},
-                               # hop-by-hop response headers the proxy must drop; the X-Stub one it must keep
-                               {"X-Stub": "yes", "Set-Cookie": "session=user-a; Path=/", "Keep-Alive": "timeout=60",
-                                "X-Stub-Hop": "1",
-                                "Connection": "keep-alive, X-Stub-Hop"})
+                    self._json(
+                        200,
+                        {
+                            "method": self.command,
+                            "target": self.path,
+                            "headers": [[k, v] for k, v in self.headers.items()],
+                            "body": base64.b64encode(body).decode(),
+                        },
+                        # hop-by-hop response headers the proxy must drop; the X-Stub one it must keep
+                        {
+                            "X-Stub": "yes",
+                            "Set-Cookie": "session=user-a; Path=/",
+                            "Keep-Alive": "timeout=60",
+                            "X-Stub-Hop": "1",
+                            "Connection": "keep-alive, X-Stub-Hop",
+                        },
+                    )
             except (BrokenPipeError, ConnectionResetError):
                 self.close_connection = True
 
@@ -151,8 +172,9 @@ def _make_handler(stub: StubUpstream):
 
         def _json(self, status: int, payload: dict, headers: dict[str, str] | None = None) -> None:
             data = json.dumps(payload).encode()
-            self._start(status, {"Content-Type": "application/json", "Content-Length": str(len(data)),
-                                 **(headers or {})})
+            self._start(
+                status, {"Content-Type": "application/json", "Content-Length": str(len(data)), **(headers or {})}
+            )
             self.wfile.write(data)
 
         def _chunk(self, data: bytes) -> None:

@@ -1,5 +1,6 @@
 """scripts/jwt_util.py, run as a subprocess: encode/decode round trips, the secret from the environment only, expiry
 by default, the proxy accepts its tokens."""
+
 from __future__ import annotations
 
 import json
@@ -9,7 +10,6 @@ import sys
 import time
 
 import requests
-
 from proxy_helpers import ROOT, SECRET, bearer
 
 SCRIPT = ROOT / "scripts" / "jwt_util.py"

@@ -1,5 +1,6 @@
 """The chat playground in a real headless browser (Debian's chromium driven by Playwright), through the real proxy
 to the real inference server on its mock backend."""
+
 from __future__ import annotations
 
 import json
@@ -8,12 +9,19 @@ import time
 
 import pytest
 import requests
-
 from proxy_helpers import ROOT, bearer, make_token, wait_idle
 
 CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 ARTIFACTS = ROOT / "test-artifacts"
 
 # records, on every animation frame, the last answer's length and the status line (installed before sending)
@@ -95,8 +103,14 @@ def test_chat_streams_the_servers_answer(context, inference_proxy, inference_ser
     token = make_token()
     page = open_playground(context, inference_proxy.url, token)
     assert page.locator("#model").input_value() == model
-    set_params(page, system="Answer in one line.", temperature="0", **{"top-p": "0.9", "max-tokens": "60"},
-               seed="7", stop="never appears")
+    set_params(
+        page,
+        system="Answer in one line.",
+        temperature="0",
+        **{"top-p": "0.9", "max-tokens": "60"},
+        seed="7",
+        stop="never appears",
+    )
     prompt = page.locator("#prompt")
     prompt.fill("Hello")
     prompt.press("Shift+Enter")  # a new line, not a send
@@ -114,11 +128,14 @@ def test_chat_streams_the_servers_answer(context, inference_proxy, inference_ser
     statuses = page.evaluate("[...window.__statuses]")
     assert any("first token after" in s and "tokens/s" in s for s in statuses), statuses
 
-    messages = [{"role": "system", "content": "Answer in one line."},
-                {"role": "user", "content": "Hello\nthere, playground"}]
+    messages = [
+        {"role": "system", "content": "Answer in one line."},
+        {"role": "user", "content": "Hello\nthere, playground"},
+    ]
     params = {"temperature": 0, "top_p": 0.9, "max_tokens": 60, "seed": 7, "stop": ["never appears"]}
-    direct = requests.post(f"{inference_server.url}/v1/chat/completions", timeout=60,
-                           json={"model": model, "messages": messages, **params}).json()
+    direct = requests.post(
+        f"{inference_server.url}/v1/chat/completions", timeout=60, json={"model": model, "messages": messages, **params}
+    ).json()
     assert answer == direct["choices"][0]["message"]["content"]
     usage = direct["usage"]
     assert note.text_content().startswith("Finished: length")
@@ -207,9 +224,13 @@ def test_wrong_token_asks_for_the_token_again(context, inference_proxy, model):
 def test_team_limit_shows_the_wait_message(context, make_proxy, inference_server, model):
     limited = make_proxy(inference_server.url, "--max-concurrent-per-team", "1", "--retry-after", "7")
     page = open_playground(context, limited.url, make_token())
-    with requests.post(f"{limited.url}/v1/chat/completions", headers=bearer(make_token()), stream=True, timeout=60,
-                       json={"model": model, "messages": [{"role": "user", "content": "hold"}], "stream": True,
-                             "max_tokens": 1500}) as held:
+    with requests.post(
+        f"{limited.url}/v1/chat/completions",
+        headers=bearer(make_token()),
+        stream=True,
+        timeout=60,
+        json={"model": model, "messages": [{"role": "user", "content": "hold"}], "stream": True, "max_tokens": 1500},
+    ) as held:
         assert held.status_code == 200
         chunks = held.iter_content(chunk_size=None)  # kept referenced: a dropped iterator closes the stream
         next(chunks)  # the team's one slot is taken
@@ -225,11 +246,15 @@ def test_team_limit_shows_the_wait_message(context, make_proxy, inference_server
 @pytest.mark.timeout(120)
 def test_broken_stream_keeps_what_arrived(context, inference_proxy, model):
     page = open_playground(context, inference_proxy.url, make_token())
-    cut = ('data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
-           'data: {"choices":[{"index":0,"delta":{"content":"Half an ans"}}]}\n\n')
+    cut = (
+        'data: {"choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}\n\n'
+        'data: {"choices":[{"index":0,"delta":{"content":"Half an ans"}}]}\n\n'
+    )
     # the connection ends after two events: no finish reason, no [DONE]
-    page.route("**/v1/chat/completions", lambda route: route.fulfill(
-        status=200, headers={"Content-Type": "text/event-stream"}, body=cut))
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(status=200, headers={"Content-Type": "text/event-stream"}, body=cut),
+    )
     send(page, "hello")
     note = wait_answer_done(page)
     assert "closed before the answer was complete" in note.text_content()
@@ -241,12 +266,17 @@ def test_broken_stream_keeps_what_arrived(context, inference_proxy, model):
 def test_busy_server_says_how_long_to_wait(context, inference_proxy, model):
     page = open_playground(context, inference_proxy.url, make_token())
     body = json.dumps({"error": {"message": "the server is at capacity", "type": "server_error"}})
-    page.route("**/v1/chat/completions", lambda route: route.fulfill(
-        status=503, headers={"Content-Type": "application/json", "Retry-After": "3"}, body=body))
+    page.route(
+        "**/v1/chat/completions",
+        lambda route: route.fulfill(
+            status=503, headers={"Content-Type": "application/json", "Retry-After": "3"}, body=body
+        ),
+    )
     send(page, "anyone?")
     page.wait_for_function("() => document.querySelector('#status').classList.contains('error')")
-    assert page.locator("#status").text_content() == ("The server is busy (the server is at capacity). "
-                                                      "Please wait 3 seconds and send again.")
+    assert page.locator("#status").text_content() == (
+        "The server is busy (the server is at capacity). Please wait 3 seconds and send again."
+    )
     assert page.locator("#prompt").input_value() == "anyone?" and page.locator("#messages li").count() == 0
 
 
@@ -273,12 +303,25 @@ def test_page_and_assets_need_no_token_but_nothing_else_changes(inference_proxy)
         assert response.status_code == 200, path
         assert "connect-src 'self'" in response.headers["Content-Security-Policy"]
         assert "://" not in response.text  # nothing from another host
-        again = requests.get(inference_proxy.url + path, headers={"If-None-Match": response.headers["ETag"]},
-                             timeout=10)
+        again = requests.get(
+            inference_proxy.url + path, headers={"If-None-Match": response.headers["ETag"]}, timeout=10
+        )
         assert again.status_code == 304
-    for method, path in (("POST", "/"), ("GET", "/playground/"), ("GET", "/playground/other.js"),
-                         ("POST", "/playground"), ("OPTIONS", "/")):
+    for method, path in (
+        ("POST", "/"),
+        ("GET", "/playground/"),
+        ("GET", "/playground/other.js"),
+        ("POST", "/playground"),
+        ("OPTIONS", "/"),
+    ):
         response = requests.request(method, inference_proxy.url + path, timeout=10)
         assert response.status_code == 401, (method, path)
-    assert requests.post(inference_proxy.url + "/", headers=bearer(make_token()), timeout=30,
-                         json={"inputs": "hi", "parameters": {"max_new_tokens": 2}}).status_code == 200
+    assert (
+        requests.post(
+            inference_proxy.url + "/",
+            headers=bearer(make_token()),
+            timeout=30,
+            json={"inputs": "hi", "parameters": {"max_new_tokens": 2}},
+        ).status_code
+        == 200
+    )

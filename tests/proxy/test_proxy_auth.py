@@ -1,4 +1,5 @@
 """Every rejection is a 401 JSON body naming the reason, with WWW-Authenticate: Bearer; nothing reaches upstream."""
+
 from __future__ import annotations
 
 import base64
@@ -16,7 +17,6 @@ import pytest
 import requests
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
-
 from proxy_helpers import ROOT, SECRET, bearer, free_port, make_token
 
 
@@ -73,15 +73,26 @@ def test_rejections_are_401_json(proxy, stub, name, authorization, fragment):
     headers = {"Authorization": authorization} if authorization is not None else {}
     response = requests.post(proxy.url + path, json={"text": "hi"}, headers=headers, timeout=10)
     assert_401(response, fragment)
-    assert response.headers["WWW-Authenticate"].startswith('Bearer realm=')
+    assert response.headers["WWW-Authenticate"].startswith("Bearer realm=")
     assert not any(path in seen for seen in stub.seen), "a rejected request reached upstream"
 
 
-@pytest.mark.parametrize("method, path", [("GET", "/v1/models"), ("POST", "/v1/chat/completions"),
-                                          ("POST", "/generate"), ("POST", "/predictions/m"), ("DELETE", "/x/y"),
-                                          ("POST", "/health"), ("GET", "/health/"), ("POST", "/"),
-                                          ("GET", "/playground/"), ("OPTIONS", "/inference/m"),
-                                          ("HEAD", "/inference/m")])
+@pytest.mark.parametrize(
+    "method, path",
+    [
+        ("GET", "/v1/models"),
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/generate"),
+        ("POST", "/predictions/m"),
+        ("DELETE", "/x/y"),
+        ("POST", "/health"),
+        ("GET", "/health/"),
+        ("POST", "/"),
+        ("GET", "/playground/"),
+        ("OPTIONS", "/inference/m"),
+        ("HEAD", "/inference/m"),
+    ],
+)
 def test_every_path_but_get_health_and_the_chat_page_needs_a_token(proxy, method, path):
     response = requests.request(method, proxy.url + path, timeout=10)
     assert response.status_code == 401
@@ -93,14 +104,20 @@ def test_every_path_but_get_health_and_the_chat_page_needs_a_token(proxy, method
 MISSING = "missing Authorization header (expected 'Bearer <token>')"
 
 
-@pytest.mark.parametrize("path, sent, expected", [
-    ("/v1/chat/completions", {}, {"error": {"message": MISSING, "type": "authentication_error", "param": None,
-                                            "code": None}}),
-    ("/generate", {"inputs": "x"}, {"error": MISSING}),
-    ("/generate", {"text": "x"}, {"error": MISSING, "code": None}),
-    ("/inference/completion", {}, {"detail": MISSING}),
-    ("/inference/m", {}, {"status_code": 401, "message": MISSING}),
-])
+@pytest.mark.parametrize(
+    "path, sent, expected",
+    [
+        (
+            "/v1/chat/completions",
+            {},
+            {"error": {"message": MISSING, "type": "authentication_error", "param": None, "code": None}},
+        ),
+        ("/generate", {"inputs": "x"}, {"error": MISSING}),
+        ("/generate", {"text": "x"}, {"error": MISSING, "code": None}),
+        ("/inference/completion", {}, {"detail": MISSING}),
+        ("/inference/m", {}, {"status_code": 401, "message": MISSING}),
+    ],
+)
 def test_401_body_speaks_the_api_of_the_request(proxy, path, sent, expected):
     assert requests.post(proxy.url + path, json=sent, timeout=10).json() == expected
 
@@ -115,8 +132,9 @@ def test_a_script_name_header_does_not_walk_a_path_around_the_token_check(proxy,
 def test_a_body_nested_past_the_parsers_depth_gets_the_401_json(proxy):
     """The proxy reads a shared path's small body for its error shape: "[" * 5000 must not raise (it was an HTML
     500 and a traceback per request)."""
-    response = requests.post(proxy.url + "/generate", data="[" * 5000, headers={"Content-Type": "application/json"},
-                             timeout=10)
+    response = requests.post(
+        proxy.url + "/generate", data="[" * 5000, headers={"Content-Type": "application/json"}, timeout=10
+    )
     assert response.status_code == 401 and response.json()["error"] == MISSING
 
 
@@ -163,14 +181,20 @@ def test_a_revoked_token_id_is_refused_without_a_restart(stub, make_proxy, tmp_p
             break
         time.sleep(0.2)
     assert_401(response, "revoked")
-    assert requests.get(proxy.url + "/echo", headers=bearer(make_token(token_id="key-8")), timeout=10).status_code == 200
+    assert (
+        requests.get(proxy.url + "/echo", headers=bearer(make_token(token_id="key-8")), timeout=10).status_code == 200
+    )
 
 
 def _key_pair(kind: str):
-    private = rsa.generate_private_key(public_exponent=65537, key_size=2048) if kind == "RS256" \
+    private = (
+        rsa.generate_private_key(public_exponent=65537, key_size=2048)
+        if kind == "RS256"
         else ec.generate_private_key(ec.SECP256R1())
-    public_pem = private.public_key().public_bytes(serialization.Encoding.PEM,
-                                                   serialization.PublicFormat.SubjectPublicKeyInfo)
+    )
+    public_pem = private.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
     return private, public_pem
 
 
@@ -186,8 +210,10 @@ def test_public_key_algorithms(stub, make_proxy, tmp_path, alg):
     assert response.status_code == 200
     assert ["X-Team-Id", "team-a"] in response.json()["headers"]
     assert requests.get(proxy.url + "/echo", headers=bearer(make_token()), timeout=10).status_code == 200
-    assert_401(requests.get(proxy.url + "/echo", headers=bearer(jwt.encode(CLAIMS, other, algorithm=alg)),
-                            timeout=10), "signature")
+    assert_401(
+        requests.get(proxy.url + "/echo", headers=bearer(jwt.encode(CLAIMS, other, algorithm=alg)), timeout=10),
+        "signature",
+    )
     # key confusion: an HS256 token whose HMAC key is the public key must not pass
     confused = handmade_token({"alg": "HS256", "typ": "JWT"}, CLAIMS, public_pem)
     assert_401(requests.get(proxy.url + "/echo", headers=bearer(confused), timeout=10), "signature")
@@ -197,8 +223,14 @@ def test_public_key_algorithms(stub, make_proxy, tmp_path, alg):
 
 def _run_proxy(env: dict[str, str], *flags: str) -> subprocess.CompletedProcess:
     clean = {k: v for k, v in os.environ.items() if k != "JWT_SECRET"}
-    return subprocess.run([sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(free_port()), *flags],
-                          cwd=ROOT, env={**clean, **env}, capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(free_port()), *flags],
+        cwd=ROOT,
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
 
 
 @pytest.mark.timeout(120)
@@ -216,6 +248,11 @@ def test_a_short_secret_stops_the_start(stub):
     import subprocess
     import sys
 
-    result = subprocess.run([sys.executable, "-m", "proxy", "--upstream", stub.url, "--port", "1"],
-                            env={**os.environ, "JWT_SECRET": "short"}, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", "proxy", "--upstream", stub.url, "--port", "1"],
+        env={**os.environ, "JWT_SECRET": "short"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert result.returncode == 2 and "only 5 bytes" in result.stderr and "at least 32" in result.stderr

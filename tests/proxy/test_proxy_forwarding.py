@@ -1,4 +1,5 @@
 """What the upstream sees and what the client gets back: methods, targets, bodies, headers, statuses, the log."""
+
 from __future__ import annotations
 
 import base64
@@ -7,13 +8,13 @@ import time
 
 import pytest
 import requests
-
 from proxy_helpers import bearer, make_token
 
 
 def echo(proxy, method="GET", target="/echo", headers=None, **kwargs):
-    response = requests.request(method, proxy.url + target, headers={**bearer(make_token()), **(headers or {})},
-                                timeout=10, **kwargs)
+    response = requests.request(
+        method, proxy.url + target, headers={**bearer(make_token()), **(headers or {})}, timeout=10, **kwargs
+    )
     assert response.status_code == 200, response.text
     seen = response.json()
     seen["headers_dict"] = {}
@@ -24,11 +25,24 @@ def echo(proxy, method="GET", target="/echo", headers=None, **kwargs):
 
 def test_headers_rewritten(proxy, stub):
     client_headers = {
-        "X-Team-Id": "evil-team", "x-token-id": "evil-token", "X-Forwarded-For": "10.1.2.3",
-        "Forwarded": "for=10.9.9.9", "X-Real-IP": "10.8.8.8", "X-Original-URL": "/admin", "SCRIPT_NAME": "/v1",
-        "X-Request-Id": "client-request-42", "Connection": "keep-alive, X-Client-Hop", "X-Client-Hop": "1",
-        "Keep-Alive": "timeout=30", "Proxy-Authorization": "Basic eDp5", "TE": "trailers", "Trailer": "X-Sum",
-        "Upgrade": "example/1", "Proxy-Connection": "keep-alive", "X-Custom": "kept", "User-Agent": "proxy-test/1",
+        "X-Team-Id": "evil-team",
+        "x-token-id": "evil-token",
+        "X-Forwarded-For": "10.1.2.3",
+        "Forwarded": "for=10.9.9.9",
+        "X-Real-IP": "10.8.8.8",
+        "X-Original-URL": "/admin",
+        "SCRIPT_NAME": "/v1",
+        "X-Request-Id": "client-request-42",
+        "Connection": "keep-alive, X-Client-Hop",
+        "X-Client-Hop": "1",
+        "Keep-Alive": "timeout=30",
+        "Proxy-Authorization": "Basic eDp5",
+        "TE": "trailers",
+        "Trailer": "X-Sum",
+        "Upgrade": "example/1",
+        "Proxy-Connection": "keep-alive",
+        "X-Custom": "kept",
+        "User-Agent": "proxy-test/1",
     }
     response, seen = echo(proxy, headers=client_headers)
     h = seen["headers_dict"]
@@ -43,8 +57,16 @@ def test_headers_rewritten(proxy, stub):
     for claim in ("forwarded", "x-real-ip", "x-original-url", "script_name"):
         assert claim not in h, claim
     assert h["x-custom"] == ["kept"] and h["user-agent"] == ["proxy-test/1"]
-    for hop in ("x-client-hop", "keep-alive", "proxy-authorization", "te", "trailer", "upgrade", "proxy-connection",
-                "transfer-encoding"):
+    for hop in (
+        "x-client-hop",
+        "keep-alive",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "upgrade",
+        "proxy-connection",
+        "transfer-encoding",
+    ):
         assert hop not in h, hop
     assert h.get("connection", ["keep-alive"]) == ["keep-alive"]  # only the proxy's own connection handling
     # response: upstream headers pass, hop-by-hop ones do not; the request id comes back
@@ -78,8 +100,15 @@ def test_request_id_created_when_absent_or_unusable(proxy):
 def test_methods_targets_and_bodies_pass_unchanged(proxy, method):
     body = bytes(range(256)) * 3 if method not in ("GET", "OPTIONS") else b""
     root = [] if method == "GET" else ["/"]  # GET / is the proxy's own chat page
-    for target in ["/v1/chat/completions?stream=true&x=%20y", "/generate", "/predictions/m", "/inference/m",
-                   *root, "/a%2Fb//c/", "/any/thing?q=%E6%97%A5"]:
+    for target in [
+        "/v1/chat/completions?stream=true&x=%20y",
+        "/generate",
+        "/predictions/m",
+        "/inference/m",
+        *root,
+        "/a%2Fb//c/",
+        "/any/thing?q=%E6%97%A5",
+    ]:
         response, seen = echo(proxy, method, target, data=body)
         assert seen["method"] == method
         assert seen["target"] == target
@@ -126,8 +155,9 @@ def _log_lines(process) -> list[dict]:
 def test_one_json_log_line_per_request_without_the_token(stub, make_proxy):
     proxy = make_proxy(stub.url)
     token = make_token({"team_id": "log-team", "token_id": "log-token"})
-    response = requests.post(proxy.url + "/stream?id=log&chunks=3&delay=0.05&text=logged", headers=bearer(token),
-                             timeout=10)
+    response = requests.post(
+        proxy.url + "/stream?id=log&chunks=3&delay=0.05&text=logged", headers=bearer(token), timeout=10
+    )
     assert response.status_code == 200
     requests.get(proxy.url + "/echo", timeout=10)  # 401
     # The stream's line is written when its generator closes, which may come after the 401's line; the
@@ -175,7 +205,8 @@ def test_gunicorns_own_errors_are_json(proxy):
 def test_a_chunked_body_within_the_limit_is_forwarded_whole(proxy):
     import base64
 
-    response = requests.post(proxy.url + "/echo", data=iter([b"part one, ", b"part two"]), headers=bearer(make_token()),
-                             timeout=10)
+    response = requests.post(
+        proxy.url + "/echo", data=iter([b"part one, ", b"part two"]), headers=bearer(make_token()), timeout=10
+    )
     assert response.status_code == 200
     assert base64.b64decode(response.json()["body"]) == b"part one, part two"

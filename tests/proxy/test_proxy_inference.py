@@ -1,4 +1,5 @@
 """Through the proxy to the real inference server on its mock backend (``python -m inference_api --mock``)."""
+
 from __future__ import annotations
 
 import socket
@@ -8,7 +9,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-
 from proxy_helpers import bearer, make_token, wait_idle
 
 
@@ -27,8 +27,13 @@ def echo_of(prompt: str) -> str:
 @pytest.mark.timeout(120)
 def test_valid_token_streams_an_answer(inference_proxy, model):
     prompt = "héllo 日本 proxy"
-    response = requests.post(f"{inference_proxy.url}/inference/{model}", json={"text": prompt, "max_tokens": 40},
-                             headers=bearer(make_token()), stream=True, timeout=60)
+    response = requests.post(
+        f"{inference_proxy.url}/inference/{model}",
+        json={"text": prompt, "max_tokens": 40},
+        headers=bearer(make_token()),
+        stream=True,
+        timeout=60,
+    )
     assert response.status_code == 200, response.text
     assert response.headers["Content-Type"].startswith("text/plain")
     assert response.headers["X-Request-Id"]
@@ -51,8 +56,11 @@ def test_without_token_the_server_is_never_reached(inference_proxy, model):
 def test_client_disconnect_through_the_proxy_frees_the_row(inference_proxy, inference_server, model):
     sock = socket.create_connection(("127.0.0.1", inference_proxy.port), timeout=30)
     body = b'{"text": "long answer", "max_tokens": 1500}'
-    sock.sendall(f"POST /inference/{model} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-                 f"Authorization: Bearer {make_token()}\r\nContent-Length: {len(body)}\r\n\r\n".encode() + body)
+    sock.sendall(
+        f"POST /inference/{model} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        f"Authorization: Bearer {make_token()}\r\nContent-Length: {len(body)}\r\n\r\n".encode()
+        + body
+    )
     received = b""
     while len(received.partition(b"\r\n\r\n")[2]) < 6:  # at least one whole chunk ("1\r\nE\r\n") of the answer
         data = sock.recv(4096)
@@ -75,8 +83,12 @@ def test_64_concurrent_streams_lose_nothing_and_never_mix(inference_proxy, infer
         token = make_token({"team_id": f"team-{i % 8}", "token_id": f"load-{i}"})
         expected = echo_of(prompts[i])
         barrier.wait()
-        with requests.post(f"{inference_proxy.url}/inference/{model}", headers=bearer(token), timeout=240,
-                           json={"text": prompts[i], "max_tokens": len(expected.encode())}) as response:
+        with requests.post(
+            f"{inference_proxy.url}/inference/{model}",
+            headers=bearer(token),
+            timeout=240,
+            json={"text": prompts[i], "max_tokens": len(expected.encode())},
+        ) as response:
             return response.status_code, response.content.decode("utf-8")
 
     with ThreadPoolExecutor(count) as pool:

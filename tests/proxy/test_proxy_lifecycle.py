@@ -1,8 +1,8 @@
 """The proxy under slow clients and deploys: 1,000 idle or trickling connections, read deadlines, 401 without
 reading the body, and draining on SIGTERM in front of a draining inference server."""
+
 from __future__ import annotations
 
-import json
 import os
 import resource
 import signal
@@ -11,7 +11,6 @@ import threading
 import time
 
 import requests
-
 from proxy_helpers import bearer, make_token, start_mock_inference_server, start_proxy
 
 SLOW_CONNECTIONS = 1000
@@ -48,12 +47,17 @@ def test_a_thousand_slow_clients_do_not_delay_a_legitimate_request(stub, make_pr
             sock = connect(port)
             kind = i % 3
             if kind == 0:  # headers with a bad token and a 100 kB body announced, then nothing
-                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
-                             b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n")
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer nope\r\n"
+                    b"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n"
+                )
                 bad_token.append(sock)
             elif kind == 1:  # a valid token and a body sent a byte at a time
-                sock.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nAuthorization: " + good["Authorization"].encode()
-                             + b"\r\nContent-Length: 100000\r\n\r\n")
+                sock.sendall(
+                    b"POST /echo HTTP/1.1\r\nHost: x\r\nAuthorization: "
+                    + good["Authorization"].encode()
+                    + b"\r\nContent-Length: 100000\r\n\r\n"
+                )
                 trickling.append(sock)
             else:  # headers only half sent
                 sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
@@ -85,8 +89,11 @@ def test_header_and_body_deadlines(stub, make_proxy):
     headers = connect(proxy.port)
     headers.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")
     body = connect(proxy.port)
-    body.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + make_token().encode()
-                 + b"\r\nContent-Length: 100\r\n\r\n0123456789")
+    body.sendall(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+        + make_token().encode()
+        + b"\r\nContent-Length: 100\r\n\r\n0123456789"
+    )
     try:
         started = time.monotonic()
         assert read_until_closed(headers, 20) == b""  # closed, unanswered
@@ -109,8 +116,13 @@ def test_sigterm_to_server_and_proxy_lets_streams_through_the_proxy_finish():
 
     def stream(key: str) -> None:
         try:
-            with requests.post(f"{proxy.url}/inference/{model}", headers=token, stream=True, timeout=120,
-                               json={"text": "ab", "max_tokens": len(expected.encode())}) as r:
+            with requests.post(
+                f"{proxy.url}/inference/{model}",
+                headers=token,
+                stream=True,
+                timeout=120,
+                json={"text": "ab", "max_tokens": len(expected.encode())},
+            ) as r:
                 out[key] = b"".join(r.iter_content(chunk_size=None)).decode()
         except requests.RequestException as exc:
             out[key] = exc
@@ -131,8 +143,9 @@ def test_sigterm_to_server_and_proxy_lets_streams_through_the_proxy_finish():
             assert time.monotonic() < deadline
             time.sleep(0.05)
         assert health.json()["status"] == "draining"
-        refused = requests.post(f"{proxy.url}/v1/completions", headers=token, json={"model": model, "prompt": "x"},
-                                timeout=5)
+        refused = requests.post(
+            f"{proxy.url}/v1/completions", headers=token, json={"model": model, "prompt": "x"}, timeout=5
+        )
         assert refused.status_code == 503 and refused.headers["Retry-After"]
         assert refused.json()["error"]["type"] == "server_error"
         for t in threads:

@@ -1,4 +1,5 @@
 """Streaming through the proxy: unbuffered, byte-exact, disconnects reach upstream, 502/504/429, many streams."""
+
 from __future__ import annotations
 
 import gzip
@@ -11,14 +12,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-
 from proxy_helpers import bearer, free_port, make_token
 from stub_upstream import GZIP_TEXT, UTF8_TEXT
 
 
 def stream_url(proxy, stream_id: str, chunks: int, delay: float, text: str = "tok", **extra) -> str:
-    query = "&".join(f"{k}={v}" for k, v in {"id": stream_id, "chunks": chunks, "delay": delay, "text": text,
-                                             **extra}.items())
+    query = "&".join(
+        f"{k}={v}" for k, v in {"id": stream_id, "chunks": chunks, "delay": delay, "text": text, **extra}.items()
+    )
     return f"{proxy.url}/stream?{query}"
 
 
@@ -30,8 +31,12 @@ def expected_body(chunks: int, text: str = "tok") -> bytes:
 @pytest.mark.parametrize("content_type", ["text/plain; charset=utf-8", "text/event-stream"])
 def test_first_chunk_arrives_while_upstream_still_generating(proxy, stub, content_type):
     stream_id = f"first-{uuid.uuid4().hex}"
-    response = requests.post(stream_url(proxy, stream_id, chunks=3, delay=1.5, type=content_type),
-                             headers=bearer(make_token()), stream=True, timeout=30)
+    response = requests.post(
+        stream_url(proxy, stream_id, chunks=3, delay=1.5, type=content_type),
+        headers=bearer(make_token()),
+        stream=True,
+        timeout=30,
+    )
     assert response.status_code == 200
     assert response.headers["Content-Type"] == content_type
     pieces = response.iter_content(chunk_size=None)
@@ -68,8 +73,9 @@ def test_multibyte_characters_split_across_chunks_arrive_intact(proxy):
 
 
 def test_encoded_bodies_pass_undecoded(proxy):
-    response = requests.get(proxy.url + "/gzip", headers={**bearer(make_token()), "Accept-Encoding": "gzip"},
-                            stream=True, timeout=10)
+    response = requests.get(
+        proxy.url + "/gzip", headers={**bearer(make_token()), "Accept-Encoding": "gzip"}, stream=True, timeout=10
+    )
     raw = response.raw.read(decode_content=False)
     assert response.headers["Content-Encoding"] == "gzip"
     assert response.headers["Content-Length"] == str(len(raw))
@@ -79,8 +85,10 @@ def test_encoded_bodies_pass_undecoded(proxy):
 def open_raw_stream(proxy, target: str, token: str, marker: bytes) -> socket.socket:
     """Start a request on a bare socket and read until `marker` arrives (so the stream is flowing)."""
     sock = socket.create_connection(("127.0.0.1", proxy.port), timeout=20)
-    sock.sendall(f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
-                 f"Content-Length: 0\r\n\r\n".encode())
+    sock.sendall(
+        f"POST {target} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Length: 0\r\n\r\n".encode()
+    )
     received = b""
     while marker not in received:
         data = sock.recv(4096)
@@ -126,8 +134,9 @@ def test_slow_upstream_is_504_but_a_flowing_stream_is_never_cut(stub, make_proxy
     assert response.json()["status_code"] == 504 and "1 s" in response.json()["message"]
     assert time.monotonic() - started < 3.5
     # pauses between chunks longer than the first-byte timeout do not cut a stream that has started
-    response = requests.post(stream_url(proxy, f"pause-{uuid.uuid4().hex}", chunks=3, delay=2.0),
-                             headers=bearer(make_token()), timeout=30)
+    response = requests.post(
+        stream_url(proxy, f"pause-{uuid.uuid4().hex}", chunks=3, delay=2.0), headers=bearer(make_token()), timeout=30
+    )
     assert response.status_code == 200 and response.content == expected_body(3)
 
 
@@ -135,17 +144,26 @@ def test_slow_upstream_is_504_but_a_flowing_stream_is_never_cut(stub, make_proxy
 def test_per_team_limit_is_429_with_retry_after(stub, make_proxy):
     proxy = make_proxy(stub.url, "--max-concurrent-per-team", "2", "--retry-after", "3")
     team_x = make_token({"team_id": "team-x", "token_id": "a"})
-    streams = [requests.post(stream_url(proxy, f"lim-{uuid.uuid4().hex}", chunks=4, delay=0.5),
-                             headers=bearer(team_x), stream=True, timeout=30) for _ in range(2)]
+    streams = [
+        requests.post(
+            stream_url(proxy, f"lim-{uuid.uuid4().hex}", chunks=4, delay=0.5),
+            headers=bearer(team_x),
+            stream=True,
+            timeout=30,
+        )
+        for _ in range(2)
+    ]
     for s in streams:
         assert s.status_code == 200
-    over = requests.post(proxy.url + "/echo", headers=bearer(make_token({"team_id": "team-x", "token_id": "b"})),
-                         timeout=10)
+    over = requests.post(
+        proxy.url + "/echo", headers=bearer(make_token({"team_id": "team-x", "token_id": "b"})), timeout=10
+    )
     assert over.status_code == 429
     assert over.headers["Retry-After"] == "3"
     assert over.json()["status_code"] == 429 and "team-x" in over.json()["message"]
-    other = requests.post(proxy.url + "/echo", headers=bearer(make_token({"team_id": "team-y", "token_id": "c"})),
-                          timeout=10)
+    other = requests.post(
+        proxy.url + "/echo", headers=bearer(make_token({"team_id": "team-y", "token_id": "c"})), timeout=10
+    )
     assert other.status_code == 200
     for s in streams:
         assert s.content == expected_body(4)  # read to the end: the slots are released
@@ -164,8 +182,9 @@ def test_64_concurrent_streams_lose_nothing_and_never_mix(proxy, stub):
     def one(i: int) -> tuple[int, bytes]:
         token = make_token({"team_id": f"team-{i % 8}", "token_id": f"load-{i}"})
         barrier.wait()
-        with requests.post(stream_url(proxy, tags[i], chunks=5, delay=0.2, text=tags[i]), headers=bearer(token),
-                           timeout=60) as response:
+        with requests.post(
+            stream_url(proxy, tags[i], chunks=5, delay=0.2, text=tags[i]), headers=bearer(token), timeout=60
+        ) as response:
             return response.status_code, response.content
 
     with ThreadPoolExecutor(count) as pool:
@@ -179,8 +198,12 @@ def test_64_concurrent_streams_lose_nothing_and_never_mix(proxy, stub):
 def test_stream_idle_timeout_cuts_visibly(stub, make_proxy):
     """A stream silent for longer than --stream-idle-timeout is cut, and the client sees an incomplete response."""
     proxy = make_proxy(stub.url, "--stream-idle-timeout", "1")
-    response = requests.post(stream_url(proxy, f"idle-{uuid.uuid4().hex}", chunks=3, delay=3.0),
-                             headers=bearer(make_token()), stream=True, timeout=30)
+    response = requests.post(
+        stream_url(proxy, f"idle-{uuid.uuid4().hex}", chunks=3, delay=3.0),
+        headers=bearer(make_token()),
+        stream=True,
+        timeout=30,
+    )
     assert response.status_code == 200
     pieces = response.iter_content(chunk_size=None)
     assert next(pieces) == b"tok 0\n"

@@ -2,6 +2,7 @@
 the upstream with the fewest open requests, a server killed mid-run loses no request that had not started
 streaming, it is used again once it is back, and the per-team limit counts across all upstreams. Stand-in
 upstreams: a 503 or a refused connection sends the request to the next upstream and rests the failed one."""
+
 from __future__ import annotations
 
 import base64
@@ -14,7 +15,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-
 from proxy_helpers import bearer, free_port, make_token, start_mock_inference_server, start_proxy
 from servers import wait_for
 from stub_upstream import StubUpstream
@@ -28,8 +28,9 @@ def servers():
     started = []
     try:
         with ThreadPoolExecutor(3) as pool:
-            for future in [pool.submit(start_mock_inference_server, TOKENS_PER_SECOND, *SERVER_FLAGS)
-                           for _ in range(3)]:
+            for future in [
+                pool.submit(start_mock_inference_server, TOKENS_PER_SECOND, *SERVER_FLAGS) for _ in range(3)
+            ]:
                 started.append(future.result())
         yield started
     finally:
@@ -63,8 +64,13 @@ def wait_idle(servers) -> None:
 
 def open_stream(proxy, model, max_tokens=2000, team="team-a") -> requests.Response:
     """A long streaming answer, held open after its first bytes arrived."""
-    response = requests.post(f"{proxy.url}/inference/{model}", json={"text": "spread", "max_tokens": max_tokens},
-                             headers=bearer(make_token(team_id=team)), stream=True, timeout=60)
+    response = requests.post(
+        f"{proxy.url}/inference/{model}",
+        json={"text": "spread", "max_tokens": max_tokens},
+        headers=bearer(make_token(team_id=team)),
+        stream=True,
+        timeout=60,
+    )
     assert response.status_code == 200, response.text
     assert response.raw.read(1)  # (an iter_content generator dropped here would close the stream)
     return response
@@ -102,8 +108,12 @@ def test_the_team_limit_counts_across_all_upstreams(servers, make_proxy, model):
     streams = [open_stream(limited, model), open_stream(limited, model)]
     try:
         assert sorted(open_sessions(s) for s in servers) == [0, 1, 1]  # on two different servers
-        refused = requests.post(f"{limited.url}/inference/{model}", json={"text": "x", "max_tokens": 5},
-                                headers=bearer(make_token()), timeout=30)
+        refused = requests.post(
+            f"{limited.url}/inference/{model}",
+            json={"text": "x", "max_tokens": 5},
+            headers=bearer(make_token()),
+            timeout=30,
+        )
         assert refused.status_code == 429
         other_team = open_stream(limited, model, team="team-b")
         other_team.close()
@@ -127,8 +137,13 @@ class Client:
 
     def _run(self) -> None:
         try:
-            with requests.post(self.url, json={"text": "kill", "max_tokens": self.max_tokens}, stream=True,
-                               headers=bearer(make_token()), timeout=120) as response:
+            with requests.post(
+                self.url,
+                json={"text": "kill", "max_tokens": self.max_tokens},
+                stream=True,
+                headers=bearer(make_token()),
+                timeout=120,
+            ) as response:
                 self.status = response.status_code
                 for piece in response.iter_content(chunk_size=None):
                     if self.first_byte is None:

@@ -1,6 +1,7 @@
 """Per-team limits shared by every replica through a real Redis (Debian's redis-server on loopback): concurrent
 requests counted by the proxies, generated tokens per minute counted by the servers, 429 with Retry-After in each
 API's shape, and what a Redis outage does (each replica counts alone; the service goes on)."""
+
 from __future__ import annotations
 
 import logging
@@ -126,17 +127,26 @@ def test_two_proxies_share_a_teams_limit_and_go_on_without_redis(stub, make_prox
     try:
         a, b = (make_proxy(stub.url, "--max-concurrent-per-team", "1", "--redis-url", redis.url) for _ in range(2))
         team = make_token({"team_id": f"team-{uuid.uuid4().hex[:8]}", "token_id": "t"})
-        held = requests.post(stream_url(a, f"shared-{uuid.uuid4().hex}", chunks=4, delay=0.5), headers=bearer(team),
-                             stream=True, timeout=30)
+        held = requests.post(
+            stream_url(a, f"shared-{uuid.uuid4().hex}", chunks=4, delay=0.5),
+            headers=bearer(team),
+            stream=True,
+            timeout=30,
+        )
         assert held.status_code == 200
         over = requests.post(b.url + "/echo", headers=bearer(team), timeout=10)  # the other replica knows
         assert over.status_code == 429 and over.headers["Retry-After"] == "1"
         assert "already has 1 requests in progress" in over.json()["message"]
-        assert requests.post(b.url + "/echo", headers=bearer(make_token({"team_id": "elsewhere", "token_id": "u"})),
-                             timeout=10).status_code == 200
+        assert (
+            requests.post(
+                b.url + "/echo", headers=bearer(make_token({"team_id": "elsewhere", "token_id": "u"})), timeout=10
+            ).status_code
+            == 200
+        )
         assert held.content == expected_body(4)
-        assert wait_for(lambda: requests.post(b.url + "/echo", headers=bearer(team), timeout=10).status_code == 200,
-                        10), "the lease was not given back when the stream ended"
+        assert wait_for(
+            lambda: requests.post(b.url + "/echo", headers=bearer(team), timeout=10).status_code == 200, 10
+        ), "the lease was not given back when the stream ended"
         redis.stop()
         for proxy in (a, b):  # Redis gone: every request still answered, counted by each proxy alone
             assert requests.post(proxy.url + "/echo", headers=bearer(team), timeout=10).status_code == 200
@@ -147,37 +157,64 @@ def test_two_proxies_share_a_teams_limit_and_go_on_without_redis(stub, make_prox
 
 @pytest.mark.timeout(180)
 def test_two_servers_share_a_teams_token_quota_with_429_in_each_apis_shape(redis_server):
-    servers = [start_mock_inference_server(500, "--tokens-per-minute-per-team", "20", "--redis-url",
-                                           redis_server.url) for _ in range(2)]
+    servers = [
+        start_mock_inference_server(500, "--tokens-per-minute-per-team", "20", "--redis-url", redis_server.url)
+        for _ in range(2)
+    ]
     try:
         model = requests.get(servers[0].url + "/health", timeout=10).json()["model"]
         team = {"X-Team-Id": f"team-{uuid.uuid4().hex[:8]}"}
-        first = requests.post(f"{servers[0].url}/v1/completions", headers=team, timeout=60,
-                              json={"model": model, "prompt": "a long enough prompt", "max_tokens": 24,
-                                    "ignore_eos": True})
+        first = requests.post(
+            f"{servers[0].url}/v1/completions",
+            headers=team,
+            timeout=60,
+            json={"model": model, "prompt": "a long enough prompt", "max_tokens": 24, "ignore_eos": True},
+        )
         assert first.status_code == 200 and first.json()["usage"]["completion_tokens"] > 20
         # the tokens are charged when the answer ends; the other server sees them through Redis
-        assert wait_for(lambda: requests.post(f"{servers[1].url}/v1/completions", headers=team, timeout=60,
-                                              json={"model": model, "prompt": "x", "max_tokens": 2}).status_code == 429,
-                        10)
-        openai_style = requests.post(f"{servers[1].url}/v1/completions", headers=team, timeout=60,
-                                     json={"model": model, "prompt": "x", "max_tokens": 2})
+        assert wait_for(
+            lambda: (
+                requests.post(
+                    f"{servers[1].url}/v1/completions",
+                    headers=team,
+                    timeout=60,
+                    json={"model": model, "prompt": "x", "max_tokens": 2},
+                ).status_code
+                == 429
+            ),
+            10,
+        )
+        openai_style = requests.post(
+            f"{servers[1].url}/v1/completions",
+            headers=team,
+            timeout=60,
+            json={"model": model, "prompt": "x", "max_tokens": 2},
+        )
         assert openai_style.status_code == 429 and 1 <= int(openai_style.headers["Retry-After"]) <= 120
         assert "quota of 20 tokens" in openai_style.json()["error"]["message"]
-        tgi_style = requests.post(f"{servers[1].url}/generate", headers=team, timeout=60,
-                                  json={"inputs": "x", "parameters": {"max_new_tokens": 2}})
+        tgi_style = requests.post(
+            f"{servers[1].url}/generate",
+            headers=team,
+            timeout=60,
+            json={"inputs": "x", "parameters": {"max_new_tokens": 2}},
+        )
         assert tgi_style.status_code == 429 and "quota" in tgi_style.json()["error"]
-        native = requests.post(f"{servers[0].url}/inference/{model}", headers=team, timeout=60,
-                               json={"text": "x", "max_tokens": 2})
+        native = requests.post(
+            f"{servers[0].url}/inference/{model}", headers=team, timeout=60, json={"text": "x", "max_tokens": 2}
+        )
         assert native.status_code == 429 and "Retry-After" in native.headers
-        other_team = requests.post(f"{servers[1].url}/v1/completions", headers={"X-Team-Id": "someone-else"},
-                                   timeout=60, json={"model": model, "prompt": "x", "max_tokens": 2})
-        no_team = requests.post(f"{servers[1].url}/v1/completions", timeout=60,
-                                json={"model": model, "prompt": "x", "max_tokens": 2})
+        other_team = requests.post(
+            f"{servers[1].url}/v1/completions",
+            headers={"X-Team-Id": "someone-else"},
+            timeout=60,
+            json={"model": model, "prompt": "x", "max_tokens": 2},
+        )
+        no_team = requests.post(
+            f"{servers[1].url}/v1/completions", timeout=60, json={"model": model, "prompt": "x", "max_tokens": 2}
+        )
         assert other_team.status_code == 200 and no_team.status_code == 200  # only proxied teams are counted
         metrics = requests.get(servers[1].url + "/metrics", timeout=10).text
         assert "inference_quota_redis_fallbacks 0.0" in metrics
     finally:
         for server in servers:
             server.stop()
-

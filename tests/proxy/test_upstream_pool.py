@@ -1,4 +1,5 @@
 """UpstreamPool in-process: least-open choice, cooldowns, DNS names with several addresses (fake clock, resolver)."""
+
 from __future__ import annotations
 
 import socket
@@ -29,8 +30,13 @@ class Resolver:
 
 
 def pool(urls, clock=None, resolver=None, cooldown=5.0, resolve_interval=10.0) -> UpstreamPool:
-    return UpstreamPool(urls, cooldown=cooldown, resolve_interval=resolve_interval,
-                        resolver=resolver or Resolver({}), clock=clock or Clock())
+    return UpstreamPool(
+        urls,
+        cooldown=cooldown,
+        resolve_interval=resolve_interval,
+        resolver=resolver or Resolver({}),
+        clock=clock or Clock(),
+    )
 
 
 def test_each_pick_goes_to_the_upstream_with_fewest_open_requests():
@@ -106,8 +112,10 @@ def test_a_host_name_gives_one_upstream_per_address_and_follows_the_dns():
     clock = Clock()
     dns = Resolver({"inference": ["10.1.0.1", "10.1.0.2"]})
     p = pool(["http://inference:8000/api"], clock=clock, resolver=dns, resolve_interval=10)
-    assert [(b.url, b.host) for b in p.backends()] == [("http://10.1.0.1:8000/api", "inference:8000"),
-                                                     ("http://10.1.0.2:8000/api", "inference:8000")]
+    assert [(b.url, b.host) for b in p.backends()] == [
+        ("http://10.1.0.1:8000/api", "inference:8000"),
+        ("http://10.1.0.2:8000/api", "inference:8000"),
+    ]
     kept = p.pick(set())
     dns.table["inference"] = [kept.url.split("//")[1].split(":")[0], "10.1.0.3"]
     clock.now += 5
@@ -135,8 +143,13 @@ def test_a_failed_look_up_keeps_the_known_addresses_and_is_retried_soon():
 
 def test_dual_stack_names_count_each_server_once_and_literals_are_never_looked_up():
     dns = Resolver({"localhost": ["127.0.0.1", "::1"], "v6only": ["fd00::1"]})
-    p = pool(["http://localhost:8000", "http://v6only:8000", "http://[fd00::2]:8000", "https://tls-name:443"],
-             resolver=dns)
-    assert [b.url for b in p.backends()] == ["http://127.0.0.1:8000", "http://[fd00::1]:8000", "http://[fd00::2]:8000",
-                                             "https://tls-name:443"]
+    p = pool(
+        ["http://localhost:8000", "http://v6only:8000", "http://[fd00::2]:8000", "https://tls-name:443"], resolver=dns
+    )
+    assert [b.url for b in p.backends()] == [
+        "http://127.0.0.1:8000",
+        "http://[fd00::1]:8000",
+        "http://[fd00::2]:8000",
+        "https://tls-name:443",
+    ]
     assert dns.calls == 2

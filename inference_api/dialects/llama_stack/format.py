@@ -6,10 +6,11 @@ event whose delta is ``{content: ToolCall, parse_status: "success"}``, and the s
 ``end_of_message`` (as Llama's ``<|eom_id|>`` after a call). A call that does not parse (a forced call cut off by
 max_tokens) is text, as llama-stack's own server gives it: the answer's content, and in a stream one event
 ``{content: its text, parse_status: "failure"}``; the stop reason says ``out_of_tokens``."""
+
 from __future__ import annotations
 
 import json
-from typing import Iterator
+from collections.abc import Iterator
 
 from ...generation import Generation, is_error
 from ...messages import FinishReason, TokenEvent, TokenLogprob
@@ -37,9 +38,15 @@ def answer(gen: Generation, chat: bool, want_logprobs: bool, tools: Tools | None
     reason = STOP_REASON.get(gen.finish_reason, "out_of_tokens")
     if chat:
         content, calls = split_calls(gen.text, tools.names) if tools is not None else (gen.text, [])
-        return {"completion_message": {"role": "assistant", "content": content or "",
-                                       "stop_reason": _called(reason) if calls else reason,
-                                       "tool_calls": [_tool_call(c) for c in calls]}, "logprobs": lps}
+        return {
+            "completion_message": {
+                "role": "assistant",
+                "content": content or "",
+                "stop_reason": _called(reason) if calls else reason,
+                "tool_calls": [_tool_call(c) for c in calls],
+            },
+            "logprobs": lps,
+        }
     return {"content": gen.text, "stop_reason": reason, "logprobs": lps}
 
 
@@ -48,8 +55,7 @@ def ndjson(obj: dict) -> bytes:
     return (json.dumps(obj, separators=(",", ":")) + "\n").encode()
 
 
-def stream(events: Iterator[TokenEvent], chat: bool, want_logprobs: bool,
-           tools: Tools | None = None) -> Iterator[dict]:
+def stream(events: Iterator[TokenEvent], chat: bool, want_logprobs: bool, tools: Tools | None = None) -> Iterator[dict]:
     """The stream's chunks, each to be framed (``sse`` or ``ndjson``)."""
     splitter = CallSplitter(tools.names) if tools is not None else None
 

@@ -2,28 +2,49 @@
 shapes: ``routes``). The model check is the caller's (``check_model``), made once the body's field names are
 known good and before their values are checked.
 """
+
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from ...grammar import llama_stack_format, one_of
 from ...messages import SamplingParams
 from ...request_errors import RequestError
 from ...tools import Tools, assistant_calls, parse_tools
-from ...validation import boolean, number, only_default, reject_unknown, string
+from ...validation import boolean, number, reject_unknown, string
 
 STRATEGIES = ("greedy", "top_p", "top_k")
 SAMPLING_FIELDS = {"strategy", "temperature", "top_p", "top_k", "max_tokens", "repetition_penalty"}
 COMPLETION_FIELDS = {"model", "content", "sampling_params", "stream", "logprobs", "response_format"}
-CHAT_FIELDS = {"model", "messages", "sampling_params", "stream", "logprobs", "response_format", "tools",
-               "tool_choice", "tool_prompt_format"}
+CHAT_FIELDS = {
+    "model",
+    "messages",
+    "sampling_params",
+    "stream",
+    "logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "tool_prompt_format",
+}
 MESSAGE_FIELDS = {"role", "content", "context", "stop_reason", "tool_calls", "call_id", "tool_name"}
 # ToolParamDefinition.param_type (Python's names, as Llama's tool prompts write them, or JSON schema's) -> JSON type
-PARAM_TYPES = {"str": "string", "string": "string", "int": "integer", "integer": "integer", "float": "number",
-               "number": "number", "bool": "boolean", "boolean": "boolean", "list": "array", "array": "array",
-               "dict": "object", "object": "object"}
+PARAM_TYPES = {
+    "str": "string",
+    "string": "string",
+    "int": "integer",
+    "integer": "integer",
+    "float": "number",
+    "number": "number",
+    "bool": "boolean",
+    "boolean": "boolean",
+    "list": "array",
+    "array": "array",
+    "dict": "object",
+    "object": "object",
+}
 
 
 @dataclass(frozen=True)
@@ -53,17 +74,22 @@ def _sampling(body: dict) -> tuple[SamplingParams, int | None]:
     reject_unknown(sp, SAMPLING_FIELDS)
     strategy = sp.get("strategy", "greedy")
     if strategy not in STRATEGIES:
-        raise RequestError(f"sampling_params.strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}",
-                           "sampling_params.strategy")
+        raise RequestError(
+            f"sampling_params.strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}",
+            "sampling_params.strategy",
+        )
     temperature = number(sp, "temperature", 0.0, 0, 100)
     top_p = number(sp, "top_p", 0.95, 0, 1)
     top_k = number(sp, "top_k", 0, 0, 1_000_000, integer=True)
     max_tokens = number(sp, "max_tokens", 0, 0, 1 << 31, integer=True)
     repetition = number(sp, "repetition_penalty", 1.0, 0, 10, lo_open=True)
     greedy = strategy == "greedy" or temperature == 0 or (strategy == "top_p" and top_p == 0)
-    params = SamplingParams(temperature=0.0 if greedy else temperature,
-                            top_p=top_p if strategy == "top_p" else 1.0,
-                            top_k=top_k if strategy == "top_k" else 0, repetition_penalty=repetition)
+    params = SamplingParams(
+        temperature=0.0 if greedy else temperature,
+        top_p=top_p if strategy == "top_p" else 1.0,
+        top_k=top_k if strategy == "top_k" else 0,
+        repetition_penalty=repetition,
+    )
     return params, max_tokens or None  # 0 (the default): as many as fit, at most prepare's DEFAULT_MAX_TOKENS
 
 
@@ -72,7 +98,7 @@ def _logprobs(body: dict) -> int | None:
     if lp is None:
         return None
     if not isinstance(lp, dict):
-        raise RequestError("logprobs must be an object {\"top_k\": int}", "logprobs")
+        raise RequestError('logprobs must be an object {"top_k": int}', "logprobs")
     reject_unknown(lp, {"top_k"})
     return number(lp, "top_k", 0, 0, 20, integer=True)
 
@@ -116,8 +142,13 @@ def parse_chat(body: dict, check_model: Callable[[str], None]) -> LlamaStackRequ
         if msg["role"] == "ipython":  # ToolResponseMessage: a tool's result
             out.append({"role": "tool", "content": text, "tool_call_id": str(msg.get("call_id") or "")})
         elif msg.get("tool_calls") and msg["role"] == "assistant":  # CompletionMessage with its ToolCalls
-            out.append({"role": "assistant", "content": text, "tool_calls": assistant_calls(
-                [_openai_call(c) for c in msg["tool_calls"]], f"{where}.tool_calls")})
+            out.append(
+                {
+                    "role": "assistant",
+                    "content": text,
+                    "tool_calls": assistant_calls([_openai_call(c) for c in msg["tool_calls"]], f"{where}.tool_calls"),
+                }
+            )
         elif msg.get("tool_calls"):
             raise RequestError(f"{where}.tool_calls are only an assistant's", f"{where}.tool_calls")
         else:
@@ -134,8 +165,11 @@ def _openai_call(call) -> dict:
     """A ToolCall ``{call_id, tool_name, arguments}`` in OpenAI's shape (``tools.assistant_calls`` reads it)."""
     if not isinstance(call, dict):
         return {}
-    return {"id": call.get("call_id"), "type": "function",
-            "function": {"name": call.get("tool_name"), "arguments": call.get("arguments", {})}}
+    return {
+        "id": call.get("call_id"),
+        "type": "function",
+        "function": {"name": call.get("tool_name"), "arguments": call.get("arguments", {})},
+    }
 
 
 def _tools(tools, tool_choice) -> Tools | None:
@@ -161,13 +195,25 @@ def _tools(tools, tool_choice) -> Tools | None:
             if not isinstance(spec, dict) or not isinstance(spec.get("param_type"), str):
                 raise RequestError(f"{at} must be {{param_type, description?, required?}}", at)
             kind = PARAM_TYPES.get(spec["param_type"].lower())
-            properties[name] = {**({"type": kind} if kind else {}),
-                                **({"description": spec["description"]} if isinstance(spec.get("description"), str)
-                                   else {})}
+            properties[name] = {
+                **({"type": kind} if kind else {}),
+                **({"description": spec["description"]} if isinstance(spec.get("description"), str) else {}),
+            }
             if spec.get("required", True):
                 required.append(name)
-        functions.append({"type": "function", "function": {
-            "name": tool["tool_name"], **({"description": tool["description"]} if tool.get("description") else {}),
-            "parameters": {"type": "object", "properties": properties, "required": required,
-                           "additionalProperties": False}}})
+        functions.append(
+            {
+                "type": "function",
+                "function": {
+                    "name": tool["tool_name"],
+                    **({"description": tool["description"]} if tool.get("description") else {}),
+                    "parameters": {
+                        "type": "object",
+                        "properties": properties,
+                        "required": required,
+                        "additionalProperties": False,
+                    },
+                },
+            }
+        )
     return parse_tools(functions, tool_choice or "auto", None)

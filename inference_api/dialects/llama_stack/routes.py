@@ -11,6 +11,7 @@ Streams are server-sent events when the client accepts ``text/event-stream`` (ll
 otherwise one JSON object per line (what the boilerplate sent, for ``requests``' ``iter_lines()``).
 Errors are ``{"detail": message}``, FastAPI's shape.
 """
+
 from __future__ import annotations
 
 from flask import Blueprint, jsonify, request

@@ -1,16 +1,21 @@
 """Native answers: ``{"text", "finish_reason", "prompt_tokens", "completion_tokens"}``, or the text itself, chunk
 by chunk, with no end marker."""
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from ...generation import Generation, is_error
 from ...messages import TokenEvent
 
 
 def answer(prefix: str, gen: Generation, prompt_tokens: int) -> dict:
-    return {"text": prefix + gen.text, "finish_reason": gen.finish_reason.value if gen.finish_reason else None,
-            "prompt_tokens": prompt_tokens, "completion_tokens": gen.completion_tokens}
+    return {
+        "text": prefix + gen.text,
+        "finish_reason": gen.finish_reason.value if gen.finish_reason else None,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": gen.completion_tokens,
+    }
 
 
 def text_stream(prefix: str, events: Iterator[TokenEvent]) -> Iterator[bytes]:

@@ -1,4 +1,5 @@
 """Native request parsing: the ``{"text", ...}`` body of /inference/<model> and /predictions/<model>."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,9 +9,25 @@ from ...grammar import native_grammar
 from ...messages import SamplingParams
 from ...validation import SEED_RANGE, boolean, number, penalties, reject_unknown, stop_list, string
 
-NATIVE_FIELDS = {"text", "temperature", "top_k", "top_p", "max_tokens", "stop_sequence", "return_prompt", "seed",
-                 "stream", "session_id", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                 "json_schema", "regex", "choice", "grammar"}
+NATIVE_FIELDS = {
+    "text",
+    "temperature",
+    "top_k",
+    "top_p",
+    "max_tokens",
+    "stop_sequence",
+    "return_prompt",
+    "seed",
+    "stream",
+    "session_id",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "json_schema",
+    "regex",
+    "choice",
+    "grammar",
+}
 
 
 @dataclass(frozen=True)
@@ -33,6 +50,9 @@ def parse_native(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> Nati
         grammar=native_grammar(body),
         **penalties(body),
     )
-    return NativeRequest(text=string(body, "text", required=True), params=params,
-                         return_prompt=boolean(body, "return_prompt", False), stream=boolean(body, "stream", True))
-
+    return NativeRequest(
+        text=string(body, "text", required=True),
+        params=params,
+        return_prompt=boolean(body, "return_prompt", False),
+        stream=boolean(body, "stream", True),
+    )

@@ -2,6 +2,7 @@
 
 Model names may contain ``/`` (hub ids such as ``org/name``): the routes take the rest of the path.
 """
+
 from __future__ import annotations
 
 from flask import Blueprint, Response, jsonify, request
@@ -32,7 +33,9 @@ def native_blueprint(serving: Serving) -> Blueprint:
     def generate(model_name: str, chat: bool):
         serving.check_model(model_name)
         req = parse_native(json_body(request), config.max_stop_sequences)
-        prompt = Prompt(messages=[{"role": "user", "content": req.text}], field="text") if chat else Prompt(text=req.text)
+        prompt = (
+            Prompt(messages=[{"role": "user", "content": req.text}], field="text") if chat else Prompt(text=req.text)
+        )
         run = serving.start(prompt, req.params, req.params.max_tokens, req.params.max_tokens)
         prefix = req.text if req.return_prompt else ""
         if not req.stream:
@@ -54,22 +57,34 @@ def health_blueprint(serving: Serving) -> Blueprint:
         ready = client.ready
         state = "draining" if serving.draining else client.state
         estimate = serving.preflight
-        body = {"status": state, "model": ready.model_name if ready else None,
-                "rows_in_use": client.stats.rows_in_use, "rows_total": config.rows,
-                "queue_length": client.stats.waiting, "open_sessions": client.open_sessions,
-                "mock": config.mock, "model_dir": ready.model_dir if ready else None,
-                "device": ready.device if ready else None, "dtype": ready.dtype if ready else None,
-                "context_length": ready.context_length if ready else None,
-                "quantize": ready.quantize if ready else None, "kv_dtype": ready.kv_dtype if ready else None,
-                "matmul_dtype": ready.matmul_dtype if ready else None,
-                "int8_inputs": ready.int8_inputs if ready else None,
-                "kernels": ready.kernels if ready else None,
-                "backend_pid": client.process.pid if client.process else None,
-                "tensor_parallel_size": config.tensor_parallel_size,
-                "ranks": [{"rank": i, "pid": pid, "alive": alive} for i, (pid, alive) in
-                          enumerate(zip((client.process.pid, *ready.rank_pids), client.ranks_alive()))] if ready else [],
-                "engine_restarts": client.restart_count,
-                "memory": estimate.as_dict() if estimate else None}
+        body = {
+            "status": state,
+            "model": ready.model_name if ready else None,
+            "rows_in_use": client.stats.rows_in_use,
+            "rows_total": config.rows,
+            "queue_length": client.stats.waiting,
+            "open_sessions": client.open_sessions,
+            "mock": config.mock,
+            "model_dir": ready.model_dir if ready else None,
+            "device": ready.device if ready else None,
+            "dtype": ready.dtype if ready else None,
+            "context_length": ready.context_length if ready else None,
+            "quantize": ready.quantize if ready else None,
+            "kv_dtype": ready.kv_dtype if ready else None,
+            "matmul_dtype": ready.matmul_dtype if ready else None,
+            "int8_inputs": ready.int8_inputs if ready else None,
+            "kernels": ready.kernels if ready else None,
+            "backend_pid": client.process.pid if client.process else None,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "ranks": [
+                {"rank": i, "pid": pid, "alive": alive}
+                for i, (pid, alive) in enumerate(zip((client.process.pid, *ready.rank_pids), client.ranks_alive()))
+            ]
+            if ready
+            else [],
+            "engine_restarts": client.restart_count,
+            "memory": estimate.as_dict() if estimate else None,
+        }
         if client.failure is not None:
             body["message"] = client.failure
         response = jsonify(body)

@@ -1,4 +1,5 @@
 """OpenAI response objects, field for field: completions, chat completions, their stream chunks, usage."""
+
 from __future__ import annotations
 
 import copy
@@ -6,7 +7,7 @@ import hashlib
 import itertools
 import time
 import uuid
-from typing import Iterator
+from collections.abc import Iterator
 
 from ...error_shapes import OPENAI, error_body
 from ...generation import Generation
@@ -24,9 +25,12 @@ def fingerprint(ready: EngineReady) -> str:
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache held (not computed again)."""
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def visible(logprobs, finish_reason: FinishReason | None) -> tuple[TokenLogprob, ...]:
@@ -47,8 +51,14 @@ class _Format:
         self.want_logprobs = want_logprobs
 
     def envelope(self, obj: str, choices: list) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
-                "system_fingerprint": self.fingerprint, "choices": choices}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": self.fingerprint,
+            "choices": choices,
+        }
 
     def response(self, gen: Generation, prompt_tokens: int) -> dict:
         lps = self.logprobs(visible(gen.logprobs, gen.finish_reason)) if self.want_logprobs else None
@@ -59,7 +69,7 @@ class _Format:
     def opening(self) -> list[dict]:
         return []
 
-    def for_choices(self, n: int) -> list["_Format"]:
+    def for_choices(self, n: int) -> list[_Format]:
         """A formatter per choice of a request with n choices (each keeps its own stream state: text offsets,
         held text), copied before any was used; choice 0's is this one."""
         return [self] + [copy.deepcopy(self) for _ in range(1, n)]
@@ -95,8 +105,9 @@ class CompletionFormat(_Format):
         self.top = 0  # echo with logprobs: the top N of the request's logprobs
         self.vllm_top: int | None = None  # vLLM's prompt_logprobs: each choice's prompt_logprobs with the top N
 
-    def scoring(self, echo: str | None, first_token: str, prompt_logprobs, top: int | None,
-                vllm_top: int | None) -> None:
+    def scoring(
+        self, echo: str | None, first_token: str, prompt_logprobs, top: int | None, vllm_top: int | None
+    ) -> None:
         """What echo and the prompt's log-probs show: the prompt's text (None: no echo), its first token's text,
         the engine's log-probs, the request's logprobs and prompt_logprobs."""
         self.echo, self.first_token, self.prompt_logprobs = echo, first_token, prompt_logprobs
@@ -110,8 +121,12 @@ class CompletionFormat(_Format):
         rest = self.prompt_logprobs[1:]
         tokens = [self.first_token] + [lp.token for lp in rest]
         offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])]
-        return {"tokens": tokens, "token_logprobs": [None] + [lp.logprob for lp in rest],
-                "top_logprobs": [None] + [dict(lp.top[:self.top]) for lp in rest], "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [None] + [lp.logprob for lp in rest],
+            "top_logprobs": [None] + [dict(lp.top[: self.top]) for lp in rest],
+            "text_offset": offsets,
+        }
 
     def _vllm_prompt_logprobs(self) -> list | None:
         """vLLM's prompt_logprobs: None for the first token, then per token {id: {logprob, rank, decoded_token}}
@@ -120,8 +135,10 @@ class CompletionFormat(_Format):
             return None
         out = [None]
         for lp in self.prompt_logprobs[1:]:
-            entry = {str(i): {"logprob": v, "rank": k + 1, "decoded_token": t}
-                     for k, (i, (t, v)) in enumerate(zip(lp.top_ids[:self.vllm_top], lp.top[:self.vllm_top]))}
+            entry = {
+                str(i): {"logprob": v, "rank": k + 1, "decoded_token": t}
+                for k, (i, (t, v)) in enumerate(zip(lp.top_ids[: self.vllm_top], lp.top[: self.vllm_top]))
+            }
             entry[str(lp.token_id)] = {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.token}
             out.append(entry)
         return out
@@ -157,31 +174,51 @@ class CompletionFormat(_Format):
         for lp in lps:
             offsets.append(self.offset)
             self.offset += len(lp.token)
-        return {"tokens": [lp.token for lp in lps], "token_logprobs": [lp.logprob for lp in lps],
-                "top_logprobs": [dict(lp.top) for lp in lps], "text_offset": offsets}
+        return {
+            "tokens": [lp.token for lp in lps],
+            "token_logprobs": [lp.logprob for lp in lps],
+            "top_logprobs": [dict(lp.top) for lp in lps],
+            "text_offset": offsets,
+        }
 
 
 class ChatFormat(_Format):
     prefix, object_name, chunk_object = "chatcmpl-", "chat.completion", "chat.completion.chunk"
 
     def choice(self, text: str, logprobs, finish: str | None) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text, "refusal": None},
-                "logprobs": logprobs, "finish_reason": finish}
+        return {
+            "index": 0,
+            "message": {"role": "assistant", "content": text, "refusal": None},
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
 
     def opening(self) -> list[dict]:
-        return [self.envelope(self.chunk_object, [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                   "logprobs": None, "finish_reason": None}])]
+        return [
+            self.envelope(
+                self.chunk_object,
+                [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}],
+            )
+        ]
 
     def chunk_choice(self, text: str, logprobs, finish: str | None) -> dict:
-        return {"index": 0, "delta": {"content": text} if finish is None else {}, "logprobs": logprobs,
-                "finish_reason": finish}
+        return {
+            "index": 0,
+            "delta": {"content": text} if finish is None else {},
+            "logprobs": logprobs,
+            "finish_reason": finish,
+        }
 
     def logprobs(self, lps: tuple[TokenLogprob, ...]) -> dict:
         def entry(token: str, logprob: float) -> dict:
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-        return {"content": [{**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]}
-                            for lp in lps], "refusal": None}
+        return {
+            "content": [
+                {**entry(lp.token, lp.logprob), "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps
+            ],
+            "refusal": None,
+        }
 
 
 def response_body(fmt: _Format, gens: list[Generation], prompt_tokens: int) -> dict:
@@ -195,8 +232,14 @@ def response_body(fmt: _Format, gens: list[Generation], prompt_tokens: int) -> d
     return body
 
 
-def stream_chunks(fmt: _Format, events: Iterator[TokenEvent], prompt_tokens: int,
-                  include_usage: bool, continuous_usage: bool = False, n: int = 1) -> Iterator[bytes]:
+def stream_chunks(
+    fmt: _Format,
+    events: Iterator[TokenEvent],
+    prompt_tokens: int,
+    include_usage: bool,
+    continuous_usage: bool = False,
+    n: int = 1,
+) -> Iterator[bytes]:
     """The SSE body: opening chunks, one chunk per event with text, the finish chunk, usage, [DONE].
 
     ``include_usage``: every chunk carries ``usage: null`` and a last chunk the usage; ``continuous_usage``
@@ -243,6 +286,8 @@ def stream_chunks(fmt: _Format, events: Iterator[TokenEvent], prompt_tokens: int
             for chunk in fmt.chunks("", lps, FINISH[event.finish_reason]):
                 yield send(chunk, i)
     if include_usage:
-        yield sse(fmt.envelope(fmt.chunk_object, [])
-                  | {"usage": usage(prompt_tokens, sum(choice_tokens.values()), cached_tokens)})
+        yield sse(
+            fmt.envelope(fmt.chunk_object, [])
+            | {"usage": usage(prompt_tokens, sum(choice_tokens.values()), cached_tokens)}
+        )
     yield sse("[DONE]")

@@ -5,36 +5,96 @@ accepted only at a value that changes nothing (``only_default``); anything else 
 The offline ``SamplingParams`` are the completions API's sampling fields (``completion_sampling``), and its
 prompts are parsed as that API's (``parse_prompt``, ``parse_messages``).
 """
+
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
 from ...config import DEFAULT_MAX_STOP_SEQUENCES, MAX_CHOICES
+from ...grammar import GUIDED_FIELDS, one_of, response_format, vllm_guided
 from ...messages import SamplingParams
 from ...request_errors import RequestError
-from ...grammar import GUIDED_FIELDS, one_of, response_format, vllm_guided
 from ...tools import Tools, assistant_calls, parse_tools
-from ...validation import (SEED_RANGE, boolean, number, only_default, penalties, reject_unknown, stop_list,
-                           string, token_ids)
+from ...validation import (
+    SEED_RANGE,
+    boolean,
+    number,
+    only_default,
+    penalties,
+    reject_unknown,
+    stop_list,
+    string,
+    token_ids,
+)
 
 # sent by clients, harmless to ignore: they do not change what the model generates
-_IGNORED = {"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
-            "prompt_cache_retention", "parallel_tool_calls"}
+_IGNORED = {
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_retention",
+    "parallel_tool_calls",
+}
 # vLLM's sampling extras, which tools built for vLLM send (GuideLLM, h2oGPT's vLLM mode)
 MAX_STOP_TOKEN_IDS = 1024  # each is checked against every token of the request
-VLLM_EXTRAS = {"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-               "skip_special_tokens", "spaces_between_special_tokens", "include_stop_str_in_output"}
+VLLM_EXTRAS = {
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "min_tokens",
+    "ignore_eos",
+    "stop_token_ids",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+}
 # what parse_sampling reads
-SAMPLING_FIELDS = {"max_tokens", "temperature", "top_p", "stop", "seed", "n", "presence_penalty", "frequency_penalty",
-                   "logit_bias", "response_format"} | VLLM_EXTRAS | set(GUIDED_FIELDS) | {"structured_outputs"}
+SAMPLING_FIELDS = (
+    {
+        "max_tokens",
+        "temperature",
+        "top_p",
+        "stop",
+        "seed",
+        "n",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "response_format",
+    }
+    | VLLM_EXTRAS
+    | set(GUIDED_FIELDS)
+    | {"structured_outputs"}
+)
 COMPLETION_SAMPLING_FIELDS = frozenset(SAMPLING_FIELDS | {"logprobs", "best_of"})  # what completion_sampling reads
 _COMMON = SAMPLING_FIELDS | {"model", "stream", "stream_options", "logprobs"}
 COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "best_of", "suffix", "prompt_logprobs"}
-CHAT_FIELDS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "top_logprobs",
-                                    "tools", "tool_choice", "tool_prompt", "functions", "function_call", "modalities",
-                                    "audio", "prediction", "reasoning_effort", "verbosity", "web_search_options",
-                                    "moderation", "prompt_cache_options"}
+CHAT_FIELDS = (
+    _COMMON
+    | _IGNORED
+    | {
+        "messages",
+        "max_completion_tokens",
+        "top_logprobs",
+        "tools",
+        "tool_choice",
+        "tool_prompt",
+        "functions",
+        "function_call",
+        "modalities",
+        "audio",
+        "prediction",
+        "reasoning_effort",
+        "verbosity",
+        "web_search_options",
+        "moderation",
+        "prompt_cache_options",
+    }
+)
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 _MESSAGE_FIELDS = {"role", "content", "name", "refusal", "tool_calls", "tool_call_id", "function_call", "audio"}
 
@@ -66,12 +126,21 @@ def parse_completion(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_ST
     wanted = [n for n in (params.logprobs if echo else None, vllm_prompt) if n is not None]
     if wanted:  # the prompt's tokens get log-probs, computed in its prefill
         params = dataclasses.replace(params, prompt_logprobs=max(wanted))
-    return _request(body, params, max_tokens, "max_tokens", prompt=prompt, prompt_ids=prompt_ids, echo=echo,
-                    prompt_logprobs=vllm_prompt)
+    return _request(
+        body,
+        params,
+        max_tokens,
+        "max_tokens",
+        prompt=prompt,
+        prompt_ids=prompt_ids,
+        echo=echo,
+        prompt_logprobs=vllm_prompt,
+    )
 
 
-def completion_sampling(body: dict, vocab_size: int,
-                        max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> tuple[SamplingParams, int | None]:
+def completion_sampling(
+    body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES
+) -> tuple[SamplingParams, int | None]:
     """The sampling fields of a /v1/completions body (``COMPLETION_SAMPLING_FIELDS``): (parameters, max_tokens)."""
     only_default(body, "best_of", 1)
     logprobs = number(body, "logprobs", None, 0, 5, integer=True)
@@ -82,11 +151,20 @@ def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQ
     reject_unknown(body, CHAT_FIELDS)
     for name, neutral in (("functions", []), ("function_call", "none")):
         if body.get(name) is not None and body[name] != neutral:  # a clear pointer, not a silently ignored field
-            raise RequestError(f"{name} is OpenAI's deprecated form of tools; send tools and tool_choice (answers "
-                               "carry tool_calls)", name)
+            raise RequestError(
+                f"{name} is OpenAI's deprecated form of tools; send tools and tool_choice (answers carry tool_calls)",
+                name,
+            )
     only_default(body, "modalities", ["text"])
-    for name in ("audio", "prediction", "reasoning_effort", "verbosity", "web_search_options", "moderation",
-                 "prompt_cache_options"):
+    for name in (
+        "audio",
+        "prediction",
+        "reasoning_effort",
+        "verbosity",
+        "web_search_options",
+        "moderation",
+        "prompt_cache_options",
+    ):
         only_default(body, name)
     messages = parse_messages(body.get("messages"))
     top = number(body, "top_logprobs", None, 0, 20, integer=True)
@@ -106,13 +184,21 @@ def _request(body: dict, params: SamplingParams, max_tokens: int | None, max_fie
     model = string(body, "model", required=True)
     stream = boolean(body, "stream", False)
     include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
-    return OpenAIRequest(model=model, params=params, max_tokens=max_tokens, max_tokens_field=max_field,
-                         stream=stream, include_usage=include_usage or continuous_usage,
-                         continuous_usage=continuous_usage, **prompt)
+    return OpenAIRequest(
+        model=model,
+        params=params,
+        max_tokens=max_tokens,
+        max_tokens_field=max_field,
+        stream=stream,
+        include_usage=include_usage or continuous_usage,
+        continuous_usage=continuous_usage,
+        **prompt,
+    )
 
 
-def parse_sampling(body: dict, logprobs: int | None, max_field: str, vocab_size: int,
-                   max_stop: int) -> tuple[SamplingParams, int | None]:
+def parse_sampling(
+    body: dict, logprobs: int | None, max_field: str, vocab_size: int, max_stop: int
+) -> tuple[SamplingParams, int | None]:
     """The sampling fields both endpoints share (``SAMPLING_FIELDS``, ``logprobs`` parsed by the endpoint):
     (parameters, max_tokens from ``max_field``, None when absent)."""
     logit_bias = body.get("logit_bias")
@@ -140,8 +226,7 @@ def parse_sampling(body: dict, logprobs: int | None, max_field: str, vocab_size:
     )
     max_tokens = number(body, max_field, None, 1, 1 << 31, integer=True)
     if max_tokens is not None and params.min_tokens > max_tokens:
-        raise RequestError(f"min_tokens ({params.min_tokens}) must not exceed {max_field} ({max_tokens})",
-                           "min_tokens")
+        raise RequestError(f"min_tokens ({params.min_tokens}) must not exceed {max_field} ({max_tokens})", "min_tokens")
     return params, max_tokens
 
 
@@ -172,10 +257,10 @@ def parse_prompt(prompt, vocab_size: int) -> tuple[str | None, tuple[int, ...] |
             raise RequestError(f"prompt token ids must be in [0, {vocab_size})", "prompt")
         return None, tuple(prompt)
     if isinstance(prompt, list) and len(prompt) > 1:
-        raise RequestError("batched prompts are not supported: send one prompt (a string or a list of token ids) "
-                           "per request", "prompt")
-    raise RequestError("prompt is required: a non-empty string, a list of one string, or a list of token ids",
-                       "prompt")
+        raise RequestError(
+            "batched prompts are not supported: send one prompt (a string or a list of token ids) per request", "prompt"
+        )
+    raise RequestError("prompt is required: a non-empty string, a list of one string, or a list of token ids", "prompt")
 
 
 def parse_messages(messages) -> tuple[dict, ...]:
@@ -191,9 +276,11 @@ def parse_messages(messages) -> tuple[dict, ...]:
             raise RequestError(f"{where} must be an object with role and content", where)
         role = msg.get("role")
         if role not in ROLES:
-            raise RequestError(f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}"
-                               + (" (send tool results with role tool)" if role == "function" else ""),
-                               f"{where}.role")
+            raise RequestError(
+                f"{where}.role must be one of {', '.join(sorted(ROLES))}, got {role!r}"
+                + (" (send tool results with role tool)" if role == "function" else ""),
+                f"{where}.role",
+            )
         unknown = sorted(set(msg) - _MESSAGE_FIELDS)
         if unknown:
             raise RequestError(f"{where}: unknown field {unknown[0]!r}", f"{where}.{unknown[0]}")
@@ -202,12 +289,18 @@ def parse_messages(messages) -> tuple[dict, ...]:
                 raise RequestError(f"{where}.{name} is not supported by this server", f"{where}.{name}")
         string(msg, "name")  # accepted, not shown to the model
         if msg.get("tool_calls"):
-            out.append({"role": "assistant", "content": "" if msg.get("content") is None
-                        else _content(msg["content"], f"{where}.content"),
-                        "tool_calls": assistant_calls(msg["tool_calls"], f"{where}.tool_calls")})
+            out.append(
+                {
+                    "role": "assistant",
+                    "content": "" if msg.get("content") is None else _content(msg["content"], f"{where}.content"),
+                    "tool_calls": assistant_calls(msg["tool_calls"], f"{where}.tool_calls"),
+                }
+            )
             continue
-        entry = {"role": "system" if role == "developer" else role,
-                 "content": _content(msg.get("content"), f"{where}.content")}
+        entry = {
+            "role": "system" if role == "developer" else role,
+            "content": _content(msg.get("content"), f"{where}.content"),
+        }
         if role == "tool":
             entry["tool_call_id"] = string(msg, "tool_call_id", default="")
         out.append(entry)
@@ -222,9 +315,11 @@ def _content(content, where: str) -> str:
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
                 kind = part.get("type") if isinstance(part, dict) else None
-                raise RequestError(f"{where}[{j}] must be {{\"type\": \"text\", \"text\": string}}"
-                                   + (f"; {kind!r} parts are not supported" if kind and kind != "text" else ""),
-                                   f"{where}[{j}]")
+                raise RequestError(
+                    f'{where}[{j}] must be {{"type": "text", "text": string}}'
+                    + (f"; {kind!r} parts are not supported" if kind and kind != "text" else ""),
+                    f"{where}[{j}]",
+                )
             texts.append(part["text"])
         return "\n".join(texts)
     raise RequestError(f"{where} must be a string or a non-empty list of text parts", where)
@@ -239,8 +334,18 @@ class TokenizeRequest:
     tools: tuple[dict, ...] | None = None  # function tools the chat template shows
 
 
-TOKENIZE_FIELDS = {"model", "prompt", "messages", "add_special_tokens", "add_generation_prompt",
-                   "continue_final_message", "return_token_strs", "chat_template", "chat_template_kwargs", "tools"}
+TOKENIZE_FIELDS = {
+    "model",
+    "prompt",
+    "messages",
+    "add_special_tokens",
+    "add_generation_prompt",
+    "continue_final_message",
+    "return_token_strs",
+    "chat_template",
+    "chat_template_kwargs",
+    "tools",
+}
 
 
 def parse_tokenize(body: dict) -> TokenizeRequest:
@@ -255,10 +360,13 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
     if messages is None and body.get("tools") is not None:
         raise RequestError("tools go with messages (the chat template shows them)", "tools")
     tools = parse_tools(body.get("tools"), None, None)  # shown as a chat request's would be
-    return TokenizeRequest(prompt=prompt, messages=messages,
-                           add_special_tokens=boolean(body, "add_special_tokens", messages is None),
-                           return_token_strs=boolean(body, "return_token_strs", False),
-                           tools=tools.tools if tools is not None else None)
+    return TokenizeRequest(
+        prompt=prompt,
+        messages=messages,
+        add_special_tokens=boolean(body, "add_special_tokens", messages is None),
+        return_token_strs=boolean(body, "return_token_strs", False),
+        tools=tools.tools if tools is not None else None,
+    )
 
 
 def parse_detokenize(body: dict, vocab_size: int) -> tuple[int, ...]:

@@ -1,5 +1,6 @@
 """The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions, and vLLM's /tokenize and
 /detokenize (a /tokenize body with ``inputs`` is TGI's: ``dialects.shared`` tells them apart)."""
+
 from __future__ import annotations
 
 import time
@@ -13,8 +14,8 @@ from ...serving import Run, Serving
 from ...validation import string
 from ..http import family_blueprint, json_body, sse_response
 from .format import ChatFormat, CompletionFormat, response_body, stream_chunks
-from .tool_format import ToolChatFormat
 from .protocol import OpenAIRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from .tool_format import ToolChatFormat
 
 
 def openai_blueprint(serving: Serving) -> Blueprint:
@@ -25,8 +26,13 @@ def openai_blueprint(serving: Serving) -> Blueprint:
         serving.check_model(string(body, "model", required=True))
 
     def model_object() -> dict:
-        return {"id": serving.model_name, "object": "model", "created": int(time.time()), "owned_by": "inference_api",
-                "max_model_len": serving.ready().context_length}
+        return {
+            "id": serving.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "inference_api",
+            "max_model_len": serving.ready().context_length,
+        }
 
     @api.get("/v1/models")
     def models():
@@ -63,13 +69,18 @@ def openai_blueprint(serving: Serving) -> Blueprint:
         run: Run = serving.start(prompt, req.params, req.max_tokens, field=req.max_tokens_field)
         if req.echo or req.prompt_logprobs is not None:  # the prompt's log-probs came with the first event
             text = req.prompt if req.prompt is not None else serving.tokenizer.decode(list(run.prompt_ids))
-            fmt.scoring(text if req.echo else None, serving.tokenizer.decode(list(run.prompt_ids[:1])),
-                        run.first.prompt_logprobs if run.first is not None else None, req.params.logprobs,
-                        req.prompt_logprobs)
+            fmt.scoring(
+                text if req.echo else None,
+                serving.tokenizer.decode(list(run.prompt_ids[:1])),
+                run.first.prompt_logprobs if run.first is not None else None,
+                req.params.logprobs,
+                req.prompt_logprobs,
+            )
         if not req.stream:
             return jsonify(response_body(fmt, run.collect_choices(), run.prompt_tokens))
-        return sse_response(stream_chunks(fmt, run.events(), run.prompt_tokens, req.include_usage,
-                                          req.continuous_usage, run.n))
+        return sse_response(
+            stream_chunks(fmt, run.events(), run.prompt_tokens, req.include_usage, req.continuous_usage, run.n)
+        )
 
     @api.post("/detokenize")
     def detokenize():
@@ -91,7 +102,9 @@ def tokenize_openai(serving: Serving, body: dict):
     if req.messages is not None:
         ids = serving.encode(Prompt(messages=req.messages, tools=req.tools))
     else:
-        ids = serving.tokenizer.encode(serving.tokenizable(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens)
+        ids = serving.tokenizer.encode(
+            serving.tokenizable(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens
+        )
     out = {"count": len(ids), "max_model_len": serving.ready().context_length, "tokens": ids}
     if req.return_token_strs:
         out["token_strs"] = [serving.tokenizer.decode([t]) for t in ids]

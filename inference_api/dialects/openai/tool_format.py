@@ -4,6 +4,7 @@ with its ``index``, ``id``, ``type`` and ``function.name`` (``arguments: ""``), 
 as the model writes them when the call is forced (``required``, a named function: the grammar guarantees the
 call), in one delta once the call is whole otherwise. Text that may still become a call is held back until it
 is known."""
+
 from __future__ import annotations
 
 from ...generation import Generation
@@ -63,5 +64,6 @@ class ToolChatFormat(ChatFormat):
 
     def _delta(self, delta: dict, lps: tuple[TokenLogprob, ...]) -> dict:
         logprobs = self.logprobs(lps) if self.want_logprobs else None
-        return self.envelope(self.chunk_object, [{"index": 0, "delta": delta, "logprobs": logprobs,
-                                                  "finish_reason": None}])
+        return self.envelope(
+            self.chunk_object, [{"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": None}]
+        )

@@ -1,7 +1,8 @@
 """shortfin answers: ``GenerateReqOutput`` (or the generated token ids) and ``data(<rid>): ...`` stream events."""
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from ...generation import Generation, is_error
 from ...messages import TokenEvent

@@ -8,6 +8,7 @@ greedy unless ``top_k`` or ``top_p`` is given. The answer is ``GenerateReqOutput
 ``return_input_ids`` is true; a stream is ``data(<rid>): <text>`` events ending with ``data: [DONE]``.
 Errors are ``{"error": message, "code": "INVALID_REQUEST_ARGS" | "QUEUE_FULL" | ...}``.
 """
+
 from __future__ import annotations
 
 from flask import jsonify
@@ -21,8 +22,13 @@ from .protocol import parse_shortfin
 
 def generate_shortfin(serving: Serving, body: dict):
     req = parse_shortfin(body, serving.ready().vocab_size)
-    run = serving.start(Prompt(text=req.text, ids=req.input_ids), req.params, req.max_completion_tokens,
-                        req.max_completion_tokens, "max_completion_tokens")
+    run = serving.start(
+        Prompt(text=req.text, ids=req.input_ids),
+        req.params,
+        req.max_completion_tokens,
+        req.max_completion_tokens,
+        "max_completion_tokens",
+    )
     if req.stream:
         return sse_response(stream(req, run.events()))
     return jsonify(answer(req, run.collect()))

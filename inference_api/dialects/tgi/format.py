@@ -1,7 +1,8 @@
 """TGI answers: ``{"generated_text", "details"}`` (in a list on ``/``) and the stream's token events."""
+
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from ...error_shapes import TGI, error_body
 from ...generation import Generation
@@ -21,12 +22,20 @@ def answer(req: TgiRequest, gen: Generation) -> dict:
     if not req.details:
         return {"generated_text": text}
     last = len(gen.token_ids) - 1
-    tokens = [_token(tid, lp.token, lp.logprob, i == last and gen.finish_reason is FinishReason.EOS)
-              for i, (tid, lp) in enumerate(zip(gen.token_ids, gen.logprobs))]
-    return {"generated_text": text,
-            "details": {"finish_reason": FINISH.get(gen.finish_reason, "length"),
-                        "generated_tokens": gen.completion_tokens, "seed": req.seed, "prefill": [],
-                        "tokens": tokens}}
+    tokens = [
+        _token(tid, lp.token, lp.logprob, i == last and gen.finish_reason is FinishReason.EOS)
+        for i, (tid, lp) in enumerate(zip(gen.token_ids, gen.logprobs))
+    ]
+    return {
+        "generated_text": text,
+        "details": {
+            "finish_reason": FINISH.get(gen.finish_reason, "length"),
+            "generated_tokens": gen.completion_tokens,
+            "seed": req.seed,
+            "prefill": [],
+            "tokens": tokens,
+        },
+    }
 
 
 def stream(req: TgiRequest, events: Iterator[TokenEvent]) -> Iterator[bytes]:
@@ -49,11 +58,19 @@ def stream(req: TgiRequest, events: Iterator[TokenEvent]) -> Iterator[bytes]:
         body = _stream_event(event.completion_tokens, ids[-1], text, lps[-1] if lps else None, special=eos)
         if event.finished:
             body["generated_text"] = "".join(parts)
-            body["details"] = {"finish_reason": FINISH[event.finish_reason],
-                               "generated_tokens": event.completion_tokens, "seed": req.seed}
+            body["details"] = {
+                "finish_reason": FINISH[event.finish_reason],
+                "generated_tokens": event.completion_tokens,
+                "seed": req.seed,
+            }
         yield sse(body)
 
 
 def _stream_event(index: int, token_id: int, text: str, lp: TokenLogprob | None, special: bool = False) -> dict:
-    return {"index": index, "token": _token(token_id, text, lp.logprob if lp else None, special),
-            "top_tokens": None, "generated_text": None, "details": None}
+    return {
+        "index": index,
+        "token": _token(token_id, text, lp.logprob if lp else None, special),
+        "top_tokens": None,
+        "generated_text": None,
+        "details": None,
+    }

@@ -1,4 +1,5 @@
 """TGI request parsing: the ``{"inputs", "parameters", "stream"}`` body the text-generation client sends."""
+
 from __future__ import annotations
 
 import random
@@ -12,9 +13,26 @@ from ...validation import boolean, number, only_default, reject_unknown, stop_li
 
 TGI_FIELDS = {"inputs", "parameters", "stream"}
 # every field text-generation 0.7's Parameters model serialises
-TGI_PARAMETERS = {"do_sample", "max_new_tokens", "repetition_penalty", "frequency_penalty", "return_full_text", "stop",
-                  "seed", "temperature", "top_k", "top_p", "truncate", "typical_p", "best_of", "watermark", "details",
-                  "decoder_input_details", "top_n_tokens", "grammar"}
+TGI_PARAMETERS = {
+    "do_sample",
+    "max_new_tokens",
+    "repetition_penalty",
+    "frequency_penalty",
+    "return_full_text",
+    "stop",
+    "seed",
+    "temperature",
+    "top_k",
+    "top_p",
+    "truncate",
+    "typical_p",
+    "best_of",
+    "watermark",
+    "details",
+    "decoder_input_details",
+    "top_n_tokens",
+    "grammar",
+}
 DEFAULT_MAX_NEW_TOKENS = 100  # TGI's default when max_new_tokens is absent
 
 
@@ -68,8 +86,12 @@ def parse_tgi(body: dict, context_length: int, max_stop: int = DEFAULT_MAX_STOP_
         logprobs=0,  # token logprobs go into every stream event and into details
         grammar=tgi_grammar(p.get("grammar")),
     )
-    return TgiRequest(inputs=inputs, params=params,
-                      max_new_tokens=number(p, "max_new_tokens", None, 1, 1 << 31, integer=True),
-                      truncate=number(p, "truncate", None, 1, context_length, integer=True),
-                      return_full_text=boolean(p, "return_full_text", False), details=boolean(p, "details", False),
-                      stream=boolean(body, "stream", False))
+    return TgiRequest(
+        inputs=inputs,
+        params=params,
+        max_new_tokens=number(p, "max_new_tokens", None, 1, 1 << 31, integer=True),
+        truncate=number(p, "truncate", None, 1, context_length, integer=True),
+        return_full_text=boolean(p, "return_full_text", False),
+        details=boolean(p, "details", False),
+        stream=boolean(body, "stream", False),
+    )

@@ -5,6 +5,7 @@ Validation errors are 422 with ``error_type: "validation"``, as TGI sends them (
 ``/generate`` and ``/tokenize`` are shared with other dialects: ``dialects.shared`` hands bodies with
 ``inputs`` here.
 """
+
 from __future__ import annotations
 
 from flask import Blueprint, jsonify, request
@@ -32,14 +33,29 @@ def tgi_blueprint(serving: Serving) -> Blueprint:
     @tgi.get("/info")
     def info():
         config, ready = serving.config, serving.ready()
-        return jsonify(model_id=ready.model_name, model_sha=None, model_dtype=ready.dtype,
-                       model_device_type=ready.device, model_pipeline_tag="text-generation",
-                       max_concurrent_requests=config.max_open_sessions, max_best_of=1,
-                       max_stop_sequences=config.max_stop_sequences, max_input_tokens=ready.context_length - 1,
-                       max_input_length=ready.context_length - 1, max_total_tokens=ready.context_length,
-                       waiting_served_ratio=0.0, max_batch_total_tokens=config.rows * ready.context_length,
-                       max_waiting_tokens=0, max_batch_size=config.rows, validation_workers=1,
-                       max_client_batch_size=1, router="inference_api", version="0.1.0", sha=None, docker_label=None)
+        return jsonify(
+            model_id=ready.model_name,
+            model_sha=None,
+            model_dtype=ready.dtype,
+            model_device_type=ready.device,
+            model_pipeline_tag="text-generation",
+            max_concurrent_requests=config.max_open_sessions,
+            max_best_of=1,
+            max_stop_sequences=config.max_stop_sequences,
+            max_input_tokens=ready.context_length - 1,
+            max_input_length=ready.context_length - 1,
+            max_total_tokens=ready.context_length,
+            waiting_served_ratio=0.0,
+            max_batch_total_tokens=config.rows * ready.context_length,
+            max_waiting_tokens=0,
+            max_batch_size=config.rows,
+            validation_workers=1,
+            max_client_batch_size=1,
+            router="inference_api",
+            version="0.1.0",
+            sha=None,
+            docker_label=None,
+        )
 
     return tgi
 
@@ -50,9 +66,10 @@ def generate_tgi(serving: Serving, body: dict, streamed: bool | None):
     req = parse_tgi(body, ready.context_length, serving.config.max_stop_sequences)
     prompt_ids = serving.tokenizer.encode(req.inputs)
     if req.truncate is not None:
-        prompt_ids = prompt_ids[-req.truncate:]
-    run = serving.start(Prompt(ids=prompt_ids), req.params, req.max_new_tokens, DEFAULT_MAX_NEW_TOKENS,
-                        "max_new_tokens")
+        prompt_ids = prompt_ids[-req.truncate :]
+    run = serving.start(
+        Prompt(ids=prompt_ids), req.params, req.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, "max_new_tokens"
+    )
     if streamed is True or (streamed is None and req.stream):
         return sse_response(stream(req, run.events()))
     result = answer(req, run.collect())

@@ -120,17 +120,16 @@ def load_kernels(cache_dir: Path, cflags: tuple[str, ...] = ()):
     native = "native:" + ",".join(f for f in NATIVE_KEY if f in flags)
     cache = Path(cache_dir) / "kernels"
     try:
-        built = _import_built(*_build_dir(cache, native, cflags))
+        built, build = _import_built(*_build_dir(cache, native, cflags)), "native"
         level = level_for(flags) if not cflags else None
-        if built is not None:
-            built.build = "native"
-        for root in (PREBUILT, cache) if built is None and level is not None else ():
-            built = built or _import_built(*_build_dir(root, level, cflags))
-            if built is not None:
-                built.build = f"prebuilt {level}"
+        if built is None and level is not None:  # the image's builds, then a cache's
+            build = f"prebuilt {level}"
+            built = _import_built(*_build_dir(PREBUILT, level, cflags)) or _import_built(
+                *_build_dir(cache, level, cflags)
+            )
         if built is None:
-            built = _compile(cache, "native", native, cflags)
-            built.build = "native"
+            built, build = _compile(cache, "native", native, cflags), "native"
+        built.build = build
         return built
     except Exception as exc:  # no compiler, no headers, a read-only cache: serve without the kernels
         why = (str(exc).strip().splitlines() or [type(exc).__name__])[-1]

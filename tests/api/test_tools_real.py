@@ -48,6 +48,16 @@ def client(default_server):
     return openai.OpenAI(base_url=default_server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
 
 
+@pytest.fixture(scope="module")
+def llama_stack(default_server):
+    import httpx
+    import llama_stack_client
+
+    return llama_stack_client.LlamaStackClient(
+        base_url=default_server.url, max_retries=0, http_client=httpx.Client(timeout=120)
+    )
+
+
 def create(client, model, stream=False, **fields):
     """(content, calls as (id, name, arguments object), finish_reason), streamed or not."""
     fields = {"messages": ASK, "tools": TOOLS, "max_tokens": 60, "temperature": 0, **fields}
@@ -211,15 +221,9 @@ def test_huggingface_inference_client(default_server, model_name):
     assert opened and opened[0].function.name == fn.name
 
 
-def test_llama_stack_tools(default_server, model_name):
+def test_llama_stack_tools(llama_stack, model_name):
     """llama-stack's chat with ToolDefinitions: a required call answered as its ToolCall, whole and streamed, and
     the tool's result sent back as an ipython message."""
-    import httpx
-    import llama_stack_client
-
-    client = llama_stack_client.LlamaStackClient(
-        base_url=default_server.url, max_retries=0, http_client=httpx.Client(timeout=120)
-    )
     tools = [
         {
             "tool_name": "get_weather",
@@ -240,12 +244,12 @@ def test_llama_stack_tools(default_server, model_name):
         "tool_choice": "required",
         "sampling_params": {"strategy": "greedy", "max_tokens": 60},
     }
-    message = client.inference.chat_completion(**fields).completion_message
+    message = llama_stack.inference.chat_completion(**fields).completion_message
     assert message.stop_reason == "end_of_message" and len(message.tool_calls) == 1
     call = message.tool_calls[0]
     assert call.tool_name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(call.arguments, schema)
-    events = [c.event for c in client.inference.chat_completion(**fields, stream=True)]
+    events = [c.event for c in llama_stack.inference.chat_completion(**fields, stream=True)]
     streamed = [e.delta.content for e in events if e.event_type == "progress" and not isinstance(e.delta, str)]
     assert [(c.tool_name, c.arguments) for c in streamed] == [(call.tool_name, call.arguments)]
     assert events[-1].stop_reason == "end_of_message"
@@ -253,7 +257,7 @@ def test_llama_stack_tools(default_server, model_name):
         {"role": "assistant", "content": "", "stop_reason": "end_of_message", "tool_calls": [call.model_dump()]},
         {"role": "ipython", "call_id": call.call_id, "tool_name": call.tool_name, "content": "21 C"},
     ]
-    final = client.inference.chat_completion(
+    final = llama_stack.inference.chat_completion(
         model=model_name, messages=history, tools=tools, sampling_params={"strategy": "greedy", "max_tokens": 20}
     )
     assert final.completion_message.stop_reason in ("end_of_turn", "out_of_tokens", "end_of_message")
@@ -285,15 +289,9 @@ def test_openai_legacy_functions_point_to_tools(client, model_name):
         assert info.value.body["param"] == next(iter(fields)) and "tools" in info.value.body["message"]
 
 
-def test_llama_stack_forced_call_cut_short_is_failed_text(default_server, model_name):
+def test_llama_stack_forced_call_cut_short_is_failed_text(llama_stack, model_name):
     """A required call cut off by max_tokens does not parse into a ToolCall: as llama-stack's server gives it,
     text (the answer's content; in a stream, a tool-call delta with parse_status failure) and out_of_tokens."""
-    import httpx
-    import llama_stack_client
-
-    client = llama_stack_client.LlamaStackClient(
-        base_url=default_server.url, max_retries=0, http_client=httpx.Client(timeout=120)
-    )
     tools = [{"tool_name": "get_weather", "parameters": {"city": {"param_type": "str"}}}]
     fields = {
         "model": model_name,
@@ -302,10 +300,10 @@ def test_llama_stack_forced_call_cut_short_is_failed_text(default_server, model_
         "tool_choice": "required",
         "sampling_params": {"strategy": "greedy", "max_tokens": 8},
     }
-    message = client.inference.chat_completion(**fields).completion_message
+    message = llama_stack.inference.chat_completion(**fields).completion_message
     assert message.stop_reason == "out_of_tokens" and not message.tool_calls
     assert message.content.startswith("<tool_call>")
-    events = [c.event for c in client.inference.chat_completion(**fields, stream=True)]
+    events = [c.event for c in llama_stack.inference.chat_completion(**fields, stream=True)]
     failed = [e.delta for e in events if e.event_type == "progress" and not isinstance(e.delta, str)]
     assert [(d.parse_status, d.content.strip()) for d in failed] == [("failure", message.content)]
     assert events[-1].stop_reason == "out_of_tokens"

@@ -73,6 +73,16 @@ SAMPLING_FIELDS = (
 COMPLETION_SAMPLING_FIELDS = frozenset(SAMPLING_FIELDS | {"logprobs", "best_of"})  # what completion_sampling reads
 _COMMON = SAMPLING_FIELDS | {"model", "stream", "stream_options", "logprobs"}
 COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "best_of", "suffix", "prompt_logprobs"}
+# chat fields accepted only when absent (null): features this server does not have
+_ONLY_ABSENT = (
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "verbosity",
+    "web_search_options",
+    "moderation",
+    "prompt_cache_options",
+)
 CHAT_FIELDS = (
     _COMMON
     | _IGNORED
@@ -86,14 +96,8 @@ CHAT_FIELDS = (
         "functions",
         "function_call",
         "modalities",
-        "audio",
-        "prediction",
-        "reasoning_effort",
-        "verbosity",
-        "web_search_options",
-        "moderation",
-        "prompt_cache_options",
     }
+    | set(_ONLY_ABSENT)
 )
 ROLES = {"system", "developer", "user", "assistant", "tool"}
 _MESSAGE_FIELDS = {"role", "content", "name", "refusal", "tool_calls", "tool_call_id", "function_call", "audio"}
@@ -156,15 +160,7 @@ def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQ
                 name,
             )
     only_default(body, "modalities", ["text"])
-    for name in (
-        "audio",
-        "prediction",
-        "reasoning_effort",
-        "verbosity",
-        "web_search_options",
-        "moderation",
-        "prompt_cache_options",
-    ):
+    for name in _ONLY_ABSENT:
         only_default(body, name)
     messages = parse_messages(body.get("messages"))
     top = number(body, "top_logprobs", None, 0, 20, integer=True)

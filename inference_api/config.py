@@ -141,7 +141,8 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         default = f.default
         flag = "--" + f.name.replace("_", "-")
         if f.type in ("bool",):
-            default = _bool(env.get(var, default))
+            raw_bool = env.get(var)
+            default = _bool(raw_bool) if raw_bool is not None else default
             parser.add_argument(
                 flag,
                 dest=f.name,
@@ -150,7 +151,7 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
                 help=f"{help_text} (env {var})",
             )
             continue
-        convert = {"int": int, "float": float, "Path": Path}.get(f.type, str)
+        convert = {"int": int, "float": float, "Path": Path}.get(str(f.type), str)
         raw = env.get(var)
         parser.add_argument(
             flag,

@@ -17,7 +17,11 @@ import signal
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from multiprocessing.context import SpawnProcess
+from multiprocessing.queues import Queue
+from typing import Any
 
 from .config import ServerConfig
 from .engine.process import run_engine
@@ -63,11 +67,12 @@ class Session:
 
 
 class EngineClient:
-    def __init__(self, config: ServerConfig, on_give_up=None):
+    def __init__(self, config: ServerConfig, on_give_up: Callable[[], object] | None = None):
         self.config = config
         self._ctx = mp.get_context("spawn")  # a clean interpreter: no threads or locks inherited from the worker
-        self._inbox = self._outbox = None
-        self.process = None
+        self._inbox: Queue[Any] | None = None  # the running engine's queues and process (None before the first)
+        self._outbox: Queue[Any] | None = None
+        self.process: SpawnProcess | None = None
         self._sessions: dict[str, Session] = {}
         self._lock = threading.Lock()
         self._stopping = threading.Event()
@@ -94,7 +99,7 @@ class EngineClient:
         self._stopping.set()
         process = self.process
         if process is not None and process.is_alive():
-            self._inbox.put(Shutdown())
+            self._send(Shutdown())
             process.join(timeout)
             if process.is_alive():
                 process.kill()
@@ -108,18 +113,26 @@ class EngineClient:
             return "ready"
         return "restarting" if self.restarting else "loading"
 
-    def _spawn(self) -> None:
-        self._inbox, self._outbox = self._ctx.Queue(), self._ctx.Queue()
-        self.process = self._ctx.Process(
-            target=run_engine, args=(self.config, self._inbox, self._outbox), name="inference-engine", daemon=True
+    def _spawn(self) -> tuple[SpawnProcess, Queue[Any]]:
+        """Start an engine process; returns it and its output queue."""
+        self._inbox, self._outbox = inbox, outbox = self._ctx.Queue(), self._ctx.Queue()
+        self.process = process = self._ctx.Process(
+            target=run_engine, args=(self.config, inbox, outbox), name="inference-engine", daemon=True
         )
-        self.process.start()
+        process.start()
+        return process, outbox
+
+    def _send(self, msg: object) -> None:
+        """Put a message on the engine's input queue."""
+        if self._inbox is None:
+            raise Unavailable("model is loading, try again shortly", retry_after=5)
+        self._inbox.put(msg)
 
     def _supervise(self) -> None:
         while not self._stopping.is_set():
-            self._spawn()
+            process, outbox = self._spawn()
             self._started.set()
-            served = self._demux()
+            served = self._demux(process, outbox)
             if self._stopping.is_set() or not served:
                 return  # shutting down, or the engine failed to load: a restart would fail the same way
             now = time.monotonic()
@@ -180,7 +193,7 @@ class EngineClient:
                 )
             self._sessions[session.id] = session
         self.metrics.submitted(len(prompt_ids))
-        self._inbox.put(GenerateRequest(session.id, tuple(prompt_ids), params))
+        self._send(GenerateRequest(session.id, tuple(prompt_ids), params))
         return session
 
     def release(self, session: Session) -> None:
@@ -191,25 +204,25 @@ class EngineClient:
             return
         self.metrics.ended(session.finish_reason or FinishReason.CANCELLED, session.started)
         if not session.done and self.ready is not None:
-            self._inbox.put(CancelRequest(session.id))
+            self._send(CancelRequest(session.id))
 
     def abort_all(self, message: str) -> int:
         """End every open session with an error now (the drain deadline); the engine frees their rows."""
         sessions = self._fail_all(message)
         if self.ready is not None:
             for session in sessions:
-                self._inbox.put(CancelRequest(session.id))
+                self._send(CancelRequest(session.id))
         return len(sessions)
 
     # output
-    def _demux(self) -> bool:
+    def _demux(self, process: SpawnProcess, outbox: Queue[Any]) -> bool:
         """Read the engine's output until it stops; True if it had been serving (so a restart makes sense)."""
         while not self._stopping.is_set():
             try:
-                msg = self._outbox.get(timeout=0.2)
+                msg = outbox.get(timeout=0.2)
             except queue.Empty:
-                if not self.process.is_alive():
-                    return self._engine_lost(f"engine process exited (code {self.process.exitcode})")
+                if not process.is_alive():
+                    return self._engine_lost(f"engine process exited (code {process.exitcode})")
                 continue
             except (EOFError, OSError):
                 return self._engine_lost("engine connection lost")
@@ -222,7 +235,7 @@ class EngineClient:
                 self.tokenizer = self._load_tokenizer(msg)
                 self.ready = msg
                 self.restarting = False
-                log.info("engine ready: %s on %s (pid %d)", msg.model_name, msg.device, self.process.pid)
+                log.info("engine ready: %s on %s (pid %d)", msg.model_name, msg.device, process.pid)
             elif isinstance(msg, EngineFailed):
                 self.failure = msg.message
                 self._fail_all(msg.message)

@@ -8,6 +8,8 @@ clients read ``error`` and ``code``, and the original API's clients read ``statu
 
 from __future__ import annotations
 
+from typing import Any
+
 OPENAI, TGI, NATIVE, LLAMA_STACK, SHORTFIN, OTHER = "openai", "tgi", "native", "llama_stack", "shortfin", "other"
 FAMILIES = (OPENAI, TGI, NATIVE, LLAMA_STACK, SHORTFIN, OTHER)
 
@@ -67,14 +69,16 @@ def shortfin_code(status: int) -> str | None:
     return None
 
 
-def error_body(api: str, status: int, message: str, *, param: str | None = None, code: str | None = None) -> dict:
+def error_body(
+    api: str, status: int, message: str, *, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
     """The error object that API family's clients expect."""
     if api == OPENAI:
         kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         return {"error": {"message": message, "type": kind, "param": param, "code": code}}
     if api == TGI:
-        kind = tgi_error_type(status)
-        return {"error": message, "error_type": kind} if kind else {"error": message}
+        error_type = tgi_error_type(status)
+        return {"error": message, "error_type": error_type} if error_type else {"error": message}
     if api == LLAMA_STACK:
         return {"detail": message}  # FastAPI's HTTPException body, as llama-stack's server sends it
     if api == SHORTFIN:

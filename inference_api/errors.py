@@ -10,9 +10,10 @@ route that tells dialects apart by the body); for unrouted paths, the family the
 from __future__ import annotations
 
 import logging
+from typing import Any
 
-from flask import Flask, g, jsonify, request
-from werkzeug.exceptions import HTTPException
+from flask import Flask, Response, g, jsonify, request
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from .error_shapes import api_of, error_body, status_for
 from .request_errors import RequestError
@@ -53,14 +54,15 @@ def answer_as(api: str) -> None:
 
 def request_api() -> str:
     """The API family of the current request."""
-    return g.get("api") or api_of(request.path)
+    api: str | None = g.get("api")
+    return api or api_of(request.path)
 
 
-def body_of(api: str, err: ApiError) -> dict:
+def body_of(api: str, err: ApiError) -> dict[str, Any]:
     return error_body(api, err.status, err.message, param=err.param, code=err.code)
 
 
-def error_response(err: ApiError):
+def error_response(err: ApiError) -> Response:
     api = request_api()
     response = jsonify(body_of(api, err))
     response.status_code = status_for(api, err.status)
@@ -74,16 +76,16 @@ def register_error_handlers(app: Flask) -> None:
     app.register_error_handler(RequestError, lambda err: error_response(ApiError.of(err)))
 
     @app.errorhandler(HTTPException)
-    def http_error(exc: HTTPException):
+    def http_error(exc: HTTPException) -> Response:
         message = {404: "not found", 405: f"method {request.method} not allowed", 413: "request body too large"}.get(
-            exc.code or 500, exc.description
+            exc.code or 500, exc.description or exc.name
         )
         response = error_response(ApiError(exc.code or 500, message))
-        if exc.code == 405 and getattr(exc, "valid_methods", None):
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
             response.headers["Allow"] = ", ".join(exc.valid_methods)
         return response
 
     @app.errorhandler(Exception)
-    def unexpected(exc: Exception):
+    def unexpected(exc: Exception) -> Response:
         log.exception("unhandled error on %s", request.path)
         return error_response(ApiError(500, "internal server error"))

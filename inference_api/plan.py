@@ -12,13 +12,18 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .config import ServerConfig
 
+if TYPE_CHECKING:
+    import torch
 
-def kv_slots(windows, length: int, chunk: int) -> list[int]:
+
+def kv_slots(windows: Sequence[int | None], length: int, chunk: int) -> list[int]:
     """Each layer's KV positions per row (besides its scratch slot): a sliding-window layer's ring of window +
     chunk (the most tokens one forward writes into a row: a prefill chunk's queries still read the window before
     it) where that is shorter than the context, else the context's length. windows: each layer's window or
@@ -39,7 +44,9 @@ class ModelFacts:
     gguf: bool = False  # the weights come from a GGUF file
     gguf_quantize: str = "none"  # the weight-only mode that keeps the GGUF's own linears: none | int8 | int4
     gguf_types: tuple[str, ...] = ()  # the GGUF's matrices' tensor types, most bytes first
-    config: dict | None = field(default=None, compare=False)  # a folder's config.json: its options are checked
+    config: dict[str, Any] | None = field(
+        default=None, compare=False
+    )  # a folder's config.json: its options are checked
     heads: int = 0  # attention heads (0: unknown)
     kv_heads: int = 0  # key/value heads (0: unknown)
 
@@ -74,11 +81,14 @@ class ExecutionPlan:
         wrap; SDPA and transformers' layers read a row's first positions)."""
         return self.cpu_kernels and self.model == "compact"
 
-    def torch(self, name: str | None):
+    def torch(self, name: str | None) -> torch.dtype | None:
         """A dtype name of this plan as torch's dtype (None stays None)."""
         import torch
 
-        return None if name is None else getattr(torch, name)
+        if name is None:
+            return None
+        dtype: torch.dtype = getattr(torch, name)
+        return dtype
 
     def without_cpu_kernels(self) -> ExecutionPlan:
         """The plan when the kernels cannot be compiled here: quantized weights are served dequantized."""

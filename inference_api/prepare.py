@@ -51,6 +51,8 @@ def encode(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
     if prompt.ids is not None:
         return list(prompt.ids)
     if prompt.messages is None:
+        if prompt.text is None:
+            raise ValueError("a Prompt has text, ids or messages")
         return tokenizer.encode(prompt.text)
     from jinja2 import TemplateError
 

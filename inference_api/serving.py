@@ -76,7 +76,10 @@ class Serving:
     @property
     def tokenizer(self) -> Tokenizer:
         self.ready()
-        return self.client.tokenizer
+        tokenizer = self.client.tokenizer
+        if tokenizer is None:  # (the client loads it before it reports the engine ready)
+            raise Unavailable("model is loading, try again shortly", retry_after=5)
+        return tokenizer
 
     @property
     def model_name(self) -> str:
@@ -99,8 +102,10 @@ class Serving:
 
     def check_quota(self) -> None:
         """RateLimited while the request's team (the proxy's X-Team-Id) has generated its quota in the last minute."""
+        if self.limits is None:
+            return
         team = request.headers.get("X-Team-Id")
-        wait = self.limits.check_tokens(team) if self.limits is not None else None
+        wait = self.limits.check_tokens(team)
         if wait is not None:
             raise RateLimited(
                 f"team {team!r} has generated its quota of {self.limits.tokens_per_minute} tokens in "

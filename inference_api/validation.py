@@ -10,14 +10,14 @@ from typing import Any
 from .request_errors import RequestError
 
 
-def reject_unknown(body: dict, allowed: set[str]) -> None:
+def reject_unknown(body: dict[str, Any], allowed: set[str]) -> None:
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise RequestError(f"unknown field {unknown[0]!r}; accepted fields: {', '.join(sorted(allowed))}", unknown[0])
 
 
 def number(
-    body: dict, name: str, default: Any, lo: float, hi: float, *, integer: bool = False, lo_open: bool = False
+    body: dict[str, Any], name: str, default: Any, lo: float, hi: float, *, integer: bool = False, lo_open: bool = False
 ) -> Any:
     """A number in [lo, hi] ((lo, hi] when lo_open); numeric strings are accepted, null means the default."""
     value = body.get(name)
@@ -27,11 +27,15 @@ def number(
     kind = "an integer" if integer else "a number"
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise RequestError(f"{name} must be {kind} in {bounds}", name)
-    try:
-        text = value.strip() if isinstance(value, str) else ""
-        parsed = value if not text else int(text) if integer and text.lstrip("+-").isdigit() else float(text)
-    except ValueError:
-        raise RequestError(f"{name} must be {kind} in {bounds}, got {value!r}", name) from None
+    parsed: int | float
+    if isinstance(value, str):  # a blank string is no number (float("") raises)
+        try:
+            text = value.strip()
+            parsed = int(text) if integer and text.lstrip("+-").isdigit() else float(text)
+        except ValueError:
+            raise RequestError(f"{name} must be {kind} in {bounds}, got {value!r}", name) from None
+    else:
+        parsed = value
     if isinstance(parsed, float) and not math.isfinite(parsed):
         raise RequestError(f"{name} must be a finite number in {bounds}", name)
     if integer:
@@ -43,7 +47,7 @@ def number(
     return parsed
 
 
-def boolean(body: dict, name: str, default: bool) -> bool:
+def boolean(body: dict[str, Any], name: str, default: bool) -> bool:
     value = body.get(name)
     if value is None:
         return default
@@ -52,7 +56,7 @@ def boolean(body: dict, name: str, default: bool) -> bool:
     return value
 
 
-def string(body: dict, name: str, *, required: bool = False, default: str | None = None) -> str | None:
+def string(body: dict[str, Any], name: str, *, required: bool = False, default: str | None = None) -> str | None:
     value = body.get(name)
     if value is None:
         if required:
@@ -66,7 +70,7 @@ def string(body: dict, name: str, *, required: bool = False, default: str | None
 MAX_STOP_CHARS = 512  # bounds the engine's per-token stop matching, which every row's request shares
 
 
-def stop_list(body: dict, name: str, max_items: int = 4) -> tuple[str, ...]:
+def stop_list(body: dict[str, Any], name: str, max_items: int = 4) -> tuple[str, ...]:
     value = body.get(name)
     if value is None:
         return ()
@@ -85,7 +89,7 @@ def stop_list(body: dict, name: str, max_items: int = 4) -> tuple[str, ...]:
 
 
 def token_ids(
-    body: dict, name: str, vocab_size: int, *, required: bool = False, limit: int | None = None
+    body: dict[str, Any], name: str, vocab_size: int, *, required: bool = False, limit: int | None = None
 ) -> tuple[int, ...]:
     """A list of token ids, each in [0, vocab_size), at most ``limit`` of them."""
     value = body.get(name)
@@ -104,7 +108,7 @@ def token_ids(
     return tuple(value)
 
 
-def only_default(body: dict, name: str, *neutral: Any) -> None:
+def only_default(body: dict[str, Any], name: str, *neutral: Any) -> None:
     """A field the server does not implement: accepted when null or at a value that changes nothing."""
     value = body.get(name)
     if value is None or any(type(value) is type(n) and value == n for n in neutral):
@@ -116,11 +120,11 @@ SEED_RANGE = (-(2**63), 2**64 - 1)
 
 
 def penalties(
-    body: dict,
+    body: dict[str, Any],
     presence: str = "presence_penalty",
     frequency: str = "frequency_penalty",
     repetition: str = "repetition_penalty",
-) -> dict:
+) -> dict[str, Any]:
     """The engine's penalties with OpenAI's ranges (repetition: HF's multiplicative penalty, 1 is off)."""
     return {
         "presence_penalty": number(body, presence, 0.0, -2, 2),

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import argparse
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 HMAC_ALGORITHMS = frozenset({"HS256", "HS384", "HS512"})
@@ -61,7 +62,7 @@ class ProxyConfig:
         )
 
     @classmethod
-    def build(cls, *, secret: str | None, jwt_public_key_file: Path | None = None, **values) -> ProxyConfig:
+    def build(cls, *, secret: str | None, jwt_public_key_file: Path | None = None, **values: Any) -> ProxyConfig:
         """Validate and normalise the parsed values; raise ConfigError when the proxy must not start."""
         algorithms = tuple(dict.fromkeys(a.strip() for a in values.pop("jwt_algorithms", ("HS256",)) if a.strip()))
         if not algorithms:
@@ -72,14 +73,15 @@ class ProxyConfig:
                 f"unsupported JWT algorithm(s) {', '.join(unknown)}; choose from "
                 f"{', '.join(sorted(HMAC_ALGORITHMS | PUBLIC_KEY_ALGORITHMS))}"
             )
-        if any(a in HMAC_ALGORITHMS for a in algorithms) and not secret:
-            raise ConfigError("JWT_SECRET is required (set it in the environment)")
-        if any(a in HMAC_ALGORITHMS for a in algorithms) and len(secret.encode()) < MIN_SECRET_BYTES:
-            raise ConfigError(
-                f"JWT_SECRET is only {len(secret.encode())} bytes long: anyone who guesses it can mint "
-                f"tokens. Use at least {MIN_SECRET_BYTES} random bytes (python3 -c 'import secrets; "
-                f"print(secrets.token_urlsafe(48))')."
-            )
+        if any(a in HMAC_ALGORITHMS for a in algorithms):
+            if not secret:
+                raise ConfigError("JWT_SECRET is required (set it in the environment)")
+            if len(secret.encode()) < MIN_SECRET_BYTES:
+                raise ConfigError(
+                    f"JWT_SECRET is only {len(secret.encode())} bytes long: anyone who guesses it can mint "
+                    f"tokens. Use at least {MIN_SECRET_BYTES} random bytes (python3 -c 'import secrets; "
+                    f"print(secrets.token_urlsafe(48))')."
+                )
         public_key = None
         if any(a in PUBLIC_KEY_ALGORITHMS for a in algorithms):
             if jwt_public_key_file is None:
@@ -152,7 +154,8 @@ def _names(value: str | Sequence[str]) -> tuple[str, ...]:
 
 
 # flag -> (field, environment variable, type, help); the default comes from ProxyConfig
-_OPTIONS = [
+# (flag, field, environment variable, the conversion of a given value, help)
+_OPTIONS: list[tuple[str, str, str, Callable[[str], Any], str]] = [
     ("--host", "host", "PROXY_HOST", str, "listen address"),
     ("--port", "port", "PROXY_PORT", int, "listen port"),
     (
@@ -277,10 +280,16 @@ _OPTIONS = [
 class _Extend(argparse.Action):
     """Each use of the flag adds its (comma-separated) values; the first use drops the default."""
 
-    def __call__(self, parser, namespace, values, option_string=None):
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: str | Sequence[Any] | None,
+        option_string: str | None = None,
+    ) -> None:
         given = getattr(namespace, "_given_" + self.dest, False)
         current = tuple(getattr(namespace, self.dest)) if given else ()
-        setattr(namespace, self.dest, current + tuple(values))
+        setattr(namespace, self.dest, current + tuple(values or ()))  # values: _names's tuple
         setattr(namespace, "_given_" + self.dest, True)
 
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import json
 import logging
+from typing import Any
 
-from flask import Flask, current_app, g, jsonify, request
-from werkzeug.exceptions import HTTPException
+from flask import Flask, Response, current_app, g, jsonify, request
+from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
 from inference_api.error_shapes import api_of, error_body, status_for
 from lifecycle.deadlines import BodyTimeout, Watchdog
@@ -23,7 +24,9 @@ log = logging.getLogger("proxy")
 
 
 class ProxyError(Exception):
-    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None, fields: dict | None = None):
+    def __init__(
+        self, status: int, message: str, headers: dict[str, str] | None = None, fields: dict[str, Any] | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -55,7 +58,9 @@ def request_api() -> str:
     return api_of(request.path, body)
 
 
-def error_response(status: int, message: str, headers: dict[str, str] | None = None, fields: dict | None = None):
+def error_response(
+    status: int, message: str, headers: dict[str, str] | None = None, fields: dict[str, Any] | None = None
+) -> Response:
     g.error = message  # for the access log
     api = request_api()
     response = jsonify({**error_body(api, status, message), **(fields or {})})
@@ -66,7 +71,7 @@ def error_response(status: int, message: str, headers: dict[str, str] | None = N
 
 def register_error_handlers(app: Flask) -> None:
     @app.errorhandler(AuthError)
-    def unauthorized(exc: AuthError):
+    def unauthorized(exc: AuthError) -> Response:
         # RFC 6750: a bare challenge when no credentials came, error="invalid_token" when they were bad
         challenge = 'Bearer realm="inference"'
         if request.headers.get("Authorization"):
@@ -77,21 +82,21 @@ def register_error_handlers(app: Flask) -> None:
         return error_response(401, exc.message, {"WWW-Authenticate": challenge, "Connection": "close"})
 
     @app.errorhandler(ProxyError)
-    def proxy_error(exc: ProxyError):
+    def proxy_error(exc: ProxyError) -> Response:
         return error_response(exc.status, exc.message, exc.headers, exc.fields)
 
     @app.errorhandler(HTTPException)
-    def http_error(exc: HTTPException):
+    def http_error(exc: HTTPException) -> Response:
         status = exc.code or 500
         message = {405: f"method {request.method} not allowed", 413: "request body too large"}.get(
             status, exc.description or exc.name
         )
-        headers = {}
-        if status == 405 and getattr(exc, "valid_methods", None):
+        headers: dict[str, str] = {}
+        if isinstance(exc, MethodNotAllowed) and exc.valid_methods:
             headers["Allow"] = ", ".join(exc.valid_methods)
         return error_response(status, message, headers)
 
     @app.errorhandler(Exception)
-    def unexpected(exc: Exception):
+    def unexpected(exc: Exception) -> Response:
         log.exception("unexpected error on %s %s", request.method, request.path)
         return error_response(500, "internal proxy error")

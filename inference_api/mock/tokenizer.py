@@ -14,12 +14,13 @@ class ByteTokenizer:
 
     def offsets(self, text: str) -> list[tuple[int, int, int]]:
         """Each byte's token with the offsets of the character it belongs to."""
-        out = []
+        out: list[tuple[int, int, int]] = []
         for i, ch in enumerate(text):
             out.extend((b, i, i + 1) for b in ch.encode("utf-8"))
         return out
 
-    def encode_chat(self, messages: Sequence[dict]) -> list[int]:
+    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        """The turns in a fixed template (no tools: prepare.encode writes them into plain messages)."""
         turns = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
         return self.encode(turns + "<|assistant|>")
 

@@ -44,7 +44,7 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
         handler.addFilter(_RequestIdFilter())
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
-    app.json.sort_keys = False
+    app.json.sort_keys = False  # type: ignore[attr-defined]  # app.json is a DefaultJSONProvider, typed as its base
     client = EngineClient(config).start()
     atexit.register(client.shutdown)
     app.extensions["server_config"] = config
@@ -59,7 +59,7 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
         "team-quota operations counted in this process because Redis failed (0 without Redis)",
         lambda: limits.store.fallbacks,
     )
-    app.wsgi_app = close_when_asked(app.wsgi_app)
+    app.wsgi_app = close_when_asked(app.wsgi_app)  # type: ignore[method-assign]  # Flask's documented middleware form
     register_error_handlers(app)
 
     @app.before_request

@@ -37,7 +37,8 @@ def collect(first: TokenEvent | None, events: Iterator[TokenEvent]) -> Generatio
 def collect_choices(first: TokenEvent | None, events: Iterator[TokenEvent], n: int) -> list[Generation]:
     """Each of a request's n choices gathered from its events (``TokenEvent.index``); the prompt's log-probs, if
     asked for, land on choice 0."""
-    gens, parts = [Generation() for _ in range(n)], [[] for _ in range(n)]
+    gens = [Generation() for _ in range(n)]
+    parts: list[list[str]] = [[] for _ in range(n)]
     for event in all_events(first, events):
         if event.finish_reason is FinishReason.ERROR:
             raise Unavailable(event.error or "generation failed", retry_after=5)

@@ -57,7 +57,7 @@ class GGUFIndex:
 
         self.path = Path(path)
         self.data = np.memmap(self.path, mode="r")
-        buf = memoryview(self.data)
+        buf = self.data.data  # the file's bytes as a memoryview
         if bytes(buf[:4]) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
         version, tensor_count, kv_count = struct.unpack_from("<IQQ", buf, 4)
@@ -192,7 +192,7 @@ def read_header(source) -> dict:
     heads = field(f"{arch}.attention.head_count") or 1
     hidden = field(f"{arch}.embedding_length") or 0
     sizes = {t.name: int(t.n_elements) for t in reader.tensors}
-    by_bytes = Counter()  # the matrices' types, most bytes first
+    by_bytes: Counter[str] = Counter()  # the matrices' types, most bytes first
     for t in reader.tensors:
         if len(t.shape) == 2:
             by_bytes[t.tensor_type.name] += int(t.n_bytes)

@@ -82,7 +82,7 @@ def spm_backend(source):
     pieces = [bytes(tok_field.parts[i]).decode("utf-8", "replace") for i in tok_field.data]
     scores = [float(score_field.parts[i][0]) for i in score_field.data]
     types = [int(type_field.parts[i][0]) for i in type_field.data]
-    vocab = {}
+    vocab: dict[str, int] = {}
     for i, p in enumerate(pieces):
         vocab.setdefault(p, i)
     mergeable = {p for p, t in zip(pieces, types) if t in (NORMAL, USER_DEFINED, UNKNOWN)}
@@ -194,7 +194,10 @@ def gguf_tokenizer(source, arch: str, chat_template: str | None = None):
     backend = spm_backend(reader) if vocab.model == "llama" else bpe_backend(reader, arch)
     names = {i: backend.id_to_token(i) for i in (vocab.bos_id, vocab.eos_id) if i is not None}
     backend = with_bos_eos(backend, vocab, names)
-    special = {k: names.get(i) for k, i in (("bos_token", vocab.bos_id), ("eos_token", vocab.eos_id))}
+    special = {
+        k: names.get(i) if i is not None else None
+        for k, i in (("bos_token", vocab.bos_id), ("eos_token", vocab.eos_id))
+    }
     tok = PreTrainedTokenizerFast(
         tokenizer_object=backend,
         chat_template=chat_template,

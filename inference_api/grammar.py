@@ -11,8 +11,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from .request_errors import RequestError
+
+if TYPE_CHECKING:
+    from llguidance import GrammarFormat
+    from llguidance._lib import JsonCompileOptions
 
 # llguidance's format names; "grammar" is EBNF as vLLM and llama.cpp write it (GBNF), or Lark
 KINDS = ("json_schema", "regex", "choice", "grammar")
@@ -31,12 +36,12 @@ class Grammar:
 
         if self.kind == "json_schema":
             return LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_OPTIONS)
-        return grammar_from(self.kind, self.text)
+        return grammar_from(cast("GrammarFormat", self.kind), self.text)  # KINDS are llguidance's format names
 
 
 # Whitespace between JSON tokens: any, as JSON allows, but at most 20 characters at each place (as llama.cpp's
 # JSON grammars do): unbounded, a small model fills max_tokens with newlines and never closes the object.
-JSON_OPTIONS = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
+JSON_OPTIONS: JsonCompileOptions = {"whitespace_pattern": r"[\x20\x0A\x0D\x09]{0,20}"}
 
 
 ANY_JSON_OBJECT = Grammar("json_schema", json.dumps({"type": "object"}))

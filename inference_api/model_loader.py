@@ -88,12 +88,12 @@ def gguf_target(config: ServerConfig, gguf: Path) -> Path:
 
 def resolve_model_dir(config: ServerConfig, weights: bool = True) -> Path:
     """A local folder with config and tokenizer (and weights, unless a GGUF is read straight from its file)."""
-    spec = config.model
     gguf = gguf_source(config)
     if gguf is not None:
         if not gguf.is_file():
             raise RuntimeError(f"no such GGUF file: {gguf}")
         return gguf_folder(gguf, gguf_target(config, gguf), weights)
+    spec = folder_spec(config)
     path = Path(spec)
     if path.is_dir():
         return path
@@ -160,6 +160,8 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
             from transformers import AutoModelForCausalLM
 
             model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            if model.generation_config is None:  # (from_pretrained gives a causal LM one)
+                raise RuntimeError(f"{gguf}: transformers made no generation config")
             model.generation_config.eos_token_id = eos
             model.save_pretrained(tmp)
             model_type = model.config.model_type
@@ -192,7 +194,8 @@ def load_model(model_dir: Path, device: str, dtype):
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=dtype, attn_implementation="sdpa", local_files_only=True
     )
-    return model.to(device).eval()
+    # transformers types PreTrainedModel.to through a wrapper whose signature drops the device argument
+    return model.to(device).eval()  # type: ignore[arg-type]
 
 
 def eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
@@ -215,3 +218,10 @@ def gguf_source(config: ServerConfig) -> Path | None:
     if config.model is None:
         return embedded_gguf()
     return Path(config.model) if config.model.endswith(".gguf") else None
+
+
+def folder_spec(config: ServerConfig) -> str:
+    """--model where gguf_source is None: a folder or a hub repository's name."""
+    if config.model is None or gguf_source(config) is not None:
+        raise ValueError("the model is a GGUF file, not a folder")
+    return config.model

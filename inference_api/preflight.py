@@ -21,7 +21,7 @@ from types import SimpleNamespace
 
 from .config import ServerConfig
 from .gguf_meta import read_header
-from .model_loader import gguf_source, gguf_target, read_stamp
+from .model_loader import folder_spec, gguf_source, gguf_target, read_stamp
 from .plan import ExecutionPlan, PlanError, kv_slots, make_plan, model_facts, probe_machine
 
 log = logging.getLogger(__name__)
@@ -245,12 +245,13 @@ def model_shape(config: ServerConfig) -> tuple[ModelShape, int]:
         stamp = read_stamp(gguf, gguf_target(config, gguf))
         shape = shape_from_header(stamp or read_header(gguf))
         return shape, 0 if stamp is not None and stamp.get("weights") else shape.num_params
-    if Path(config.model).is_dir():
-        folder = Path(config.model)
+    spec = folder_spec(config)
+    if Path(spec).is_dir():
+        folder = Path(spec)
     else:
         from huggingface_hub import snapshot_download
 
-        folder = Path(snapshot_download(config.model, local_files_only=True, allow_patterns=["*.json"]))
+        folder = Path(snapshot_download(spec, local_files_only=True, allow_patterns=["*.json"]))
     cfg = json.loads((folder / "config.json").read_text())
     return shape_from_config(cfg.get("text_config", cfg), safetensors_params(folder)), 0
 
@@ -294,10 +295,12 @@ def free_disk(path: Path) -> int | None:
 def model_plan(config: ServerConfig) -> ExecutionPlan:
     """The execution plan the engine will run, from metadata only (plan.py decides it for both)."""
     gguf = gguf_source(config)
+    folder: Path | None
     if gguf is not None:
         folder = gguf_target(config, gguf)
     else:
-        folder = Path(config.model) if Path(config.model).is_dir() else None
+        spec = folder_spec(config)
+        folder = Path(spec) if Path(spec).is_dir() else None
     return make_plan(config, model_facts(gguf, folder), probe_machine(config.device))
 
 

@@ -23,6 +23,7 @@ import re
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 from .grammar import JSON_OPTIONS, Grammar, checked, json_schema
 from .request_errors import RequestError
@@ -203,7 +204,8 @@ def plain_messages(messages: Sequence[dict], tools: Sequence[dict] | None) -> li
     """Messages for a template that knows nothing of tools: every content a string, the tools described in the
     system message, calls in the output format, tool results as user turns (one for consecutive results, so that
     templates that insist on alternating turns take them)."""
-    out, after_tool = [], False
+    out: list[dict] = []
+    after_tool = False
     for msg in messages:
         content = msg.get("content") or ""
         if msg["role"] == "tool":  # the results of one turn's calls share one user turn, as Qwen's template does
@@ -261,6 +263,16 @@ def parse_call(body: str, names: Sequence[str]) -> ToolCall | None:
     return ToolCall(f"call_{uuid.uuid4().hex[:24]}", obj["name"], json.dumps(arguments, ensure_ascii=False))
 
 
+# what CallSplitter gives: (kind, value) pairs
+Piece = (
+    tuple[Literal["content"], str]
+    | tuple[Literal["call"], ToolCall]
+    | tuple[Literal["open"], tuple[str, str]]  # incremental: the call's id and name
+    | tuple[Literal["arguments"], str]  # incremental: more of the call's arguments
+    | tuple[Literal["end"], None]  # incremental: the call is whole
+)
+
+
 class CallSplitter:
     """The model's text, as it arrives, split into content and calls: ``feed`` and, at the end, ``finish`` give
     ("content", text) and ("call", ToolCall) pieces. Text that may still turn into a call is held back; the
@@ -279,9 +291,9 @@ class CallSplitter:
         self.opened: int | None = None  # incremental: where the open call's arguments start in its text
         self.sent = 0  # incremental: how many characters of those arguments went out
 
-    def feed(self, text: str) -> list[tuple[str, object]]:
+    def feed(self, text: str) -> list[Piece]:
         self.buf += text
-        out: list[tuple[str, object]] = []
+        out: list[Piece] = []
         while True:
             if self.inside:
                 end = self.buf.find(CLOSE)
@@ -302,8 +314,8 @@ class CallSplitter:
             self.buf = self.buf[len(self.buf) - keep :]
             return out
 
-    def finish(self) -> list[tuple[str, object]]:
-        out: list[tuple[str, object]] = []
+    def finish(self) -> list[Piece]:
+        out: list[Piece] = []
         if self.inside:
             self._call(self.buf, out, closed=False)
         else:
@@ -311,7 +323,7 @@ class CallSplitter:
         self.buf, self.inside = "", False
         return out
 
-    def _arguments(self, body: str, out: list) -> None:
+    def _arguments(self, body: str, out: list[Piece]) -> None:
         """Incremental: the call's opening once its name is known, then its arguments so far."""
         if self.opened is None:
             start = _CALL_START.match(body)
@@ -325,7 +337,7 @@ class CallSplitter:
             out.append(("arguments", arguments[self.sent : written]))
             self.sent = written
 
-    def _call(self, body: str, out: list, closed: bool) -> None:
+    def _call(self, body: str, out: list[Piece], closed: bool) -> None:
         if self.opened is not None:  # streamed as it came
             self.calls += 1
             self.opened = None
@@ -338,7 +350,7 @@ class CallSplitter:
             self.calls += 1
             out.append(("call", call))
 
-    def _content(self, text: str, out: list, strip: bool = False) -> None:
+    def _content(self, text: str, out: list[Piece], strip: bool = False) -> None:
         if strip and not text.strip():
             return
         if text:
@@ -392,15 +404,21 @@ def split_calls(text: str, names: Sequence[str], incremental: bool = False) -> t
     pieces = splitter.feed(text) + splitter.finish()
     if not splitter.calls:
         return text, []
-    calls, opened = [], None
-    for kind, piece in pieces:
-        if kind == "call":
-            calls.append(piece)
-        elif kind == "open":
-            opened = [*piece, ""]
-        elif kind == "arguments":
-            opened[2] += piece
-        elif kind == "end":
-            calls.append(ToolCall(*opened))
-    content = "".join(p for kind, p in pieces if kind == "content")
+    calls: list[ToolCall] = []
+    texts: list[str] = []
+    opened: tuple[str, str] | None = None  # incremental: the open call's id and name...
+    arguments = ""  # ...and its arguments so far
+    for piece in pieces:
+        match piece:
+            case ("content", str() as text):
+                texts.append(text)
+            case ("call", ToolCall() as call):
+                calls.append(call)
+            case ("open", (str() as call_id, str() as name)):
+                opened, arguments = (call_id, name), ""
+            case ("arguments", str() as text):
+                arguments += text
+            case ("end", None) if opened is not None:
+                calls.append(ToolCall(*opened, arguments))
+    content = "".join(texts)
     return content.strip() or None, calls

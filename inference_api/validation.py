@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any
+from typing import Any, Literal, overload
 
 from .request_errors import RequestError
 
@@ -56,7 +56,12 @@ def boolean(body: dict[str, Any], name: str, default: bool) -> bool:
     return value
 
 
+@overload
+def string(body: dict[str, Any], name: str, *, required: Literal[True], default: str | None = None) -> str: ...
+@overload
+def string(body: dict[str, Any], name: str, *, required: bool = False, default: str | None = None) -> str | None: ...
 def string(body: dict[str, Any], name: str, *, required: bool = False, default: str | None = None) -> str | None:
+    """The string field; null or absent is the default, or a 400 when ``required`` (so a str then)."""
     value = body.get(name)
     if value is None:
         if required:

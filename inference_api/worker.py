@@ -6,11 +6,15 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from typing import TYPE_CHECKING, cast
 
 from gunicorn.workers.gthread import ThreadWorker
 
 from lifecycle.deadlines import Watchdog
 from lifecycle.raw_errors import JsonErrors
+
+if TYPE_CHECKING:
+    from flask import Flask
 
 
 def _shut_read(sock: socket.socket) -> None:
@@ -24,7 +28,8 @@ class ServerWorker(JsonErrors, ThreadWorker):
         super().init_process()
 
     def handle(self, conn):
-        when = time.monotonic() + self.wsgi.extensions["server_config"].header_timeout
+        app = cast("Flask", self.wsgi)  # the server's app (inference_api.app.create_app)
+        when = time.monotonic() + app.extensions["server_config"].header_timeout
         self._header_deadline.key = key = self._deadlines.call_at(when, lambda: _shut_read(conn.sock))
         try:
             return super().handle(conn)

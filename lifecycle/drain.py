@@ -52,11 +52,11 @@ class Drain:
         with self._lock:
             if self.started is not None:
                 return
-            self.started = time.monotonic()
-        threading.Thread(target=self._run, args=(stop,), name="drain", daemon=True).start()
+            self.started = started = time.monotonic()
+        threading.Thread(target=self._run, args=(stop, started), name="drain", daemon=True).start()
 
-    def _run(self, stop: Callable[[], None]) -> None:
-        deadline = self.started + self.timeout
+    def _run(self, stop: Callable[[], None], started: float) -> None:
+        deadline = started + self.timeout
         log.warning("draining: %d request(s) in flight, up to %.0f s to finish", self._in_flight(), self.timeout)
         while self._in_flight() and time.monotonic() < deadline:
             time.sleep(0.05)

@@ -247,6 +247,8 @@ class TeamLimits:
     def _release(self, lease: Lease) -> None:
         with self._lock:
             self._open.pop(lease.id, None)
+        if lease.team is None:  # never counted: acquire gives a lease without a team no limits
+            return
         if lease.store is self.store.local:
             self.store.local.release(lease.team, lease.id)
         else:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import html
 import json
 import re
+from typing import TYPE_CHECKING, cast
 
 _STATUS = re.compile(rb"^HTTP/1\.1 (\d{3}) ([^\r\n]*)\r\n")
 _MESSAGE = re.compile(rb"</h1>\s*(.*?)\s*</body>", re.S)
@@ -51,12 +52,20 @@ def json_error(html_answer: bytes) -> bytes:
     return head + body
 
 
-class JsonErrors:
+if TYPE_CHECKING:
+    import socket
+
+    from gunicorn.workers.base import Worker as _Worker
+else:
+    _Worker = object
+
+
+class JsonErrors(_Worker):
     """A gunicorn worker mixin: its own error answers in JSON (see the module's docstring)."""
 
     def handle_error(self, req, client, addr, exc):
         captured = _Captured()
-        super().handle_error(req, captured, addr, exc)
+        super().handle_error(req, cast("socket.socket", captured), addr, exc)  # the socket as far as it is used
         if captured.data:
             try:
                 client.sendall(json_error(captured.data))

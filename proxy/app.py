@@ -35,7 +35,7 @@ class _AnyPath(BaseConverter):
 def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flask:
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
-    app.json.sort_keys = False
+    app.json.sort_keys = False  # type: ignore[attr-defined]  # app.json is a DefaultJSONProvider, typed as its base
     app.url_map.converters["anypath"] = _AnyPath
     app.url_map.merge_slashes = False
     app.extensions["proxy_config"] = config
@@ -55,7 +55,7 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         return len(streams)
 
     app.extensions["drain"] = drain = Drain(config.drain_timeout, lambda: len(active), cut)
-    app.wsgi_app = close_when_asked(app.wsgi_app)
+    app.wsgi_app = close_when_asked(app.wsgi_app)  # type: ignore[method-assign]  # Flask's documented middleware form
     register_error_handlers(app)
     register_playground(app)  # GET / and /playground: the chat page, no token needed to load it
 
@@ -88,12 +88,12 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
                 raise ProxyError(408, str(exc), {"Connection": "close"}) from None
             g.body = body  # for an error's shape (shared paths)
             # the team's slot from the whole body to the answer's end: a slow upload holds none
-            slot = limiter.acquire(identity.team_id if identity is not None else None)
+            team = identity.team_id if identity is not None else None
+            slot = limiter.acquire(team)
             if slot is None:
                 raise ProxyError(
                     429,
-                    f"team {identity.team_id!r} already has {limiter.max_concurrent} requests in "
-                    "progress; retry when one finishes",
+                    f"team {team!r} already has {limiter.max_concurrent} requests in progress; retry when one finishes",
                     {"Retry-After": str(config.retry_after)},
                 )
             headers = upstream_request_headers(
@@ -166,7 +166,7 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
                 fields["attempts"] = forwarded.attempts
 
         def write() -> None:
-            outcome = {}
+            outcome: dict[str, int | str] = {}
             if stream is not None:
                 outcome["bytes"] = stream.bytes_sent
                 if stream.error:

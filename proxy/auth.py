@@ -6,11 +6,14 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jwt
 
 from .config import HMAC_ALGORITHMS, ProxyConfig
+
+if TYPE_CHECKING:
+    from jwt.types import Options
 
 # claims passed upstream in headers; their values must be safe as header values
 IDENTITY_CLAIMS = ("team_id", "token_id")
@@ -52,7 +55,10 @@ class RevokedTokens:
     CHECK_SECONDS = 1.0
 
     def __init__(self, path: Path | None):
-        self._path, self._ids, self._version, self._checked = path, frozenset(), None, -1.0
+        self._path = path
+        self._ids: frozenset[str] = frozenset()
+        self._version: tuple[int, int] | None = None  # the file's size and time when it was read
+        self._checked = -1.0
 
     def __contains__(self, token_id: str | None) -> bool:
         if self._path is None or token_id is None:
@@ -89,8 +95,10 @@ class TokenVerifier:
             raise AuthError(f"token algorithm {alg[:20]!r} is not accepted (accepted: {', '.join(c.jwt_algorithms)})")
         # The key follows the algorithm family, so a public key can never be used as an HMAC secret.
         key = c.jwt_secret if alg in HMAC_ALGORITHMS else c.jwt_public_key
+        if key is None:  # (ProxyConfig.build requires the key of every accepted algorithm)
+            raise AuthError(f"no key for token algorithm {alg!r}")
         required = list(c.jwt_required_claims) + (["exp"] if c.jwt_require_exp else [])
-        options = {
+        options: Options = {
             "require": required,
             "verify_aud": c.jwt_audience is not None,
             "verify_iss": c.jwt_issuer is not None,

@@ -35,7 +35,8 @@ def register_playground(app: Flask) -> None:
         body, mimetype = files[request.path]
         response = Response(body, content_type=mimetype, headers=HEADERS)
         response.add_etag()
-        return response.make_conditional(request)
+        response.make_conditional(request)  # (in place: it returns the response itself)
+        return response
 
     for path in files:
         app.add_url_rule(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import ipaddress
 import logging
 import socket
@@ -262,6 +263,8 @@ def _address_literal(url: str) -> bool:
     parts = urlsplit(url)
     if parts.scheme == "https":
         return True
+    if parts.hostname is None:
+        return False
     try:
         ipaddress.ip_address(parts.hostname)
         return True
@@ -332,7 +335,7 @@ class Upstream:
                     refused = ProxyError(502, f"upstream unreachable: {_reason(exc)}")
                 self.pool.failed(backend, refused.message)
                 continue
-            release = _once(response, lambda b=backend: self.pool.release(b))
+            release = _once(response, functools.partial(self.pool.release, backend))
             answer = Forwarded(response, backend.url, len(tried), release)
             if response.status_code == 503:
                 self.pool.failed(backend, "answered 503", _seconds(response.headers.get("Retry-After")))
@@ -360,7 +363,8 @@ class Upstream:
 
 def _once(response: requests.Response, release: Callable[[], None]) -> Callable[[], None]:
     """Close the response and end its open count, once, whoever calls first."""
-    lock, done = threading.Lock(), []
+    lock = threading.Lock()
+    done: list[bool] = []
 
     def close() -> None:
         with lock:

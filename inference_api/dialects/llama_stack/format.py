@@ -14,10 +14,14 @@ from collections.abc import Iterator
 
 from ...generation import Generation, is_error
 from ...messages import FinishReason, TokenEvent, TokenLogprob
-from ...tools import OPEN, CallSplitter, ToolCall, Tools, split_calls
+from ...tools import OPEN, CallSplitter, Piece, ToolCall, Tools, split_calls
 from ..openai.format import visible
 
-STOP_REASON = {FinishReason.EOS: "end_of_turn", FinishReason.STOP: "end_of_turn", FinishReason.LENGTH: "out_of_tokens"}
+STOP_REASON: dict[FinishReason | None, str] = {
+    FinishReason.EOS: "end_of_turn",
+    FinishReason.STOP: "end_of_turn",
+    FinishReason.LENGTH: "out_of_tokens",
+}
 
 
 def _logprobs_out(lps: tuple[TokenLogprob, ...]) -> list[dict]:
@@ -73,16 +77,20 @@ def stream(events: Iterator[TokenEvent], chat: bool, want_logprobs: bool, tools:
             return
         lps = visible(event.logprobs, event.finish_reason)
         if splitter is None:
-            pieces = [("content", event.text)] if event.text else []
+            pieces: list[Piece] = [("content", event.text)] if event.text else []
         else:
             pieces = splitter.feed(event.text) + (splitter.finish() if event.finished else [])
-        for kind, piece in pieces:
-            if kind == "call":
-                delta = {"content": _tool_call(piece), "parse_status": "success"}
-            elif piece.startswith(OPEN):  # a call that did not parse (cut off by max_tokens): its text
-                delta = {"content": piece, "parse_status": "failure"}
-            else:
-                delta = piece
+        for piece in pieces:
+            delta: str | dict[str, object]
+            match piece:
+                case ("call", ToolCall() as call):
+                    delta = {"content": _tool_call(call), "parse_status": "success"}
+                case ("content", str() as text) if text.startswith(OPEN):  # a call that did not parse (cut off
+                    delta = {"content": text, "parse_status": "failure"}  # by max_tokens): its text
+                case ("content", str() as text):
+                    delta = text
+                case _:  # (only an incremental splitter's pieces: this one is not)
+                    continue
             yield chunk("progress", delta, lps, None)
             lps = ()
         if event.finished:

@@ -129,7 +129,7 @@ def parse_chat(body: dict, check_model: Callable[[str], None]) -> LlamaStackRequ
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages is required: a non-empty list of {role, content}", "messages")
-    out = []
+    out: list[dict] = []
     for i, msg in enumerate(messages):
         where = f"messages[{i}]"
         if not isinstance(msg, dict) or msg.get("role") not in ("user", "system", "assistant", "ipython"):

@@ -54,7 +54,7 @@ def health_blueprint(serving: Serving) -> Blueprint:
     def health():
         """200 only while serving; 503 while loading, restarting the engine, draining or failed."""
         client = serving.client
-        ready = client.ready
+        ready, process = client.ready, client.process
         state = "draining" if serving.draining else client.state
         estimate = serving.preflight
         body = {
@@ -74,11 +74,13 @@ def health_blueprint(serving: Serving) -> Blueprint:
             "matmul_dtype": ready.matmul_dtype if ready else None,
             "int8_inputs": ready.int8_inputs if ready else None,
             "kernels": ready.kernels if ready else None,
-            "backend_pid": client.process.pid if client.process else None,
+            "backend_pid": process.pid if process else None,
             "tensor_parallel_size": config.tensor_parallel_size,
             "ranks": [
                 {"rank": i, "pid": pid, "alive": alive}
-                for i, (pid, alive) in enumerate(zip((client.process.pid, *ready.rank_pids), client.ranks_alive()))
+                for i, (pid, alive) in enumerate(
+                    zip((process.pid if process else None, *ready.rank_pids), client.ranks_alive())
+                )
             ]
             if ready
             else [],

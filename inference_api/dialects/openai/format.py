@@ -14,7 +14,11 @@ from ...generation import Generation
 from ...messages import EngineReady, FinishReason, TokenEvent, TokenLogprob
 from ...sse import sse
 
-FINISH = {FinishReason.STOP: "stop", FinishReason.EOS: "stop", FinishReason.LENGTH: "length"}
+FINISH: dict[FinishReason | None, str] = {
+    FinishReason.STOP: "stop",
+    FinishReason.EOS: "stop",
+    FinishReason.LENGTH: "length",
+}
 
 
 def fingerprint(ready: EngineReady) -> str:
@@ -113,18 +117,27 @@ class CompletionFormat(_Format):
         self.echo, self.first_token, self.prompt_logprobs = echo, first_token, prompt_logprobs
         self.top, self.vllm_top = top or 0, vllm_top
 
-    def _echoed(self) -> dict | None:
+    def _prompt_rest(self) -> list[TokenLogprob]:
+        """The prompt's log-probs after its first token's (which has none)."""
+        rest: list[TokenLogprob] = []
+        for lp in (self.prompt_logprobs or ())[1:]:
+            if lp is None:
+                raise ValueError("only the prompt's first token has no log-prob")
+            rest.append(lp)
+        return rest
+
+    def _echoed(self, echo: str) -> dict | None:
         """The prompt's part of the logprobs object (its first token: null), offsets from 0."""
-        self.offset = len(self.echo)
+        self.offset = len(echo)
         if not self.want_logprobs or self.prompt_logprobs is None:
             return None
-        rest = self.prompt_logprobs[1:]
+        rest = self._prompt_rest()
         tokens = [self.first_token] + [lp.token for lp in rest]
         offsets = [0, *itertools.accumulate(len(t) for t in tokens[:-1])]
         return {
             "tokens": tokens,
-            "token_logprobs": [None] + [lp.logprob for lp in rest],
-            "top_logprobs": [None] + [dict(lp.top[: self.top]) for lp in rest],
+            "token_logprobs": [None, *(lp.logprob for lp in rest)],
+            "top_logprobs": [None, *(dict(lp.top[: self.top]) for lp in rest)],
             "text_offset": offsets,
         }
 
@@ -133,8 +146,8 @@ class CompletionFormat(_Format):
         for the token itself and the top N."""
         if self.prompt_logprobs is None:
             return None
-        out = [None]
-        for lp in self.prompt_logprobs[1:]:
+        out: list[dict | None] = [None]
+        for lp in self._prompt_rest():
             entry = {
                 str(i): {"logprob": v, "rank": k + 1, "decoded_token": t}
                 for k, (i, (t, v)) in enumerate(zip(lp.top_ids[: self.vllm_top], lp.top[: self.vllm_top]))
@@ -151,11 +164,11 @@ class CompletionFormat(_Format):
     def opening(self) -> list[dict]:
         if self.echo is None and self.vllm_top is None:
             return []
-        head = self._echoed() if self.echo is not None else None
+        head = self._echoed(self.echo) if self.echo is not None else None
         return [self.envelope(self.chunk_object, [self._scored(self.choice(self.echo or "", head, None))])]
 
     def response(self, gen: Generation, prompt_tokens: int) -> dict:
-        head = self._echoed() if self.echo is not None else None
+        head = self._echoed(self.echo) if self.echo is not None else None
         body = super().response(gen, prompt_tokens)
         choice = self._scored(body["choices"][0])
         if self.echo is not None:
@@ -248,7 +261,8 @@ def stream_chunks(
     choice's (its ``index``), each choice has its opening and finish chunks, and usage counts the prompt once
     and every choice's tokens.
     """
-    choice_tokens, cached_tokens = {}, 0
+    choice_tokens: dict[int, int] = {}
+    cached_tokens = 0
     fmts = fmt.for_choices(n)
     held: dict[int, tuple] = {}  # log-probs of an event without text (choice 0's first: the prompt's log-probs)
 

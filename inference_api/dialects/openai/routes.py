@@ -10,6 +10,7 @@ from flask import Blueprint, jsonify, request
 from ...error_shapes import OPENAI
 from ...messages import EngineReady
 from ...prepare import Prompt
+from ...request_errors import RequestError
 from ...serving import Run, Serving
 from ...validation import string
 from ..http import family_blueprint, json_body, sse_response
@@ -86,8 +87,9 @@ def openai_blueprint(serving: Serving) -> Blueprint:
     def detokenize():
         """vLLM's POST /detokenize: ``tokens`` into ``{prompt}``."""
         body = json_body(request)
-        if body.get("model") is not None:
-            serving.check_model(string(body, "model"))
+        model = string(body, "model")
+        if model is not None:
+            serving.check_model(model)
         tokens = parse_detokenize(body, serving.ready().vocab_size)
         return jsonify(prompt=serving.tokenizer.decode(list(tokens)))
 
@@ -96,11 +98,14 @@ def openai_blueprint(serving: Serving) -> Blueprint:
 
 def tokenize_openai(serving: Serving, body: dict):
     """vLLM's POST /tokenize: ``prompt`` or ``messages`` into ``{count, max_model_len, tokens}``."""
-    if body.get("model") is not None:
-        serving.check_model(string(body, "model"))
+    model = string(body, "model")
+    if model is not None:
+        serving.check_model(model)
     req = parse_tokenize(body)
     if req.messages is not None:
         ids = serving.encode(Prompt(messages=req.messages, tools=req.tools))
+    elif req.prompt is None:  # (parse_tokenize requires one of them)
+        raise RequestError("prompt or messages is required", "prompt")
     else:
         ids = serving.tokenizer.encode(
             serving.tokenizable(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ...generation import Generation
 from ...messages import EngineReady, TokenLogprob
-from ...tools import CallSplitter, Tools, split_calls
+from ...tools import CallSplitter, ToolCall, Tools, split_calls
 from .format import ChatFormat
 
 
@@ -35,19 +35,20 @@ class ToolChatFormat(ChatFormat):
         if finish is not None:
             pieces += self.splitter.finish()
         lps, out = self.held + tuple(logprobs), []
-        for kind, piece in pieces:
-            if kind == "content":
-                out.append(self.chunk(piece, lps, None))
-            elif kind == "call":
-                out += [self._opening(piece.id, piece.name, lps), self._arguments(piece.arguments)]
-                self.calls += 1
-            elif kind == "open":
-                out.append(self._opening(*piece, lps))
-            elif kind == "arguments":
-                out.append(self._arguments(piece, lps))
-            else:  # "end": the call streamed since its opening is whole
-                self.calls += 1
-                continue
+        for piece in pieces:
+            match piece:
+                case ("content", str() as text):
+                    out.append(self.chunk(text, lps, None))
+                case ("call", ToolCall() as call):
+                    out += [self._opening(call.id, call.name, lps), self._arguments(call.arguments)]
+                    self.calls += 1
+                case ("open", (str() as call_id, str() as name)):
+                    out.append(self._opening(call_id, name, lps))
+                case ("arguments", str() as text):
+                    out.append(self._arguments(text, lps))
+                case _:  # "end": the call streamed since its opening is whole
+                    self.calls += 1
+                    continue
             lps = ()
         self.held = lps if finish is None else ()
         if finish is not None:

@@ -10,7 +10,11 @@ from ...messages import FinishReason, TokenEvent, TokenLogprob
 from ...sse import sse
 from .protocol import TgiRequest
 
-FINISH = {FinishReason.EOS: "eos_token", FinishReason.STOP: "stop_sequence", FinishReason.LENGTH: "length"}
+FINISH: dict[FinishReason | None, str] = {
+    FinishReason.EOS: "eos_token",
+    FinishReason.STOP: "stop_sequence",
+    FinishReason.LENGTH: "length",
+}
 
 
 def _token(token_id: int, text: str, logprob: float | None, special: bool) -> dict:

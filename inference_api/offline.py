@@ -21,7 +21,7 @@ import enum
 import itertools
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence, Sized
 from dataclasses import dataclass, fields
 from pathlib import Path
 from queue import Empty
@@ -36,6 +36,7 @@ from .messages import FinishReason, TokenEvent, TokenLogprob
 from .messages import SamplingParams as EngineParams
 from .prepare import Prompt, prepare
 from .request_errors import RateLimited, RequestError, Unavailable
+from .tokenizer import Tokenizer
 from .tools import ToolCall, Tools, parse_tools, split_calls
 
 _ANY_VOCAB = 1 << 31  # token-id checks need the model's vocabulary; they are made again at submission
@@ -170,7 +171,7 @@ class ResultQueue:
         """New output, waiting up to ``timeout`` seconds (None: until some arrives); None on timeout or when the
         request has ended and everything has been read."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._read.acquire(timeout=-1 if deadline is None else max(0.0, timeout)):
+        if not self._read.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return self._pop()
         try:
             while True:
@@ -195,7 +196,7 @@ class ResultQueue:
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the request ends (its output stays queued); False if ``timeout`` passed first."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        if not self._read.acquire(timeout=-1 if deadline is None else max(0.0, timeout)):
+        if not self._read.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
             return False
         try:
             self._drain()
@@ -251,13 +252,14 @@ class ResultQueue:
                 self._buffer.append(event)
             self.generated_length += len(event.token_ids)
             self._generating = self._generating or bool(event.token_ids)
-            if not event.finished:
+            reason = event.finish_reason
+            if reason is None:  # not finished
                 return
-            ok = event.finish_reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.EOS)
-            self._finished[event.index] = event.finish_reason.value
+            ok = reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.EOS)
+            self._finished[event.index] = reason.value
             if ok and len(self._finished) < self._session.n:
                 return  # other choices still running
-            self.finish_reason = (self._finished.get(0) if ok else None) or event.finish_reason.value
+            self.finish_reason = (self._finished.get(0) if ok else None) or reason.value
             self.error = event.error
             self._end = RequestStatus.FINISHED if ok else RequestStatus.INTERRUPTED
         self._llm._ended(self)
@@ -277,7 +279,7 @@ class ResultQueue:
             token_ids=tuple(t for e in events for t in e.token_ids),
             text="".join(e.text for e in events),
             logprobs=tuple(lp for e in events for lp in e.logprobs) if self._want_logprobs else None,
-            finish_reason=last.finish_reason.value if last.finished else None,
+            finish_reason=last.finish_reason.value if last.finish_reason is not None else None,
             completion_tokens=self.generated_length if self._session.n == 1 else last.completion_tokens,
             error=last.error,
             index=index,
@@ -365,9 +367,12 @@ class LLM:
         self.vocab_size = self._client.ready.vocab_size
 
     @property
-    def tokenizer(self):
+    def tokenizer(self) -> Tokenizer:
         """The model's tokenizer: ``encode(text)``, ``encode_chat(messages)``, ``decode(ids)``."""
-        return self._client.tokenizer
+        tokenizer = self._client.tokenizer
+        if tokenizer is None:  # (the client loads it before it reports the engine ready, which __init__ awaits)
+            raise EngineError("the engine has not reported ready")
+        return tokenizer
 
     # life cycle
     def close(self) -> None:
@@ -447,7 +452,7 @@ class LLM:
                     engine_params, grammar=one_of(engine_params.grammar, tools.grammar(), field="tool_choice")
                 )
             return prepare(
-                self._client.tokenizer, self.context_length, parsed, engine_params, max_tokens, prompt_field="prompt"
+                self.tokenizer, self.context_length, parsed, engine_params, max_tokens, prompt_field="prompt"
             )
         except RequestError as err:
             raise _translate(err) from None
@@ -510,11 +515,10 @@ class LLM:
             parsed = parse_tools(tools, tool_choice, parallel_tool_calls)
         except RequestError as err:
             raise _translate(err) from None
-        if _is_conversation(conversations):
-            conversations = [conversations]
-        items = (Conversation(c, parsed) for c in conversations)
-        if hasattr(conversations, "__len__"):
-            items = [Conversation(c, parsed) for c in conversations]
+        given: Iterable[Any] = [conversations] if _is_conversation(conversations) else conversations
+        items: Iterable[Conversation] = (Conversation(c, parsed) for c in given)
+        if isinstance(given, Sized):
+            items = [Conversation(c, parsed) for c in given]
         return self.generate(items, params, use_tqdm=use_tqdm)
 
     def generate_iter(
@@ -531,7 +535,7 @@ class LLM:
         from tqdm.auto import tqdm
 
         jobs = _jobs(prompts, params)
-        total = len(prompts) if hasattr(prompts, "__len__") else None
+        total = len(prompts) if isinstance(prompts, Sized) else None
         bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
         started, out_tokens = time.monotonic(), 0
         running: dict[int, tuple[Any, RequestHandle]] = {}
@@ -594,8 +598,10 @@ class Conversation:
     dicts are recognised without it."""
 
     def __init__(self, messages: Any, tools: Tools | None = None):
-        self.messages = messages.messages if isinstance(messages, Conversation) else messages
-        self.tools = tools if tools is not None or not isinstance(messages, Conversation) else messages.tools
+        self.messages: Any = messages.messages if isinstance(messages, Conversation) else messages
+        self.tools: Tools | None = (
+            tools if tools is not None or not isinstance(messages, Conversation) else messages.tools
+        )
 
 
 def _is_conversation(value: Any) -> bool:
@@ -606,19 +612,21 @@ def _is_token_ids(value: Any) -> bool:
     return isinstance(value, (list, tuple)) and bool(value) and all(type(t) is int for t in value)
 
 
-def _jobs(prompts: Iterable, params) -> Iterator[tuple[int, Any, SamplingParams | None]]:
+def _jobs(
+    prompts: Iterable[Any], params: SamplingParams | Sequence[SamplingParams] | None
+) -> Iterator[tuple[int, Any, SamplingParams | None]]:
     """(index, prompt, params) for each prompt; a ``(prompt, SamplingParams)`` pair brings its own."""
-    per_prompt = itertools.repeat(params) if params is None or isinstance(params, SamplingParams) else iter(params)
+    per_prompt: Iterator[SamplingParams | None] = (
+        itertools.repeat(params) if params is None or isinstance(params, SamplingParams) else iter(params)
+    )
     for index, item in enumerate(prompts):
-        own = next(per_prompt, _MISSING)
-        if own is _MISSING:
-            raise ParameterError(f"params has fewer entries than there are prompts ({index})", "params")
+        try:
+            own = next(per_prompt)
+        except StopIteration:
+            raise ParameterError(f"params has fewer entries than there are prompts ({index})", "params") from None
         if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], SamplingParams):
             item, own = item
         yield index, item, own
-
-
-_MISSING = object()
 
 
 def _choices(params: SamplingParams | None) -> int:
@@ -635,7 +643,7 @@ def _result(index: int, prompt: Any, handle: RequestHandle) -> RequestOutput:
     tools = handle.tools if handle.tools is not None and handle.tools.offered else None
     for i in range(q._session.n):
         outs = parts.get(i, [])
-        lps = tuple(lp for o in outs for lp in o.logprobs) if outs and outs[0].logprobs is not None else None
+        lps = tuple(lp for o in outs for lp in o.logprobs or ()) if outs and outs[0].logprobs is not None else None
         text = "".join(o.text for o in outs)
         calls = tuple(split_calls(text, tools.names, tools.forced)[1]) if tools is not None else ()
         choices.append(

@@ -15,7 +15,7 @@ import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 from .config import ServerConfig
 
@@ -81,6 +81,12 @@ class ExecutionPlan:
         wrap; SDPA and transformers' layers read a row's first positions)."""
         return self.cpu_kernels and self.model == "compact"
 
+    @overload
+    def torch(self, name: str) -> torch.dtype: ...
+    @overload
+    def torch(self, name: None) -> None: ...
+    @overload
+    def torch(self, name: str | None) -> torch.dtype | None: ...
     def torch(self, name: str | None) -> torch.dtype | None:
         """A dtype name of this plan as torch's dtype (None stays None)."""
         import torch

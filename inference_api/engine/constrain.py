@@ -12,11 +12,15 @@ import collections
 import logging
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from ..grammar import Grammar
+
+if TYPE_CHECKING:
+    from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
 log = logging.getLogger(__name__)
 
@@ -27,18 +31,20 @@ class Constraints:
     """Matchers for the rows that carry a grammar. ``make_tokenizer``: builds llguidance's tokenizer (lazily,
     on the compile thread, the first time a request brings a grammar)."""
 
-    def __init__(self, make_tokenizer: Callable[[], object]):
+    def __init__(self, make_tokenizer: Callable[[], LLTokenizer]):
         self._make_tokenizer = make_tokenizer
-        self._tokenizer = None
-        self._cache: collections.OrderedDict[Grammar, object] = collections.OrderedDict()
+        self._tokenizer: LLTokenizer | None = None
+        self._cache: collections.OrderedDict[Grammar, LLMatcher] = collections.OrderedDict()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="grammar-compile")
-        self._executor = None  # llguidance's, for the masks of a step's constrained rows (made on first use)
+        self._executor: LLExecutor | None = (
+            None  # llguidance's, for the masks of a step's constrained rows (made on first use)
+        )
 
-    def compile(self, grammar: Grammar) -> Future:
+    def compile(self, grammar: Grammar) -> Future[LLMatcher]:
         """A future of a fresh matcher for one row (or of the error text, as ValueError)."""
         return self._pool.submit(self._matcher, grammar)
 
-    def _matcher(self, grammar: Grammar):
+    def _matcher(self, grammar: Grammar) -> LLMatcher:
         from llguidance import LLMatcher
 
         template = self._cache.get(grammar)
@@ -55,7 +61,7 @@ class Constraints:
         return template.deep_copy()
 
     def mask(
-        self, logits: torch.Tensor, rows: list[tuple[int, object]], unmasked: torch.Tensor | None = None
+        self, logits: torch.Tensor, rows: list[tuple[int, LLMatcher]], unmasked: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``logits`` with rows ``i`` of ``rows`` (index, matcher) keeping only the tokens their matcher allows;
         every other row untouched (a new tensor: the raw logits stay for log-probs). All rows' masks come from

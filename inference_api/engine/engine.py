@@ -6,7 +6,7 @@ import logging
 import random
 from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -15,6 +15,9 @@ from .constrain import Constraints
 from .sampling import RowParams, apply_penalties, choice_seed, mask_tokens, sample
 from .scheduler import Scheduler, Step
 from .sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 log = logging.getLogger(__name__)
 
@@ -77,7 +80,8 @@ class Engine:
         self._rng = random.Random()
         self.constraints = constraints  # None: requests with a grammar fail (the mock has no real vocabulary)
         # requests (a choice each: Sequence.key) waiting for their grammar's matcher
-        self.compiling: dict[tuple[str, int], tuple[Sequence, Future]] = {}
+        # requests waiting for their matcher (None: this engine has no grammar support)
+        self.compiling: dict[tuple[str, int], tuple[Sequence, Future[LLMatcher] | None]] = {}
 
     @property
     def has_work(self) -> bool:
@@ -172,10 +176,10 @@ class Engine:
         for admission in self.scheduler.admit():
             seq = admission.seq
             seed = choice_seed(seq.params.seed, seq.index) if seq.params.seed is not None else self._rng.getrandbits(63)
-            self.params.set_row(seq.row, seq.params, seed, seq.prompt_ids)
+            self.params.set_row(seq.held_row, seq.params, seed, seq.prompt_ids)
             if admission.copy_from is not None:
                 try:
-                    self.runner.copy_prefix(admission.copy_from, seq.row, admission.length)
+                    self.runner.copy_prefix(admission.copy_from, seq.held_row, admission.length)
                 except Exception:  # the prompt is then computed in full
                     log.exception("copying a cached prefix failed")
                     self.scheduler.forget_prefix(seq)
@@ -187,7 +191,7 @@ class Engine:
             prefill = self._prefill(step.prefill)
         if step.decode:
             decode = self.runner.decode(
-                [s.row for s in step.decode],
+                [s.held_row for s in step.decode],
                 [s.last_token for s in step.decode],
                 [s.num_tokens - 1 for s in step.decode],
             )
@@ -203,28 +207,29 @@ class Engine:
         logits = None
         if plain:
             logits = self.runner.prefill(
-                [s.row for s, _ in plain],
+                [s.held_row for s, _ in plain],
                 [s.prompt_ids[s.num_cached : s.num_cached + n] for s, n in plain],
                 [s.num_cached for s, _ in plain],
             )
-        if len(plain) == len(chunks):
-            return logits
-        rows, j = [], 0
+            if len(plain) == len(chunks):
+                return logits
+        plain_rows = iter(logits if logits is not None else ())  # the plain chunks' rows, in order
+        rows = []
         for s, n in chunks:
             if s.scores_prompt:
-                every = self.runner.score(s.row, s.prompt_ids[s.num_cached : s.num_cached + n], s.num_cached)
+                every = self.runner.score(s.held_row, s.prompt_ids[s.num_cached : s.num_cached + n], s.num_cached)
                 self._score_prompt(s, every, s.num_cached)
                 rows.append(every[-1])
             else:
-                rows.append(logits[j])
-                j += 1
+                rows.append(next(plain_rows))
         return torch.stack(rows)
 
     def _score_prompt(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
         """The log-probs of the prompt tokens that positions start.. predict (the last prompt position predicts
         the first output token: not a prompt token)."""
+        scores = seq.prompt_logprobs
         targets = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
-        if not targets:
+        if scores is None or not targets:  # (only a request that asked for its prompt's log-probs is scored)
             return
         n, decode = seq.params.prompt_logprobs, self.tokenizer.decode
         for a in range(0, len(targets), SCORE_SLICE):  # a slice at a time: one copy of the chunk's logits at most
@@ -235,11 +240,11 @@ class Engine:
             top_v, top_i = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
             for t, v, rank, ids, vals in zip(part, chosen[:, 0].tolist(), ranks, top_i.tolist(), top_v.tolist()):
                 top = tuple((decode([i]), x) for i, x in zip(ids, vals))
-                seq.prompt_logprobs.append(TokenLogprob(decode([t]), v, top, t, rank, tuple(ids)))
+                scores.append(TokenLogprob(decode([t]), v, top, t, rank, tuple(ids)))
 
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
         p = self.params
-        rows = torch.tensor([s.row for s in seqs], device=logits.device)
+        rows = torch.tensor([s.held_row for s in seqs], device=logits.device)
         penalised = any(
             s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1.0 for s in seqs
         )
@@ -254,6 +259,8 @@ class Engine:
         # a grammar's row: only the tokens its matcher allows (the other rows pay nothing)
         constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
         if constrained:
+            if self.constraints is None:  # (it alone builds matchers)
+                raise RuntimeError("rows with a grammar in an engine without grammar support")
             logits = self.constraints.mask(logits, constrained, unmasked)
         steps = torch.tensor([s.num_output for s in seqs], device=logits.device)
         min_p = p.min_p[rows] if any(s.params.min_p for s in seqs) else None
@@ -325,7 +332,7 @@ class Engine:
         self, logits: torch.Tensor, idx: list[int], tokens: list[int], seqs: list[Sequence]
     ) -> dict[int, TokenLogprob]:
         lp = torch.log_softmax(logits[idx].float(), dim=-1)
-        top_n = max(seqs[i].params.logprobs for i in idx)
+        top_n = max(seqs[i].params.logprobs or 0 for i in idx)
         top_v, top_i = lp.topk(max(top_n, 1), dim=-1)
         out = {}
         for j, i in enumerate(idx):

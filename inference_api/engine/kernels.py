@@ -88,6 +88,8 @@ def _import_built(name: str, build: Path):
     import torch  # noqa: F401  (the extension links against torch's libraries: they must be loaded first)
 
     spec = importlib.util.spec_from_file_location(name, so)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"{so} is no extension module")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     sys.modules[name] = module

@@ -98,7 +98,9 @@ class RowKVCache:
         """Whether a row that has written ``cached`` positions still holds what a request reusing its first
         ``length`` needs: each ring the window before position ``length`` (it holds the last n positions)."""
         return all(
-            cached <= n or cached - n <= length - w for n, w in zip(self.layer_slots, self.windows) if n < self.length
+            cached <= n or cached - n <= length - w
+            for n, w in zip(self.layer_slots, self.windows)
+            if n < self.length and w is not None  # (a ring is a window's)
         )
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:

@@ -67,7 +67,7 @@ def build_model(model, plan: ExecutionPlan, kernels, length: int, shard=None, al
             # the other ranks build a tied quantized head only for the rows rank 0's embedding reads (the same numbers)
             rows = tied and head_mode is not None
             head = make_linear(head_w, None, group=plan.group or 32, as_mode=head_mode) if logits or rows else None
-            if tied and hasattr(head, "rows"):
+            if tied and head is not None and hasattr(head, "rows"):
                 return head.rows, head if logits else None  # a tied quantized head: embeddings read from its rows
             head = head if logits else None
             if isinstance(embed_w, QUANTIZED):  # a GGUF's own blocks: rows dequantized when read
@@ -167,9 +167,9 @@ class ModelRunner:
         return self.model.forward(self._batch(rows, chunks, starts, True), self.cache)
 
     @torch.inference_mode()
-    def score(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor:
+    def score(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor | None:
         """Write ids at positions start.. of a row; return the logits after every one of them [len(ids), V]
-        (in pieces of at most a prefill chunk where the cache has rings)."""
+        (in pieces of at most a prefill chunk where the cache has rings); None on a rank that computes no logits."""
         piece = self.cache.chunk or len(ids)
         parts = [
             self.model.forward(self._batch([row], [ids[i : i + piece]], [start + i], False), self.cache)

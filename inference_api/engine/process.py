@@ -42,10 +42,10 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
         from ..mock.runner import MockRunner
         from ..mock.tokenizer import EOS, ByteTokenizer
 
-        runner = MockRunner(config.rows, config.mock_tokens_per_second)
+        mock = MockRunner(config.rows, config.mock_tokens_per_second)
         engine = _engine(
             config,
-            runner,
+            mock,
             ByteTokenizer(),
             config.rows,
             config.context_length,
@@ -53,7 +53,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
             frozenset([EOS]),
             prefix_cache=config.prefix_cache,
         )
-        return engine, EngineReady("", model_name(config), config.context_length, runner.vocab_size, "cpu", "none")
+        return engine, EngineReady("", model_name(config), config.context_length, mock.vocab_size, "cpu", "none")
 
     import torch
 

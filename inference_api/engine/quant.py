@@ -209,7 +209,10 @@ class QuantLinear:
             sizes = [p.raw.shape[0] if isinstance(p, BlockWeight) else p.q.shape[0] for p in weight.pieces]
             biases = [None] * len(sizes) if bias is None else list(bias.split(sizes))
             self.pieces = [QuantLinear(p, b, kernels, int8_inputs) for p, b in zip(weight.pieces, biases)]
-        self.vnni = (None, None)  # several rows' int8 inputs go to the VNNI tiles where the kernels have them
+        self.vnni: tuple[torch.Tensor | None, torch.Tensor | None] = (
+            None,
+            None,
+        )  # several rows' int8 inputs go to the VNNI tiles where the kernels have them
         if int8_inputs and isinstance(weight, (Int8Weight, Int4Weight)) and kernels.vnni() and can_vnni(weight):
             self.vnni = vnni_int4(weight) if isinstance(weight, Int4Weight) else vnni_int8(weight)
 

@@ -7,6 +7,7 @@ whatever else shares the batch: same seed and prompt, same output.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,7 +70,7 @@ class RowParams:
 
     @classmethod
     def allocate(cls, rows: int, vocab: int, device: torch.device) -> RowParams:
-        f = dict(dtype=torch.float32, device=device)
+        f: dict[str, Any] = dict(dtype=torch.float32, device=device)
         return cls(
             temperature=torch.ones(rows, **f),
             top_k=torch.full((rows,), vocab, dtype=torch.int64, device=device),

@@ -83,8 +83,11 @@ class Scheduler:
         vLLM's prefix caching do. The last prompt token is always computed: its logits give the first token."""
         admitted = []
         while self.waiting and self.rows.num_free:
+            row = self.rows.allocate()
+            if row is None:  # (num_free said there is one)
+                break
             seq = self.waiting.popleft()
-            seq.row = self.rows.allocate()
+            seq.row = row
             seq.status = Status.PREFILL
             admission = Admission(seq)
             if self.prefixes is not None and not seq.scores_prompt:  # prompt log-probs need every position
@@ -94,8 +97,8 @@ class Scheduler:
                 self.prefix_hits += length
                 if length:
                     seq.num_cached = seq.num_reused = length
-                    admission = Admission(seq, None if src == seq.row else src, length)
-            self.running[seq.row] = seq
+                    admission = Admission(seq, None if src == row else src, length)
+            self.running[row] = seq
             admitted.append(admission)
         return admitted
 
@@ -109,7 +112,7 @@ class Scheduler:
         """Prompt chunks of several rows, at most prefill_chunk tokens with their padding, so a long prompt never
         stalls the running streams for more than one bounded piece of work; and every decoding row."""
         step, width = Step(), 0
-        by_row = sorted(self.running.values(), key=lambda s: s.row)
+        by_row = sorted(self.running.values(), key=lambda s: s.held_row)
         for seq in by_row:
             if seq.status is not Status.PREFILL:
                 continue

@@ -5,10 +5,15 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
+from concurrent.futures import Future
+from typing import TYPE_CHECKING
 
 from ..messages import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
 from .detokenize import IncrementalDetokenizer
 from .stopping import check_stop
+
+if TYPE_CHECKING:
+    from llguidance import LLMatcher
 
 
 class Status(enum.Enum):
@@ -36,12 +41,12 @@ class Sequence:
         self._checked = 0  # characters of _text already searched for stop sequences
         self.pending_ids: list[int] = []  # tokens not yet reported in an event
         self.pending_logprobs: list[TokenLogprob] = []
-        self.matcher = None  # llguidance's matcher for a request with a grammar (engine/constrain.py)
+        self.matcher: LLMatcher | None = None  # llguidance's matcher for a request with a grammar (engine/constrain.py)
         self.forks: list[Sequence] = []  # choice 0 of n: the other choices, held until its prompt is cached
-        self.future = None  # a held choice's matcher being built (a request with a grammar)
+        self.future: Future[LLMatcher] | None = None  # a held choice's matcher being built (a request with a grammar)
         # choice 0 of a request with prompt_logprobs: each prompt token's log-prob, gathered as its prompt is
         # computed (in full: such a request reuses no cached prefix); None otherwise
-        self.prompt_logprobs: list | None = (
+        self.prompt_logprobs: list[TokenLogprob | None] | None = (
             [None] if index == 0 and request.params.prompt_logprobs is not None else None
         )
 
@@ -49,6 +54,13 @@ class Sequence:
     @property
     def key(self) -> tuple[str, int]:
         return self.session_id, self.index
+
+    @property
+    def held_row(self) -> int:
+        """The row of a sequence that holds one (admitted, not yet released)."""
+        if self.row is None:
+            raise RuntimeError(f"choice {self.index} of request {self.session_id} holds no row")
+        return self.row
 
     @property
     def scores_prompt(self) -> bool:

@@ -9,6 +9,11 @@ import struct
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import numpy as np
+    from gguf import GGMLQuantizationType
 
 FLOAT_TYPES = {"F32", "F16", "BF16"}
 FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"}  # held as int4; 5 bits and more as int8
@@ -108,11 +113,11 @@ class IndexTensor:
     """One tensor of a GGUFIndex, with the attributes of gguf-py's ReaderTensor that the loaders read."""
 
     name: str
-    tensor_type: object  # gguf.GGMLQuantizationType
-    shape: object  # its dimensions, innermost first (numpy, as gguf-py gives them)
+    tensor_type: GGMLQuantizationType
+    shape: np.ndarray  # its dimensions, innermost first (numpy, as gguf-py gives them)
     n_elements: int
     n_bytes: int
-    data: object  # a numpy view of the memory map
+    data: np.ndarray  # a numpy view of the memory map
 
 
 @dataclass(frozen=True)

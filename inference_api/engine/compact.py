@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -181,11 +182,13 @@ class CompactLM:
         return x * self.embed_scale if self.embed_scale != 1.0 else x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        if self.head is None:  # (forward asks only a rank that has the head)
+            raise RuntimeError("this rank computes no logits")
         logits = self.head(self._norm(x, self.norm, self.norm_b)).float()
         cap = self.spec.final_softcap
         return torch.tanh(logits / cap) * cap if cap else logits
 
-    def forward(self, batch: ForwardBatch, cache) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch, cache) -> torch.Tensor | None:
         if batch.decode and self.fast:
             return self._decode(batch, cache)
         spec, k = self.spec, self.kernels
@@ -198,9 +201,10 @@ class CompactLM:
         x = self._embed(batch.ids.reshape(-1)[tokens])
         # each token's slot in each layer's cache (a sliding-window layer's ring wraps), once per cache geometry
         slots = {n: cache.slots_of(n, write) for n in set(cache.layer_slots)}
-        flats = None if self.rope_kernel else {n: cache.flat_index(rows, s, n) for n, s in slots.items()}
+        flats = {} if self.rope_kernel else {n: cache.flat_index(rows, s, n) for n, s in slots.items()}
         cos_sin = [(cos[pos], sin[pos]) for cos, sin in self.ropes]  # [N, rotary dims], once for every layer
         per_token = k is not None  # the attention kernel, one query at a time
+        rope_k = k if self.rope_kernel else None  # the rotary + cache write kernel
         if per_token:
             lengths = pos + 1
             starts = {w: None if w is None else (pos - (w - 1)).clamp(min=0) for w in set(spec.windows)}
@@ -211,12 +215,14 @@ class CompactLM:
             h = self._norm(x, layer.attn_norm, layer.attn_norm_b)
             qkv = layer.qkv(h)
             cos, sin = cos_sin[spec.rope[i]]
-            if self.rope_kernel:  # every token's rotary and cache write in one kernel call
-                if layer.q_norm is not None:  # the per-head norms before the rotary, written back into qkv
+            if rope_k is not None:  # every token's rotary and cache write in one kernel call
+                if (
+                    layer.q_norm is not None and layer.k_norm is not None
+                ):  # the per-head norms before the rotary, written back into qkv
                     heads = qkv.view(-1, hq + 2 * hk, d)
                     heads[:, :hq] = self._norm(heads[:, :hq], layer.q_norm)
                     heads[:, hq : hq + hk] = self._norm(heads[:, hq : hq + hk], layer.k_norm)
-                q = k.rope_store(
+                q = rope_k.rope_store(
                     qkv,
                     cos,
                     sin,
@@ -230,11 +236,11 @@ class CompactLM:
             else:
                 q, key, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
                 q, key, v = q.reshape(-1, hq, d), key.reshape(-1, hk, d), v.reshape(-1, hk, d)
-                if layer.q_norm is not None:
+                if layer.q_norm is not None and layer.k_norm is not None:
                     q, key = self._norm(q, layer.q_norm), self._norm(key, layer.k_norm)
                 q, key = _rope(q, cos[:, None], sin[:, None]), _rope(key, cos[:, None], sin[:, None])
                 cache.write(i, key, v, flats[cache.layer_slots[i]])
-            if per_token:
+            if k is not None:  # per_token
                 a = k.decode_attention(
                     q.reshape(-1, hq, d),
                     cache.keys[i],
@@ -279,14 +285,16 @@ class CompactLM:
             return self._logits(x[batch.last])
         return _pad(self._logits(x), tokens, b * t).view(b, t, -1)
 
-    def _decode(self, batch: ForwardBatch, cache) -> torch.Tensor:
+    def _decode(self, batch: ForwardBatch, cache) -> torch.Tensor | None:
         """One token for each of rows 0..B-1 through the CPU kernels: a few calls per layer, each row reading
-        only its own cached positions. Returns logits [B, V]."""
+        only its own cached positions. Returns logits [B, V] (None on a rank without the head)."""
         k = self.kernels
+        if k is None:  # (forward takes this path only with the kernels: self.fast)
+            raise RuntimeError("the decode path runs on the CPU kernels")
         write, lengths = batch.write[:, 0], batch.lengths()
         cos, sin = (t[batch.positions[:, 0]] for t in self.ropes[0])
         x = self._embed(batch.ids[:, 0])
-        if self.fused is not None and x.shape[0] <= self.fused_max_rows:
+        if self.fused is not None and self.head is not None and x.shape[0] <= self.fused_max_rows:
             x = self.fused.forward(
                 x, cos, sin, write, lengths, cache.keys, cache.values, cache.key_scales, cache.value_scales
             )
@@ -311,7 +319,7 @@ class CompactLM:
         return None if self.head is None else self.head(k.rms_norm(x, self.norm, self.eps))
 
 
-def fused_decoder(kernels, layers: list[Layer], heads: int, eps: float) -> tuple[object | None, float]:
+def fused_decoder(kernels, layers: list[Layer], heads: int, eps: float) -> tuple[Any, float]:
     """The kernels' Decoder (the decode step's layers in one C++ call) when every linear is quantized, and
     the most rows it may take: one where layers run several rows on a oneDNN copy (SplitLinear), else any."""
     if kernels is None:
@@ -319,12 +327,13 @@ def fused_decoder(kernels, layers: list[Layer], heads: int, eps: float) -> tuple
     one_row = [
         [getattr(lin, "quantized", lin) for lin in (layer.qkv, layer.o, layer.gate_up, layer.down)] for layer in layers
     ]  # SplitLinear: its quantized half
-    if not all(isinstance(lin, QuantLinear) for four in one_row for lin in four):
+    quantized = [[lin for lin in four if isinstance(lin, QuantLinear)] for four in one_row]
+    if any(len(four) < 4 for four in quantized):
         return None, 0
     decoder = kernels.Decoder(
         [
             (layer.attn_norm, qkv.parts(), o.parts(), layer.mlp_norm, gu.parts(), down.parts())
-            for layer, (qkv, o, gu, down) in zip(layers, one_row)
+            for layer, (qkv, o, gu, down) in zip(layers, quantized)
         ],
         heads,
         eps,
@@ -353,16 +362,20 @@ class HFWeights:
         return None if w is None else (w.float() + offset).to(w.dtype) if offset else w.clone()
 
     def final_norm(self) -> torch.Tensor:
-        return self._norm("model.norm")
+        norm = self._norm("model.norm")
+        if norm is None:
+            raise ValueError("the model has no final norm (model.norm.weight)")
+        return norm
 
-    def layer(self, i: int) -> dict[str, torch.Tensor | None]:
+    def layer(self, i: int) -> dict[str, Any]:
         p, names, sd = f"model.layers.{i}.", self.family.names, self.sd
 
         def fused(parts: list[str], name: str | None, suffix: str = "weight") -> torch.Tensor | None:
             if name:
                 return sd.get(f"{p}{name}.{suffix}")
             found = [sd.get(f"{p}{part}.{suffix}") for part in parts]
-            return None if any(f is None for f in found) else torch.cat(found)
+            present = [f for f in found if f is not None]
+            return torch.cat(present) if len(present) == len(found) else None
 
         attn = [f"self_attn.{n}_proj" for n in "qkv"]
         norm = lambda role: self._norm(p + names[role]) if names[role] else None  # noqa: E731

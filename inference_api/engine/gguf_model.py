@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from ..gguf_meta import SWA_PATTERN, GGUFIndex, layer_windows
 from .gguf_blocks import packed
-from .quant import QUANTIZED, stack
+from .quant import BlockWeight, Int4Weight, Int8Weight, stack
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ ARCHS = {
 # llama.cpp rotates adjacent pairs for these (rope type NORM): convert_hf_to_gguf permuted their q and k rows,
 # which are permuted back here for the half-split rotary the decoder runs
 ROPE_NORM = {"llama"}
+ROW_MAPPED = (Int8Weight, Int4Weight, BlockWeight)  # the packed forms whose rows map_rows rewrites
 
 
 class GGUFModel:
@@ -77,7 +79,7 @@ class GGUFModel:
         each row-first tensor of packed blocks."""
         if w is None or self.arch not in ROPE_NORM:
             return w
-        if isinstance(w, QUANTIZED):
+        if isinstance(w, ROW_MAPPED):
             return w.map_rows(lambda t: self._unpermute(t, heads))
         rest = w.shape[1:]
         return w.reshape(heads, w.shape[0] // heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
@@ -109,7 +111,10 @@ class GGUFWeights:
         return self._whole("output.weight")
 
     def final_norm(self) -> torch.Tensor:
-        return self.m.tensor("output_norm.weight")
+        norm = self.m.tensor("output_norm.weight")
+        if norm is None:
+            raise ValueError(f"{self.m.path}: no output_norm.weight")
+        return norm
 
     def final_norm_bias(self) -> torch.Tensor | None:
         return self.m.tensor("output_norm.bias")
@@ -131,15 +136,17 @@ class GGUFWeights:
                     ", ".join(names),
                     "/".join(odd),
                 )
-        parts = []
-        for t, b, h in zip(tensors, blocks, heads):
-            w = b if as_blocks else self.m.tensor(t.name)
-            parts.append(self.m._unpermute(w, h) if h else w)
         if as_blocks:
-            return stack(parts), None
+            return stack([self.m._unpermute(b, h) if h else b for b, h in zip(blocks, heads)]), None
+        parts: list[torch.Tensor] = []
+        for t, h in zip(tensors, heads):
+            w = self.m.tensor(t.name)
+            if w is None:  # (t is one of the file's tensors)
+                raise KeyError(t.name)
+            parts.append(self.m._unpermute(w, h) if h else w)
         return (torch.cat(parts) if len(parts) > 1 else parts[0]), "none"
 
-    def layer(self, i: int) -> dict[str, torch.Tensor | None]:
+    def layer(self, i: int) -> dict[str, Any]:
         t = lambda name: self.m.tensor(f"blk.{i}.{name}")  # noqa: E731
         has = lambda name: f"blk.{i}.{name}" in self.m.tensors  # noqa: E731
         if has("attn_qkv.weight"):
@@ -205,7 +212,7 @@ def gguf_config(m: GGUFModel):
     heads = int(m.hparam("attention.head_count"))
     head_dim = int(m.hparam("attention.key_length") or hidden // heads)
     layers = int(m.hparam("block_count"))
-    kw = dict(
+    kw: dict[str, Any] = dict(  # AutoConfig.for_model's arguments
         vocab_size=int(embd.shape[1]),
         hidden_size=hidden,
         intermediate_size=int(m.hparam("feed_forward_length")),

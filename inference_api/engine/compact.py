@@ -216,9 +216,8 @@ class CompactLM:
             qkv = layer.qkv(h)
             cos, sin = cos_sin[spec.rope[i]]
             if rope_k is not None:  # every token's rotary and cache write in one kernel call
-                if (
-                    layer.q_norm is not None and layer.k_norm is not None
-                ):  # the per-head norms before the rotary, written back into qkv
+                # the per-head norms before the rotary, written back into qkv
+                if layer.q_norm is not None and layer.k_norm is not None:
                     heads = qkv.view(-1, hq + 2 * hk, d)
                     heads[:, :hq] = self._norm(heads[:, :hq], layer.q_norm)
                     heads[:, hq : hq + hk] = self._norm(heads[:, hq : hq + hk], layer.k_norm)

@@ -79,8 +79,7 @@ class Engine:
         self.sessions: dict[str, list[Sequence]] = {}  # a request's choices not yet ended (n: SamplingParams.n)
         self._rng = random.Random()
         self.constraints = constraints  # None: requests with a grammar fail (the mock has no real vocabulary)
-        # requests (a choice each: Sequence.key) waiting for their grammar's matcher
-        # requests waiting for their matcher (None: this engine has no grammar support)
+        # requests (a choice each: Sequence.key) waiting for their grammar's matcher (None: no grammar support)
         self.compiling: dict[tuple[str, int], tuple[Sequence, Future[LLMatcher] | None]] = {}
 
     @property

@@ -39,6 +39,7 @@ def _rank(rank: int, size: int, port: int, hidden: int, rows: list[int], calls: 
             group.all_reduce(t)
             times.append(time.perf_counter() - start)
         results[n] = times
+    group.close()
     if out is not None:
         out.send(results)
 

@@ -8,6 +8,7 @@ test that kills one of its ranks runs last.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
@@ -53,8 +54,8 @@ def tp3_server():
 
 def test_three_ranks_answer_as_generate_and_report_every_rank(tp3_server, model_name, reference):  # noqa: F811
     """4 prompts at once through the 3-rank server: each greedy answer equals transformers' generate alone (up to
-    the near-ties the summation order may flip); /health and /metrics show the three ranks; a cancelled stream frees
-    its row."""
+    the near-ties the summation order may flip), while a fifth client goes away mid-stream; /health and /metrics
+    show the three ranks, and the cancelled stream's row is freed."""
     health = tp3_server.health()
     assert health["tensor_parallel_size"] == 3 and health["quantize"] == "none"
     assert [r["rank"] for r in health["ranks"]] == [0, 1, 2] and all(r["alive"] for r in health["ranks"])
@@ -72,21 +73,25 @@ def test_three_ranks_answer_as_generate_and_report_every_rank(tp3_server, model_
         assert r.status_code == 200, r.text
         return r.json()["text"]
 
-    with ThreadPoolExecutor(len(jobs)) as pool:
+    def cancelled() -> None:
+        """A client that goes away mid-stream, among the others: its row is freed on every rank's step."""
+        r = requests.post(
+            f"{tp3_server.url}/predictions/{model_name}",
+            stream=True,
+            timeout=300,
+            json={"text": "Write a very long essay about rivers.", "max_tokens": 900, "temperature": 0},
+        )
+        assert next(r.iter_content(chunk_size=None))
+        r.close()
+
+    with ThreadPoolExecutor(len(jobs) + 1) as pool:
+        gone = pool.submit(cancelled)
         texts = list(pool.map(run, jobs))
+        gone.result()
     for (prompt, chat), text in zip(jobs, texts):
         assert_greedy_equivalent(text, prompt, chat, reference)
     metrics = requests.get(tp3_server.url + "/metrics", timeout=5).text
     assert all(f'inference_engine_rank_up{{rank="{r}"}} 1.0' in metrics for r in range(3)), metrics
-    # a client that goes away mid-stream frees its row on every rank's step as with one rank
-    r = requests.post(
-        f"{tp3_server.url}/predictions/{model_name}",
-        stream=True,
-        timeout=60,
-        json={"text": "Write a very long essay about rivers.", "max_tokens": 900, "temperature": 0},
-    )
-    next(r.iter_content(chunk_size=None))
-    r.close()
     health = tp3_server.wait_idle(timeout=20)
     assert health["rows_in_use"] == 0 and health["open_sessions"] == 0 and health["status"] == "ready"
 
@@ -122,11 +127,41 @@ def test_a_rank_killed_while_streaming_ends_the_request_and_the_group_restarts(t
         json={"text": "One, two,", "temperature": 0, "max_tokens": 4, "stream": False},
     )
     assert answer.status_code == 200 and answer.json()["completion_tokens"] == 4
-    # SIGTERM to the server's process group, as a container stop sends it: the server drains and ends the engine,
-    # which ends its ranks; none outlives it
+    # SIGTERM, as a process manager sends it, with a stream in flight: the server drains (the stream ends whole),
+    # then ends the engine, which ends its ranks; none outlives it
     pids = [r["pid"] for r in health["ranks"]]
+    with ThreadPoolExecutor(1) as pool:
+        stream = pool.submit(_stream_chunks, tp3_server.url, model_name, 24)
+        assert wait_for(lambda: tp3_server.health()["rows_in_use"] == 1, 60)
+        tp3_server.proc.send_signal(signal.SIGTERM)
+        chunks = stream.result(timeout=120)
+    assert chunks[-1] == "[DONE]"
+    events = [json.loads(c) for c in chunks[:-1]]
+    assert [e for e in events if e["choices"]][-1]["choices"][0]["finish_reason"] == "length"
+    assert events[-1]["usage"]["completion_tokens"] == 24
+    tp3_server.proc.wait(60)
     tp3_server.stop()
     assert wait_for(lambda: not any(_running(pid) for pid in pids), 20), "a rank outlived the server"
+
+
+def _stream_chunks(url: str, model: str, max_tokens: int) -> list[str]:
+    """An OpenAI completion streamed to its end: the data of its events."""
+    r = requests.post(
+        f"{url}/v1/completions",
+        stream=True,
+        timeout=120,
+        json={
+            "model": model,
+            "prompt": "Write a very long essay about rivers.",
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert r.status_code == 200, r.text
+    return [line.removeprefix("data: ") for line in r.iter_lines(decode_unicode=True) if line]
 
 
 def _running(pid: int) -> bool:

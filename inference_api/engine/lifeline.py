@@ -17,11 +17,13 @@ log = logging.getLogger(__name__)
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent() -> None:
+def die_with_parent(parent_pid: int | None = None) -> None:
     """End this process as soon as the process that started it ends, however it ends, busy or idle.
 
     Two independent guards: Linux's parent-death signal (SIGKILL from the kernel when the parent goes), and a
-    thread that waits on multiprocessing's parent sentinel, a pipe that reaches EOF when the parent is gone.
+    thread that waits on multiprocessing's parent sentinel, a pipe that reaches EOF when the parent is gone. A
+    process started otherwise (the tensor-parallel ranks: subprocess) names its parent's ``parent_pid``, checked
+    once the signal is in place; its parent's socket reaching EOF is its second guard.
     Signals sent to the whole process group (Ctrl-C, ``kill -TERM -pgid``) are ignored: the worker drains first
     and then stops the engine itself (which stops its ranks).
     """
@@ -32,6 +34,8 @@ def die_with_parent() -> None:
             ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         except (OSError, AttributeError):
             log.warning("prctl(PR_SET_PDEATHSIG) unavailable; relying on the parent pipe")
+    if parent_pid is not None and os.getppid() != parent_pid:  # the parent died before the signal was in place
+        os._exit(0)
     parent = multiprocessing.parent_process()
     if parent is None or parent.sentinel is None:
         return

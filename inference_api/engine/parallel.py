@@ -12,10 +12,11 @@
   The embedding, the norms and the output head are replicated; only rank 0 computes logits. Each rank's KV cache
   holds its kv_heads/N heads.
 - ``Group``: the ranks' gloo process group over a TCP store on loopback; ``all_reduce`` is what the model calls.
-- Rank 0 is the engine process: ``start_group`` starts ranks 1..N-1 (multiprocessing's spawn), and
+- Rank 0 is the engine process: ``start_group`` starts ranks 1..N-1 as fresh interpreters (``RankProcess``: the
+  subprocess module, since multiprocessing gives a daemon process such as the engine no children), and
   ``GroupRunner`` wraps its ModelRunner: every call that touches the model or the KV cache goes to the other ranks
-  first (a pipe each: the method's name and its small list arguments), then runs here, so every rank enters the
-  same forwards and collectives in lockstep. ``run_rank`` is the other ranks' loop.
+  first (a socket pair each, ``Channel``: the method's name and its small list arguments, pickled), then runs here,
+  so every rank enters the same forwards and collectives in lockstep. ``run_rank`` is the other ranks' loop.
 - Failure: a rank that dies takes the group down. Rank 0 watches the other ranks' sentinels from a thread and
   exits at once when one ends (its web worker then fails the open requests and starts a fresh group); a failure
   in rank 0's own share of a step (or a collective past the group's timeout) raises ``GroupLost``, which no step
@@ -26,12 +27,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import multiprocessing
 import multiprocessing.connection
 import os
+import pickle
+import socket
+import subprocess
 import sys
 import threading
 from datetime import timedelta
+from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -199,16 +204,18 @@ def threads_per_rank(torch_threads: int, size: int) -> int:
 
 # the process group
 class Group:
-    """One rank's side of the ranks' gloo process group, over a TCP store on loopback (rank 0 holds the store)."""
+    """One rank's side of the ranks' gloo process group (torch.distributed's default group of this process, which
+    serves nothing else), over a TCP store on loopback (rank 0 holds the store). ``close`` ends it, so that one
+    process may run several groups one after another (the in-process tests)."""
 
     def __init__(self, rank: int, size: int, store, timeout: float = GROUP_TIMEOUT):
         import torch.distributed as dist
 
-        options = dist.ProcessGroupGloo._Options()
-        options._timeout = timedelta(seconds=timeout)
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        self.rank, self.size, self.store = rank, size, store  # rank 0's store lives as long as its group
-        self.pg = dist.ProcessGroupGloo(store, rank, size, options)
+        # gloo takes its network interface from the environment (torch's documented setting): the ranks share this
+        # machine, so loopback unless the operator named another
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout))
+        self.rank, self.size, self.tcp_store = rank, size, store  # rank 0's store lives as long as its group
 
     @staticmethod
     def store(size: int, port: int = 0, timeout: float = GROUP_TIMEOUT):
@@ -219,19 +226,99 @@ class Group:
 
     def all_reduce(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of every rank's t, in place (t made contiguous first)."""
+        import torch.distributed as dist
+
         t = t.contiguous()
-        self.pg.allreduce([t]).wait()
+        dist.all_reduce(t)
         return t
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Channel:
+    """Pickled messages over one end of a socket pair, in order; ``recv`` raises EOFError once the other end is
+    gone. Waiting on ``sock`` tells a message has come only while nothing is buffered (a starting rank's word)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._read, self._write = sock.makefile("rb"), sock.makefile("wb")
+
+    def send(self, message: Any) -> None:
+        pickle.dump(message, self._write, pickle.HIGHEST_PROTOCOL)
+        self._write.flush()
+
+    def recv(self) -> Any:
+        try:
+            return pickle.load(self._read)
+        except pickle.UnpicklingError as exc:  # the other end ended part-way through a message
+            raise EOFError(str(exc)) from exc
+
+    def close(self) -> None:
+        for f in (self._read, self._write, self.sock):
+            try:
+                f.close()
+            except OSError:
+                pass
+
+
+class RankProcess:
+    """Rank ``rank`` (1..N-1) as a fresh interpreter started by rank 0, holding the other end of a socket pair,
+    whose first message is its start arguments. ``sentinel`` (a pidfd) becomes readable when it ends."""
+
+    def __init__(self, rank: int, start: tuple):
+        ours, theirs = socket.socketpair()
+        code = "import sys; from inference_api.engine.parallel import rank_main; rank_main(int(sys.argv[1]))"
+        # the package's own folder first, as multiprocessing's spawn hands its children the parent's path
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (_PACKAGE_ROOT, os.environ.get("PYTHONPATH"))))}
+        with theirs:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-c", code, str(theirs.fileno())], pass_fds=(theirs.fileno(),), env=env
+            )
+        self.rank, self.pid = rank, self.proc.pid
+        self.sentinel = os.pidfd_open(self.pid)
+        self.channel = Channel(ours)
+        self.channel.send(start)
+
+    @property
+    def exitcode(self) -> int | None:
+        return self.proc.poll()
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def join(self, timeout: float) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        self.proc.kill()
+
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder that holds inference_api
 
 
 # the other ranks
-def run_rank(config, plan, rank: int, port: int, conn, gguf, model_dir) -> None:
-    """Process entry of ranks 1..N-1: join the group, build this rank's shard of the model and cache through the
-    runner's own build path, then run rank 0's calls until it closes the pipe or says close."""
+def rank_main(fd: int) -> None:
+    """Process entry of ranks 1..N-1 (RankProcess): the socket inherited as ``fd``, whose first message is
+    run_rank's arguments."""
+    channel = Channel(socket.socket(fileno=fd))
+    config, plan, rank, port, gguf, model_dir, parent = channel.recv()
+    run_rank(config, plan, rank, port, gguf, model_dir, parent, channel)
+
+
+def run_rank(config, plan, rank: int, port: int, gguf, model_dir, parent: int, conn: Channel) -> None:
+    """Ranks 1..N-1: join the group, build this rank's shard of the model and cache through the runner's own build
+    path, then run rank 0's calls until it closes the channel or says close. ``parent``: rank 0's process id."""
     from .lifeline import die_with_parent, release_free_memory
     from .model_runner import load_runner
 
-    die_with_parent()
+    die_with_parent(parent)
     logging.basicConfig(
         level=config.log_level.upper(), format=f"%(asctime)s engine rank {rank} %(levelname)s %(message)s"
     )
@@ -270,8 +357,8 @@ class GroupRunner:
     """Rank 0's runner: the calls that touch the model or the KV cache go to every other rank first, then run on
     this rank's ModelRunner (whose model computes the logits); the rest is read from it."""
 
-    def __init__(self, runner, group: Group, ranks: list, conns: list):
-        self.runner, self.group, self.ranks, self.conns = runner, group, ranks, conns
+    def __init__(self, runner, group: Group, ranks: list[RankProcess]):
+        self.runner, self.group, self.ranks = runner, group, ranks
         self.device, self.vocab_size, self.cache, self.plan = (
             runner.device,
             runner.vocab_size,
@@ -291,18 +378,14 @@ class GroupRunner:
         ended = multiprocessing.connection.wait([p.sentinel for p in self.ranks])
         if self.closing.is_set():
             return
-        rank = 1 + [p.sentinel for p in self.ranks].index(ended[0])
-        log.critical(
-            "tensor-parallel rank %d ended (exit code %s): the engine group goes down",
-            rank,
-            self.ranks[rank - 1].exitcode,
-        )
+        p = next(p for p in self.ranks if p.sentinel in ended)
+        log.critical("tensor-parallel rank %d ended (exit code %s): the engine group goes down", p.rank, p.exitcode)
         os._exit(3)
 
     def _call(self, name: str, *args):
         try:
-            for conn in self.conns:
-                conn.send((name, args))
+            for p in self.ranks:
+                p.channel.send((name, args))
             return getattr(self.runner, name)(*args)
         except Exception as exc:
             log.exception("rank 0: %s failed; the group goes down", name)
@@ -326,9 +409,9 @@ class GroupRunner:
     def close(self, timeout: float = 10.0) -> None:
         """End the other ranks (they leave their loop), killing any that does not within the timeout."""
         self.closing.set()
-        for conn in self.conns:
+        for p in self.ranks:
             try:
-                conn.send(("close", ()))
+                p.channel.send(("close", ()))
             except OSError:
                 pass
         for p in self.ranks:
@@ -336,33 +419,22 @@ class GroupRunner:
             if p.is_alive():
                 p.kill()
                 p.join(timeout)
+            p.channel.close()
+        self.group.close()
 
 
-def _start_child(p) -> None:
-    """Start a rank from the engine process, which its web worker started as a daemon (it must not outlive the
-    worker), and multiprocessing refuses a daemon children. The ranks need none of what that rule protects: each
-    is itself a daemon, dies with the engine process (lifeline.die_with_parent) and is ended by it (close)."""
-    config = multiprocessing.current_process()._config
-    daemon = config.pop("daemon", None)
-    try:
-        p.start()
-    finally:
-        if daemon is not None:
-            config["daemon"] = daemon
-
-
-def _status(rank: int, p, conn) -> tuple[str, str | None]:
+def _status(p: RankProcess) -> tuple[str, str | None]:
     """A starting rank's word: ("ready", None), or ("failed", why) when it said so or ended without a word."""
     try:
-        if conn.poll():
-            return conn.recv()
+        if multiprocessing.connection.wait([p.channel.sock], 0):
+            return p.channel.recv()
     except (EOFError, OSError):
         pass
     p.join(5)
-    return "failed", f"rank {rank} exited (code {p.exitcode})"
+    return "failed", f"rank {p.rank} exited (code {p.exitcode})"
 
 
-def _join(store, size: int, ranks: list, conns: list) -> Group:
+def _join(store, size: int, ranks: list[RankProcess]) -> Group:
     """Rank 0's side of the group's rendezvous, which fails as soon as a rank ends before joining it (the
     rendezvous alone would wait for its whole timeout)."""
     joined: dict = {}
@@ -375,12 +447,10 @@ def _join(store, size: int, ranks: list, conns: list) -> Group:
 
     thread = threading.Thread(target=join, name="rank-join", daemon=True)
     thread.start()
-    sentinels = [p.sentinel for p in ranks]
     while thread.is_alive():
-        ended = multiprocessing.connection.wait(sentinels, timeout=0.2)
+        ended = multiprocessing.connection.wait([p.sentinel for p in ranks], timeout=0.2)
         if ended:
-            rank = 1 + sentinels.index(ended[0])
-            _, message = _status(rank, ranks[rank - 1], conns[rank - 1])
+            _, message = _status(next(p for p in ranks if p.sentinel in ended))
             raise RuntimeError(f"tensor-parallel {message} before the group formed")
     if "error" in joined:
         raise joined["error"]
@@ -393,32 +463,24 @@ def start_group(config, plan, kernels, gguf, model_dir):
     (its message), the ranks already started ended."""
     from .model_runner import load_runner
 
-    ctx = multiprocessing.get_context("spawn")
     store = Group.store(plan.tp)
-    ranks, conns = [], []
+    ranks: list[RankProcess] = []
+    group = None
     try:
         for rank in range(1, plan.tp):
-            ours, theirs = ctx.Pipe()
-            p = ctx.Process(
-                target=run_rank,
-                args=(config, plan, rank, store.port, theirs, gguf, model_dir),
-                name=f"inference-engine-rank-{rank}",
-                daemon=True,
-            )
-            _start_child(p)
-            theirs.close()
-            ranks.append(p)
-            conns.append(ours)
-        group = _join(store, plan.tp, ranks, conns)
+            ranks.append(RankProcess(rank, (config, plan, rank, store.port, gguf, model_dir, os.getpid())))
+        group = _join(store, plan.tp, ranks)
         runner = load_runner(config, plan, kernels, gguf, model_dir, Shard.of(plan, 0), group.all_reduce)
-        for rank, (p, conn) in enumerate(zip(ranks, conns), start=1):
-            multiprocessing.connection.wait([conn, p.sentinel])
-            status, message = _status(rank, p, conn)
+        for p in ranks:
+            multiprocessing.connection.wait([p.channel.sock, p.sentinel])
+            status, message = _status(p)
             if status != "ready":
                 raise RuntimeError(f"tensor-parallel {message}")
     except BaseException:
         for p in ranks:
             p.kill()
             p.join(10)
+        if group is not None:
+            group.close()
         raise
-    return GroupRunner(runner, group, ranks, conns)
+    return GroupRunner(runner, group, ranks)

@@ -6,7 +6,8 @@ using namespace woq;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_decoder(m);
   m.def("linear_int8", &linear_int8, "x @ (q * s)^T, 8-bit weight groups", py::arg("x"), py::arg("q"), py::arg("s"),
-        py::arg("bias"), py::arg("int8_inputs") = false, py::arg("vnni_q") = py::none(), py::arg("vnni_s") = py::none());
+        py::arg("bias"), py::arg("int8_inputs") = false, py::arg("vnni_q") = py::none(),
+        py::arg("vnni_s") = py::none());
   m.def("linear_int4", &linear_int4, "x @ (d * q + m)^T, 4-bit weight groups of 32", py::arg("x"), py::arg("q"),
         py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_inputs") = false, py::arg("vnni_q") = py::none(),
         py::arg("vnni_s") = py::none());

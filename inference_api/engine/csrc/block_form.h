@@ -168,6 +168,26 @@ struct BlockForm {
     return _mm512_load_si512(off);
   }
 
+  // the 16 weight rows of the group from row n0 (rows past N read row n0 again; their sums are never stored)
+  void group_rows(int64_t n0, int64_t rows, const uint8_t* wr[16]) const {
+    for (int r = 0; r < 16; ++r) wr[r] = w + (n0 + (r < rows ? r : 0)) * row_bytes;
+  }
+
+  // block blk's share (of nb) of fetching the group PREFETCH_GROUPS ahead: 16 rows are one run of 16 * row_bytes
+  void prefetch_ahead(int64_t n0, int64_t blk, int64_t nb) const {
+    const char* ahead = reinterpret_cast<const char*>(w + (n0 + 16 * PREFETCH_GROUPS) * row_bytes);
+    const int64_t lines = (16 * row_bytes + 63) / 64, per_block = (lines + nb - 1) / nb;
+    for (int64_t l = blk * per_block; l < std::min(lines, (blk + 1) * per_block); ++l)
+      _mm_prefetch(ahead + l * 64, _MM_HINT_T0);
+  }
+
+  // chunk c of block blk of two rows (a's bytes, then b's) as vpdpbusd's unsigned operand: signed codes plus 128
+  static __m512i unsigned_codes(const uint8_t* a, const uint8_t* b, int64_t blk, int c) {
+    __m512i codes = B::template codes<V512>(a + blk * B::BYTES, b + blk * B::BYTES, c);
+    if constexpr (B::SIGNED) codes = _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
+    return codes;
+  }
+
   // One input row over the group of 16 weight rows from grp * 16, y[r] for its rows (the first min(16, N - grp * 16)
   // written), without packing: each chunk's codes are read in the rows' own layout, two rows to a register
   // (vpdpbusd against the input block broadcast to both halves), and the 16 rows' partial sums reduced by a tree
@@ -178,32 +198,28 @@ struct BlockForm {
       const int64_t n0 = grp * 16, nb = K / B::QK, rows = std::min<int64_t>(16, N - n0);
       // register i holds rows (i, i + 4) for i < 4 and (i + 4, i + 8) after: the tree leaves row r in lane r
       const uint8_t* wr[16];
-      for (int r = 0; r < 16; ++r) wr[r] = w + (n0 + (r < rows ? r : 0)) * row_bytes;
+      group_rows(n0, rows, wr);
       const uint8_t *lo[8], *hi[8];
       for (int i = 0; i < 8; ++i) lo[i] = wr[i < 4 ? i : i + 4], hi[i] = wr[i < 4 ? i + 4 : i + 8];
       const float* xs = HALVES ? x.half.data() : x.sum.data();
-      const char* ahead = reinterpret_cast<const char*>(w + (n0 + 16 * PREFETCH_GROUPS) * row_bytes);
-      const int64_t lines = (16 * row_bytes + 63) / 64, per_block = (lines + nb - 1) / nb;
       __m512 acc = _mm512_setzero_ps();
       for (int64_t blk = 0; blk < nb; ++blk) {
-        for (int64_t l = blk * per_block; l < std::min(lines, (blk + 1) * per_block); ++l)
-          _mm_prefetch(ahead + l * 64, _MM_HINT_T0);
+        prefetch_ahead(n0, blk, nb);
         alignas(64) float dv[NS * 16], mv[NS * 16];
         group_scales(wr, blk, dv, mv);
         for (int c = 0; c < CH; ++c) {
           const int64_t k = blk * B::QK + c * 32;
           const __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(x.q.data() + k)));
           __m512i a[8];
-          for (int i = 0; i < 8; ++i) {
-            __m512i codes = B::template codes<V512>(lo[i] + blk * B::BYTES, hi[i] + blk * B::BYTES, c);
-            if constexpr (B::SIGNED) codes = _mm512_xor_si512(codes, _mm512_set1_epi8(static_cast<char>(0x80)));
-            a[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xv);
-          }
+          for (int i = 0; i < 8; ++i)
+            a[i] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), unsigned_codes(lo[i], hi[i], blk, c), xv);
           __m512i t[4], u[2];
           for (int i = 0; i < 4; ++i)
-            t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
+            t[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(a[2 * i], a[2 * i + 1]),
+                                    _mm512_unpackhi_epi32(a[2 * i], a[2 * i + 1]));
           for (int i = 0; i < 2; ++i)
-            u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
+            u[i] = _mm512_add_epi32(_mm512_unpacklo_epi64(t[2 * i], t[2 * i + 1]),
+                                    _mm512_unpackhi_epi64(t[2 * i], t[2 * i + 1]));
           // 128-bit lanes of u: [a0..a3's sums] over each quarter of the registers; the halves of 16 codes apart
           const __m512i first = _mm512_shuffle_i32x4(u[0], u[1], 0x88), second = _mm512_shuffle_i32x4(u[0], u[1], 0xdd);
           __m512i dots[2];
@@ -234,24 +250,19 @@ struct BlockForm {
       g.d.resize(K / B::SUB * 16);
       g.m.resize(K / B::SUB * 16);
       const uint8_t* wr[16];
-      for (int r = 0; r < 16; ++r) wr[r] = w + (n0 + (r < g.rows ? r : 0)) * row_bytes;
-      const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13), hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
-      // the next groups' bytes fetched while this one is packed (16 rows are one run of 16 * row_bytes bytes)
-      const char* ahead = reinterpret_cast<const char*>(w + (n0 + 16 * PREFETCH_GROUPS) * row_bytes);
-      const int64_t lines = (16 * row_bytes + 63) / 64, per_block = (lines + nb - 1) / nb;
+      group_rows(n0, g.rows, wr);
+      const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13),
+                    hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
       for (int64_t blk = 0; blk < nb; ++blk) {
-        for (int64_t l = blk * per_block; l < std::min(lines, (blk + 1) * per_block); ++l)
-          _mm_prefetch(ahead + l * 64, _MM_HINT_T0);
+        prefetch_ahead(n0, blk, nb);
         group_scales(wr, blk, g.d.data() + blk * NS * 16, g.m.data() + blk * NS * 16);
         for (int c = 0; c < CH; ++c) {
           // rows i and i + 8 side by side, then an 8 x 8 transpose of 4-byte steps in each half
           __m512i a[8];
-          for (int i = 0; i < 8; ++i) {
-            a[i] = B::template codes<V512>(wr[i] + blk * B::BYTES, wr[i + 8] + blk * B::BYTES, c);
-            if constexpr (B::SIGNED) a[i] = _mm512_xor_si512(a[i], _mm512_set1_epi8(static_cast<char>(0x80)));
-          }
+          for (int i = 0; i < 8; ++i) a[i] = unsigned_codes(wr[i], wr[i + 8], blk, c);
           __m512i t[8], u[8];
-          for (int i = 0; i < 8; i += 2) t[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
+          for (int i = 0; i < 8; i += 2)
+            t[i] = _mm512_unpacklo_epi32(a[i], a[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(a[i], a[i + 1]);
           for (int q = 0; q < 8; q += 4) {
             u[q] = _mm512_unpacklo_epi64(t[q], t[q + 2]);
             u[q + 1] = _mm512_unpackhi_epi64(t[q], t[q + 2]);
@@ -326,7 +337,8 @@ struct BlockForm {
       const uint8_t* ahead = w + (n + AHEAD * RW) * row_bytes;  // the rows of a pass AHEAD passes on
       for (int64_t blk = 0; blk < nb; ++blk) {
         for (int r = 0; r < RW; ++r)
-          for (int64_t l = 0; l < B::BYTES; l += 64) _mm_prefetch((const char*)(ahead + r * row_bytes + blk * B::BYTES + l), _MM_HINT_T0);
+          for (int64_t l = 0; l < B::BYTES; l += 64)
+            _mm_prefetch((const char*)(ahead + r * row_bytes + blk * B::BYTES + l), _MM_HINT_T0);
         float d[RW][NS], m[RW][NS];
         for (int r = 0; r < RW; ++r) B::scales(wr[r] + blk * B::BYTES, d[r], m[r]);
         for (int c = 0; c < CH; ++c) {
@@ -340,8 +352,9 @@ struct BlockForm {
             const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq[ii] + blk * B::QK + c * 32));
             const __m256 step = _mm256_set1_ps(dx[ii][blk * CH + c]);
             for (int r = 0; r < RW; ++r) {
-              const __m256i p = B::SIGNED ? dot_u8s8_i32(_mm256_sign_epi8(codes[r], codes[r]), _mm256_sign_epi8(xv, codes[r]))
-                                          : dot_u8s8_i32(codes[r], xv);
+              const __m256i p = B::SIGNED
+                                    ? dot_u8s8_i32(_mm256_sign_epi8(codes[r], codes[r]), _mm256_sign_epi8(xv, codes[r]))
+                                    : dot_u8s8_i32(codes[r], xv);
               acc[r][ii] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), _mm256_mul_ps(sc[r], step), acc[r][ii]);
             }
           }

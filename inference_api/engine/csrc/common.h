@@ -79,7 +79,9 @@ struct Vec {
     out[0] = sum(a), out[1] = sum(b), out[2] = sum(c), out[3] = sum(d);
   }
   static T halves(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
-  static T int8s(const int8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p))); }
+  static T int8s(const int8_t* p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)p)));
+  }
   static T div(T a, T b) { return _mm512_div_ps(a, b); }
   static T abs(T a) { return _mm512_abs_ps(a); }
   static T max(T a, T b) { return _mm512_max_ps(a, b); }
@@ -89,7 +91,9 @@ struct Vec {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23));
   }
   // where c >= 0: a, else b
-  static T select_nonnegative(T c, T a, T b) { return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, zero(), _CMP_GE_OQ), b, a); }
+  static T select_nonnegative(T c, T a, T b) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(c, zero(), _CMP_GE_OQ), b, a);
+  }
   // W nibbles: the low (shift 0) or high (shift 4) halves of the W bytes at p
   static T nibbles(const uint8_t* p, int shift) {
     const __m128i b = _mm_and_si128(_mm_srli_epi16(_mm_loadu_si128((const __m128i*)p), shift), _mm_set1_epi8(15));
@@ -114,7 +118,9 @@ struct Vec {
     _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1)));
   }
   static T halves(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
-  static T int8s(const int8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p))); }
+  static T int8s(const int8_t* p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i*)p)));
+  }
   static T div(T a, T b) { return _mm256_div_ps(a, b); }
   static T abs(T a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
   static T max(T a, T b) { return _mm256_max_ps(a, b); }
@@ -130,7 +136,7 @@ struct Vec {
 };
 #endif
 constexpr int W = Vec::W;
-constexpr int R = 4;  // weight rows per pass of the one-row kernel: independent accumulators, x loaded once
+constexpr int R = 4;      // weight rows per pass of the one-row kernel: independent accumulators, x loaded once
 constexpr int AHEAD = 4;  // passes of R rows prefetched ahead
 
 inline float half_to_float(c10::Half h) { return _cvtsh_ss(h.x); }

@@ -51,7 +51,8 @@ class Decoder {
  public:
   Decoder(const std::vector<LayerParts>& layers, int64_t heads, double eps) : heads_(heads), eps_(eps) {
     for (const auto& [attn_norm, qkv, o, mlp_norm, gate_up, down] : layers)
-      layers_.push_back({attn_norm, mlp_norm, QuantLinear(qkv), QuantLinear(o), QuantLinear(gate_up), QuantLinear(down)});
+      layers_.push_back(
+          {attn_norm, mlp_norm, QuantLinear(qkv), QuantLinear(o), QuantLinear(gate_up), QuantLinear(down)});
   }
 
   // x [B, H] embedded tokens; cos, sin [B, D]; write [B] cache positions; lengths [B] positions attended;
@@ -69,7 +70,8 @@ class Decoder {
       const Layer& l = layers_[i];
       const Scales ks = key_scales.empty() ? Scales() : Scales(key_scales[i]);
       const Scales vs = value_scales.empty() ? Scales() : Scales(value_scales[i]);
-      auto q = rope_store(l.qkv(rms_norm(h, l.attn_norm, eps_)), cos, sin, keys[i], values[i], ks, vs, write, heads_, c10::nullopt);
+      auto q = rope_store(l.qkv(rms_norm(h, l.attn_norm, eps_)), cos, sin, keys[i], values[i], ks, vs, write, heads_,
+                          c10::nullopt);
       auto a = decode_attention(q, keys[i], values[i], ks, vs, lengths, 1.0 / std::sqrt(double(keys[i].size(3))),
                                 c10::nullopt, c10::nullopt, 0.0, 0);
       h.add_(l.o(a.view({B, -1})));
@@ -88,13 +90,11 @@ class Decoder {
   double eps_;
 };
 
-  // module_local: the module may be imported again from another path in one process (a relative and an
-  // absolute model cache), which would otherwise register the class twice and fail the import
-
 void bind_decoder(pybind11::module_& m) {
   // module_local: the module may be imported again from another path in one process (a relative and an
   // absolute model cache), which would otherwise register the class twice and fail the import
-  py::class_<Decoder>(m, "Decoder", py::module_local(), "a llama-family decode step's layers over quantized weights, in one call")
+  py::class_<Decoder>(m, "Decoder", py::module_local(),
+                      "a llama-family decode step's layers over quantized weights, in one call")
       .def(py::init<const std::vector<LayerParts>&, int64_t, double>(), py::arg("layers"), py::arg("heads"),
            py::arg("eps"))
       .def("forward", &Decoder::forward);

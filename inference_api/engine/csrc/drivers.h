@@ -114,7 +114,8 @@ torch::Tensor vnni_rows(const torch::Tensor& x2, int64_t N, const c10::optional<
     for (int64_t grp = g0; grp < g1; ++grp) {
       prepare(grp);
       for (int64_t i0 = 0; i0 < M; i0 += VNNI_MR)
-        with_count<VNNI_MR>(std::min<int64_t>(VNNI_MR, M - i0), [&](auto mr) { tile(mr, grp, i0, yp + i0 * N + grp * 16); });
+        with_count<VNNI_MR>(std::min<int64_t>(VNNI_MR, M - i0),
+                            [&](auto mr) { tile(mr, grp, i0, yp + i0 * N + grp * 16); });
     }
   });
   if (bias.has_value()) y.add_(*bias);
@@ -130,7 +131,8 @@ torch::Tensor few_rows(int64_t M, const torch::Tensor& x2, int64_t N, const c10:
   auto y = torch::empty({M, N}, x2.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + RW - 1) / RW, 8, [&](int64_t b0, int64_t b1) {
-    for (int64_t blk = b0; blk < b1; ++blk) pass(Int<RW>{}, blk * RW, std::min<int64_t>(RW, N - blk * RW), yp + blk * RW);
+    for (int64_t blk = b0; blk < b1; ++blk)
+      pass(Int<RW>{}, blk * RW, std::min<int64_t>(RW, N - blk * RW), yp + blk * RW);
   });
   if (bias.has_value()) y.add_(*bias);
   return y;

@@ -9,7 +9,8 @@ namespace woq {
 struct F16 {
   static constexpr int TYPE = 1, QK = 32, BYTES = 64;
   static void deq(const uint8_t* b, float* out) {
-    for (int j = 0; j < 32; j += 8) _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 2 * j))));
+    for (int j = 0; j < 32; j += 8)
+      _mm256_storeu_ps(out + j, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(b + 2 * j))));
   }
 };
 

@@ -64,7 +64,8 @@ struct Q3_K {  // hmask[32] (third bit), qs[64] (low 2 bits), scales[12] (6-bit,
     std::memcpy(&t, b + 104, 4);
     const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
     const __m128i sc = _mm_sub_epi8(  // the 6-bit scales, minus 32, built in registers
-        _mm_setr_epi32(static_cast<int>((a0 & k2) | (((t >> 0) & k1) << 4)), static_cast<int>((a1 & k2) | (((t >> 2) & k1) << 4)),
+        _mm_setr_epi32(static_cast<int>((a0 & k2) | (((t >> 0) & k1) << 4)),
+                       static_cast<int>((a1 & k2) | (((t >> 2) & k1) << 4)),
                        static_cast<int>(((a0 >> 4) & k2) | (((t >> 4) & k1) << 4)),
                        static_cast<int>(((a1 >> 4) & k2) | (((t >> 6) & k1) << 4))),
         _mm_set1_epi8(32));
@@ -81,18 +82,18 @@ struct Q3_K {  // hmask[32] (third bit), qs[64] (low 2 bits), scales[12] (6-bit,
 struct Q4_K {  // d, dmin, scales[12] (6-bit scales and minimums), qs[128] (nibbles)
   static constexpr int TYPE = 12, QK = 256, BYTES = 144, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
-  static void scales(const uint8_t* b, float* d, float* m) {
-    scale_min_k4(b + 4, f16_at(b), f16_at(b + 2), d, m);
-  }
+  static void scales(const uint8_t* b, float* d, float* m) { scale_min_k4(b + 4, f16_at(b), f16_at(b + 2), d, m); }
 #ifdef WOQ_VNNI
   // scales' numbers for 16 blocks at b + off[r], in the rows' lanes: d, m [8][16] (the VNNI tiles' layout)
   static void lane_scales(const uint8_t* b, __m512i off, float* d, float* m) {
     const __m512i head = _mm512_i32gather_epi32(off, b, 1), u0 = _mm512_i32gather_epi32(off, b + 4, 1),
                   u1 = _mm512_i32gather_epi32(off, b + 8, 1), u2 = _mm512_i32gather_epi32(off, b + 12, 1);
-    const __m512 dd = lane_f16(head, 0), dmin = _mm512_mul_ps(lane_f16(head, 16), _mm512_set1_ps(-1.f));  // -dmin, exactly
+    const __m512 dd = lane_f16(head, 0),
+                 dmin = _mm512_mul_ps(lane_f16(head, 16), _mm512_set1_ps(-1.f));  // -dmin, exactly
     const __m512i k6 = _mm512_set1_epi32(63), k4 = _mm512_set1_epi32(15), k2 = _mm512_set1_epi32(3);
     for (int j = 0; j < 4; ++j) {  // scale_min_k4's bytes, each in the lanes
-      const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(u0, 8 * j), k6), mn = _mm512_and_si512(_mm512_srli_epi32(u1, 8 * j), k6);
+      const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(u0, 8 * j), k6),
+                    mn = _mm512_and_si512(_mm512_srli_epi32(u1, 8 * j), k6);
       const __m512i sc2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 8 * j), k4),
                                           _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 8 * j + 6), k2), 4));
       const __m512i mn2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 8 * j + 4), k4),

@@ -28,7 +28,8 @@ struct V256 {
     uint32_t bits;
     std::memcpy(&bits, a, 4);
     const T spread = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(bits)), spread_mask());
-    const T hit = _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
+    const T hit =
+        _mm256_cmpeq_epi8(_mm256_or_si256(spread, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfe)), _mm256_set1_epi64x(-1));
     return _mm256_and_si256(hit, _mm256_set1_epi8(16));
   }
   static T spread_mask() {
@@ -52,8 +53,8 @@ struct V512 {
   static T nibbles(const uint8_t* a, const uint8_t* b) {  // [a a b b] in 128-bit lanes, shifted 0, 4, 0, 4
     const T v = pair(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)a)),
                      _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)b)));
-    const T shifts = _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0, 0x0004000400040004,
-                                       0x0004000400040004);
+    const T shifts =
+        _mm512_setr_epi64(0, 0, 0x0004000400040004, 0x0004000400040004, 0, 0, 0x0004000400040004, 0x0004000400040004);
     return _mm512_and_si512(_mm512_srlv_epi16(v, shifts), _mm512_set1_epi8(15));
   }
   static T fifth(const uint8_t* a, const uint8_t* b) {  // bit j of a's 32 bits: byte j; of b's: byte 32 + j
@@ -92,14 +93,18 @@ struct Q4_0 : Scale32<-8, false> {
   static constexpr int TYPE = 2, QK = 32, BYTES = 18, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
   template <typename V>
-  static typename V::T codes(const uint8_t* a, const uint8_t* b, int) { return V::nibbles(a + 2, b + 2); }
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int) {
+    return V::nibbles(a + 2, b + 2);
+  }
 };
 
 struct Q4_1 : Scale32<0, true> {
   static constexpr int TYPE = 3, QK = 32, BYTES = 20, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
   template <typename V>
-  static typename V::T codes(const uint8_t* a, const uint8_t* b, int) { return V::nibbles(a + 4, b + 4); }
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int) {
+    return V::nibbles(a + 4, b + 4);
+  }
 };
 
 struct Q5_0 : Scale32<-16, false> {
@@ -124,7 +129,9 @@ struct Q8_0 : Scale32<0, false> {
   static constexpr int TYPE = 8, QK = 32, BYTES = 34, SUB = 32;
   static constexpr bool SIGNED = true, MINS = false;
   template <typename V>
-  static typename V::T codes(const uint8_t* a, const uint8_t* b, int) { return V::load(a + 2, b + 2); }
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int) {
+    return V::load(a + 2, b + 2);
+  }
 };
 
 // IQ4_NL: each nibble indexes llama.cpp's 16 non-linear int8 levels

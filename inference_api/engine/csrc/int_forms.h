@@ -6,7 +6,6 @@
 
 namespace woq {
 
-
 // int8: q [N, K] int8, s [N, K / G] float; w[n, k] = q[n, k] * s[n, k / G]. Inputs k0 .. k0 + kc of the row
 // at q, s into out.
 inline void deq_row_i8(const int8_t* q, const float* s, int64_t k0, int64_t kc, int64_t G, float* out) {
@@ -202,8 +201,7 @@ inline void deq_row_i4_vec(const uint8_t* q, const c10::Half* d, const c10::Half
   for (int64_t g = 0; g < K / 32; ++g) {
     const Vec::T dv = Vec::set1(half_to_float(d[g])), mv = Vec::set1(half_to_float(m[g]));
 #ifdef __AVX512F__
-    for (int v = 0; v < 2; ++v)
-      Vec::store(out + g * 32 + v * W, Vec::fma(Vec::nibbles(q + g * 16, v * 4), dv, mv));
+    for (int v = 0; v < 2; ++v) Vec::store(out + g * 32 + v * W, Vec::fma(Vec::nibbles(q + g * 16, v * 4), dv, mv));
 #else  // the block's 16 bytes loaded once: low nibbles are weights 0..15, high 16..31
     const __m128i b = _mm_loadu_si128((const __m128i*)(q + g * 16)), low = _mm_set1_epi8(15);
     const __m128i half[2] = {_mm_and_si128(b, low), _mm_and_si128(_mm_srli_epi16(b, 4), low)};
@@ -281,8 +279,8 @@ inline void vnni_i8_tile(const int8_t* wp, const float* sc, int64_t S, const int
     }
     const __m512 s = _mm512_loadu_ps(sc + g * 32), corr = _mm512_loadu_ps(sc + g * 32 + 16);
     for (int i = 0; i < MR; ++i)
-      accf[i] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(acc[i]), corr), _mm512_mul_ps(s, _mm512_set1_ps(dx[i * S + g])),
-                                accf[i]);
+      accf[i] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(acc[i]), corr),
+                                _mm512_mul_ps(s, _mm512_set1_ps(dx[i * S + g])), accf[i]);
   }
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + i * ldy, accf[i]);
 }
@@ -313,7 +311,9 @@ struct I8Form {
     deq_row_i8(q + n * K, s + n * S, k0, kc, G, out);
   }
   std::vector<float> one_row_inputs(const float*) const { return {}; }
-  float dot_row(const float* x, const std::vector<float>&, int64_t n) const { return dot_row_i8(x, q + n * K, s + n * S, K, G); }
+  float dot_row(const float* x, const std::vector<float>&, int64_t n) const {
+    return dot_row_i8(x, q + n * K, s + n * S, K, G);
+  }
 #ifdef WOQ_SIMD
   template <int RW, int MR>
   void dot_q8(const Q8Rows& x, int64_t i, int64_t n, int64_t rows, float* y, int64_t ldy) const {

@@ -26,8 +26,8 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& raw, int6
 torch::Tensor dequantize_gguf(const torch::Tensor& raw, int64_t type);
 
 using Scales = c10::optional<torch::Tensor>;
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const Scales& ks, const Scales& vs, const torch::Tensor& lengths, double scale,
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const Scales& ks,
+                               const Scales& vs, const torch::Tensor& lengths, double scale,
                                const c10::optional<torch::Tensor>& rows, const c10::optional<torch::Tensor>& starts,
                                double softcap, int64_t ring);
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps);

@@ -23,8 +23,7 @@ namespace {
 template <typename F>
 torch::Tensor run_linear(const F& f, const torch::Tensor& x, const Bias& bias, bool int8_inputs) {
   auto x2 = flat(x);
-  TORCH_CHECK(x2.scalar_type() == at::kFloat && x2.size(1) == f.K, "inputs of ", x2.size(1), " for a weight of ",
-              f.K);
+  TORCH_CHECK(x2.scalar_type() == at::kFloat && x2.size(1) == f.K, "inputs of ", x2.size(1), " for a weight of ", f.K);
   const int64_t M = x2.size(0), N = f.N, K = f.K;
   const float* xp = x2.data_ptr<float>();
   const auto shape = out_shape(x, N);
@@ -35,12 +34,16 @@ torch::Tensor run_linear(const F& f, const torch::Tensor& x, const Bias& bias, b
       const Q8Rows xr(xp, M, K, F::PLUS128, F::HALVES);
       if constexpr (F::ONE_ROW)
         if (M == 1)  // no packing for one input row: the tiles' numbers, read from the rows' own layout
-          return vnni_rows(x2, N, bias, [](int64_t) {}, [&](auto, int64_t grp, int64_t, float* out) {
-                   f.vnni_one(xr, grp, out);
-                 }).reshape(shape);
-      return vnni_rows(x2, N, bias, [&](int64_t grp) { f.vnni_prepare(grp); }, [&](auto mr, int64_t grp, int64_t i0, float* out) {
-               f.template vnni_tile<decltype(mr)::value>(xr, grp, i0, out, N);
-             }).reshape(shape);
+          return vnni_rows(
+                     x2, N, bias, [](int64_t) {},
+                     [&](auto, int64_t grp, int64_t, float* out) { f.vnni_one(xr, grp, out); })
+              .reshape(shape);
+      return vnni_rows(
+                 x2, N, bias, [&](int64_t grp) { f.vnni_prepare(grp); },
+                 [&](auto mr, int64_t grp, int64_t i0, float* out) {
+                   f.template vnni_tile<decltype(mr)::value>(xr, grp, i0, out, N);
+                 })
+          .reshape(shape);
     }
   }
 #endif
@@ -62,9 +65,9 @@ torch::Tensor run_linear(const F& f, const torch::Tensor& x, const Bias& bias, b
   const auto aux = f.one_row_inputs(xp);
 #ifdef WOQ_SIMD
   if (f.vec_ready())  // one row: memory-bound, each weight byte read once
-    return few_rows<R>(1, x2, N, bias, [&](auto, int64_t n, int64_t rows, float* out) {
-             f.dot_rows(xp, aux, n, rows, out);
-           }).reshape(shape);
+    return few_rows<R>(1, x2, N, bias,
+                       [&](auto, int64_t n, int64_t rows, float* out) { f.dot_rows(xp, aux, n, rows, out); })
+        .reshape(shape);
 #endif
   return each_row(x2, N, bias, [&](int64_t n) { return f.dot_row(xp, aux, n); }).reshape(shape);
 }

@@ -123,7 +123,8 @@ inline void softmax_weights(float* p, const c10::Half* vs, int64_t n) {
   const float inv = 1.f / sum;
   const Vec::T iv = Vec::set1(inv);
   for (l = 0; l + W <= n; l += W)
-    Vec::store(p + l, vs ? Vec::mul(Vec::load(p + l), Vec::mul(iv, Vec::halves(vs + l))) : Vec::mul(Vec::load(p + l), iv));
+    Vec::store(p + l,
+               vs ? Vec::mul(Vec::load(p + l), Vec::mul(iv, Vec::halves(vs + l))) : Vec::mul(Vec::load(p + l), iv));
   for (; l < n; ++l) p[l] *= vs ? inv * half_to_float(vs[l]) : inv;
 }
 
@@ -158,7 +159,8 @@ inline void vector_values(const float* p, int64_t stride, const T* v0, int64_t n
     with_count<6>(std::min<int64_t>(6, group - g0), [&](auto heads) {
       constexpr int G = decltype(heads)::value;
       int64_t j = 0;
-      for (; j + 2 * W <= D; j += 2 * W) weighted_values<G, 2>(p + g0 * stride, stride, v0, n0, v1, n, D, j, out + g0 * D);
+      for (; j + 2 * W <= D; j += 2 * W)
+        weighted_values<G, 2>(p + g0 * stride, stride, v0, n0, v1, n, D, j, out + g0 * D);
       if (j < D) weighted_values<G, 1>(p + g0 * stride, stride, v0, n0, v1, n, D, j, out + g0 * D);
     });
 }
@@ -174,7 +176,9 @@ constexpr int64_t POSITION_BLOCK = 64;
 struct Runs {
   int64_t s0, n0, n;
   template <typename T>
-  const T* at(const T* base, int64_t l, int64_t D) const { return base + (l < n0 ? s0 + l : l - n0) * D; }
+  const T* at(const T* base, int64_t l, int64_t D) const {
+    return base + (l < n0 ? s0 + l : l - n0) * D;
+  }
   // positions l .. l + count - 1 in one run
   bool within(int64_t l, int64_t count) const { return l + count <= n0 || l >= n0; }
 };
@@ -204,9 +208,8 @@ inline const c10::Half* run_scales(const c10::Half* base, const Runs& r, std::ve
 // a ring's runs split its positions.
 template <typename T>
 void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Half* ks, const c10::Half* vs,
-                           const int64_t* lengths, const int64_t* rows, const int64_t* starts, float* out,
-                           int64_t B, int64_t Hq, int64_t Hk, int64_t S, int64_t D, float scale, float softcap,
-                           int64_t ring) {
+                           const int64_t* lengths, const int64_t* rows, const int64_t* starts, float* out, int64_t B,
+                           int64_t Hq, int64_t Hk, int64_t S, int64_t D, float scale, float softcap, int64_t ring) {
   const int64_t group = Hq / Hk, R = ring > 0 ? ring : S;
   at::parallel_for(0, B * Hk, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> scores, vf;
@@ -303,8 +306,10 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
 
 const c10::Half* scales_of(const Scales& s, const torch::Tensor& cache) {
   if (cache.scalar_type() != at::kChar) return nullptr;
-  TORCH_CHECK(s.has_value() && s->scalar_type() == at::kHalf && s->is_contiguous(), "an int8 cache needs float16 scales");
-  TORCH_CHECK(s->dim() == 3 && s->size(0) == cache.size(0) && s->size(1) == cache.size(1) && s->size(2) == cache.size(2));
+  TORCH_CHECK(s.has_value() && s->scalar_type() == at::kHalf && s->is_contiguous(),
+              "an int8 cache needs float16 scales");
+  TORCH_CHECK(s->dim() == 3 && s->size(0) == cache.size(0) && s->size(1) == cache.size(1) &&
+              s->size(2) == cache.size(2));
   return s->data_ptr<c10::Half>();
 }
 
@@ -312,11 +317,20 @@ const c10::Half* scales_of(const Scales& s, const torch::Tensor& cache) {
 template <typename F>
 void dispatch_cache(const torch::Tensor& cache, F f) {
   switch (cache.scalar_type()) {
-    case at::kFloat: f(float{}); break;
-    case at::kBFloat16: f(c10::BFloat16{}); break;
-    case at::kHalf: f(c10::Half{}); break;
-    case at::kChar: f(int8_t{}); break;
-    default: TORCH_CHECK(false, "KV cache type must be float32, bfloat16, float16 or int8");
+    case at::kFloat:
+      f(float{});
+      break;
+    case at::kBFloat16:
+      f(c10::BFloat16{});
+      break;
+    case at::kHalf:
+      f(c10::Half{});
+      break;
+    case at::kChar:
+      f(int8_t{});
+      break;
+    default:
+      TORCH_CHECK(false, "KV cache type must be float32, bfloat16, float16 or int8");
   }
 }
 
@@ -324,8 +338,8 @@ void dispatch_cache(const torch::Tensor& cache, F f) {
 // rows [B] each query's cache row (none: rows 0 .. B-1); starts [B] its first attended position (none: 0);
 // softcap: Gemma 2's soft-capping of the scores (0: none); ring: the cache's first ring slots are a ring
 // (decode_attention_impl; 0: none) -> [B, Hq, D]
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                               const Scales& ks, const Scales& vs, const torch::Tensor& lengths, double scale,
+torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const Scales& ks,
+                               const Scales& vs, const torch::Tensor& lengths, double scale,
                                const c10::optional<torch::Tensor>& rows, const c10::optional<torch::Tensor>& starts,
                                double softcap, int64_t ring) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.is_contiguous() && v.is_contiguous() && k.dim() == 4);
@@ -354,8 +368,8 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     decode_attention_impl<T>(qc.data_ptr<float>(), static_cast<const T*>(k.data_ptr()),
                              static_cast<const T*>(v.data_ptr()), ksp, vsp, lc.data_ptr<int64_t>(),
                              rows.has_value() ? rc.data_ptr<int64_t>() : nullptr,
-                             starts.has_value() ? sc.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(), B, Hq,
-                             Hk, S, D, static_cast<float>(scale), static_cast<float>(softcap), ring);
+                             starts.has_value() ? sc.data_ptr<int64_t>() : nullptr, out.data_ptr<float>(), B, Hq, Hk, S,
+                             D, static_cast<float>(scale), static_cast<float>(softcap), ring);
   });
   return out;
 }
@@ -443,9 +457,9 @@ inline void store_head(const float* x, int64_t D, T* dst, c10::Half* scale) {
 // The heads are split between the threads (never the positions: a prefill's padding tokens all write
 // their row's scratch position); a decode step's rows stay on one thread.
 template <typename T>
-void rope_store_impl(const float* qkv, const float* cos, const float* sin, T* kc, T* vc, c10::Half* ks,
-                     c10::Half* vs, const int64_t* pos, const int64_t* rows, float* q, int64_t B, int64_t Hq,
-                     int64_t Hk, int64_t S, int64_t D) {
+void rope_store_impl(const float* qkv, const float* cos, const float* sin, T* kc, T* vc, c10::Half* ks, c10::Half* vs,
+                     const int64_t* pos, const int64_t* rows, float* q, int64_t B, int64_t Hq, int64_t Hk, int64_t S,
+                     int64_t D) {
   const int64_t width = (Hq + 2 * Hk) * D;
   at::parallel_for(0, Hq + Hk, B * width < ELEMENTWISE_GRAIN ? Hq + Hk : 1, [&](int64_t h0, int64_t h1) {
     std::vector<float> tmp(D);

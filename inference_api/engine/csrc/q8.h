@@ -43,7 +43,8 @@ struct Q8Rows {
     const __m512i ql = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(lo, inv)), off);  // nearest even
     const __m512i qh = _mm512_add_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(hi, inv)), off);
     _mm_storeu_si128((__m128i*)(q.data() + b * 32), offset ? _mm512_cvtusepi32_epi8(ql) : _mm512_cvtsepi32_epi8(ql));
-    _mm_storeu_si128((__m128i*)(q.data() + b * 32 + 16), offset ? _mm512_cvtusepi32_epi8(qh) : _mm512_cvtsepi32_epi8(qh));
+    _mm_storeu_si128((__m128i*)(q.data() + b * 32 + 16),
+                     offset ? _mm512_cvtusepi32_epi8(qh) : _mm512_cvtsepi32_epi8(qh));
     sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(lo, hi));
     qsum[b] = static_cast<float>(_mm512_reduce_add_epi32(_mm512_add_epi32(ql, qh)) - 32 * offset);
 #else

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import sys
 import time
 
@@ -42,7 +43,9 @@ def start_proxy(
         *flags,
     ]
     full_env = {**({"JWT_SECRET": secret} if secret is not None else {}), **(env or {})}
-    return Process(argv, port, env=full_env)
+    # stop(): gunicorn's quick shutdown (SIGQUIT, about 0.4 s), not SIGTERM's drain, which ends on the gevent
+    # worker's next one-second tick; the drain is tested where a test sends SIGTERM itself (test_proxy_lifecycle)
+    return Process(argv, port, env=full_env, stop_signal=signal.SIGQUIT)
 
 
 def start_mock_inference_server(tokens_per_second: float = 50, *flags: str, port: int | None = None) -> Process:

@@ -90,8 +90,9 @@ class TokenEvent:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine's books after a step. The prefix counters are cumulative since that engine process started
-    (a restarted engine counts from zero again; the metrics fold them into counters that never go down)."""
+    """The engine's books after a step. The prefix counters and the decode steps are cumulative since that engine
+    process started (a restarted engine counts from zero again; the metrics fold them into counters that never go
+    down)."""
 
     rows_in_use: int = 0
     rows_total: int = 0
@@ -100,6 +101,23 @@ class EngineStats:
     kv_tokens_total: int = 0  # KV cache positions of all user rows: rows x context length
     prefix_queried_tokens: int = 0  # prompt tokens of admitted requests looked up in the prefix cache
     prefix_hit_tokens: int = 0  # of those, the tokens found cached and reused (not computed again)
+    # decode steps (no prompt chunk in them) by the rows they decoded, bucket b holding 2**(b-1) < rows <= 2**b
+    # (step_rows_bucket), and the seconds those steps took, from planning to the tokens' events
+    decode_steps: tuple[int, ...] = ()
+    decode_seconds: tuple[float, ...] = ()
+
+
+def step_rows_bucket(rows: int) -> int:
+    """EngineStats.decode_steps' bucket of a step that decoded ``rows`` rows: 0 for 1, 1 for 2, 2 for 3-4, 3 for
+    5-8 and so on."""
+    return (rows - 1).bit_length()
+
+
+def step_rows_label(bucket: int) -> str:
+    """The rows a bucket holds, as /metrics and the benchmark print them: "1", "2", "3-4", "5-8", ..."""
+    if bucket < 2:
+        return str(1 << bucket)
+    return f"{(1 << (bucket - 1)) + 1}-{1 << bucket}"
 
 
 @dataclass(frozen=True)

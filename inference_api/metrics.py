@@ -12,10 +12,10 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from .messages import EngineStats, FinishReason
+from .messages import EngineStats, FinishReason, step_rows_label
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 _TOKEN_BUCKETS = (
@@ -114,6 +114,8 @@ class Metrics:
         for name, (help_text, read) in gauges.items():
             Gauge(name, help_text, registry=r).set_function(read)
         r.register(_Ranks(ranks_alive))
+        self.decode_steps = _DecodeSteps()
+        r.register(self.decode_steps)
 
     def submitted(self, prompt_tokens: int) -> None:
         self.prompt_tokens.inc(prompt_tokens)
@@ -137,8 +139,10 @@ class Metrics:
         """Fold the engine's cumulative counters into this worker's: what they grew by since the previous stats.
         An engine restarted after a crash counts from zero again (the client resets its stats when the engine is
         lost, and a counter found lower than before counts as restarted), so the exposed counters never go down."""
-        if current.prefix_queried_tokens < previous.prefix_queried_tokens:  # a new engine, counting from zero
+        lower = current.prefix_queried_tokens < previous.prefix_queried_tokens
+        if lower or sum(current.decode_steps) < sum(previous.decode_steps):  # a new engine, counting from zero
             previous = EngineStats()
+        self.decode_steps.fold(previous, current)
         pairs = (
             (self.prefix_queries, previous.prefix_queried_tokens, current.prefix_queried_tokens),
             (self.prefix_hits, previous.prefix_hit_tokens, current.prefix_hit_tokens),
@@ -178,6 +182,37 @@ class _Ranks:
         )
         for rank, alive in enumerate(self.ranks_alive()):
             family.add_metric([str(rank)], 1.0 if alive else 0.0)
+        yield family
+
+
+class _DecodeSteps:
+    """``inference_engine_decode_step_seconds{rows}``: a summary (count and sum) of the engine's decode steps, the
+    steps that computed no prompt chunk, by how many rows they decoded (1, 2, 3-4, 5-8, ...): its mean is the step
+    time per row count. Folded from the engine's cumulative books as the prefix counters are; never goes down."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.seconds: list[float] = []
+
+    def fold(self, previous: EngineStats, current: EngineStats) -> None:
+        grow = len(current.decode_steps) - len(self.steps)
+        if grow > 0:
+            self.steps += [0] * grow
+            self.seconds += [0.0] * grow
+        for b, (steps, seconds) in enumerate(zip(current.decode_steps, current.decode_seconds)):
+            before = b < len(previous.decode_steps)
+            self.steps[b] += steps - (previous.decode_steps[b] if before else 0)
+            self.seconds[b] += seconds - (previous.decode_seconds[b] if before else 0.0)
+
+    def collect(self):
+        family = SummaryMetricFamily(
+            "inference_engine_decode_step_seconds",
+            "engine steps that decoded rows and computed no prompt chunk, by rows decoded: count and seconds",
+            labels=["rows"],
+        )
+        for b, (steps, seconds) in enumerate(zip(self.steps, self.seconds)):
+            if steps:
+                family.add_metric([step_rows_label(b)], count_value=steps, sum_value=seconds)
         yield family
 
 

@@ -18,6 +18,10 @@ llama-server) answer without computing them again; --fresh-prompts starts every 
 sent before, so that no server finds any of it cached. --ignore-eos makes every stream run to --max-tokens on
 both servers (answers that end early make tokens/s lean on the time to first token).
 
+Step time per row count: the server's /metrics count the engine's decode steps (steps with no prompt chunk) and
+their seconds by how many rows they decoded (1, 2, 3-4, 5-8, ...); each load's share of them is printed after
+its row, and the medians' section gives the mean step time per row count over all runs of a concurrency.
+
 One stream at the memory bound: decoding one row reads every weight once per token, so its ceiling is the
 machine's read bandwidth. With a one-stream load (concurrency 1) it prints the bytes each decode step reads,
 from the GGUF being served (--gguf; default: the embedded model's file when the server serves it), the GB/s
@@ -179,6 +183,38 @@ def run_load(
         itl_max=max(itl, default=float("nan")),
         first_error=errors[0] if errors else None,
     )
+
+
+def decode_steps(url: str) -> dict[str, tuple[float, float]]:
+    """The server's inference_engine_decode_step_seconds: {rows: (steps, seconds)} so far."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(url + "/metrics", timeout=10).text
+    steps: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for family in text_string_to_metric_families(text):
+        if family.name == "inference_engine_decode_step_seconds":
+            for s in family.samples:
+                if s.name.endswith("_count"):
+                    steps[s.labels["rows"]][0] = s.value
+                elif s.name.endswith("_sum"):
+                    steps[s.labels["rows"]][1] = s.value
+    return {rows: (n, seconds) for rows, (n, seconds) in steps.items()}
+
+
+def steps_between(before: dict, after: dict) -> dict[str, tuple[float, float]]:
+    """The decode steps taken between two readings of decode_steps, by rows."""
+    grown = {rows: (n - before.get(rows, (0, 0))[0], s - before.get(rows, (0, 0))[1]) for rows, (n, s) in after.items()}
+    return {rows: v for rows, v in grown.items() if v[0] > 0}
+
+
+def steps_line(steps: dict[str, tuple[float, float]]) -> str:
+    """Mean step time per row count: "1 row 9.1 ms (63 steps), 3-4 rows ..."."""
+    parts = []
+    for rows in sorted(steps, key=lambda rows: int(rows.split("-")[0])):
+        n, seconds = steps[rows]
+        plural = "" if rows == "1" else "s", "" if n == 1 else "s"
+        parts.append(f"{rows} row{plural[0]} {seconds / n * 1e3:.1f} ms ({n:.0f} step{plural[1]})")
+    return ", ".join(parts)
 
 
 def print_row(label: str, r: dict) -> None:
@@ -502,6 +538,7 @@ def main() -> None:
     direct, proxied, generated, peer = defaultdict(list), defaultdict(list), defaultdict(list), defaultdict(list)
     constrained = defaultdict(list)
     embedded = defaultdict(list)
+    step_sums: dict[int, dict[str, list[float]]] = defaultdict(lambda: defaultdict(lambda: [0.0, 0.0]))
     runs = itertools.count()
 
     def texts(n: int) -> list[str]:
@@ -509,8 +546,14 @@ def main() -> None:
 
     for _ in range(args.repeat):  # interleaved, so a noisy machine slows both sides of a ratio alike
         for c in args.concurrency:
+            before = decode_steps(args.url)
             direct[c].append(run_load(args.url, model, c, args.max_tokens, count, api=api, texts=texts(c), extra=extra))
+            taken = steps_between(before, decode_steps(args.url))
             print_row("server (HTTP stream)", direct[c][-1])
+            print(f"{'  decode steps':<22} c={c:<3} {steps_line(taken)}")
+            for rows, (n, seconds) in taken.items():
+                step_sums[c][rows][0] += n
+                step_sums[c][rows][1] += seconds
             if args.peer_url:
                 peer[c].append(
                     run_load(args.peer_url, model, c, args.max_tokens, count, api="openai", texts=texts(c), extra=extra)
@@ -550,6 +593,9 @@ def main() -> None:
     for c in args.concurrency:
         d = median_row(direct[c])
         print_row("server (HTTP stream)", d)
+        if step_sums[c]:
+            mean = {rows: (n, seconds) for rows, (n, seconds) in step_sums[c].items()}
+            print(f"{'  decode step time':<22} c={c:<3} {steps_line(mean)}")
         if args.proxy_url:
             r = median_row(proxied[c])
             print_row("through proxy", r)

@@ -40,6 +40,10 @@ def test_mock_server_figures(mock_server):
     assert "medians of 2 run(s)" in result.stdout
     assert "TTFT p50" in result.stdout and "ITL p50" in result.stdout
     assert re.search(r"engine memory: [\d.]+ GiB resident, peak [\d.]+ GiB", result.stdout)
+    # the engine's decode steps by rows, per load and over all runs: one stream's steps decode one row
+    assert re.search(r"decode steps\s+c=1\s+1 row [\d.]+ ms \(\d+ steps\)", result.stdout), result.stdout
+    assert re.search(r"decode step time\s+c=1\s+1 row [\d.]+ ms \(\d+ steps\)$", result.stdout, re.M)
+    assert re.search(r"decode step time\s+c=2\s+.*\b2 rows [\d.]+ ms", result.stdout)
     assert re.search(ONE_STREAM.format("server"), result.stdout), result.stdout  # the medians' one-stream line
 
 

@@ -9,7 +9,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from inference_api.error_shapes import api_of
-from inference_api.messages import EngineStats, FinishReason
+from inference_api.messages import EngineStats, FinishReason, step_rows_bucket, step_rows_label
 from inference_api.metrics import Metrics
 
 
@@ -104,6 +104,36 @@ def test_engine_counters_fold_into_counters_that_never_go_down_across_engine_res
     assert fold() == (60, 30, 0.5)
 
 
+def test_decode_steps_by_rows_fold_across_engine_restarts():
+    """The engine's cumulative decode steps and seconds by rows decoded: exposed as one summary per row count,
+    what a restarted engine counts from zero added on."""
+    assert [step_rows_label(step_rows_bucket(n)) for n in (1, 2, 3, 4, 5, 8, 9, 32)] == [
+        "1",
+        "2",
+        "3-4",
+        "3-4",
+        "5-8",
+        "5-8",
+        "9-16",
+        "17-32",
+    ]
+    metrics = Metrics(EngineStats, lambda: 0)
+    first = EngineStats(decode_steps=(4, 0, 2), decode_seconds=(0.4, 0.0, 0.5))
+    metrics.engine_stats(EngineStats(), first)
+    later = EngineStats(decode_steps=(5, 0, 6), decode_seconds=(0.5, 0.0, 1.5))
+    metrics.engine_stats(first, later)
+    metrics.engine_stats(later, EngineStats(decode_steps=(1, 1), decode_seconds=(0.25, 0.5)))  # a new engine
+    got = samples(metrics.exposition().decode())
+
+    def summary(rows: str) -> tuple[float, float]:
+        key = (("rows", rows),)
+        return got[("inference_engine_decode_step_seconds_count", key)], got[
+            ("inference_engine_decode_step_seconds_sum", key)
+        ]
+
+    assert summary("1") == (6, 0.75) and summary("2") == (1, 0.5) and summary("3-4") == (6, 1.5)
+
+
 def scrape(server) -> dict[tuple, float]:
     r = requests.get(server.url + "/metrics", timeout=10)
     assert r.status_code == 200 and r.headers["Content-Type"].startswith("text/plain; version=")
@@ -161,6 +191,12 @@ def test_server_times_each_token_and_reports_kv_cache_and_prefix_cache_use(mock_
     assert grown("inference_time_per_output_token_seconds_count") == 14 - 1
     assert grown("inference_time_per_output_token_seconds_sum") > 0
     assert grown("inference_prefix_cache_queries_total") == 3
+    # the first token came with the prompt's step; each of the other 13 from a step that decoded that one row
+    one_row = (("rows", "1"),)
+    steps = scrapes[-1][("inference_engine_decode_step_seconds_count", one_row)] - scrapes[-2].get(
+        ("inference_engine_decode_step_seconds_count", one_row), 0
+    )
+    assert steps == 13 and scrapes[-1][("inference_engine_decode_step_seconds_sum", one_row)] > 0
 
     # the same prompt again: all of it but its last token (always computed, for the first token's logits) reused
     r = requests.post(url, json={"text": "abc", "max_tokens": 4, "stream": False}, timeout=30)

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
+import time
 from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..messages import EngineStats, FinishReason, GenerateRequest, TokenEvent, TokenLogprob
+from ..messages import EngineStats, FinishReason, GenerateRequest, TokenEvent, TokenLogprob, step_rows_bucket
 from .constrain import Constraints
 from .sampling import RowParams, apply_penalties, choice_seed, mask_tokens, sample
 from .scheduler import Scheduler, Step
@@ -81,6 +83,9 @@ class Engine:
         self.constraints = constraints  # None: requests with a grammar fail (the mock has no real vocabulary)
         # requests (a choice each: Sequence.key) waiting for their grammar's matcher (None: no grammar support)
         self.compiling: dict[tuple[str, int], tuple[Sequence, Future[LLMatcher] | None]] = {}
+        # decode steps and their seconds by step_rows_bucket (EngineStats.decode_steps)
+        buckets = step_rows_bucket(rows) + 1
+        self.decode_steps, self.decode_seconds = [0] * buckets, [0.0] * buckets
 
     @property
     def has_work(self) -> bool:
@@ -88,7 +93,9 @@ class Engine:
 
     @property
     def stats(self) -> EngineStats:
-        return self.scheduler.stats
+        return dataclasses.replace(
+            self.scheduler.stats, decode_steps=tuple(self.decode_steps), decode_seconds=tuple(self.decode_seconds)
+        )
 
     def add(self, request: GenerateRequest) -> None:
         """Queue a request. With n choices, choice 0 goes first; the others are held until its prompt is cached
@@ -135,6 +142,7 @@ class Engine:
     def step(self) -> list[TokenEvent]:
         failed = self._compiled()
         self._admit()
+        started = time.perf_counter()
         step = self.scheduler.schedule()
         if not step:
             return failed
@@ -146,7 +154,12 @@ class Engine:
         except Exception:  # a failed forward must not take the process (and every stream) down
             log.exception("engine step failed")
             return failed + self._fail_running(ENGINE_ERROR)
-        return failed + self._postprocess(seqs, tokens, logits)
+        events = self._postprocess(seqs, tokens, logits)
+        if not step.prefill:  # a decode step alone: its time by the rows it decoded
+            bucket = step_rows_bucket(len(step.decode))
+            self.decode_steps[bucket] += 1
+            self.decode_seconds[bucket] += time.perf_counter() - started
+        return failed + events
 
     def _compiled(self) -> list[TokenEvent]:
         """Requests whose matcher is ready go to the scheduler; those whose grammar failed end with an error.

@@ -12,7 +12,10 @@
 #      with one, the non-root user, the kernels loaded (no "unavailable" line), and a stream that outlives `stop`
 #      (the stop timeout above the stack's drain): it ends with [DONE] and the container exits 0;
 #   2. the proxy image in front of the server image, as compose runs them (the server alone on 8000 with
-#      INTERNAL_SECRET, the proxy forwarding to it; here on the host's network, loopback only): the same checks.
+#      INTERNAL_SECRET, the proxy forwarding to it; here on the host's network, loopback only): the same checks,
+#      and a stream through the proxy that outlives `stop` of both containers with compose's grace periods (the
+#      proxy first, then the server, as compose stops a service before the one it depends on): it ends with [DONE]
+#      and both exit 0.
 # Every container listens on 127.0.0.1 only and is removed at the end. Exit status 0 when every check passed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -118,6 +121,22 @@ if wait_health "http://127.0.0.1:$((PORT + 2))" 300; then
   [ "$($ENGINE exec smoke-proxy id -u)" = 10001 ] && ok "pair: the proxy runs as user 10001" || bad "pair: proxy not user 10001"
   [ "$(curl -s -o /dev/null -w '%{http_code}' "http://127.0.0.1:$((PORT + 1))/v1/models")" = 403 ] \
     && ok "pair: the server refuses requests without the internal secret" || bad "pair: the server answers without the internal secret"
+  # compose's stop: the proxy (105 s grace, 90 s drain) and then the server (75 s grace, 60 s drain)
+  curl -sN "http://127.0.0.1:$((PORT + 2))/v1/completions" -H "Authorization: Bearer $TOKEN" -H 'Content-Type: application/json' \
+    -d '{"model": "SmolLM2-135M-Instruct", "prompt": "Once upon a time", "max_tokens": 64, "ignore_eos": true, "stream": true}' \
+    >/tmp/smoke-pair-stream.txt &
+  streamer=$!
+  sleep 1
+  stop_start=$(date +%s)
+  $ENGINE stop -t 105 smoke-proxy >/dev/null
+  $ENGINE stop -t 75 smoke-server >/dev/null
+  wait $streamer && grep -q '^data: \[DONE\]' /tmp/smoke-pair-stream.txt \
+    && ok "pair: a running stream finished across both stops ($(( $(date +%s) - stop_start )) s to stop)" \
+    || bad "pair: the stream was cut by stop"
+  for c in smoke-proxy smoke-server; do
+    code=$($ENGINE inspect -f '{{.State.ExitCode}}' $c)
+    [ "$code" = 0 ] && ok "pair: $c exit status 0 after its drain" || bad "pair: $c exit status $code"
+  done
 else
   bad "pair: not healthy in 300 s"; $ENGINE logs smoke-proxy 2>&1 | tail -20; $ENGINE logs smoke-server 2>&1 | tail -20
 fi

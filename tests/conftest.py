@@ -50,6 +50,15 @@ def model_name() -> str:
 
 
 @pytest.fixture(scope="session")
+def reference(model_dir):
+    """transformers' greedy generate of the embedded model, one prompt at a time, each answer computed once for
+    the whole session (greedy.greedy_reference): what every greedy test compares the servers' answers with."""
+    from greedy import greedy_reference
+
+    return greedy_reference(model_dir)
+
+
+@pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The default model converted into the model cache (the folder the real server loads)."""
     from inference_api.config import ServerConfig

@@ -12,8 +12,8 @@ import pytest
 import requests
 import torch
 import torch.nn.functional as F
+from greedy import MAX_TOKENS, PROMPTS, assert_greedy_equivalent
 from servers import MODEL_CACHE, ServerProcess
-from test_native_real import MAX_TOKENS, PROMPTS, assert_greedy_equivalent, reference  # noqa: F401 (fixture)
 from test_quality import exact_plan, perplexity, plan_for, text_ids  # noqa: F401 (fixture)
 
 from inference_api.engine.linear import Int4CudaLinear, linear_factory
@@ -99,7 +99,7 @@ def test_default_cuda_perplexity_is_within_two_percent_of_exact(model_dir, text_
     assert default <= exact * 1.02 and one_row <= exact * 1.02
 
 
-def test_forty_concurrent_greedy_requests_on_cuda_float32_match_generate(exact_cuda_server, model_name, reference):  # noqa: F811, E501
+def test_forty_concurrent_greedy_requests_on_cuda_float32_match_generate(exact_cuda_server, model_name, reference):  # noqa: E501
     health = exact_cuda_server.health()
     assert health["device"] == "cuda" and health["quantize"] == "none"
     chat = [i % 5 == 4 for i in range(len(PROMPTS))]

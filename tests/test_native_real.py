@@ -2,92 +2,12 @@
 
 from __future__ import annotations
 
-import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-import torch
-
-MAX_TOKENS = 20
-SUBJECTS = [
-    "the sea",
-    "a robot",
-    "Paris",
-    "bread",
-    "winter",
-    "a violin",
-    "the moon",
-    "coffee",
-    "a library",
-    "mountains",
-    "a cat",
-    "rain",
-    "trains",
-    "chess",
-    "gardens",
-    "the desert",
-    "a lighthouse",
-    "honey",
-    "volcanoes",
-    "a clock",
-]
-PROMPTS = [f"Write one sentence about {s}." for s in SUBJECTS] + [
-    f"Here is a short story about {s}:" for s in SUBJECTS
-]  # 40 prompts
-
-
-@pytest.fixture(scope="module")
-def reference(model_dir):
-    """transformers' own greedy generate, one prompt at a time: the output every request must equal."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-    @functools.cache  # greedy and one model: the exact and the quantized server are checked against one run
-    def generate(prompt: str, chat: bool) -> tuple[list[int], list[torch.Tensor], str]:
-        if chat:
-            text = tok.apply_chat_template(
-                [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
-            )
-            ids = tok(text, add_special_tokens=False, return_tensors="pt").input_ids
-        else:
-            ids = tok(prompt, return_tensors="pt").input_ids
-        out = model.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=MAX_TOKENS,
-            do_sample=False,
-            output_scores=True,
-            return_dict_in_generate=True,
-            pad_token_id=tok.eos_token_id,
-        )
-        new = out.sequences[0, ids.shape[1] :].tolist()
-        return new, list(out.scores), tok.decode(new, skip_special_tokens=True)
-
-    generate.tokenizer = tok
-    return generate
-
-
-def assert_greedy_equivalent(server_text: str, prompt: str, chat: bool, reference) -> None:
-    ref_ids, scores, ref_text = reference(prompt, chat)
-    if server_text == ref_text:
-        return
-    tok = reference.tokenizer
-    step = next(
-        i
-        for i in range(len(ref_ids) + 1)
-        if i == len(ref_ids) or not server_text.startswith(tok.decode(ref_ids[: i + 1], skip_special_tokens=True))
-    )
-    top2 = scores[min(step, len(scores) - 1)][0].topk(2).values
-    margin = float(top2[0] - top2[1])
-    assert margin < 1e-4, (
-        f"outputs part at step {step} where the reference's top-2 margin is {margin:.2e}:\n"
-        f"server:    {server_text!r}\nreference: {ref_text!r}"
-    )
-    print(f"near-tie accepted at step {step}: margin {margin:.2e}")
+from greedy import MAX_TOKENS, PROMPTS, SUBJECTS, assert_greedy_equivalent
 
 
 @pytest.mark.parametrize("mode", ["exact", "quantized"])

@@ -142,7 +142,8 @@ def test_generate_keeps_input_order_over_an_iterable(llm, capsys):
         [[{"role": "user", "content": f"c{i}"}] for i in range(3)], SamplingParams(max_tokens=20), use_tqdm=False
     )
     assert [r.text for r in chats] == [echo(f"<|user|>c{i}\n<|assistant|>", 20) for i in range(3)]  # the template
-    one = llm.chat([{"role": "user", "content": "one"}], use_tqdm=False)  # one conversation, not a list of them
+    # one conversation, not a list of them (a few tokens: the default runs to the context's end, 10 s on the mock)
+    one = llm.chat([{"role": "user", "content": "one"}], SamplingParams(max_tokens=4), use_tqdm=False)
     assert len(one) == 1 and one[0].prompt_tokens == len("<|user|>one\n<|assistant|>")
 
 

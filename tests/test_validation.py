@@ -43,6 +43,7 @@ BAD = [
     ({"text": "hi", "temperature": -0.1}, "temperature"),
     ({"text": "hi", "temperature": 100.5}, "temperature"),
     ({"text": "hi", "temperature": "hot"}, "temperature"),
+    ({"text": "hi", "temperature": " "}, "temperature"),  # a blank string is no number (was a 500)
     ({"text": "hi", "temperature": True}, "temperature"),
     ({"text": "hi", "temperature": float("nan")}, "temperature"),
     ({"text": "hi", "temperature": "inf"}, "temperature"),

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from greedy import MAX_TOKENS, PROMPTS, assert_greedy_equivalent
 from servers import MODEL_CACHE
-from test_native_real import MAX_TOKENS, PROMPTS, assert_greedy_equivalent, reference  # noqa: F401 (fixture)
 
 from inference_api import LLM, ParameterError, SamplingParams
 

@@ -194,8 +194,7 @@ def load_model(model_dir: Path, device: str, dtype):
     model = AutoModelForCausalLM.from_pretrained(
         str(model_dir), dtype=dtype, attn_implementation="sdpa", local_files_only=True
     )
-    # transformers types PreTrainedModel.to through a wrapper whose signature drops the device argument
-    return model.to(device).eval()  # type: ignore[arg-type]
+    return model.to(device).eval()
 
 
 def eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:

@@ -64,7 +64,7 @@ class Process:
                     return
             except requests.RequestException:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.05)  # a test starts a server some 150 times: every tenth of a second adds up
         raise RuntimeError(f"{self.proc.args} not ready after {timeout} s:\n{self.output()[-5000:]}")
 
     def output(self) -> str:

@@ -15,7 +15,7 @@ from servers import ROOT
 
 LINES = 300
 BAD = {41: "not json", 97: json.dumps({"prompt": "x", "temperature": 9}), 150: json.dumps({"text": "no prompt"})}
-FLAGS = ["--mock", "--mock-tokens-per-second", "100", "--rows", "4", "--params", '{"max_tokens": 12}']
+FLAGS = ["--mock", "--mock-tokens-per-second", "100", "--rows", "8", "--params", '{"max_tokens": 12}']
 
 
 def echo(prompt: str, tokens: int) -> str:

@@ -44,6 +44,7 @@ import sys
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
@@ -207,7 +208,7 @@ def steps_between(before: dict, after: dict) -> dict[str, tuple[float, float]]:
     return {rows: v for rows, v in grown.items() if v[0] > 0}
 
 
-def steps_line(steps: dict[str, tuple[float, float]]) -> str:
+def steps_line(steps: Mapping[str, Sequence[float]]) -> str:
     """Mean step time per row count: "1 row 9.1 ms (63 steps), 3-4 rows ..."."""
     parts = []
     for rows in sorted(steps, key=lambda rows: int(rows.split("-")[0])):
@@ -594,8 +595,7 @@ def main() -> None:
         d = median_row(direct[c])
         print_row("server (HTTP stream)", d)
         if step_sums[c]:
-            mean = {rows: (n, seconds) for rows, (n, seconds) in step_sums[c].items()}
-            print(f"{'  decode step time':<22} c={c:<3} {steps_line(mean)}")
+            print(f"{'  decode step time':<22} c={c:<3} {steps_line(step_sums[c])}")
         if args.proxy_url:
             r = median_row(proxied[c])
             print_row("through proxy", r)

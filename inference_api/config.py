@@ -32,6 +32,7 @@ class ServerConfig:
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step, so long prompts never stall streams
     prefix_cache: bool = True  # start a prompt after the longest prefix some row's KV cache still holds
     tensor_parallel_size: int = 1  # processes the compact model's heads and MLP columns are split over (gloo, CPU)
+    cuda_graphs: bool = True  # on CUDA, the compact model's decode step replayed from CUDA graphs per batch bucket
     max_waiting: int = 64  # requests allowed to wait for a free row; beyond it: 503
     max_body_bytes: int = 1 << 20  # larger request bodies get 413
     max_stop_sequences: int = (
@@ -95,6 +96,10 @@ _ENV = {
         "TENSOR_PARALLEL_SIZE",
         "processes the model's attention heads and MLP columns are "
         "split over (each holds its share of the weights and KV cache; gloo on CPU)",
+    ),
+    "cuda_graphs": (
+        "CUDA_GRAPHS",
+        "on CUDA, capture the decode step in CUDA graphs, one per batch-size bucket (--no-cuda-graphs: run it eagerly)",
     ),
     "max_waiting": ("MAX_WAITING", "requests that may wait for a row before 503"),
     "max_body_bytes": ("MAX_BODY_BYTES", "largest accepted request body in bytes"),

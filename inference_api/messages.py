@@ -143,6 +143,7 @@ class EngineReady:
     tensor_parallel_size: int = 1  # ranks (processes) the model is split over; rank 0 is the engine process
     rank_pids: tuple[int, ...] = ()  # the process ids of ranks 1..N-1
     kernels: str = ""  # the CPU kernels' build ("native", "prebuilt avx512vnni", ...), "unavailable: why", or "" unused
+    cuda_graphs: tuple[int, ...] = ()  # the batch sizes whose decode step was captured in CUDA graphs
 
 
 @dataclass(frozen=True)

@@ -68,6 +68,7 @@ class ExecutionPlan:
     arch: str = ""
     gguf_types: tuple[str, ...] = ()  # a GGUF's tensor types the compact model serves in their own blocks
     tp: int = 1  # tensor-parallel ranks (processes) the compact model's heads and MLP columns are split over
+    cuda_graphs: bool = False  # the compact model's decode step replayed from CUDA graphs (engine/cuda_graphs.py)
 
     @property
     def matmul_dtype(self) -> str:
@@ -109,9 +110,10 @@ class ExecutionPlan:
         kind = f"{self.arch} {self.model} layers" if self.arch else f"{self.model} layers"
         weights = f"the GGUF's own blocks ({', '.join(self.gguf_types)})" if self.gguf_types else self.quantize
         ranks = f", split over {self.tp} ranks" if self.tp > 1 else ""
+        graphs = ", decode step in CUDA graphs" if self.cuda_graphs else ""
         return (
             f"{self.device} ({self.dtype}, weights {weights}, {kind}, multi-row matmuls "
-            f"{self.matmul_dtype}, {inputs}, KV cache {self.kv_dtype}{ranks})"
+            f"{self.matmul_dtype}, {inputs}, KV cache {self.kv_dtype}{ranks}{graphs})"
         )
 
 
@@ -192,6 +194,7 @@ def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> Exec
         arch=model.arch,
         gguf_types=model.gguf_types if compact and quantized_cpu and cpu_kernels else (),
         tp=tp,
+        cuda_graphs=cuda and compact and config.cuda_graphs,
     )
 
 

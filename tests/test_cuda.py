@@ -16,8 +16,11 @@ from greedy import MAX_TOKENS, PROMPTS, assert_greedy_equivalent
 from servers import MODEL_CACHE, ServerProcess
 from test_quality import exact_plan, perplexity, plan_for, text_ids  # noqa: F401 (fixture)
 
+from inference_api.engine.cuda_graphs import DecodeGraphs
 from inference_api.engine.linear import Int4CudaLinear, linear_factory
+from inference_api.engine.model_runner import ModelRunner
 from inference_api.engine.quant import quantize_int4
+from inference_api.model_loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -46,6 +49,14 @@ def exact_cuda_server():
 @pytest.fixture(scope="module")
 def default_cuda_server():
     server = cuda_server()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def eager_cuda_server():
+    """The defaults with the decode step run eagerly (no CUDA graphs)."""
+    server = cuda_server("--no-cuda-graphs")
     yield server
     server.stop()
 
@@ -102,6 +113,7 @@ def test_default_cuda_perplexity_is_within_two_percent_of_exact(model_dir, text_
 def test_forty_concurrent_greedy_requests_on_cuda_float32_match_generate(exact_cuda_server, model_name, reference):  # noqa: E501
     health = exact_cuda_server.health()
     assert health["device"] == "cuda" and health["quantize"] == "none"
+    assert health["cuda_graphs"] == [1, 2, 4, 8, 16, 24, 32]  # the decode step replayed from CUDA graphs
     chat = [i % 5 == 4 for i in range(len(PROMPTS))]
     texts = answers(exact_cuda_server, PROMPTS, chat, model_name, len(PROMPTS))
     assert len(set(texts)) > 30
@@ -126,3 +138,44 @@ def test_default_cuda_streams_under_load_equal_each_prompt_alone(default_cuda_se
     assert len(differ) <= 4, differ
     for a, t in differ:  # parted late, not from the start
         assert a[:8] == t[:8], (a, t)
+
+
+def test_decode_graphs_replay_the_eager_static_step(model_dir, hf_tokenizer):
+    """The captured graphs against the same static step run eagerly, on the defaults (int4 tinygemm, bfloat16):
+    the same kernels over the same tensors, so the same logits; and the next step from the graphs' tokens."""
+    plan = plan_for("cuda")
+    assert plan.cuda_graphs
+    runner = ModelRunner(load_model(model_dir, "cuda", torch.bfloat16), 6, 128, plan)
+    assert runner.graphs is not None and sorted(runner.graphs.graphs) == [1, 2, 4, 6]
+    eager = DecodeGraphs(runner.model, runner.cache, 6, runner.device, capture=False)
+    prompts = ["The capital of France is", "One, two, three, four,", "Water boils at"]
+    ids = [hf_tokenizer.encode(p) for p in prompts]
+    rows = [4, 0, 2]  # out of order, rows 1, 3 and 5 idle: the 6-row bucket
+    tokens = runner.prefill(rows, ids, [0, 0, 0]).argmax(-1).tolist()
+    positions = [len(i) for i in ids]
+    for _ in range(4):
+        replayed = runner.decode(rows, tokens, positions).clone()
+        again = eager.decode(rows, tokens, positions)  # the same positions written again, the same values
+        assert replayed.shape == (3, runner.vocab_size)
+        torch.testing.assert_close(replayed, again, rtol=0, atol=1e-3)
+        tokens, positions = replayed.argmax(-1).tolist(), [p + 1 for p in positions]
+    one = runner.decode([0], [tokens[1]], [positions[1]]).clone()  # the 1-row graph
+    torch.testing.assert_close(one, eager.decode([0], [tokens[1]], [positions[1]]), rtol=0, atol=1e-3)
+
+
+def test_cuda_graphs_answer_as_the_eager_decode_step(default_cuda_server, eager_cuda_server, model_name):
+    """The defaults with and without CUDA graphs, 40 greedy prompts at once on each: the same answers up to the
+    near-ties a different summation order (static attention over the whole context) can part."""
+    assert default_cuda_server.health()["cuda_graphs"] == [1, 2, 4, 8, 16, 24, 32]
+    assert eager_cuda_server.health()["cuda_graphs"] == []
+    chat = [i % 5 == 4 for i in range(len(PROMPTS))]
+    graphs = answers(default_cuda_server, PROMPTS, chat, model_name, len(PROMPTS))
+    eager = answers(eager_cuda_server, PROMPTS, chat, model_name, len(PROMPTS))
+    differ = [(e, g) for e, g in zip(eager, graphs) if e != g]
+    print(f"{len(differ)} of {len(PROMPTS)} answers part between graphs and eager")
+    for e, g in differ:
+        print(f"eager:  {e!r}\ngraphs: {g!r}")
+    assert len(set(graphs)) > 30
+    assert len(differ) <= 4, differ
+    for e, g in differ:
+        assert e[:8] == g[:8], (e, g)

@@ -72,6 +72,9 @@ def test_the_plan_decides_device_dtypes_kv_and_kernels_once():
     assert spr.vnni and spr.batch_dtype is None
     assert plan(BF16_ONLY).batch_dtype == "bfloat16" and not plan(BF16_ONLY).vnni
     assert (cuda.device, cuda.dtype, cuda.kv_dtype, cuda.cpu_kernels) == ("cuda", "bfloat16", "bfloat16", False)
+    # CUDA graphs for the compact model's decode step on CUDA alone, unless turned off
+    assert cuda.cuda_graphs and not zen3.cuda_graphs and not plan(CUDA, cuda_graphs=False).cuda_graphs
+    assert not plan(CUDA, model=ModelFacts("gpt2", gguf=True, gguf_quantize="int8")).cuda_graphs
     exact = plan(dtype="float32")
     assert exact.quantize == "int4" and not exact.int8_inputs and exact.kv_dtype == "int8"
     assert plan(model=ModelFacts("llama"), quantize="auto").quantize == "none"  # a folder is served as it is

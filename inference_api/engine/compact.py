@@ -91,8 +91,15 @@ def _attention(
 ) -> torch.Tensor:
     """Attention over blocks of queries: the same result at the same speed, with temporaries of about 4 MB for
     512 queries over 2048 positions instead of 76 MB in one call (measured on the 2-core machine). SDPA, or the
-    scores written out where they are soft-capped (gemma2: cap * tanh(scores / cap) before the softmax)."""
-    gqa = keys.shape[1] != q.shape[1]
+    scores written out where they are soft-capped (gemma2: cap * tanh(scores / cap) before the softmax). One
+    query a row (decode) with grouped heads runs as queries of their key/value head: no copy of the keys, and on
+    CUDA a masked SDPA stays off its slow math kernel."""
+    b, heads, queries, dim = q.shape
+    kv_heads = keys.shape[1]
+    if queries == 1 and kv_heads != heads:  # one query a row: each key/value head's query heads as its queries
+        grouped = _attention(q.reshape(b, kv_heads, heads // kv_heads, dim), keys, values, mask, scale, softcap)
+        return grouped.reshape(b, heads, 1, dim)
+    gqa = kv_heads != heads
     if softcap is not None and gqa:
         keys = keys.repeat_interleave(q.shape[1] // keys.shape[1], dim=1)
         values = values.repeat_interleave(q.shape[1] // values.shape[1], dim=1)
@@ -189,7 +196,7 @@ class CompactLM:
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def forward(self, batch: ForwardBatch, cache) -> torch.Tensor | None:
-        if batch.decode and self.fast:
+        if batch.decode and self.fast and not batch.static:
             return self._decode(batch, cache)
         spec, k = self.spec, self.kernels
         b, t = batch.shape
@@ -253,7 +260,7 @@ class CompactLM:
                     cache.ring(i),
                 ).view(-1, hq * d)
             else:
-                keys, values = cache.read(i, batch.rows, batch.attend, q.dtype)
+                keys, values = cache.read(i, batch.cache_rows, batch.attend, q.dtype)
                 if keys.dtype != q.dtype:  # a 16-bit cache: attention itself in the model's dtype
                     keys, values = keys.to(q.dtype), values.to(q.dtype)
                 qp = _pad(q.reshape(-1, hq * d), tokens, b * t).view(b, t, hq, d).transpose(1, 2)
@@ -419,6 +426,11 @@ def build_compact(
     embed_w, head_w = src.embed(), src.head()
     embed, head = embed_fn(embed_w, embed_w if config.tie_word_embeddings or head_w is None else head_w)
     del head_w
+
+    def place(t: torch.Tensor | None) -> torch.Tensor | None:
+        """A norm's weight on the model's device in its dtype (a GGUF's are read as float32 on the CPU)."""
+        return None if t is None else t.to(model.device, model.dtype)
+
     layers = []
     for i in range(config.num_hidden_layers):
         w = src.layer(i)
@@ -429,30 +441,30 @@ def build_compact(
         linear = lambda role, b=None, w=w, modes=modes: make_linear(w[role], b, as_mode=modes.get(role))  # noqa: E731
         layers.append(
             Layer(
-                attn_norm=w["attn_norm"],
+                attn_norm=place(w["attn_norm"]),
                 qkv=linear("qkv", bias),
                 o=linear("o", w["o_bias"]),
-                mlp_norm=w["mlp_norm"],
+                mlp_norm=place(w["mlp_norm"]),
                 gate_up=linear("gate_up"),
                 down=linear("down"),
-                q_norm=w["q_norm"] if spec.family.qk_norm else None,
-                k_norm=w["k_norm"] if spec.family.qk_norm else None,
-                post_attn_norm=w["post_attn_norm"],
-                post_mlp_norm=w["post_mlp_norm"],
-                attn_norm_b=w.get("attn_norm_b"),
-                mlp_norm_b=w.get("mlp_norm_b"),
+                q_norm=place(w["q_norm"]) if spec.family.qk_norm else None,
+                k_norm=place(w["k_norm"]) if spec.family.qk_norm else None,
+                post_attn_norm=place(w["post_attn_norm"]),
+                post_mlp_norm=place(w["post_mlp_norm"]),
+                attn_norm_b=place(w.get("attn_norm_b")),
+                mlp_norm_b=place(w.get("mlp_norm_b")),
             )
         )
         del w
         src.drop_layer(i)
     embed_scale = config.hidden_size**0.5 if spec.family.embed_scale else 1.0
-    final_b = src.final_norm_bias() if hasattr(src, "final_norm_bias") else None
+    final_b = place(src.final_norm_bias()) if hasattr(src, "final_norm_bias") else None
     return CompactLM(
         shard.local(spec) if shard is not None else spec,
         embed,
         embed_scale,
         layers,
-        src.final_norm(),
+        place(src.final_norm()),
         head,
         length,
         model.device,

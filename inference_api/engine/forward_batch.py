@@ -4,6 +4,10 @@
 Entries are laid out [B, T]: each entry is one row's chunk of tokens, left-padded so that every entry's last
 token is last. ``write`` says where each token's key and value go in its row's cache; padding (and an idle
 row of a decode step) writes to the cache's scratch position, which no row ever attends to.
+
+A static decode batch (``static``) computes every row 0..B-1 as a token, idle ones included, and attends over
+a fixed ``attend`` under a mask: no shape depends on the batch's contents and nothing is read back to the host,
+so the step can be captured in a CUDA graph and replayed over the same tensors (engine/cuda_graphs.py).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class ForwardBatch:
     scratch: int  # the cache's scratch position
     decode: bool = False  # one token for each of rows 0..B-1 (the decode kernels' layout; idle rows padding)
     last_only: bool = True  # logits of each entry's last token only ([B, V]); else of every token ([B, T, V])
+    static: bool = False  # a decode batch whose every row counts as a token (CUDA graphs; see above)
     _masks: dict = field(default_factory=dict, repr=False)
 
     # what the forward reads, computed when first read (the decode kernels' step reads none of the token views)
@@ -34,7 +39,9 @@ class ForwardBatch:
 
     @cached_property
     def tokens(self) -> torch.Tensor:
-        """[N] the real tokens' indices into B * T."""
+        """[N] the real tokens' indices into B * T (a static batch: every entry's)."""
+        if self.static:
+            return torch.arange(self.ids.numel(), device=self.ids.device)
         return self.real.reshape(-1).nonzero()[:, 0]
 
     @cached_property
@@ -57,7 +64,15 @@ class ForwardBatch:
     @property
     def last(self) -> torch.Tensor:
         """[B] each entry's last real token, as an index into the real tokens (chunks are left-padded)."""
+        if self.static:
+            return torch.arange(self.ids.shape[0], device=self.ids.device)
         return self.real.sum(1).cumsum(0) - 1
+
+    @property
+    def cache_rows(self) -> torch.Tensor | slice:
+        """The cache rows attention reads, for RowKVCache.read: a decode step's rows 0..B-1 as a slice (a view of
+        the cache, not a copy)."""
+        return slice(0, self.ids.shape[0]) if self.decode else self.rows
 
     def visible(self, window: int | None = None) -> torch.Tensor:
         """[B, T, attend] which cached positions each token attends to: its row's positions up to its own (the

@@ -141,7 +141,7 @@ def linear_factory(
     def make_linear(weight, bias: torch.Tensor | None, group: int | None = None, as_mode: str | None = None):
         """weight: a float weight, quantized here as as_mode (or the plan's mode) says, or a GGUF's own blocks
         (gguf_blocks), kept as they are; with --quantize none both are served dense."""
-        bias = None if bias is None else bias.detach().to(dtype).clone()
+        bias = None if bias is None else bias.detach().to(device=device, dtype=dtype).clone()
         if isinstance(weight, QUANTIZED):
             packed = weight if mode != "none" else None
             weight = weight if packed is not None else weight.dequantize(kernels)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from ..plan import ExecutionPlan
 from .attention import use_row_attention
 from .compact import CompactLM, build_compact
+from .cuda_graphs import capture_decode
 from .forward_batch import ForwardBatch
 from .kv_cache import RowKVCache
 from .linear import linear_factory, use_linears
@@ -70,9 +71,11 @@ def build_model(model, plan: ExecutionPlan, kernels, length: int, shard=None, al
             if tied and head is not None and hasattr(head, "rows"):
                 return head.rows, head if logits else None  # a tied quantized head: embeddings read from its rows
             head = head if logits else None
-            if isinstance(embed_w, QUANTIZED):  # a GGUF's own blocks: rows dequantized when read
-                return (lambda ids: embed_w.rows(ids, kernels)), head
-            table = embed_w.detach().clone()
+            if isinstance(embed_w, QUANTIZED):
+                if model.device.type == "cpu":  # a GGUF's own blocks: rows dequantized when read
+                    return (lambda ids: embed_w.rows(ids, kernels)), head
+                embed_w = embed_w.dequantize(kernels)  # a GPU: one dense table in its memory
+            table = embed_w.detach().to(model.device, model.dtype).clone()
             return (lambda ids: F.embedding(ids, table)), head
 
         return build_compact(model, make_linear, embed_fn, length, kernels, shard, all_reduce)
@@ -135,6 +138,9 @@ class ModelRunner:
             windows,
             prefill_chunk,
         )
+        # the decode step replayed from CUDA graphs where the plan says so (one process: no rank beside it)
+        captured = plan.cuda_graphs and isinstance(self.model, CompactLM) and shard is None
+        self.graphs = capture_decode(self.model, self.cache, rows, self.device) if captured else None
 
     def _batch(self, rows: list[int], chunks: list[list[int]], starts: list[int], last_only: bool) -> ForwardBatch:
         """Chunks left-padded so every row's last token is last; padding writes to the scratch slot and sees
@@ -181,7 +187,9 @@ class ModelRunner:
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token for each given row at its position; returns logits [len(rows), V] in that order. The batch
         spans rows 0..highest (the decode kernels' layout: batch index b is cache row b), idle rows writing to
-        the scratch slot."""
+        the scratch slot; with CUDA graphs, the smallest captured bucket that holds them."""
+        if self.graphs is not None:
+            return self.graphs.decode(rows, tokens, positions)
         width = max(rows) + 1
         index = torch.tensor(rows)
         ids = torch.zeros(width, 1, dtype=torch.long)

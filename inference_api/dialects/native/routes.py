@@ -74,6 +74,7 @@ def health_blueprint(serving: Serving) -> Blueprint:
             "matmul_dtype": ready.matmul_dtype if ready else None,
             "int8_inputs": ready.int8_inputs if ready else None,
             "kernels": ready.kernels if ready else None,
+            "cuda_graphs": list(ready.cuda_graphs) if ready else None,
             "backend_pid": process.pid if process else None,
             "tensor_parallel_size": config.tensor_parallel_size,
             "ranks": [

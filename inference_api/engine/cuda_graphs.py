@@ -1,0 +1,118 @@
+"""The decode step replayed from CUDA graphs, one per batch-size bucket (as nano-vllm and vLLM capture theirs).
+
+A decode step on CUDA is a few hundred small kernel launches from Python (30 layers of norms, linears, rotary,
+cache writes and attention); on an H100 a step of one row took about as long as one of 32 (docs/performance.md).
+Here each bucket's step is captured once at start-up over static tensors: the inputs (token, position and cache
+write of rows 0..B-1), the KV cache (allocated once, never moved) and the logits the graph writes. A step then
+copies its inputs from one pinned host buffer in one transfer and replays the bucket's graph; sampling runs on
+the GPU from those logits and only the new token ids come back (Engine._sample). The graphs share one memory pool.
+
+The captured forward is the compact model's static decode batch (ForwardBatch.static): every row of the bucket
+is computed, idle ones writing to the cache's scratch slot, and attention reads the context's length under a
+mask, so nothing depends on the step's contents. ``capture=False`` runs the same static step eagerly (any device):
+what the tests compare the graphs with, and what a step runs if a capture failed.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .forward_batch import ForwardBatch
+
+log = logging.getLogger(__name__)
+
+
+def bucket_sizes(rows: int) -> list[int]:
+    """The batch sizes captured: 1, 2, 4, 8, then every multiple of 8, and the row count itself."""
+    sizes = [n for n in (1, 2, 4) if n < rows] + list(range(8, rows, 8)) + [rows]
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """decode(rows, tokens, positions) -> logits [len(rows), V], as ModelRunner.decode, from the captured graphs."""
+
+    def __init__(self, model, cache, rows: int, device: torch.device, capture: bool = True):
+        self.model, self.cache, self.device = model, cache, torch.device(device)
+        self.sizes = bucket_sizes(rows)
+        # rows x (token, position, cache write): the graphs read these, a step overwrites them in one copy
+        self.inputs = torch.zeros(rows, 3, dtype=torch.long, device=self.device)
+        self.inputs[:, 2] = cache.scratch  # capture and warm-up write to the scratch slot only
+        self.staged = torch.zeros(rows, 3, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.copied: torch.cuda.Event | None = None  # the last copy out of staged (staged is rewritten after it)
+        self.rows = {n: torch.arange(n, device=self.device) for n in self.sizes}
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logits: dict[int, torch.Tensor] = {}
+        if capture:
+            self._capture()
+
+    def _batch(self, size: int) -> ForwardBatch:
+        """A fresh static batch over the first size rows of the inputs (fresh: its masks are computed by the
+        forward that reads it, inside the graph)."""
+        ids, positions, write = (self.inputs[:size, i : i + 1] for i in range(3))
+        return ForwardBatch(
+            ids,
+            positions,
+            write,
+            self.rows[size],
+            self.cache.length,
+            self.cache.scratch,
+            decode=True,
+            static=True,
+        )
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        """Capture every bucket, the largest first (the smaller ones then fit in its pool). Each is run once on
+        a side stream first, so lazy initialisations (cuBLAS handles, kernel loads) happen outside the capture."""
+        pool = None
+        side = torch.cuda.Stream(self.device)
+        for size in reversed(self.sizes):
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                self.model.forward(self._batch(size), self.cache)
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[size] = self.model.forward(self._batch(size), self.cache)
+            pool = graph.pool()
+            self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        width = max(rows) + 1
+        size = next(n for n in self.sizes if n >= width)
+        if self.copied is not None:  # (the engine has read the last step's tokens by now: already complete)
+            self.copied.synchronize()
+        staged = self.staged[:size]
+        staged[:, 0] = 0
+        staged[:, 1] = 0
+        staged[:, 2] = self.cache.scratch
+        index = torch.tensor(rows)
+        staged[index, 0] = torch.tensor(tokens)
+        staged[index, 1] = torch.tensor(positions)
+        staged[index, 2] = staged[index, 1]
+        self.inputs[:size].copy_(staged, non_blocking=True)
+        if self.device.type == "cuda":
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        graph = self.graphs.get(size)
+        if graph is not None:
+            graph.replay()
+            logits = self.logits[size]
+        else:
+            logits = self.model.forward(self._batch(size), self.cache)
+        if rows == list(range(size)):
+            return logits
+        return logits[index.to(logits.device)]
+
+
+def capture_decode(model, cache, rows: int, device: torch.device) -> DecodeGraphs | None:
+    """The captured decode step, or None (eager decoding, with a warning) where the capture fails."""
+    try:
+        return DecodeGraphs(model, cache, rows, device)
+    except Exception:
+        log.warning("capturing the decode step in CUDA graphs failed: it runs eagerly", exc_info=True)
+        return None

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The checks and figures that need an NVIDIA GPU, in one run: the benchmark of the default model on CUDA with the
-# decode step in CUDA graphs and without (scripts/bench.py, 1 and 32 streams), then the CUDA tests. Every stage is
+# The checks and figures that need an NVIDIA GPU, in one run: where a decode step's time goes
+# (scripts/profile_decode.py), the benchmark of the default model on CUDA with the decode step in CUDA graphs and
+# without (scripts/bench.py, 1, 8 and 32 streams), then the CUDA tests. Every stage is
 # bounded in time; logs go to $OUT (default test-artifacts/cuda). Run on a machine with the server's dependencies:
 #
 #     bash scripts/cuda_check.sh                 # PYTHON=... to pick the interpreter, REPEAT=3 runs per load
@@ -13,6 +14,9 @@ port=18090
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv | tee "$out/gpu.txt"
 "$py" -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+
+# the decode step's GPU time (graph replay, eager) and kernels, without a server
+timeout 180 "$py" scripts/profile_decode.py 2>&1 | tee "$out/profile.log" | tail -8
 
 serve() {  # serve the default model on CUDA with these flags, wait until it is healthy (or give up after 240 s)
   "$py" -m inference_api --host 127.0.0.1 --port $port --device cuda --tokens-per-minute-per-team 0 "$@" \

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_quality import exact_plan
 
-from inference_api.engine.cuda_graphs import DecodeGraphs, bucket_sizes
+from inference_api.engine.cuda_graphs import DecodeGraphs, bucket_sizes, span_sizes
 from inference_api.engine.model_runner import ModelRunner
 from inference_api.model_loader import load_model
 
@@ -16,6 +16,7 @@ def test_the_buckets_cover_every_row_count_with_few_graphs():
     assert bucket_sizes(1) == [1]
     assert bucket_sizes(32) == [1, 2, 4, 8, 16, 24, 32]
     assert bucket_sizes(41) == [1, 2, 4, 8, 16, 24, 32, 40, 41]
+    assert span_sizes(2048) == [256, 512, 1024, 2048] and span_sizes(64) == [64] and span_sizes(300) == [256, 300]
 
 
 @pytest.fixture(scope="module")

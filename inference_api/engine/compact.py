@@ -240,11 +240,14 @@ class CompactLM:
                     rows,
                 )
             else:
-                q, key, v = qkv.split([hq * d, hk * d, hk * d], dim=-1)
-                q, key, v = q.reshape(-1, hq, d), key.reshape(-1, hk, d), v.reshape(-1, hk, d)
+                qk, v = qkv.split([(hq + hk) * d, hk * d], dim=-1)
+                qk, v = qk.reshape(-1, hq + hk, d), v.reshape(-1, hk, d)
                 if layer.q_norm is not None and layer.k_norm is not None:
-                    q, key = self._norm(q, layer.q_norm), self._norm(key, layer.k_norm)
-                q, key = _rope(q, cos[:, None], sin[:, None]), _rope(key, cos[:, None], sin[:, None])
+                    qk = torch.cat([self._norm(qk[:, :hq], layer.q_norm), self._norm(qk[:, hq:], layer.k_norm)], 1)
+                # the queries' and the keys' rotary in one pass (a decode step on CUDA is bound by its launches)
+                q, key = _rope(qk, cos[:, None], sin[:, None]).split([hq, hk], dim=1)
+                if k is not None:  # (the attention kernel reads whole rows of heads)
+                    q = q.contiguous()
                 cache.write(i, key, v, flats[cache.layer_slots[i]])
             if k is not None:  # per_token
                 a = k.decode_attention(
@@ -265,7 +268,9 @@ class CompactLM:
                     keys, values = keys.to(q.dtype), values.to(q.dtype)
                 qp = _pad(q.reshape(-1, hq * d), tokens, b * t).view(b, t, hq, d).transpose(1, 2)
                 a = _attention(qp, keys, values, masks[spec.windows[i]], spec.attn_scale, spec.attn_softcap)
-                a = a.transpose(1, 2).reshape(b * t, hq * d)[tokens]
+                a = a.transpose(1, 2).reshape(b * t, hq * d)
+                if a.shape[0] != x.shape[0]:  # padding to drop (none in a static batch: every entry is a token)
+                    a = a[tokens]
             o = layer.o(a)
             if parallel:  # the MLP reads the layer's input too (its own norm, or the attention's)
                 if layer.post_attn_norm is not None:  # (no such family; a split one is refused: parallel.Shard)
@@ -288,7 +293,7 @@ class CompactLM:
         if self.head is None:  # a tensor-parallel rank other than 0: rank 0 computes the logits
             return None
         if batch.last_only:  # each entry's last token is real (chunks are left-padded)
-            return self._logits(x[batch.last])
+            return self._logits(x if batch.static else x[batch.last])
         return _pad(self._logits(x), tokens, b * t).view(b, t, -1)
 
     def _decode(self, batch: ForwardBatch, cache) -> torch.Tensor | None:

@@ -8,8 +8,10 @@ copies its inputs from one pinned host buffer in one transfer and replays the bu
 the GPU from those logits and only the new token ids come back (Engine._sample). The graphs share one memory pool.
 
 The captured forward is the compact model's static decode batch (ForwardBatch.static): every row of the bucket
-is computed, idle ones writing to the cache's scratch slot, and attention reads the context's length under a
-mask, so nothing depends on the step's contents. ``capture=False`` runs the same static step eagerly (any device):
+is computed, idle ones writing to the cache's scratch slot, and attention reads a fixed span of positions under a
+mask, so nothing depends on the step's contents. Each batch size is captured for a few spans (256, 512, ... up to
+the context's length) and a step replays the shortest that holds its longest row: short rows do not pay for
+reading every row's whole context. ``capture=False`` runs the same static step eagerly (any device):
 what the tests compare the graphs with, and what a step runs if a capture failed.
 """
 
@@ -30,33 +32,47 @@ def bucket_sizes(rows: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def span_sizes(length: int) -> list[int]:
+    """The attention spans captured: 256, 512, 1024, ... below the context's length, and the length itself."""
+    spans, n = [], 256
+    while n < length:
+        spans.append(n)
+        n *= 2
+    return spans + [length]
+
+
 class DecodeGraphs:
     """decode(rows, tokens, positions) -> logits [len(rows), V], as ModelRunner.decode, from the captured graphs."""
 
     def __init__(self, model, cache, rows: int, device: torch.device, capture: bool = True):
         self.model, self.cache, self.device = model, cache, torch.device(device)
-        self.sizes = bucket_sizes(rows)
+        self.sizes, self.spans = bucket_sizes(rows), span_sizes(cache.length)
         # rows x (token, position, cache write): the graphs read these, a step overwrites them in one copy
         self.inputs = torch.zeros(rows, 3, dtype=torch.long, device=self.device)
         self.inputs[:, 2] = cache.scratch  # capture and warm-up write to the scratch slot only
         self.staged = torch.zeros(rows, 3, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.copied: torch.cuda.Event | None = None  # the last copy out of staged (staged is rewritten after it)
         self.rows = {n: torch.arange(n, device=self.device) for n in self.sizes}
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (batch size, span)
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
         if capture:
             self._capture()
 
-    def _batch(self, size: int) -> ForwardBatch:
-        """A fresh static batch over the first size rows of the inputs (fresh: its masks are computed by the
-        forward that reads it, inside the graph)."""
+    @property
+    def captured(self) -> list[int]:
+        """The batch sizes replayed from graphs."""
+        return sorted({size for size, _ in self.graphs})
+
+    def _batch(self, size: int, span: int) -> ForwardBatch:
+        """A fresh static batch over the first size rows of the inputs, attending to span positions (fresh: its
+        masks are computed by the forward that reads it, inside the graph)."""
         ids, positions, write = (self.inputs[:size, i : i + 1] for i in range(3))
         return ForwardBatch(
             ids,
             positions,
             write,
             self.rows[size],
-            self.cache.length,
+            span,
             self.cache.scratch,
             decode=True,
             static=True,
@@ -68,22 +84,23 @@ class DecodeGraphs:
         a side stream first, so lazy initialisations (cuBLAS handles, kernel loads) happen outside the capture."""
         pool = None
         side = torch.cuda.Stream(self.device)
-        for size in reversed(self.sizes):
+        for key in [(size, span) for size in reversed(self.sizes) for span in reversed(self.spans)]:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                self.model.forward(self._batch(size), self.cache)
+                self.model.forward(self._batch(*key), self.cache)
             torch.cuda.current_stream(self.device).wait_stream(side)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self.model.forward(self._batch(size), self.cache)
+                self.logits[key] = self.model.forward(self._batch(*key), self.cache)
             pool = graph.pool()
-            self.graphs[size] = graph
+            self.graphs[key] = graph
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
-        width = max(rows) + 1
+        width, reach = max(rows) + 1, max(positions) + 1
         size = next(n for n in self.sizes if n >= width)
+        span = next(n for n in self.spans if n >= reach)
         if self.copied is not None:  # (the engine has read the last step's tokens by now: already complete)
             self.copied.synchronize()
         staged = self.staged[:size]
@@ -98,12 +115,12 @@ class DecodeGraphs:
         if self.device.type == "cuda":
             self.copied = torch.cuda.Event()
             self.copied.record()
-        graph = self.graphs.get(size)
+        graph = self.graphs.get((size, span))
         if graph is not None:
             graph.replay()
-            logits = self.logits[size]
+            logits = self.logits[size, span]
         else:
-            logits = self.model.forward(self._batch(size), self.cache)
+            logits = self.model.forward(self._batch(size, span), self.cache)
         if rows == list(range(size)):
             return logits
         return logits[index.to(logits.device)]

@@ -139,7 +139,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
 def decode_graphs(runner) -> tuple[int, ...]:
     """The batch sizes whose decode step the runner replays from CUDA graphs (none: it runs eagerly)."""
     graphs = getattr(runner, "graphs", None)
-    return tuple(sorted(graphs.graphs)) if graphs is not None else ()
+    return tuple(graphs.captured) if graphs is not None else ()
 
 
 IDLE_TRIM_AFTER = 0.5  # seconds without work before the engine returns freed memory

@@ -77,6 +77,19 @@ def answers(server, prompts: list[str], chat: list[bool], model_name: str, worke
         return list(pool.map(one, zip(prompts, chat)))
 
 
+def assert_few_part_late(first: list[str], second: list[str], names: tuple[str, str]) -> None:
+    """Two servers' (or loads') answers to the same greedy prompts: at most 4 part, each late (a near-tie of the
+    other summation order), and the answers differ among themselves (a mixed or lost stream would part most)."""
+    differ = [(a, b) for a, b in zip(first, second) if a != b]
+    print(f"{len(differ)} of {len(first)} answers part between {names[0]} and {names[1]}")
+    for a, b in differ:
+        print(f"{names[0]}: {a!r}\n{names[1]}: {b!r}")
+    assert len(set(second)) > 30
+    assert len(differ) <= 4, differ
+    for a, b in differ:  # parted late, not from the start
+        assert a[:8] == b[:8], (a, b)
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_tinygemm_int4_linear_is_linear_on_the_dequantized_weight(bias):
     torch.manual_seed(0)
@@ -130,14 +143,7 @@ def test_default_cuda_streams_under_load_equal_each_prompt_alone(default_cuda_se
     chat = [i % 5 == 4 for i in range(len(PROMPTS))]
     together = answers(default_cuda_server, PROMPTS, chat, model_name, len(PROMPTS))
     alone = answers(default_cuda_server, PROMPTS, chat, model_name, 1)
-    differ = [(a, t) for a, t in zip(alone, together) if a != t]
-    print(f"{len(differ)} of {len(PROMPTS)} answers part from the prompt alone")
-    for a, t in differ:
-        print(f"alone:    {a!r}\ntogether: {t!r}")
-    assert len(set(together)) > 30
-    assert len(differ) <= 4, differ
-    for a, t in differ:  # parted late, not from the start
-        assert a[:8] == t[:8], (a, t)
+    assert_few_part_late(alone, together, ("alone", "together"))
 
 
 def test_decode_graphs_replay_the_eager_static_step(model_dir, hf_tokenizer):
@@ -165,17 +171,10 @@ def test_decode_graphs_replay_the_eager_static_step(model_dir, hf_tokenizer):
 
 def test_cuda_graphs_answer_as_the_eager_decode_step(default_cuda_server, eager_cuda_server, model_name):
     """The defaults with and without CUDA graphs, 40 greedy prompts at once on each: the same answers up to the
-    near-ties a different summation order (static attention over the whole context) can part."""
+    near-ties a different summation order (static attention over a fixed span) can part."""
     assert default_cuda_server.health()["cuda_graphs"] == [1, 2, 4, 8, 16, 24, 32]
     assert eager_cuda_server.health()["cuda_graphs"] == []
     chat = [i % 5 == 4 for i in range(len(PROMPTS))]
     graphs = answers(default_cuda_server, PROMPTS, chat, model_name, len(PROMPTS))
     eager = answers(eager_cuda_server, PROMPTS, chat, model_name, len(PROMPTS))
-    differ = [(e, g) for e, g in zip(eager, graphs) if e != g]
-    print(f"{len(differ)} of {len(PROMPTS)} answers part between graphs and eager")
-    for e, g in differ:
-        print(f"eager:  {e!r}\ngraphs: {g!r}")
-    assert len(set(graphs)) > 30
-    assert len(differ) <= 4, differ
-    for e, g in differ:
-        assert e[:8] == g[:8], (e, g)
+    assert_few_part_late(eager, graphs, ("eager", "graphs"))

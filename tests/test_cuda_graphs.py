@@ -8,7 +8,9 @@ import torch
 from test_quality import exact_plan
 
 from inference_api.engine.cuda_graphs import DecodeGraphs, bucket_sizes, span_sizes
+from inference_api.engine.engine import Engine
 from inference_api.engine.model_runner import ModelRunner
+from inference_api.messages import GenerateRequest, SamplingParams
 from inference_api.model_loader import load_model
 
 
@@ -47,3 +49,82 @@ def test_the_static_decode_step_gives_the_runners_logits_and_leaves_idle_rows_al
     torch.testing.assert_close(
         static.decode([1], [nxt[2]], [after[2]]), runner.decode([1], [nxt[2]], [after[2]]), rtol=1e-4, atol=1e-4
     )
+
+
+PROMPTS = ["The capital of France is", "One, two, three, four,", "Water boils at", "Dear diary,", "Hi", "A cat"]
+
+
+def _answers(runner, tokenizer, prompts: list[list[int]], ahead: bool) -> dict[str, list[int]]:
+    """Six requests through an engine on the runner's 5 rows (so one waits for a row): greedy and seeded, ending
+    at different lengths, one asking for log-probs; with or without the next step launched ahead."""
+    if not ahead:
+        runner.decode_ahead = lambda rows, tokens, positions: None  # the instance's, over the method
+    engine = Engine(runner, tokenizer, 5, 64, 16, frozenset())
+    for i, prompt in enumerate(prompts):
+        params = SamplingParams(
+            max_tokens=4 + 3 * i,
+            ignore_eos=True,
+            temperature=0.8 if i % 3 == 1 else 0,
+            seed=i,
+            logprobs=2 if i == 2 else None,
+        )
+        engine.add(GenerateRequest(str(i), tuple(prompt), params))
+    out: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    while engine.has_work:
+        for event in engine.step():
+            assert event.error is None, event.error
+            out[event.session_id].extend(event.token_ids)
+    runner.__dict__.pop("decode_ahead", None)
+    return out
+
+
+def test_a_step_launched_ahead_gives_the_answers_of_a_step_launched_after_the_tokens_are_read(runner, hf_tokenizer):
+    """The engine launches the next decode step from the sampled tokens before reading them back (CUDA graphs);
+    rows that end, a request admitted into a freed row and a row wanting log-probs make it compute a step afresh.
+    The static step runs eagerly here: the same answers with and without the step launched ahead."""
+    runner.graphs = DecodeGraphs(runner.model, runner.cache, 5, runner.device, capture=False)
+    try:
+        _assert_ahead_answers_as_after(runner, hf_tokenizer, [hf_tokenizer.encode(p) for p in PROMPTS])
+    finally:
+        runner.graphs = None
+
+
+def _assert_ahead_answers_as_after(runner, tokenizer, prompts: list[list[int]]) -> None:
+    with_ahead = _answers(runner, tokenizer, prompts, ahead=True)
+    used, launched = runner.graphs.used_ahead, runner.graphs.launched_ahead
+    without = _answers(runner, tokenizer, prompts, ahead=False)
+    assert with_ahead == without
+    assert [len(t) for t in with_ahead.values()] == [4, 7, 10, 13, 16, 19]
+    assert 0 < used < launched  # most steps from the launch ahead; some computed afresh (a row ended, log-probs)
+
+
+class _Ids:
+    def decode(self, ids) -> str:
+        return " ".join(map(str, ids))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_on_cuda_the_captured_step_launched_ahead_answers_as_launched_after():
+    """The same on a GPU with the graphs captured, on a tiny random llama in bfloat16 (8 heads, 4 KV heads)."""
+    import transformers as T
+
+    from inference_api.config import ServerConfig
+    from inference_api.plan import ModelFacts, make_plan, probe_machine
+
+    torch.manual_seed(0)
+    config = T.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        intermediate_size=256,
+        initializer_range=0.2,
+    )
+    model = T.AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    plan = make_plan(ServerConfig(device="cuda"), ModelFacts("llama"), probe_machine("cuda"))
+    assert plan.cuda_graphs and plan.model == "compact"
+    runner = ModelRunner(model, 5, 64, plan)
+    assert runner.graphs is not None and runner.graphs.captured == [1, 2, 4, 5]
+    prompts = [torch.randint(0, 512, (n,)).tolist() for n in (5, 9, 3, 12, 1, 7)]
+    _assert_ahead_answers_as_after(runner, _Ids(), prompts)

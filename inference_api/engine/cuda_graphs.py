@@ -6,6 +6,8 @@ Here each bucket's step is captured once at start-up over static tensors: the in
 write of rows 0..B-1), the KV cache (allocated once, never moved) and the logits the graph writes. A step then
 copies its inputs from one pinned host buffer in one transfer and replays the bucket's graph; sampling runs on
 the GPU from those logits and only the new token ids come back (Engine._sample). The graphs share one memory pool.
+``decode_ahead`` launches the next step from the sampled tokens before the host reads them, so the GPU's step
+n + 1 runs while the host detokenizes step n (Engine._launch_ahead says when).
 
 The captured forward is the compact model's static decode batch (ForwardBatch.static): every row of the bucket
 is computed, idle ones writing to the cache's scratch slot, and attention reads a fixed span of positions under a
@@ -18,6 +20,8 @@ what the tests compare the graphs with, and what a step runs if a capture failed
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -52,6 +56,10 @@ class DecodeGraphs:
         self.inputs[:, 2] = cache.scratch  # capture and warm-up write to the scratch slot only
         self.staged = torch.zeros(rows, 3, dtype=torch.long, pin_memory=self.device.type == "cuda")
         self.copied: torch.cuda.Event | None = None  # the last copy out of staged (staged is rewritten after it)
+        # decode_ahead: the sampled tokens' copy to the host, and the step it launched
+        self.host_tokens = torch.zeros(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.ahead: _Ahead | None = None
+        self.launched_ahead = self.used_ahead = 0  # steps decode_ahead launched, and of them the steps decode used
         self.rows = {n: torch.arange(n, device=self.device) for n in self.sizes}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (batch size, span)
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
@@ -98,6 +106,42 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None and ahead.matches(rows, tokens, positions):  # launched during the last step
+            self.used_ahead += 1
+            return ahead.logits
+        size, span, index = self._stage(rows, tokens, positions)
+        return self._run(size, span, rows, index)
+
+    @torch.inference_mode()
+    def decode_ahead(self, rows: list[int], tokens: torch.Tensor, positions: list[int]) -> Callable[[], list[int]]:
+        """Launch the next step of these rows from the tokens just sampled, still on the device, before the host
+        reads them: the GPU computes step n + 1 while the host turns step n into text. Returns what reads the
+        tokens back (it waits for their copy alone, not for the launched step). decode then returns the launched
+        step's logits when it is asked for exactly these rows, tokens and positions; any other step is computed
+        afresh, over what the launched one wrote (the same keys and values at the same positions, or positions
+        past a row's end, which no request reads)."""
+        host = self.host_tokens[: len(rows)]
+        host.copy_(tokens, non_blocking=True)
+        copied = torch.cuda.Event() if self.device.type == "cuda" else None
+        if copied is not None:
+            copied.record()
+        size, span, index = self._stage(rows, None, positions)
+        self.inputs[index.to(self.device), 0] = tokens
+        self.ahead = _Ahead(list(rows), list(positions), host, self._run(size, span, rows, index))
+        self.launched_ahead += 1
+
+        def read() -> list[int]:
+            if copied is not None:
+                copied.synchronize()
+            return host.tolist()
+
+        return read
+
+    def _stage(self, rows: list[int], tokens: list[int] | None, positions: list[int]) -> tuple[int, int, torch.Tensor]:
+        """The bucket and span that hold these rows, their inputs written to the pinned buffer and copied to the
+        graphs' in one transfer (tokens None: left 0, for decode_ahead to fill on the device); the rows as a
+        tensor."""
         width, reach = max(rows) + 1, max(positions) + 1
         size = next(n for n in self.sizes if n >= width)
         span = next(n for n in self.spans if n >= reach)
@@ -108,13 +152,18 @@ class DecodeGraphs:
         staged[:, 1] = 0
         staged[:, 2] = self.cache.scratch
         index = torch.tensor(rows)
-        staged[index, 0] = torch.tensor(tokens)
+        if tokens is not None:
+            staged[index, 0] = torch.tensor(tokens)
         staged[index, 1] = torch.tensor(positions)
         staged[index, 2] = staged[index, 1]
         self.inputs[:size].copy_(staged, non_blocking=True)
         if self.device.type == "cuda":
             self.copied = torch.cuda.Event()
             self.copied.record()
+        return size, span, index
+
+    def _run(self, size: int, span: int, rows: list[int], index: torch.Tensor) -> torch.Tensor:
+        """The staged step: its graph replayed (or the static step run eagerly); logits [len(rows), V]."""
         graph = self.graphs.get((size, span))
         if graph is not None:
             graph.replay()
@@ -124,6 +173,19 @@ class DecodeGraphs:
         if rows == list(range(size)):
             return logits
         return logits[index.to(logits.device)]
+
+
+@dataclass
+class _Ahead:
+    """A step decode_ahead launched: its rows, positions, tokens (read back by the time it is matched), logits."""
+
+    rows: list[int]
+    positions: list[int]
+    tokens: torch.Tensor
+    logits: torch.Tensor
+
+    def matches(self, rows: list[int], tokens: list[int], positions: list[int]) -> bool:
+        return rows == self.rows and positions == self.positions and tokens == self.tokens.tolist()
 
 
 def capture_decode(model, cache, rows: int, device: torch.device) -> DecodeGraphs | None:

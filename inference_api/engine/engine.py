@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from concurrent.futures import FIRST_COMPLETED, Future, wait
 from typing import TYPE_CHECKING, Protocol
@@ -38,6 +39,8 @@ class Runner(Protocol):
 
     # optional: holds(cached, length), whether a row that wrote cached positions still holds a prefix of length
     # (ModelRunner: its cache's rings); a runner without it holds every prefix it wrote
+    # optional: decode_ahead(rows, tokens, positions), the next decode step launched from sampled tokens still on
+    # the device, returning what reads them back or None (ModelRunner with CUDA graphs: Engine._launch_ahead)
 
 
 class Detokenizer(Protocol):
@@ -150,7 +153,7 @@ class Engine:
             seqs, logits = self._forward(step)
             if not seqs:
                 return failed  # only prompt chunks that did not finish: nothing to sample
-            tokens = self._sample(seqs, logits)
+            tokens = self._sample(seqs, logits, ahead=not step.prefill)
         except Exception:  # a failed forward must not take the process (and every stream) down
             log.exception("engine step failed")
             return failed + self._fail_running(ENGINE_ERROR)
@@ -254,7 +257,9 @@ class Engine:
                 top = tuple((decode([i]), x) for i, x in zip(ids, vals))
                 scores.append(TokenLogprob(decode([t]), v, top, t, rank, tuple(ids)))
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor) -> list[int]:
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, ahead: bool = False) -> list[int]:
+        """Each row's next token; ahead (a step of decoding rows alone): the next step may be launched from them
+        before they are read back (_launch_ahead)."""
         p = self.params
         rows = torch.tensor([s.held_row for s in seqs], device=logits.device)
         penalised = any(
@@ -279,7 +284,25 @@ class Engine:
         tokens = sample(logits, p.temperature[rows], p.top_k[rows], p.top_p[rows], p.seed[rows], steps, min_p)
         if penalised:  # the counts only penalties read; a row's counts start afresh with its request
             p.record(rows, tokens)
-        return tokens.tolist()
+        read = self._launch_ahead(seqs, tokens) if ahead else None
+        return read() if read is not None else tokens.tolist()
+
+    def _launch_ahead(self, seqs: list[Sequence], tokens: torch.Tensor) -> Callable[[], list[int]] | None:
+        """Where the runner can (CUDA graphs: ModelRunner.decode_ahead), launch the next decode step of these rows
+        from the tokens just sampled, before the host reads them, so the GPU computes it while this step's tokens
+        become text; the runner uses it if the next step decodes the same rows from these tokens, else computes
+        that step afresh. Not where this step's logits are still to be read (log-probs), where a row would pass
+        the context, or where every row ends with this token. Returns what reads the tokens, or None."""
+        launch = getattr(self.runner, "decode_ahead", None)
+        positions = [s.num_tokens for s in seqs]  # each row's next position (its last token's + 1)
+        if (
+            launch is None
+            or any(s.params.logprobs is not None for s in seqs)
+            or max(positions) >= self.context_length
+            or all(s.num_output + 1 >= s.params.max_tokens for s in seqs)
+        ):
+            return None
+        return launch([s.held_row for s in seqs], tokens, positions)
 
     def _postprocess(self, seqs: list[Sequence], tokens: list[int], logits: torch.Tensor) -> list[TokenEvent]:
         """Detokenize, match stops and gather log-probs per row. An exception here fails only the rows involved."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_quality import exact_plan
 
-from inference_api.engine.cuda_graphs import DecodeGraphs, bucket_sizes, span_sizes
+from inference_api.engine.cuda_graphs import DecodeGraphs, bucket_sizes, capture_decode, span_sizes
 from inference_api.engine.engine import Engine
 from inference_api.engine.model_runner import ModelRunner
 from inference_api.messages import GenerateRequest, SamplingParams
@@ -52,6 +52,13 @@ def test_the_static_decode_step_gives_the_runners_logits_and_leaves_idle_rows_al
 
 
 PROMPTS = ["The capital of France is", "One, two, three, four,", "Water boils at", "Dear diary,", "Hi", "A cat"]
+
+
+def test_a_capture_that_fails_leaves_the_step_eager_with_a_warning(runner, caplog):
+    """A capture that cannot be made (here: a model on the CPU) gives no graphs, so the decode step runs eagerly,
+    and the log says why."""
+    assert capture_decode(runner.model, runner.cache, 5, runner.device) is None
+    assert "capturing the decode step in CUDA graphs failed" in caplog.text
 
 
 def _answers(runner, tokenizer, prompts: list[list[int]], ahead: bool) -> dict[str, list[int]]:

@@ -2,7 +2,7 @@
 
 A decode step on CUDA is over a thousand small kernel launches from Python (1,139 for the embedded model's 30 layers
 of norms, linears, rotary, cache writes and attention); run eagerly on an H100, a step of one row took about as long
-as one of 32, and replayed from a graph a seventh of that (docs/performance.md).
+as one of 32, and replayed from a graph about a sixth of that (docs/performance.md).
 Here each bucket's step is captured once at start-up over static tensors: the inputs (token, position and cache
 write of rows 0..B-1), the KV cache (allocated once, never moved) and the logits the graph writes. A step then
 copies its inputs from one pinned host buffer in one transfer and replays the bucket's graph; sampling runs on

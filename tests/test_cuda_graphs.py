@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from test_quality import exact_plan
+from tiny import tiny_llama_config
 
 from inference_api.engine.cuda_graphs import DecodeGraphs, bucket_sizes, capture_decode, span_sizes
 from inference_api.engine.engine import Engine
@@ -64,9 +65,9 @@ def test_a_capture_that_fails_leaves_the_step_eager_with_a_warning(runner, caplo
 def _answers(runner, tokenizer, prompts: list[list[int]], ahead: bool) -> dict[str, list[int]]:
     """Six requests through an engine on the runner's 5 rows (so one waits for a row): greedy and seeded, ending
     at different lengths, one asking for log-probs; with or without the next step launched ahead."""
-    if not ahead:
-        runner.decode_ahead = lambda rows, tokens, positions: None  # the instance's, over the method
     engine = Engine(runner, tokenizer, 5, 64, 16, frozenset())
+    if not ahead:
+        engine.launch_ahead = None
     for i, prompt in enumerate(prompts):
         params = SamplingParams(
             max_tokens=4 + 3 * i,
@@ -81,7 +82,6 @@ def _answers(runner, tokenizer, prompts: list[list[int]], ahead: bool) -> dict[s
         for event in engine.step():
             assert event.error is None, event.error
             out[event.session_id].extend(event.token_ids)
-    runner.__dict__.pop("decode_ahead", None)
     return out
 
 
@@ -119,16 +119,7 @@ def test_on_cuda_the_captured_step_launched_ahead_answers_as_launched_after():
     from inference_api.plan import ModelFacts, make_plan, probe_machine
 
     torch.manual_seed(0)
-    config = T.LlamaConfig(
-        vocab_size=512,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=256,
-        initializer_range=0.2,
-    )
-    model = T.AutoModelForCausalLM.from_config(config).to("cuda", torch.bfloat16).eval()
+    model = T.AutoModelForCausalLM.from_config(tiny_llama_config(512)).to("cuda", torch.bfloat16).eval()
     plan = make_plan(ServerConfig(device="cuda"), ModelFacts("llama"), probe_machine("cuda"))
     assert plan.cuda_graphs and plan.model == "compact"
     runner = ModelRunner(model, 5, 64, plan)

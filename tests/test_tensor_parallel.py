@@ -21,6 +21,7 @@ import transformers as T
 from greedy import MAX_TOKENS, PROMPTS, assert_greedy_equivalent
 from servers import MODEL_CACHE, ServerProcess, wait_for
 from test_model_loader import VOCAB
+from tiny import tiny_llama_config
 
 from inference_api.config import ServerConfig
 from inference_api.engine.process import build_engine
@@ -180,16 +181,7 @@ def tiny_llama(tmp_path_factory, model_dir):
     """A random llama with 8 attention heads and 4 KV heads (divisible by 2 and 4) of 16 dims, the real tokenizer."""
     folder = tmp_path_factory.mktemp("tiny-tp")
     torch.manual_seed(0)
-    config = T.LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=8,
-        num_key_value_heads=4,
-        intermediate_size=256,
-        initializer_range=0.2,
-    )
-    model = T.AutoModelForCausalLM.from_config(config)
+    model = T.AutoModelForCausalLM.from_config(tiny_llama_config(VOCAB))
     model.save_pretrained(folder)
     T.AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
     return folder

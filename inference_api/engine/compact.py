@@ -432,12 +432,20 @@ def build_compact(
     embed, head = embed_fn(embed_w, embed_w if config.tie_word_embeddings or head_w is None else head_w)
     del head_w
 
+    placed: dict[int, torch.Tensor] = {}  # the current layer's norms as placed, by the tensor read
+
     def place(t: torch.Tensor | None) -> torch.Tensor | None:
-        """A norm's weight on the model's device in its dtype (a GGUF's are read as float32 on the CPU)."""
-        return None if t is None else t.to(model.device, model.dtype)
+        """A norm's weight on the model's device in its dtype (a GGUF's are read as float32 on the CPU); a tensor
+        that serves twice in a layer (falcon's one LayerNorm) placed once, so it stays one (CompactLM.forward)."""
+        if t is None:
+            return None
+        if id(t) not in placed:
+            placed[id(t)] = t.to(model.device, model.dtype)
+        return placed[id(t)]
 
     layers = []
     for i in range(config.num_hidden_layers):
+        placed.clear()  # (ids are only unique among live tensors: this layer's, held by w)
         w = src.layer(i)
         if shard is not None:
             w = shard.split_layer(w, spec, i)
@@ -462,6 +470,7 @@ def build_compact(
         )
         del w
         src.drop_layer(i)
+    placed.clear()
     embed_scale = config.hidden_size**0.5 if spec.family.embed_scale else 1.0
     final_b = place(src.final_norm_bias()) if hasattr(src, "final_norm_bias") else None
     return CompactLM(

@@ -111,8 +111,7 @@ class DecodeGraphs:
         if ahead is not None and ahead.matches(rows, tokens, positions):  # launched during the last step
             self.used_ahead += 1
             return ahead.logits
-        size, span, index = self._stage(rows, tokens, positions)
-        return self._run(size, span, rows, index)
+        return self._run(*self._stage(rows, tokens, positions))
 
     @torch.inference_mode()
     def decode_ahead(self, rows: list[int], tokens: torch.Tensor, positions: list[int]) -> Callable[[], list[int]]:
@@ -127,9 +126,9 @@ class DecodeGraphs:
         copied = torch.cuda.Event() if self.device.type == "cuda" else None
         if copied is not None:
             copied.record()
-        size, span, index = self._stage(rows, None, positions)
-        self.inputs[index.to(self.device), 0] = tokens
-        self.ahead = _Ahead(list(rows), list(positions), host, self._run(size, span, rows, index))
+        size, span, where = self._stage(rows, None, positions)
+        self.inputs[where, 0] = tokens
+        self.ahead = _Ahead(list(rows), list(positions), host, self._run(size, span, where))
         self.launched_ahead += 1
 
         def read() -> list[int]:
@@ -139,41 +138,37 @@ class DecodeGraphs:
 
         return read
 
-    def _stage(self, rows: list[int], tokens: list[int] | None, positions: list[int]) -> tuple[int, int, torch.Tensor]:
-        """The bucket and span that hold these rows, their inputs written to the pinned buffer and copied to the
-        graphs' in one transfer (tokens None: left 0, for decode_ahead to fill on the device); the rows as a
-        tensor."""
-        width, reach = max(rows) + 1, max(positions) + 1
-        size = next(n for n in self.sizes if n >= width)
-        span = next(n for n in self.spans if n >= reach)
+    def _stage(
+        self, rows: list[int], tokens: list[int] | None, positions: list[int]
+    ) -> tuple[int, int, torch.Tensor | slice]:
+        """The bucket and span that hold these rows, and their inputs (token, position, cache write; idle rows 0, 0,
+        scratch) built on the host as one table, written to the pinned buffer and copied to the graphs' in one
+        transfer (tokens None: left 0, for decode_ahead to fill on the device). Returns (size, span, where): the
+        rows' places in the bucket, on the device (a slice when they are all of them, in order)."""
+        size = next(n for n in self.sizes if n > max(rows))
+        span = next(n for n in self.spans if n > max(positions))
+        table = [(0, 0, self.cache.scratch)] * size
+        for row, token, position in zip(rows, tokens or [0] * len(rows), positions):
+            table[row] = (token, position, position)
         if self.copied is not None:  # (the engine has read the last step's tokens by now: already complete)
             self.copied.synchronize()
-        staged = self.staged[:size]
-        staged[:, 0] = 0
-        staged[:, 1] = 0
-        staged[:, 2] = self.cache.scratch
-        index = torch.tensor(rows)
-        if tokens is not None:
-            staged[index, 0] = torch.tensor(tokens)
-        staged[index, 1] = torch.tensor(positions)
-        staged[index, 2] = staged[index, 1]
-        self.inputs[:size].copy_(staged, non_blocking=True)
+        self.staged[:size] = torch.tensor(table)
+        self.inputs[:size].copy_(self.staged[:size], non_blocking=True)
         if self.device.type == "cuda":
             self.copied = torch.cuda.Event()
             self.copied.record()
-        return size, span, index
+        where = slice(0, size) if rows == list(range(size)) else torch.tensor(rows).to(self.device, non_blocking=True)
+        return size, span, where
 
-    def _run(self, size: int, span: int, rows: list[int], index: torch.Tensor) -> torch.Tensor:
-        """The staged step: its graph replayed (or the static step run eagerly); logits [len(rows), V]."""
+    def _run(self, size: int, span: int, where: torch.Tensor | slice) -> torch.Tensor:
+        """The staged step: its graph replayed (or the static step run eagerly); the rows' logits [len(rows), V]."""
         graph = self.graphs.get((size, span))
         if graph is not None:
             graph.replay()
             logits = self.logits[size, span]
         else:
             logits = self.model.forward(self._batch(size, span), self.cache)
-        if rows == list(range(size)):
-            return logits
-        return logits[index.to(logits.device)]
+        return logits[where]
 
 
 @dataclass

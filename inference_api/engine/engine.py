@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import random
 import time
@@ -39,8 +38,8 @@ class Runner(Protocol):
 
     # optional: holds(cached, length), whether a row that wrote cached positions still holds a prefix of length
     # (ModelRunner: its cache's rings); a runner without it holds every prefix it wrote
-    # optional: decode_ahead(rows, tokens, positions), the next decode step launched from sampled tokens still on
-    # the device, returning what reads them back or None (ModelRunner with CUDA graphs: Engine._launch_ahead)
+    # optional: decode_ahead, None or (rows, tokens, positions) -> what reads the tokens back: the next decode step
+    # launched from sampled tokens still on the device (ModelRunner with CUDA graphs: Engine._launch_ahead)
 
 
 class Detokenizer(Protocol):
@@ -89,6 +88,8 @@ class Engine:
         # decode steps and their seconds by step_rows_bucket (EngineStats.decode_steps)
         buckets = step_rows_bucket(rows) + 1
         self.decode_steps, self.decode_seconds = [0] * buckets, [0.0] * buckets
+        # the runner's launch of the next decode step ahead of reading the tokens (None: it has none)
+        self.launch_ahead = getattr(runner, "decode_ahead", None)
 
     @property
     def has_work(self) -> bool:
@@ -96,9 +97,7 @@ class Engine:
 
     @property
     def stats(self) -> EngineStats:
-        return dataclasses.replace(
-            self.scheduler.stats, decode_steps=tuple(self.decode_steps), decode_seconds=tuple(self.decode_seconds)
-        )
+        return self.scheduler.stats(decode_steps=tuple(self.decode_steps), decode_seconds=tuple(self.decode_seconds))
 
     def add(self, request: GenerateRequest) -> None:
         """Queue a request. With n choices, choice 0 goes first; the others are held until its prompt is cached
@@ -293,14 +292,11 @@ class Engine:
         become text; the runner uses it if the next step decodes the same rows from these tokens, else computes
         that step afresh. Not where this step's logits are still to be read (log-probs), where a row would pass
         the context, or where every row ends with this token. Returns what reads the tokens, or None."""
-        launch = getattr(self.runner, "decode_ahead", None)
+        launch = self.launch_ahead
+        if launch is None or any(s.params.logprobs is not None for s in seqs):
+            return None
         positions = [s.num_tokens for s in seqs]  # each row's next position (its last token's + 1)
-        if (
-            launch is None
-            or any(s.params.logprobs is not None for s in seqs)
-            or max(positions) >= self.context_length
-            or all(s.num_output + 1 >= s.params.max_tokens for s in seqs)
-        ):
+        if max(positions) >= self.context_length or all(s.num_output + 1 >= s.params.max_tokens for s in seqs):
             return None
         return launch([s.held_row for s in seqs], tokens, positions)
 

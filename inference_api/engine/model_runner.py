@@ -213,10 +213,11 @@ class ModelRunner:
             return logits
         return logits[index.to(logits.device)]
 
-    def decode_ahead(self, rows: list[int], tokens: torch.Tensor, positions: list[int]):
-        """The next decode step launched from sampled tokens still on the device (CUDA graphs: DecodeGraphs.
-        decode_ahead); what reads the tokens back, or None where the step runs eagerly (nothing to overlap)."""
-        return None if self.graphs is None else self.graphs.decode_ahead(rows, tokens, positions)
+    @property
+    def decode_ahead(self):
+        """The launch of the next decode step from sampled tokens still on the device (DecodeGraphs.decode_ahead),
+        or None where the step runs eagerly (nothing to overlap)."""
+        return None if self.graphs is None else self.graphs.decode_ahead
 
     def holds(self, cached: int, length: int) -> bool:
         """Whether a row that wrote cached positions still holds a reuse of its first length (its rings)."""

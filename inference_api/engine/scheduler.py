@@ -57,9 +57,9 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    @property
-    def stats(self) -> EngineStats:
-        """Built after every step: one pass over the rows in use for the cache positions they hold."""
+    def stats(self, **engine_books) -> EngineStats:
+        """Built after every step: one pass over the rows in use for the cache positions they hold; engine_books:
+        the fields the engine keeps (its decode steps)."""
         return EngineStats(
             rows_in_use=self.rows.num_used,
             rows_total=self.rows.num_rows,
@@ -68,6 +68,7 @@ class Scheduler:
             kv_tokens_total=self.rows.num_rows * self.context_length,
             prefix_queried_tokens=self.prefix_queried,
             prefix_hit_tokens=self.prefix_hits,
+            **engine_books,
         )
 
     def add(self, seq: Sequence, first: bool = False) -> None:

@@ -1,10 +1,19 @@
 // The kernels as a Python module (kernels.py builds it): the names quant.py, compact.py and the tests call.
+#include <torch/extension.h>
+
+#include "decoder.h"
 #include "kernels.h"
 
 using namespace woq;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  bind_decoder(m);
+  // module_local: the module may be imported again from another path in one process (a relative and an
+  // absolute model cache), which would otherwise register the class twice and fail the import
+  py::class_<Decoder>(m, "Decoder", py::module_local(),
+                      "a llama-family decode step's layers over quantized weights, in one call")
+      .def(py::init<const std::vector<LayerParts>&, int64_t, double>(), py::arg("layers"), py::arg("heads"),
+           py::arg("eps"))
+      .def("forward", &Decoder::forward);
   m.def("linear_int8", &linear_int8, "x @ (q * s)^T, 8-bit weight groups", py::arg("x"), py::arg("q"), py::arg("s"),
         py::arg("bias"), py::arg("int8_inputs") = false, py::arg("vnni_q") = py::none(),
         py::arg("vnni_s") = py::none());

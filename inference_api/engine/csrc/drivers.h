@@ -52,7 +52,7 @@ inline void tile(const float* xt, int64_t ldx, const float* w, int64_t kc, float
 
 // deq(n, k0, kc, out): weight row n's inputs k0 .. k0 + kc dequantized into out; K a multiple of W
 template <typename Deq>
-torch::Tensor tiled_rows(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias, Deq deq) {
+at::Tensor tiled_rows(const at::Tensor& x2, int64_t N, const c10::optional<at::Tensor>& bias, Deq deq) {
   const int64_t M = x2.size(0), K = x2.size(1), Mp = (M + W - 1) / W * W, blocks = (M + XB - 1) / XB;
   const float* x = x2.data_ptr<float>();
   std::vector<float> xt(Mp * K);  // block b: [K][its width], at b * XB * K
@@ -68,7 +68,7 @@ torch::Tensor tiled_rows(const torch::Tensor& x2, int64_t N, const c10::optional
   };
   if (M * K >= 65536) at::parallel_for(0, blocks, 1, transpose);  // a prefill's rows; a decode step's: one thread
   else transpose(0, blocks);
-  auto y = torch::empty({M, N}, x2.options());
+  auto y = at::empty({M, N}, x2.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + NC - 1) / NC, 1, [&](int64_t c0, int64_t c1) {
     thread_local std::vector<float> buf, acc;  // reused by the pool's threads: no page faults per call
@@ -105,10 +105,10 @@ constexpr int VNNI_MR = 8;  // input rows per tile: 8 int32 and 8 float accumula
 // bytes) stay in L1 while tiles of up to VNNI_MR input rows pass over them. prepare(group) first (a form that packs
 // a group's weights on the fly), then tile(Int<MR>, group, i0, out) for each tile of input rows.
 template <typename Prepare, typename Tile>
-torch::Tensor vnni_rows(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias, Prepare prepare,
-                        Tile tile) {
+at::Tensor vnni_rows(const at::Tensor& x2, int64_t N, const c10::optional<at::Tensor>& bias, Prepare prepare,
+                     Tile tile) {
   const int64_t M = x2.size(0);
-  auto y = torch::empty({M, N}, x2.options());
+  auto y = at::empty({M, N}, x2.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t grp = g0; grp < g1; ++grp) {
@@ -126,9 +126,8 @@ torch::Tensor vnni_rows(const torch::Tensor& x2, int64_t N, const c10::optional<
 // M input rows (y [M, N]) over passes of RW weight rows, split between the threads: pass(Int<RW>, n, rows, y + n)
 // computes y[i, n .. n + rows) for every input row i (row stride N).
 template <int RW, typename Pass>
-torch::Tensor few_rows(int64_t M, const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias,
-                       Pass pass) {
-  auto y = torch::empty({M, N}, x2.options());
+at::Tensor few_rows(int64_t M, const at::Tensor& x2, int64_t N, const c10::optional<at::Tensor>& bias, Pass pass) {
+  auto y = at::empty({M, N}, x2.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + RW - 1) / RW, 8, [&](int64_t b0, int64_t b1) {
     for (int64_t blk = b0; blk < b1; ++blk)
@@ -144,10 +143,10 @@ torch::Tensor few_rows(int64_t M, const torch::Tensor& x2, int64_t N, const c10:
 // (single-threaded inside the parallel region), so no float copy of the whole weight is ever held. Chunks of
 // about 256 KB: the buffer and the inputs fit in L2. deq as tiled_rows takes it.
 template <typename Deq>
-torch::Tensor many_rows(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias, Deq deq) {
+at::Tensor many_rows(const at::Tensor& x2, int64_t N, const c10::optional<at::Tensor>& bias, Deq deq) {
   const int M = static_cast<int>(x2.size(0)), K = static_cast<int>(x2.size(1));
   const int64_t NC = std::max<int64_t>(16, std::min<int64_t>(256, 65536 / K / 16 * 16));
-  auto y = torch::empty({M, N}, x2.options());
+  auto y = at::empty({M, N}, x2.options());
   const float* x = x2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + NC - 1) / NC, 1, [&](int64_t c0, int64_t c1) {
@@ -168,8 +167,8 @@ torch::Tensor many_rows(const torch::Tensor& x2, int64_t N, const c10::optional<
 
 // Rows one at a time without the vector kernels (a CPU with neither AVX-512 nor AVX2).
 template <typename DotRow>
-torch::Tensor each_row(const torch::Tensor& x2, int64_t N, const c10::optional<torch::Tensor>& bias, DotRow dot_row) {
-  auto y = torch::empty({1, N}, x2.options());
+at::Tensor each_row(const at::Tensor& x2, int64_t N, const c10::optional<at::Tensor>& bias, DotRow dot_row) {
+  auto y = at::empty({1, N}, x2.options());
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, 16, [&](int64_t n0, int64_t n1) {
     for (int64_t n = n0; n < n1; ++n) yp[n] = dot_row(n);

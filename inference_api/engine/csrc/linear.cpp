@@ -21,7 +21,7 @@ namespace woq {
 namespace {
 
 template <typename F>
-torch::Tensor run_linear(const F& f, const torch::Tensor& x, const Bias& bias, bool int8_inputs) {
+at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool int8_inputs) {
   auto x2 = flat(x);
   TORCH_CHECK(x2.scalar_type() == at::kFloat && x2.size(1) == f.K, "inputs of ", x2.size(1), " for a weight of ", f.K);
   const int64_t M = x2.size(0), N = f.N, K = f.K;
@@ -105,8 +105,8 @@ std::vector<int64_t> gguf_types() {
   return types;
 }
 
-torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& s, const Bias& bias,
-                          bool int8_inputs, const Packed& vq, const Packed& vs) {
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const Bias& bias,
+                       bool int8_inputs, const Packed& vq, const Packed& vs) {
   TORCH_CHECK(q.scalar_type() == at::kChar && s.scalar_type() == at::kFloat && q.is_contiguous() && s.is_contiguous());
   const int64_t N = q.size(0), K = q.size(1), G = K / s.size(1);
   TORCH_CHECK(G * s.size(1) == K);
@@ -115,9 +115,8 @@ torch::Tensor linear_int8(const torch::Tensor& x, const torch::Tensor& q, const 
   return run_linear(f, x, bias, int8_inputs);
 }
 
-torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const torch::Tensor& d,
-                          const torch::Tensor& m, const Bias& bias, bool int8_inputs, const Packed& vq,
-                          const Packed& vs) {
+at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
+                       const Bias& bias, bool int8_inputs, const Packed& vq, const Packed& vs) {
   TORCH_CHECK(q.scalar_type() == at::kByte && q.is_contiguous() && d.is_contiguous() && m.is_contiguous());
   TORCH_CHECK(d.scalar_type() == at::kHalf && m.scalar_type() == at::kHalf, "int4 scales and minimums are float16");
   const int64_t N = q.size(0), K = q.size(1) * 2, S = K / 32;
@@ -128,10 +127,9 @@ torch::Tensor linear_int4(const torch::Tensor& x, const torch::Tensor& q, const 
 }
 
 // x @ W^T for W a GGUF tensor's rows in their own blocks: raw [N, row_bytes] uint8, type: ggml's type number
-torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& raw, int64_t type, const Bias& bias,
-                          bool int8_inputs) {
+at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& raw, int64_t type, const Bias& bias, bool int8_inputs) {
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(), "GGUF rows: uint8 [N, bytes]");
-  torch::Tensor y;
+  at::Tensor y;
 #ifdef WOQ_SIMD
   const bool served = with_block(type, [&](auto b) {
     using B = decltype(b);
@@ -146,14 +144,14 @@ torch::Tensor linear_gguf(const torch::Tensor& x, const torch::Tensor& raw, int6
 }
 
 // rows of a GGUF tensor's blocks (raw [R, row_bytes]) dequantized: float [R, K]
-torch::Tensor dequantize_gguf(const torch::Tensor& raw, int64_t type) {
+at::Tensor dequantize_gguf(const at::Tensor& raw, int64_t type) {
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(), "GGUF rows: uint8 [R, bytes]");
-  torch::Tensor y;
+  at::Tensor y;
 #ifdef WOQ_SIMD
   const bool served = with_block(type, [&](auto b) {
     using B = decltype(b);
     const BlockForm<B> f(raw.data_ptr<uint8_t>(), raw.size(0), raw.size(1));
-    y = torch::empty({f.N, f.K}, torch::kFloat);
+    y = at::empty({f.N, f.K}, at::kFloat);
     float* yp = y.data_ptr<float>();
     at::parallel_for(0, f.N, 64, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r) f.deq(r, 0, f.K, yp + r * f.K);

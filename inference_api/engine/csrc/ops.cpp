@@ -304,7 +304,7 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
 
 // Scales of an int8 cache: float16 [rows, Hk, S] for keys and for values; none for other caches.
 
-const c10::Half* scales_of(const Scales& s, const torch::Tensor& cache) {
+const c10::Half* scales_of(const Scales& s, const at::Tensor& cache) {
   if (cache.scalar_type() != at::kChar) return nullptr;
   TORCH_CHECK(s.has_value() && s->scalar_type() == at::kHalf && s->is_contiguous(),
               "an int8 cache needs float16 scales");
@@ -315,7 +315,7 @@ const c10::Half* scales_of(const Scales& s, const torch::Tensor& cache) {
 
 // Calls f with the element type of a float32, bfloat16, float16 or int8 cache.
 template <typename F>
-void dispatch_cache(const torch::Tensor& cache, F f) {
+void dispatch_cache(const at::Tensor& cache, F f) {
   switch (cache.scalar_type()) {
     case at::kFloat:
       f(float{});
@@ -338,17 +338,17 @@ void dispatch_cache(const torch::Tensor& cache, F f) {
 // rows [B] each query's cache row (none: rows 0 .. B-1); starts [B] its first attended position (none: 0);
 // softcap: Gemma 2's soft-capping of the scores (0: none); ring: the cache's first ring slots are a ring
 // (decode_attention_impl; 0: none) -> [B, Hq, D]
-torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, const Scales& ks,
-                               const Scales& vs, const torch::Tensor& lengths, double scale,
-                               const c10::optional<torch::Tensor>& rows, const c10::optional<torch::Tensor>& starts,
-                               double softcap, int64_t ring) {
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const Scales& ks,
+                            const Scales& vs, const at::Tensor& lengths, double scale,
+                            const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& starts,
+                            double softcap, int64_t ring) {
   TORCH_CHECK(q.scalar_type() == at::kFloat && k.is_contiguous() && v.is_contiguous() && k.dim() == 4);
   TORCH_CHECK(k.scalar_type() == v.scalar_type() && lengths.scalar_type() == at::kLong);
   auto qc = q.contiguous();
   auto lc = lengths.contiguous();
   const int64_t B = qc.size(0), Hq = qc.size(1), D = qc.size(2), Hk = k.size(1), S = k.size(2);
   TORCH_CHECK(k.size(3) == D && Hq % Hk == 0 && lc.size(0) == B);
-  torch::Tensor rc, sc;
+  at::Tensor rc, sc;
   if (rows.has_value()) {
     rc = rows->contiguous();
     TORCH_CHECK(rc.scalar_type() == at::kLong && rc.numel() == B, "rows: one long per query");
@@ -361,7 +361,7 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
     TORCH_CHECK(sc.scalar_type() == at::kLong && sc.numel() == B, "starts: one long per query");
   }
   TORCH_CHECK(ring >= 0 && ring <= S, "a ring of ", ring, " slots in a cache of ", S);
-  auto out = torch::empty({B, Hq, D}, qc.options());
+  auto out = at::empty({B, Hq, D}, qc.options());
   const c10::Half *ksp = scales_of(ks, k), *vsp = scales_of(vs, v);
   dispatch_cache(k, [&](auto zero) {
     using T = decltype(zero);
@@ -378,11 +378,11 @@ torch::Tensor decode_attention(const torch::Tensor& q, const torch::Tensor& k, c
 constexpr int64_t ELEMENTWISE_GRAIN = 32768;
 
 // RMSNorm of each row of x [M, H] (float32): x / sqrt(mean(x^2) + eps) * w
-torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat);
   auto x2 = flat(x);
   const int64_t M = x2.size(0), H = x2.size(1);
-  auto y = torch::empty_like(x2);
+  auto y = at::empty_like(x2);
   const float *xp = x2.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, ELEMENTWISE_GRAIN / H), [&](int64_t i0, int64_t i1) {
@@ -401,11 +401,11 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 
 // silu(gate) * up of x [..., 2F] = [gate | up] -> [..., F] in one pass: gate * sigmoid(gate) * up, the
 // sigmoid from one exponential of -|gate|
-torch::Tensor silu_mul(const torch::Tensor& x) {
+at::Tensor silu_mul(const at::Tensor& x) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.size(-1) % 2 == 0);
   auto x2 = flat(x);
   const int64_t M = x2.size(0), F = x2.size(1) / 2;
-  auto y = torch::empty({M, F}, x2.options());
+  auto y = at::empty({M, F}, x2.options());
   const float* xp = x2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, M, std::max<int64_t>(1, ELEMENTWISE_GRAIN / F), [&](int64_t i0, int64_t i1) {
@@ -486,16 +486,16 @@ void rope_store_impl(const float* qkv, const float* cos, const float* sin, T* kc
 // or a prefill's tokens flattened), each token's key and value written into the caches [rows, Hk, S, D]
 // at position pos[b] of cache row rows[b] (none: row b), an int8 cache's float16 scales into ks, vs
 // [rows, Hk, S]; returns q [B, Hq, D].
-torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin,
-                         torch::Tensor& kc, torch::Tensor& vc, const Scales& ks, const Scales& vs,
-                         const torch::Tensor& pos, int64_t Hq, const c10::optional<torch::Tensor>& rows) {
+at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& kc,
+                      at::Tensor& vc, const Scales& ks, const Scales& vs, const at::Tensor& pos, int64_t Hq,
+                      const c10::optional<at::Tensor>& rows) {
   TORCH_CHECK(qkv.scalar_type() == at::kFloat && cos.scalar_type() == at::kFloat && kc.is_contiguous());
   TORCH_CHECK(pos.scalar_type() == at::kLong && kc.scalar_type() == vc.scalar_type() && vc.is_contiguous());
   auto x = flat(qkv);
   auto cc = flat(cos), sc = flat(sin), pc = pos.reshape({-1}).contiguous();
   const int64_t B = x.size(0), Hk = kc.size(1), S = kc.size(2), D = kc.size(3);
   TORCH_CHECK(x.size(1) == (Hq + 2 * Hk) * D && pc.size(0) == B && cc.size(0) == B && cc.size(1) == D);
-  torch::Tensor rc;
+  at::Tensor rc;
   if (rows.has_value()) {
     rc = rows->reshape({-1}).contiguous();
     TORCH_CHECK(rc.scalar_type() == at::kLong && rc.size(0) == B);
@@ -506,7 +506,7 @@ torch::Tensor rope_store(const torch::Tensor& qkv, const torch::Tensor& cos, con
   }
   const int64_t* p = pc.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) TORCH_CHECK(p[b] >= 0 && p[b] < S, "cache position out of range");
-  auto q = torch::empty({B, Hq, D}, x.options());
+  auto q = at::empty({B, Hq, D}, x.options());
   auto* ksp = const_cast<c10::Half*>(scales_of(ks, kc));
   auto* vsp = const_cast<c10::Half*>(scales_of(vs, vc));
   dispatch_cache(kc, [&](auto zero) {

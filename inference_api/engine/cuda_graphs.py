@@ -1,8 +1,9 @@
 """The decode step replayed from CUDA graphs, one per batch-size bucket (as nano-vllm and vLLM capture theirs).
 
-A decode step on CUDA is over a thousand small kernel launches from Python (1,139 for the embedded model's 30 layers
-of norms, linears, rotary, cache writes and attention); run eagerly on an H100, a step of one row took about as long
-as one of 32, and replayed from a graph about a sixth of that (docs/performance.md).
+A decode step on CUDA is hundreds of small kernel launches from Python (the embedded model's 30 layers of norms,
+linears, rotary, cache writes and attention: 1,139 measured on an H100 before each RMSNorm became one kernel); run
+eagerly there, a step of one row took about as long as one of 32, and replayed from a graph about a sixth of that
+(docs/performance.md).
 Here each bucket's step is captured once at start-up over static tensors: the inputs (token, position and cache
 write of rows 0..B-1), the KV cache (allocated once, never moved) and the logits the graph writes. A step then
 copies its inputs from one pinned host buffer in one transfer and replays the bucket's graph; sampling runs on

@@ -14,6 +14,4 @@ if [ -n "$missing" ]; then
   $sudo apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq $missing >/dev/null
 fi
-# two lanes (pytest-xdist): the modules that share the embedded model's servers in one worker, every other module
-# beside them in the other (tests/conftest.py); the machine's 2 cores were half idle with one (-n 0 runs one lane)
-exec .venv/bin/python -m pytest -n 2 --dist loadgroup "$@"
+exec .venv/bin/python -m pytest "$@"

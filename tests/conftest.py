@@ -5,16 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from lanes import pytest_collection_modifyitems, pytest_configure_node, pytest_unconfigure, pytest_xdist_make_scheduler
 from servers import MODEL_CACHE, MODEL_NAME, ServerProcess
-
-# the lanes of scripts/test.sh (tests/lanes.py), as this conftest's hooks
-__all__ = [
-    "pytest_collection_modifyitems",
-    "pytest_configure_node",
-    "pytest_unconfigure",
-    "pytest_xdist_make_scheduler",
-]
 
 
 def _real_model_server(*precision: str):

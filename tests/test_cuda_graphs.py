@@ -3,10 +3,13 @@ logits as the runner's own decode step, idle rows untouched. On a GPU, tests/tes
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 from test_quality import exact_plan
 from tiny import tiny_llama_config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from inference_api.engine.cuda_graphs import DecodeGraphs, bucket_sizes, capture_decode, span_sizes
 from inference_api.engine.engine import Engine
@@ -53,6 +56,57 @@ def test_the_static_decode_step_gives_the_runners_logits_and_leaves_idle_rows_al
 
 
 PROMPTS = ["The capital of France is", "One, two, three, four,", "Water boils at", "Dear diary,", "Hi", "A cat"]
+
+
+class _Count(TorchDispatchMode):
+    """The operations torch dispatches, views left out: on CUDA each is a kernel launch in the captured step."""
+
+    VIEWS = frozenset(
+        [
+            "view",
+            "_unsafe_view",
+            "reshape",
+            "transpose",
+            "slice",
+            "select",
+            "split",
+            "split_with_sizes",
+            "unsqueeze",
+            "squeeze",
+            "expand",
+            "as_strided",
+            "t",
+            "permute",
+            "alias",
+            "detach",
+            "unbind",
+        ]
+    )
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.__name__.split(".")[0]
+        if name not in self.VIEWS:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_static_decode_step_launches_few_operations_a_layer(runner):
+    """A decode step on CUDA is bound by its kernel launches (docs/performance.md): the captured step's work a
+    layer stays within its budget. Counted on the CPU, where torch composes F.rms_norm of six operations (one
+    fused kernel on CUDA). Each layer: two norms, four linears, the rotary, the cache's two writes, attention under
+    the step's one additive mask (SDPA would convert a boolean one in every layer), the residuals and the SiLU-gate."""
+    static = DecodeGraphs(runner.model, runner.cache, 5, runner.device, capture=False)
+    with _Count() as count:
+        static.model.forward(static._batch(1, 64), static.cache)
+    layers = len(runner.model.layers)
+    assert count.ops["_scaled_dot_product_flash_attention_for_cpu"] == layers
+    assert count.ops["where"] <= 1 and count.ops["scalar_tensor"] == 0  # the mask made once, additive
+    assert count.ops["cat"] == layers  # the rotary's alone: one block of queries is not copied through cat
+    assert sum(count.ops.values()) <= 29 * layers + 10, count.ops.most_common()
 
 
 def test_a_capture_that_fails_leaves_the_step_eager_with_a_warning(runner, caplog):

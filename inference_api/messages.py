@@ -16,6 +16,14 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # the engine failed this request
 
 
+class ErrorKind(str, enum.Enum):
+    """Why the engine ended a request with an error: the HTTP status the serving layer answers before streaming."""
+
+    INVALID = "invalid"  # the request cannot be served as asked (e.g. its grammar cannot be built): 400
+    BUSY = "busy"  # its team holds its share of a queue (e.g. grammars being compiled): 429, retry shortly
+    FAILED = "failed"  # the server failed: 503
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
@@ -35,6 +43,9 @@ class SamplingParams:
     grammar: Grammar | None = None  # the output must match it (JSON schema, regex, choice, EBNF)
     n: int = 1  # choices: each its own row and sampling state, forked from the first choice's prefill
     prompt_logprobs: int | None = None  # None: none; N: each prompt token's log-prob (the first: None) + top N
+    # the prefix cache's namespace within the request's team (vLLM's cache_salt): a prompt reuses only the cache
+    # of requests with the same team and salt; None: the team's (or, without a team, the server's) shared one
+    cache_salt: str | None = None
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,7 @@ class GenerateRequest:
     session_id: str
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    team: str | None = None  # the proxy's X-Team-Id: the prefix cache's namespace, the grammar queue's fair share
 
 
 @dataclass(frozen=True)
@@ -78,6 +90,7 @@ class TokenEvent:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     error: str | None = None
+    error_kind: ErrorKind | None = None  # with error: what kind of failure, so the first event gets its status
     cached_tokens: int = 0  # prompt tokens found in the prefix cache, not computed again
     index: int = 0  # the choice (of SamplingParams.n) this output belongs to
     # with SamplingParams.prompt_logprobs, on choice 0's first event: one per prompt token (the first None)

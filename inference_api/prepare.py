@@ -10,6 +10,7 @@ default, the prompt and the output must fit the context, and the engine's ``Samp
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +21,40 @@ from .tools import plain_messages
 
 # max_tokens when the request has none (OpenAI, llama-stack, the offline API): as many as fit, at most this many
 DEFAULT_MAX_TOKENS = 1024
+# characters a request's text may have per context token (64 KiB at least) before anything is tokenized: more can
+# never fit a request (no vocabulary makes a token of 16 characters on average), and tokenizing a 1 MB prompt
+# took over a second of a web worker's CPU for what could only be refused
+CHARS_PER_TOKEN = 16
+MIN_CHAR_LIMIT = 1 << 16
+
+
+def char_limit(context_length: int) -> int:
+    """The characters a prompt (or a grammar) may have for this context length."""
+    return max(MIN_CHAR_LIMIT, CHARS_PER_TOKEN * context_length)
+
+
+def check_chars(length: int, context_length: int, name: str | None, what: str = "the prompt") -> None:
+    """RequestError if ``length`` characters are over ``char_limit``."""
+    limit = char_limit(context_length)
+    if length > limit:
+        raise RequestError(
+            f"{what} is {length} characters long; at most {limit} are taken ({CHARS_PER_TOKEN} per token of the "
+            f"{context_length}-token context)",
+            name,
+        )
+
+
+def check_prompt_size(prompt: Prompt, context_length: int) -> None:
+    """The character cap on a prompt before it is tokenized: its text, or its messages and tools as JSON."""
+    if prompt.ids is not None:
+        return
+    if prompt.messages is None:
+        check_chars(len(prompt.text or ""), context_length, "prompt")
+        return
+    length = len(json.dumps(list(prompt.messages), ensure_ascii=False, default=str))
+    if prompt.tools:
+        length += len(json.dumps(list(prompt.tools), ensure_ascii=False, default=str))
+    check_chars(length, context_length, prompt.field, "the messages with their tools")
 
 
 @dataclass(frozen=True)
@@ -82,6 +117,8 @@ def engine_params(
     field an empty prompt's error names (the HTTP APIs name none)."""
     if not prompt_ids:
         raise RequestError("the prompt is empty (no tokens)", prompt_field)
+    if params.grammar is not None:  # compiled in the engine: its size bounded before it is queued
+        check_chars(len(params.grammar.text), context_length, None, "the request's grammar (its schema)")
     if max_tokens is None:
         max_tokens = max(1, min(default_max, context_length - len(prompt_ids)))
     if len(prompt_ids) + max_tokens > context_length:
@@ -104,7 +141,8 @@ def prepare(
     field: str = "max_tokens",
     prompt_field: str | None = None,
 ) -> tuple[list[int], SamplingParams]:
-    """(prompt ids, engine parameters): ``encode``, then ``engine_params``."""
+    """(prompt ids, engine parameters): ``check_prompt_size``, ``encode``, then ``engine_params``."""
+    check_prompt_size(prompt, context_length)
     prompt_ids = encode(tokenizer, prompt)
     return prompt_ids, engine_params(
         prompt_ids, params, max_tokens, context_length, default_max=default_max, field=field, prompt_field=prompt_field

@@ -8,8 +8,8 @@ import socket
 from collections.abc import Iterator
 
 from .engine_client import EngineClient, Session
-from .messages import FinishReason, TokenEvent
-from .request_errors import Unavailable
+from .messages import ErrorKind, FinishReason, TokenEvent
+from .request_errors import RateLimited, RequestError, Unavailable
 
 SESSION_KEY = "inference_api.session"  # environ key: the request's engine session, read by the access log
 
@@ -52,8 +52,15 @@ def session_events(
 
 
 def first_event(events: Iterator[TokenEvent]) -> TokenEvent | None:
-    """Wait for the first event before sending headers, so an early failure can still get a proper status."""
+    """Wait for the first event before sending headers, so an early failure can still get a proper status: 400
+    for a request the engine cannot serve as asked (a grammar it cannot build), 429 for a team over its share of
+    a queue, 503 for a failure of the server's."""
     event = next(events, None)
     if event is not None and event.finish_reason is FinishReason.ERROR:
-        raise Unavailable(event.error or "generation failed", retry_after=5)
+        message = event.error or "generation failed"
+        if event.error_kind is ErrorKind.INVALID:
+            raise RequestError(message)
+        if event.error_kind is ErrorKind.BUSY:
+            raise RateLimited(message, retry_after=1)
+        raise Unavailable(message, retry_after=5)
     return event

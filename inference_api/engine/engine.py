@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..messages import EngineStats, FinishReason, GenerateRequest, TokenEvent, TokenLogprob, step_rows_bucket
+from ..messages import (
+    EngineStats,
+    ErrorKind,
+    FinishReason,
+    GenerateRequest,
+    TokenEvent,
+    TokenLogprob,
+    step_rows_bucket,
+)
 from .constrain import Constraints
 from .sampling import RowParams, apply_penalties, choice_seed, mask_tokens, sample
 from .scheduler import Scheduler, Step
@@ -46,8 +54,11 @@ class Detokenizer(Protocol):
     def decode(self, ids: Seq[int]) -> str: ...
 
 
-# what a client sees when its grammar cannot be built for this model's vocabulary
+# what a client sees when its grammar cannot be built for this model's vocabulary (llguidance's reason follows)
 GRAMMAR_ERROR = "grammar error: the request's grammar could not be built for this model"
+# requests of one team whose grammar may be compiling at once; more get a BUSY error at once (a 429)
+MAX_COMPILING_PER_TEAM = 4
+COMPILING_BUSY = f"too many grammars being compiled for this team (at most {MAX_COMPILING_PER_TEAM} at once); retry"
 # how long an engine with nothing else to do waits for a grammar being compiled before it looks at its inbox
 COMPILE_POLL_S = 0.005
 
@@ -85,6 +96,7 @@ class Engine:
         self.constraints = constraints  # None: requests with a grammar fail (the mock has no real vocabulary)
         # requests (a choice each: Sequence.key) waiting for their grammar's matcher (None: no grammar support)
         self.compiling: dict[tuple[str, int], tuple[Sequence, Future[LLMatcher] | None]] = {}
+        self.refused: list[TokenEvent] = []  # requests ended before they were queued, for the next step to emit
         # decode steps and their seconds by step_rows_bucket (EngineStats.decode_steps)
         buckets = step_rows_bucket(rows) + 1
         self.decode_steps, self.decode_seconds = [0] * buckets, [0.0] * buckets
@@ -93,7 +105,7 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work or bool(self.compiling)
+        return self.scheduler.has_work or bool(self.compiling or self.refused)
 
     @property
     def stats(self) -> EngineStats:
@@ -103,20 +115,28 @@ class Engine:
         """Queue a request. With n choices, choice 0 goes first; the others are held until its prompt is cached
         (``_fork``), then take rows copying that prefix from its row: one prefill for all n."""
         seqs = [Sequence(request, self.tokenizer.decode, i) for i in range(max(1, request.params.n))]
+        self.scheduler.arrive(seqs)
         self.sessions[request.session_id] = seqs
         first = seqs[0]
         first.forks = seqs[1:]
         if request.params.grammar is not None and self.constraints is not None:
+            if self._compiling_for(request.team) >= MAX_COMPILING_PER_TEAM:
+                self.refused.append(self._fail(first, COMPILING_BUSY, kind=ErrorKind.BUSY))
+                return
             for fork in first.forks:  # built while the prompt is computed
-                fork.future = self.constraints.compile(request.params.grammar)
+                fork.future = self.constraints.compile(request.params.grammar, request.team)
         self._enqueue(first)
+
+    def _compiling_for(self, team: str | None) -> int:
+        """The team's requests whose grammar is still being built."""
+        return len({s.session_id for s, f in self.compiling.values() if s.team == team and f and not f.done()})
 
     def _enqueue(self, seq: Sequence) -> None:
         grammar = seq.params.grammar
         if grammar is None:
             self.scheduler.add(seq, first=seq.index > 0)
         elif self.constraints is not None:  # the matcher is built off the loop; the row is taken once it is
-            self.compiling[seq.key] = (seq, seq.future or self.constraints.compile(grammar))
+            self.compiling[seq.key] = (seq, seq.future or self.constraints.compile(grammar, seq.team))
         else:
             self.compiling[seq.key] = (seq, None)
 
@@ -142,7 +162,7 @@ class Engine:
                 del self.sessions[seq.session_id]
 
     def step(self) -> list[TokenEvent]:
-        failed = self._compiled()
+        failed, self.refused = self.refused + self._compiled(), []
         self._admit()
         started = time.perf_counter()
         step = self.scheduler.schedule()
@@ -179,9 +199,10 @@ class Engine:
                 if future is None:
                     raise ValueError("this engine has no grammar support (the mock backend)")
                 seq.matcher = future.result()
-            except Exception:
-                log.exception("grammar of request %s could not be built", seq.session_id)
-                events.append(self._fail(seq, GRAMMAR_ERROR))
+            except Exception as exc:
+                log.warning("grammar of request %s could not be built: %s", seq.session_id, exc)
+                reason = str(exc).split("\n")[0][:300]
+                events.append(self._fail(seq, f"{GRAMMAR_ERROR}: {reason}", kind=ErrorKind.INVALID))
                 continue
             self.scheduler.add(seq, first=seq.index > 0)
         return events
@@ -340,7 +361,7 @@ class Engine:
             self.scheduler.release(seq)
         return events
 
-    def _event(self, seq: Sequence, text: str, error: str | None = None) -> TokenEvent:
+    def _event(self, seq: Sequence, text: str, error: str | None = None, kind: ErrorKind | None = None) -> TokenEvent:
         event = TokenEvent(
             session_id=seq.session_id,
             text=text,
@@ -350,6 +371,7 @@ class Engine:
             prompt_tokens=seq.num_prompt,
             completion_tokens=seq.num_output,
             error=error,
+            error_kind=kind,
             cached_tokens=seq.num_reused,
             index=seq.index,
             prompt_logprobs=None if seq.prompt_logprobs is None else tuple(seq.prompt_logprobs),
@@ -372,7 +394,9 @@ class Engine:
             out[i] = TokenLogprob(self.tokenizer.decode([tokens[i]]), float(lp[j, tokens[i]]), top)
         return out
 
-    def _fail(self, seq: Sequence, message: str, cache_valid: bool = True) -> TokenEvent:
+    def _fail(
+        self, seq: Sequence, message: str, cache_valid: bool = True, kind: ErrorKind = ErrorKind.FAILED
+    ) -> TokenEvent:
         self.scheduler.release(seq, cache_valid)
         seq.finish(FinishReason.ERROR)
         self._forget(seq)
@@ -380,7 +404,7 @@ class Engine:
             fork.finish(FinishReason.ERROR)
             self._forget(fork)
         seq.forks = []
-        return self._event(seq, "", error=message)
+        return self._event(seq, "", error=message, kind=kind)
 
     def _fail_running(self, message: str) -> list[TokenEvent]:
         """After a failed forward: no row's cache can be trusted past what it held before, so none is kept."""

@@ -2,11 +2,15 @@
 
 A row keeps its keys and values after its request ends, until another request is written over them. Free
 rows are recorded here when released; rows in use are passed in by the engine (their sequence's cached tokens).
+
+Every row's tokens belong to a namespace (the team that wrote them and the request's ``cache_salt``), and a
+prompt reuses only its own namespace's rows: whether a prefix is cached, in ``cached_tokens`` or in the time to
+the first token, would otherwise tell one team what another team's prompts and answers hold.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from collections.abc import Sequence as Seq
 
 CHUNK = 64  # tokens compared per slice: C-speed comparisons, one Python step per chunk
@@ -23,29 +27,33 @@ def common_prefix(a: Seq[int], b: Seq[int]) -> int:
     return min(i, n)
 
 
+Held = tuple[Hashable, Seq[int]]  # a row's namespace and the tokens at its positions 0..
+
+
 class PrefixIndex:
     def __init__(self, rows: int):
-        self._held: list[list[int]] = [[] for _ in range(rows)]  # free rows: the tokens at positions 0..
+        self._held: list[Held] = [(None, []) for _ in range(rows)]  # free rows
 
-    def hold(self, row: int, tokens: list[int]) -> None:
-        """Record what a row's cache holds as the row is freed ([] if it cannot be trusted)."""
-        self._held[row] = tokens
+    def hold(self, row: int, namespace: Hashable, tokens: list[int]) -> None:
+        """Record what a row's cache holds as the row is freed ([] if it cannot be trusted), and for whom."""
+        self._held[row] = (namespace, tokens)
 
     def longest(
         self,
         prompt: Seq[int],
-        in_use: Mapping[int, Seq[int]],
+        namespace: Hashable,
+        in_use: Mapping[int, Held],
         limit: int,
         holds: Callable[[int, int], bool] | None = None,
     ) -> tuple[int, int]:
-        """(row, length) of the longest prefix of prompt, at most limit tokens, that a row holds; rows in use
-        are given by in_use (row -> tokens cached), the others by what they held when freed. holds(cached,
-        length): whether a row that wrote cached positions still holds a reuse of length (a sliding-window
-        layer's ring keeps only its last positions); None: always. (-1, 0) if none."""
+        """(row, length) of the longest prefix of prompt, at most limit tokens, that a row of the same namespace
+        holds; rows in use are given by in_use (row -> (namespace, tokens cached)), the others by what they held
+        when freed. holds(cached, length): whether a row that wrote cached positions still holds a reuse of
+        length (a sliding-window layer's ring keeps only its last positions); None: always. (-1, 0) if none."""
         best_row, best = -1, 0
         for row, held in enumerate(self._held):
-            tokens = in_use.get(row, held)
-            if len(tokens) > best and tokens[0:1] == prompt[0:1]:
+            owner, tokens = in_use.get(row, held)
+            if owner == namespace and len(tokens) > best and tokens[0:1] == prompt[0:1]:
                 n = common_prefix(prompt, tokens)
                 if n > best and (holds is None or holds(len(tokens), min(n, limit))):
                     best_row, best = row, n

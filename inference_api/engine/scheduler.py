@@ -2,12 +2,14 @@
 
 It decides and keeps the books; it never touches a tensor (the runner builds every batch). Each step, the
 engine asks it to ``admit`` waiting requests into free rows (with the prefix each may copy from another
-row's cache), then for the ``Step`` to run: up to ``prefill_chunk`` tokens of prompt chunks, packed with their
-padding, and every decoding row. After the forward, ``computed`` records what the cache now holds.
+row of its namespace), then for the ``Step`` to run: up to ``prefill_chunk`` tokens of prompt chunks, packed
+with their padding and shared fairly between the prompts in arrival order (``fair_chunks``), and every decoding
+row. After the forward, ``computed`` records what the cache now holds.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +18,25 @@ from ..messages import EngineStats
 from .prefix import PrefixIndex
 from .rows import RowTable
 from .sequence import Sequence, Status
+
+# prompt tokens each prompt computes at least when several share a step's chunk: more prompts than the chunk
+# holds at this share wait for the next step (in arrival order). The default chunk (512) holds 64 at this share,
+# more than the rows, so every prompt in a row moves on in every step
+MIN_SHARE = 8
+
+
+def fair_chunks(needs: list[int], budget: int, least: int = MIN_SHARE) -> list[int]:
+    """How many tokens each prompt (in arrival order, ``needs``: the tokens each has left) computes this step:
+    as many prompts as can share ``budget`` tokens with their padding (every chunk is as wide as the widest)
+    while each gets at least ``least`` tokens (or all it needs), each up to an equal share. So a short prompt
+    finishes in the first step it shares with a long one, and a long prompt never holds the others back; the
+    first prompts are taken when not all fit."""
+    for k in range(len(needs), 0, -1):
+        widest = max(needs[:k])
+        width = min(budget // k, widest)
+        if k == 1 or width >= min(least, widest):
+            return [min(n, width) for n in needs[:k]]
+    return []
 
 
 @dataclass
@@ -52,6 +73,7 @@ class Scheduler:
         self.holds = holds  # whether a row's cache still holds a prefix (PrefixIndex.longest)
         self.prefix_queried = 0  # prompt tokens of admitted requests looked up in the prefix cache, ever
         self.prefix_hits = 0  # of them, the tokens reused from some row's cache
+        self._arrivals = itertools.count()
 
     @property
     def has_work(self) -> bool:
@@ -71,6 +93,12 @@ class Scheduler:
             **engine_books,
         )
 
+    def arrive(self, seqs: list[Sequence]) -> None:
+        """Stamp a new request's choices with its place in arrival order (prompts are computed in that order)."""
+        order = next(self._arrivals)
+        for seq in seqs:
+            seq.arrival = order
+
     def add(self, seq: Sequence, first: bool = False) -> None:
         """Queue a request; ``first``: ahead of the others (the other choices of a request already admitted)."""
         if first:
@@ -79,9 +107,10 @@ class Scheduler:
             self.waiting.append(seq)
 
     def admit(self) -> list[Admission]:
-        """Move waiting requests into free rows, each starting after the longest prefix of its prompt that any
-        row's cache holds (to be copied into its row when another row holds it), as llama.cpp's prompt cache and
-        vLLM's prefix caching do. The last prompt token is always computed: its logits give the first token."""
+        """Move waiting requests into free rows, each starting after the longest prefix of its prompt that a row
+        of its namespace holds (to be copied into its row when another row holds it), as llama.cpp's prompt cache
+        and vLLM's prefix caching do. The last prompt token is always computed: its logits give the first
+        token."""
         admitted = []
         while self.waiting and self.rows.num_free:
             row = self.rows.allocate()
@@ -92,8 +121,8 @@ class Scheduler:
             seq.status = Status.PREFILL
             admission = Admission(seq)
             if self.prefixes is not None and not seq.scores_prompt:  # prompt log-probs need every position
-                held = {row: s.all_ids[: s.num_cached] for row, s in self.running.items()}
-                src, length = self.prefixes.longest(seq.prompt_ids, held, seq.num_prompt - 1, self.holds)
+                held = {row: (s.namespace, s.all_ids[: s.num_cached]) for row, s in self.running.items()}
+                src, length = self.prefixes.longest(seq.prompt_ids, seq.namespace, held, seq.num_prompt - 1, self.holds)
                 self.prefix_queried += seq.num_prompt
                 self.prefix_hits += length
                 if length:
@@ -111,19 +140,13 @@ class Scheduler:
 
     def schedule(self) -> Step:
         """Prompt chunks of several rows, at most prefill_chunk tokens with their padding, so a long prompt never
-        stalls the running streams for more than one bounded piece of work; and every decoding row."""
-        step, width = Step(), 0
+        stalls the running streams for more than one bounded piece of work, shared between the prompts in
+        arrival order (``fair_chunks``), so no prompt waits behind another's length; and every decoding row
+        (never skipped for a prompt)."""
         by_row = sorted(self.running.values(), key=lambda s: s.held_row)
-        for seq in by_row:
-            if seq.status is not Status.PREFILL:
-                continue
-            n = min(seq.prefill_remaining, self.prefill_chunk)
-            if step.prefill and (len(step.prefill) + 1) * max(width, n) > self.prefill_chunk:
-                break
-            step.prefill.append((seq, n))
-            width = max(width, n)
-        step.decode = [s for s in by_row if s.status is Status.DECODE]
-        return step
+        prompts = sorted((s for s in by_row if s.status is Status.PREFILL), key=lambda s: s.arrival)
+        chunks = fair_chunks([s.prefill_remaining for s in prompts], self.prefill_chunk)
+        return Step(list(zip(prompts, chunks)), [s for s in by_row if s.status is Status.DECODE])
 
     def computed(self, step: Step) -> list[int]:
         """Record a step's forward as done; return which of its prefill chunks finished their prompt (their
@@ -141,6 +164,6 @@ class Scheduler:
         if seq.row is not None and self.running.get(seq.row) is seq:
             del self.running[seq.row]
             if self.prefixes is not None:
-                self.prefixes.hold(seq.row, seq.all_ids[: seq.num_cached] if cache_valid else [])
+                self.prefixes.hold(seq.row, seq.namespace, seq.all_ids[: seq.num_cached] if cache_valid else [])
             self.rows.free(seq.row)
         seq.row = None

@@ -26,6 +26,10 @@ class Status(enum.Enum):
 class Sequence:
     def __init__(self, request: GenerateRequest, decode: Callable[[Seq[int]], str], index: int = 0):
         self.session_id = request.session_id
+        self.team = request.team
+        # whose prefix cache it reads and writes: its team's, within it the request's cache_salt (prefix.py)
+        self.namespace = (request.team, request.params.cache_salt)
+        self.arrival = 0  # the request's place in arrival order (Scheduler.arrive): prompts are computed in it
         self.index = index  # which of the request's n choices this is
         self.params: SamplingParams = request.params
         self.prompt_ids: list[int] = list(request.prompt_ids)

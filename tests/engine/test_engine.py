@@ -417,3 +417,61 @@ def test_a_grammar_that_fails_in_a_step_without_sampled_rows_still_reports_its_e
     events = engine.step()
     assert [(e.session_id, e.finish_reason) for e in events] == [("g", FinishReason.ERROR)]
     assert "g" not in engine.sessions
+
+
+@pytest.mark.parametrize(
+    ("needs", "budget", "chunks"),
+    [
+        ([300], 64, [64]),  # alone: the whole chunk
+        ([15, 15, 15, 15], 64, [15, 15, 15, 15]),  # all fit with their padding
+        ([1000, 5], 512, [256, 5]),  # a short prompt beside a long one: done in this step
+        ([5, 1000, 1000], 512, [5, 170, 170]),  # three share: each up to a third
+        ([1000] * 20, 512, [25] * 20),
+        ([1000] * 80, 512, [8] * 64),  # at least MIN_SHARE each: the first 64 in arrival order
+        ([], 512, []),
+    ],
+)
+def test_fair_chunks_share_the_budget_in_arrival_order(needs, budget, chunks):
+    from inference_api.engine.scheduler import fair_chunks
+
+    assert fair_chunks(needs, budget) == chunks
+    assert len(chunks) * max(chunks, default=0) <= budget or len(chunks) == 1
+
+
+def test_a_short_prompt_gets_its_first_token_in_its_first_step_beside_long_prompts():
+    """Long prompts that arrived first (and hold the lower rows) never keep a later short one waiting: it shares
+    the next step's chunk and samples its first token there, while the decoding row keeps decoding."""
+    engine, runner = make_engine(rows=4, prefill_chunk=64)
+    engine.add(request("decoding", "hi", max_tokens=200))
+    engine.step()
+    engine.add(request("long-1", "x" * 600, max_tokens=2))
+    engine.add(request("long-2", "z" * 600, max_tokens=2))
+    engine.step()  # both long prompts start
+    engine.add(request("short", "a question", max_tokens=2))
+    events = engine.step()
+    assert [e.session_id for e in events if e.session_id != "decoding" and e.token_ids] == ["short"]
+    assert any(e.session_id == "decoding" for e in events)  # decode rows are never skipped for prompts
+    assert all(len(p) * max(p) <= 64 for p in runner.prefills)
+
+
+def test_the_prefix_cache_is_private_to_a_team_and_a_cache_salt():
+    """While team A's request holds its prompt in a row, another team's prompt (or the same team's with another
+    cache_salt, or one without a team) never reuses it: it is computed in full; the same team and salt does."""
+    prompt = tuple(b"My SSN is 987-65-4321, keep it secret.")
+
+    def send(sid: str, team: str | None, salt: str | None = None, max_tokens: int = 3) -> int:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, cache_salt=salt)
+        engine.add(GenerateRequest(sid, prompt, params, team=team))
+        for _ in range(100):
+            for event in engine.step():
+                if event.session_id == sid:
+                    return event.cached_tokens
+        raise AssertionError(f"{sid} got no event")
+
+    engine, runner = make_engine(rows=8)
+    assert send("a1", "team-a", max_tokens=500) == 0  # holds row 0 while the others come
+    for sid, team, salt in [("b", "team-b", None), ("none", None, None), ("salted", "team-a", "x")]:
+        assert send(sid, team, salt) == 0
+    assert runner.copies == []
+    assert send("a2", "team-a") == len(prompt) - 1  # the last prompt token is always computed
+    assert [(src, n) for src, _, n in runner.copies] == [(0, len(prompt) - 1)]  # from team A's busy row

@@ -51,7 +51,9 @@ VLLM_EXTRAS = {
     "skip_special_tokens",
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
+    "cache_salt",
 }
+MAX_CACHE_SALT = 256  # characters of cache_salt
 # what parse_sampling reads
 SAMPLING_FIELDS = (
     {
@@ -218,12 +220,24 @@ def parse_sampling(
         logprobs=logprobs,
         grammar=one_of(response_format(body.get("response_format")), vllm_guided(body), field="response_format"),
         n=number(body, "n", 1, 1, MAX_CHOICES, integer=True),
+        cache_salt=_cache_salt(body),
         **penalties(body),
     )
     max_tokens = number(body, max_field, None, 1, 1 << 31, integer=True)
     if max_tokens is not None and params.min_tokens > max_tokens:
         raise RequestError(f"min_tokens ({params.min_tokens}) must not exceed {max_field} ({max_tokens})", "min_tokens")
     return params, max_tokens
+
+
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's cache_salt: the prompt reuses only the prefix cache of requests with the same salt (within its
+    team, which the cache always separates)."""
+    salt = string(body, "cache_salt")
+    if salt is not None and not 0 < len(salt) <= MAX_CACHE_SALT:
+        raise RequestError(
+            f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters", "cache_salt"
+        )
+    return salt
 
 
 def _stream_options(options, stream: bool) -> tuple[bool, bool]:

@@ -14,7 +14,7 @@ from lifecycle.access_log import AccessLog, request_id
 from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked, read_capped
 from lifecycle.drain import Drain
 from lifecycle.internal import INTERNAL_HEADER
-from lifecycle.quota import Store, TeamLimits
+from lifecycle.quota import Reservation, Store, TeamLimits
 
 from .config import ServerConfig
 from .dialects.llama_stack.routes import llama_stack_blueprint
@@ -25,7 +25,7 @@ from .dialects.tgi.routes import tgi_blueprint
 from .engine_client import EngineClient, Session
 from .errors import ApiError, error_response, register_error_handlers, request_api
 from .preflight import Estimate
-from .serving import Serving
+from .serving import RESERVATION_KEY, Serving
 from .streaming import SESSION_KEY
 
 
@@ -52,8 +52,13 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
     app.extensions["drain"] = drain  # gunicorn's post_worker_init starts it on SIGTERM/SIGINT
     access_log = AccessLog()
     watchdog = Watchdog()
-    # each team's generated tokens per minute (the team: the proxy's X-Team-Id), shared through Redis when given
-    limits = TeamLimits(Store(config.redis_url), tokens_per_minute=config.tokens_per_minute_per_team)
+    # each team's tokens per minute (the team: the proxy's X-Team-Id), reserved on admission and settled when the
+    # answer ends, shared through Redis when given
+    limits = TeamLimits(
+        Store(config.redis_url),
+        tokens_per_minute=config.tokens_per_minute_per_team,
+        prompt_token_weight=config.prompt_token_weight,
+    )
     client.metrics.watch(
         "inference_quota_redis_fallbacks",
         "team-quota operations counted in this process because Redis failed (0 without Redis)",
@@ -98,11 +103,14 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
         }
         started, environ = g.get("started", time.monotonic()), request.environ
 
-        def write() -> None:
+        def write() -> None:  # when the response is closed: after the whole answer, an error or a disconnect
             session: Session | None = environ.get(SESSION_KEY)
+            reservation: Reservation | None = environ.get(RESERVATION_KEY)
+            if reservation is not None:  # the quota's reservation back, what the request cost counted
+                cost = 0 if session is None else limits.cost(session.completion_tokens, session.prompt_tokens)
+                reservation.settle(cost)
             outcome = {}
             if session is not None:
-                limits.charge(fields["team_id"], session.completion_tokens)
                 outcome = {
                     "prompt_tokens": session.prompt_tokens,
                     "tokens_out": session.completion_tokens,

@@ -50,6 +50,10 @@ class ServerConfig:
     body_timeout: float = 30.0  # seconds a client has to send its request body
     # generated tokens per team (the proxy's X-Team-Id) in any 60 seconds before new requests get 429; 0: off
     tokens_per_minute_per_team: int = 60000
+    # a prompt token's cost in that quota, in generated tokens (prefill computes a chunk of them in one step)
+    prompt_token_weight: float = 0.25
+    # rows and queue places one team's open sessions may take in this server (a request with n choices takes n); 0: off
+    max_places_per_team: int = 16
     redis_url: str | None = None  # Redis shared by every server replica for the token quota (None: in-process)
     test_fault_text: str | None = None  # TESTS ONLY: fail post-processing of requests whose prompt contains this
     # INTERNAL_SECRET (environment only, never a flag): every request but GET/HEAD /health must carry it in
@@ -121,6 +125,16 @@ _ENV = {
         "TOKENS_PER_MINUTE_PER_TEAM",
         "tokens a team (the proxy's X-Team-Id) may have "
         "generated in the last 60 seconds before its new requests get 429 (0: no quota)",
+    ),
+    "prompt_token_weight": (
+        "PROMPT_TOKEN_WEIGHT",
+        "a prompt token's cost in the token quota, in generated tokens (prefill computes a whole chunk of prompt "
+        "tokens in one step, decoding one token a step)",
+    ),
+    "max_places_per_team": (
+        "MAX_PLACES_PER_TEAM",
+        "rows and queue places one team's (X-Team-Id's) open requests may take in this server, a request with n "
+        "choices taking n, before its new requests get 429 (0: no cap)",
     ),
     "redis_url": (
         "REDIS_URL",

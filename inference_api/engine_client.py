@@ -38,7 +38,7 @@ from .messages import (
     TokenEvent,
 )
 from .metrics import Metrics
-from .request_errors import Unavailable
+from .request_errors import RateLimited, Unavailable
 from .tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class Session:
     n: int = 1  # choices (SamplingParams.n): each ends with its own finished event
     finished_choices: int = 0
     choice_tokens: dict[int, int] = field(default_factory=dict)  # tokens generated per choice
+    team: str | None = None  # the proxy's X-Team-Id (None: not counted per team)
 
     @property
     def done(self) -> bool:
@@ -181,10 +182,23 @@ class EngineClient:
             raise Unavailable(f"{what}, try again shortly", retry_after=5)
         return self.ready
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams) -> Session:
+    def team_places(self, team: str) -> int:
+        """Row-and-queue places the team's open sessions take."""
+        return sum(s.n for s in list(self._sessions.values()) if s.team == team)
+
+    def submit(self, prompt_ids: list[int], params: SamplingParams, team: str | None = None) -> Session:
+        """Open a session for the request (of ``team``, counted toward its places; None: not counted per team)."""
         self.check_ready()
-        session = Session(uuid.uuid4().hex, len(prompt_ids), n=params.n)
+        session = Session(uuid.uuid4().hex, len(prompt_ids), n=params.n, team=team)
         with self._lock:
+            cap = self.config.max_places_per_team
+            held = self.team_places(team) if team is not None and cap > 0 else 0
+            if held and held + session.n > cap:  # (a team holding none may always start one request)
+                raise RateLimited(
+                    f"team {team!r} already holds {held} of this server's rows and queue places "
+                    f"(at most {cap} per team; a request with n choices takes n); retry shortly",
+                    retry_after=1,
+                )
             places = self.open_places  # a request with n choices takes n places
             if places and places + session.n > self.config.max_open_sessions:
                 raise Unavailable(
@@ -193,7 +207,7 @@ class EngineClient:
                 )
             self._sessions[session.id] = session
         self.metrics.submitted(len(prompt_ids))
-        self._send(GenerateRequest(session.id, tuple(prompt_ids), params))
+        self._send(GenerateRequest(session.id, tuple(prompt_ids), params, team))
         return session
 
     def release(self, session: Session) -> None:

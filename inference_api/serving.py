@@ -14,17 +14,19 @@ from dataclasses import dataclass
 from flask import request
 
 from lifecycle.drain import RETRY_AFTER, Drain
-from lifecycle.quota import TeamLimits
+from lifecycle.quota import Reservation, TeamLimits
 
 from .config import ServerConfig
 from .engine_client import EngineClient
 from .generation import Generation, all_events, collect, collect_choices
 from .messages import EngineReady, SamplingParams, TokenEvent
 from .preflight import Estimate
-from .prepare import DEFAULT_MAX_TOKENS, Prompt, check_model, encode, engine_params
-from .request_errors import RateLimited, RequestError, Unavailable
+from .prepare import DEFAULT_MAX_TOKENS, Prompt, check_chars, check_model, check_prompt_size, encode, engine_params
+from .request_errors import RateLimited, Unavailable
 from .streaming import first_event, session_events
 from .tokenizer import Tokenizer
+
+RESERVATION_KEY = "inference_api.reservation"  # environ key: the request's quota Reservation, settled by app.py
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Serving:
         limits: TeamLimits | None = None,
     ):
         self.client = client
-        self.limits = limits  # the teams' token quota (lifecycle.quota), checked before each submission
+        self.limits = limits  # the teams' token quota (lifecycle.quota), reserved before each submission
         self.config = config
         self.drain = drain  # while it is active, new generation requests get a 503 in their API's shape
         self.preflight = preflight  # the pre-flight memory estimate, shown by /health
@@ -86,11 +88,8 @@ class Serving:
         return self.ready().model_name
 
     def tokenizable(self, text: str, name: str) -> str:
-        """Text for /tokenize, at most 16 characters per context token (64 KiB at least): more can never fit a
-        request, and tokenizing a 1 MB body took over a second of the web worker's CPU."""
-        limit = max(1 << 16, 16 * self.ready().context_length)
-        if len(text) > limit:
-            raise RequestError(f"{name} is {len(text)} characters long; /tokenize takes at most {limit}", name)
+        """Text to tokenize, within the character cap (``prepare.char_limit``): more can never fit a request."""
+        check_chars(len(text), self.ready().context_length, name, name)
         return text
 
     def check_model(self, name: str, placeholders: bool = False) -> None:
@@ -98,20 +97,26 @@ class Serving:
         check_model(name, self.model_name, placeholders)
 
     def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's tokens, once its size is known to be within the character cap."""
+        check_prompt_size(prompt, self.ready().context_length)
         return encode(self.tokenizer, prompt)
 
-    def check_quota(self) -> None:
-        """RateLimited while the request's team (the proxy's X-Team-Id) has generated its quota in the last minute."""
+    def check_quota(self, team: str | None, prompt_tokens: int, params: SamplingParams) -> Reservation | None:
+        """Reserve the request's most possible cost against its team's token quota (``n x max_tokens`` generated,
+        the prompt at its weight), kept in the environ for the answer's end to settle (app.py); RateLimited while
+        the team's rate (what its answers cost in the last minute, running ones at their reservation) is at or
+        over the quota."""
         if self.limits is None:
-            return
-        team = request.headers.get("X-Team-Id")
-        wait = self.limits.check_tokens(team)
-        if wait is not None:
+            return None
+        reserved = self.limits.reserve(team, self.limits.cost(params.n * params.max_tokens, prompt_tokens))
+        if isinstance(reserved, int):
             raise RateLimited(
-                f"team {team!r} has generated its quota of {self.limits.tokens_per_minute} tokens in "
-                f"the last minute; retry in {wait} s",
-                retry_after=wait,
+                f"team {team!r} has used its quota of {self.limits.tokens_per_minute} tokens in the last minute "
+                f"(running requests count at n x max_tokens until they end); retry in {reserved} s",
+                retry_after=reserved,
             )
+        request.environ[RESERVATION_KEY] = reserved
+        return reserved
 
     # submission
     def start(
@@ -122,18 +127,24 @@ class Serving:
         default_max: int = DEFAULT_MAX_TOKENS,
         field: str = "max_tokens",
     ) -> Run:
-        """Encode the prompt, refuse while draining or over the team's quota, prepare the engine's parameters
-        (``prepare.engine_params``: max_tokens filled in, the context fit), submit, and wait for the first
-        event."""
+        """Encode the prompt, refuse while draining, prepare the engine's parameters (``prepare.engine_params``:
+        max_tokens filled in, the context fit), reserve its cost in the team's quota, submit (refused past the
+        server's or the team's places), and wait for the first event."""
         prompt_ids = self.encode(prompt)
         if self.draining:
             raise Unavailable(
                 "server is shutting down; retry shortly (another instance takes over)", retry_after=RETRY_AFTER
             )
-        self.check_quota()
         params = engine_params(
             prompt_ids, params, max_tokens, self.ready().context_length, default_max=default_max, field=field
         )
-        session = self.client.submit(prompt_ids, params)
+        team = request.headers.get("X-Team-Id")  # the proxy's; None (not counted) straight to the server
+        reservation = self.check_quota(team, len(prompt_ids), params)
+        try:
+            session = self.client.submit(prompt_ids, params, team=team)
+        except BaseException:
+            if reservation is not None:  # never submitted: it cost nothing
+                reservation.settle(0)
+            raise
         events = session_events(self.client, session, request.environ)
         return Run(len(prompt_ids), first_event(events), events, params.n, tuple(prompt_ids))

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 import time
 import uuid
 from urllib.parse import quote, urlsplit
@@ -21,8 +23,10 @@ from .errors import ProxyError, register_error_handlers
 from .playground import register_playground
 from .upstream import StreamBody, Upstream, client_response_headers, upstream_request_headers
 
+CLOSE = {"Connection": "close"}  # an answer sent without reading the body: gunicorn then does not read it either
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
-PUBLIC = {("GET", "/health"), ("HEAD", "/health")}
+PUBLIC = {("GET", "/health"), ("HEAD", "/health")}  # answered without a token, and never with a request body
+OPERATOR_PATHS = {"/metrics"}  # every team's traffic: only for a token with the admin claim, whatever the method
 
 
 class _AnyPath(BaseConverter):
@@ -73,27 +77,37 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
     def forward(path: str):
         identity = None
         public = (request.method, request.path) in PUBLIC
-        if not public or request.headers.get("Authorization"):  # a public path with a token: the full answer
+        if public and _declares_body(request.environ):  # refused unread: a public route holds no one's bytes
+            raise ProxyError(413, f"{request.method} {request.path} takes no request body", CLOSE)
+        if not public or request.headers.get("Authorization"):  # a public path with a token: verified all the same
             identity = verifier.verify(bearer_token(request.headers.get("Authorization")))
         g.identity = identity
+        if _normalized(request.path) in OPERATOR_PATHS and not (identity is not None and identity.admin):
+            raise ProxyError(403, f"{request.path} is for operators: it needs a token with the admin claim", CLOSE)
         forwarding = object()
         active.add(forwarding)
         slot = None
         try:
             try:
-                body = watchdog.read_body(
-                    request.environ, lambda: read_capped(request, cache=False), config.body_timeout
-                )
+                body = b"" if public else watchdog.read_body(request.environ, read_whole, config.body_timeout)
             except BodyTimeout as exc:
-                raise ProxyError(408, str(exc), {"Connection": "close"}) from None
+                raise ProxyError(408, str(exc), CLOSE) from None
             g.body = body  # for an error's shape (shared paths)
-            # the team's slot from the whole body to the answer's end: a slow upload holds none
+            # the team's rows from the whole body to the answer's end: a slow upload holds none
             team = identity.team_id if identity is not None else None
-            slot = limiter.acquire(team)
+            weight = choices_weight(body) if request.method == "POST" else 1
+            if limiter.never_fits(team, weight):
+                raise ProxyError(
+                    400,
+                    f"n={weight} exceeds the team's limit of {limiter.max_concurrent} open rows (each choice a request "
+                    f"asks for, n or best_of, takes a row); ask for at most {limiter.max_concurrent}",
+                )
+            slot = limiter.acquire(team, weight)
             if slot is None:
                 raise ProxyError(
                     429,
-                    f"team {team!r} already has {limiter.max_concurrent} requests in progress; retry when one finishes",
+                    f"team {team!r} has no room for {weight} more of its limit of {limiter.max_concurrent} open rows "
+                    "(a request takes one per choice, n); retry when one finishes",
                     {"Retry-After": str(config.retry_after)},
                 )
             headers = upstream_request_headers(
@@ -121,7 +135,7 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         answer = forwarded.response
         g.stream = stream = StreamBody(answer, on_close=closed)
         streams.add(stream)
-        if public and identity is None:  # the public /health: the status only (details need a token)
+        if _details_hidden(identity):  # /health: the status only, unless the caller is an operator
             try:
                 raw = b"".join(stream) if request.method == "GET" else b""
             finally:
@@ -197,6 +211,60 @@ def _target() -> str:
     target = quote(request.environ.get("SCRIPT_NAME", "") + request.environ.get("PATH_INFO", "")) or "/"
     query = request.environ.get("QUERY_STRING")
     return f"{target}?{query}" if query else target
+
+
+def read_whole() -> bytes:
+    """The request's whole body (a chunked one capped as a declared one is), not kept by werkzeug."""
+    return read_capped(request, cache=False)
+
+
+def _declares_body(environ: dict) -> bool:
+    """Whether the request says a body follows (a Content-Length above 0, or any Transfer-Encoding): checked on
+    the headers alone, so a public route refuses a body without waiting for a byte of it."""
+    length = environ.get("CONTENT_LENGTH") or "0"
+    return bool(environ.get("HTTP_TRANSFER_ENCODING")) or not (length.isdigit() and int(length) == 0)
+
+
+def _normalized(path: str) -> str:
+    """The path as a server's router may take it (repeated slashes merged, a trailing one dropped), so an operator
+    path is not reached by spelling it another way."""
+    return re.sub("/+", "/", path).rstrip("/") or "/"
+
+
+def _details_hidden(identity: Identity | None) -> bool:
+    """Whether this is a /health whose answer is cut to its status: the server's pid, model path, memory and
+    failure text are for operators (the admin claim), and for the server's own port."""
+    is_health = request.method in ("GET", "HEAD") and _normalized(request.path) == "/health"
+    return is_health and not (identity is not None and identity.admin)
+
+
+def choices_weight(body: bytes) -> int:
+    """The rows a request asks for, its weight in the team's limit: the largest of ``n`` and ``best_of`` at the top
+    of a JSON object (OpenAI, vLLM) and in its ``parameters`` (TGI), 1 when it names none or is not JSON. Counted
+    as the server reads them (8, 8.0 and "8" alike), so a request cannot spell its ``n`` around its weight."""
+    try:
+        parsed = json.loads(body) if body.lstrip()[:1] == b"{" else None
+    except (ValueError, RecursionError):
+        return 1
+    if not isinstance(parsed, dict):
+        return 1
+    parameters = parsed.get("parameters")
+    places = [parsed, parameters] if isinstance(parameters, dict) else [parsed]
+    return max([1, *(_count(place.get(name)) for place in places for name in ("n", "best_of"))])
+
+
+def _count(value: object) -> int:
+    """A field's value as the positive integer the server would read it as, else 1 (bool is no number)."""
+    if isinstance(value, str):
+        try:
+            value = float(value.strip())
+        except ValueError:
+            return 1
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return 1
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        return 1
+    return max(1, int(value))
 
 
 def _status_of(raw: bytes) -> str | None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import time
 from dataclasses import dataclass
@@ -18,6 +20,9 @@ if TYPE_CHECKING:
 # claims passed upstream in headers; their values must be safe as header values
 IDENTITY_CLAIMS = ("team_id", "token_id")
 MAX_CLAIM_CHARS = 256
+ADMIN_CLAIM = "admin"  # true: an operator's token, which may read /metrics and /health's details
+
+log = logging.getLogger("proxy")
 
 
 class AuthError(Exception):
@@ -32,6 +37,7 @@ class AuthError(Exception):
 class Identity:
     team_id: str | None
     token_id: str | None
+    admin: bool = False  # the token's admin claim is JSON true (anything else: a team's token, never an operator's)
 
 
 def bearer_token(authorization: str | None) -> str:
@@ -47,10 +53,33 @@ def bearer_token(authorization: str | None) -> str:
     return token
 
 
+def revoked_id(line: str) -> str | None:
+    """The token_id a revocation file's line names, matched exactly: a JSON string (a line starting with '"', for
+    an id with '#' or outer spaces, e.g. ``"a#b"``), else the line up to a '#' with its outer spaces dropped. None
+    for a blank or comment line."""
+    text = line.strip()
+    if text.startswith('"'):
+        try:
+            value, end = json.JSONDecoder().raw_decode(text)
+        except ValueError:
+            value, end = None, 0
+        rest = text[end:].strip()
+        if isinstance(value, str) and (not rest or rest.startswith("#")):
+            return value or None
+        log.warning("revocation file: a line starting with '\"' is not a JSON string; read as a plain line")
+    return line.split("#", 1)[0].strip() or None
+
+
+def revocation_line(token_id: str) -> str:
+    """The line that revokes exactly this token_id: plain where the plain reading gives it back, else JSON."""
+    return token_id if revoked_id(token_id) == token_id and not token_id.startswith('"') else json.dumps(token_id)
+
+
 class RevokedTokens:
-    """The token_ids of a revocation file (one per line, '#' starts a comment), re-read when the file's size or
-    time changes, checked at most once a second: an operator revokes a token by adding its token_id, no restart.
-    A file that cannot be read keeps the last list it gave (and a missing file at start is an empty list)."""
+    """The token_ids of a revocation file (one per line, '#' starts a comment, a JSON string for an id a plain line
+    cannot hold: see revoked_id), re-read when the file's size or time changes, checked at most once a second: an
+    operator revokes a token by adding its token_id, no restart. A file that cannot be read keeps the last list it
+    gave (and a missing file at start is an empty list)."""
 
     CHECK_SECONDS = 1.0
 
@@ -70,7 +99,7 @@ class RevokedTokens:
                 st = os.stat(self._path)
                 if (st.st_size, st.st_mtime_ns) != self._version:
                     lines = Path(self._path).read_text(encoding="utf-8").splitlines()
-                    self._ids = frozenset(x for x in (line.split("#", 1)[0].strip() for line in lines) if x)
+                    self._ids = frozenset(x for x in map(revoked_id, lines) if x is not None)
                     self._version = (st.st_size, st.st_mtime_ns)
             except OSError:
                 pass
@@ -132,7 +161,9 @@ class TokenVerifier:
             raise AuthError(f"invalid token: {exc}") from None
         if not isinstance(claims, dict):
             raise AuthError("malformed token")
-        identity = Identity(**{name: _identity_claim(claims, name) for name in IDENTITY_CLAIMS})
+        identity = Identity(
+            **{name: _identity_claim(claims, name) for name in IDENTITY_CLAIMS}, admin=claims.get(ADMIN_CLAIM) is True
+        )
         if identity.token_id in self._revoked:
             raise AuthError("token revoked")
         return identity

@@ -47,7 +47,7 @@ class ProxyConfig:
     connect_timeout: float = 5.0  # seconds to open the upstream connection; then 504
     first_byte_timeout: float = 120.0  # seconds until upstream sends its response headers; then 504
     stream_idle_timeout: float = 600.0  # longest silence between two body chunks once streaming; 0: no limit
-    max_concurrent_per_team: int = 16  # open requests per team_id; beyond it 429; 0: no limit
+    max_concurrent_per_team: int = 16  # open rows per team_id (a request weighs its n); beyond it 429; 0: no limit
     redis_url: str | None = field(default=None, repr=False)  # shared counts for every proxy replica (None: in-process)
     retry_after: int = 1  # the Retry-After seconds sent with a 429
     max_body_bytes: int = 1 << 20  # larger request bodies get 413 (the server's own limit: no larger)
@@ -230,7 +230,8 @@ _OPTIONS: list[tuple[str, str, str, Callable[[str], Any], str]] = [
         "jwt_revoked_file",
         "JWT_REVOKED_FILE",
         Path,
-        "a file of revoked token_ids, one per line ('#' starts a comment), re-read within a second of a change",
+        "a file of revoked token_ids, one per line ('#' starts a comment; a JSON string for an id with '#' or outer "
+        "spaces), re-read within a second of a change",
     ),
     ("--jwt-leeway", "jwt_leeway", "JWT_LEEWAY_SECONDS", float, "clock skew tolerated on exp/nbf/iat, seconds"),
     ("--jwt-audience", "jwt_audience", "JWT_AUDIENCE", str, "required aud claim"),
@@ -261,7 +262,8 @@ _OPTIONS: list[tuple[str, str, str, Callable[[str], Any], str]] = [
         "max_concurrent_per_team",
         "MAX_CONCURRENT_PER_TEAM",
         int,
-        "open requests allowed per team_id before 429 (0: no limit)",
+        "open rows allowed per team_id before 429, a request weighing the choices it asks for (n, best_of) "
+        "(0: no limit)",
     ),
     (
         "--redis-url",

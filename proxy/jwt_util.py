@@ -4,11 +4,16 @@
     export JWT_SECRET=...                                       # never a flag: process lists show flags
     ./scripts/jwt_util.py encode '{"team_id": "tenstorrent", "token_id": "debug-test"}'   # expires in 24 h
     ./scripts/jwt_util.py encode '{"team_id": "t", "token_id": "k"}' --expires-in 3600    # in an hour
+    ./scripts/jwt_util.py encode '{"team_id": "ops", "token_id": "o"}' --admin            # an operator's token
     ./scripts/jwt_util.py decode "$TOKEN"                                                  # verified claims as JSON
 
 The secret comes from the JWT_SECRET environment variable only. Every token gets iat and exp (the proxy requires
 exp by default): --expires-in SECONDS (default 86400), or --no-expiry for a token that never ends (accepted
-only by a proxy started with --no-jwt-require-exp).
+only by a proxy started with --no-jwt-require-exp). --admin adds the claim ``"admin": true``: an operator's token,
+the only kind the proxy lets read /metrics and /health's details (give it to operators, never to a team).
+
+To revoke a token, add its token_id as one line of the proxy's --jwt-revoked-file; an id with '#', outer spaces or
+a leading '"' goes as a JSON string (``"a#b"``), which the proxy matches exactly (``proxy.auth.revocation_line``).
 """
 
 from __future__ import annotations
@@ -47,6 +52,9 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"iat = now and exp = now + SECONDS (default {DEFAULT_LIFETIME})",
     )
     life.add_argument("--no-expiry", action="store_true", help="no exp claim (a token that never ends)")
+    encode.add_argument(
+        "--admin", action="store_true", help="add \"admin\": true: an operator's token (/metrics, /health's details)"
+    )
     decode = commands.add_parser("decode", parents=[common], help="verify a token and print its claims as JSON")
     decode.add_argument("token")
     return parser
@@ -67,6 +75,8 @@ def main(argv: list[str] | None = None) -> int:
         if not isinstance(claims, dict):
             print("error: payload must be a JSON object", file=sys.stderr)
             return 2
+        if args.admin:
+            claims = {**claims, "admin": True}
         if not args.no_expiry:
             now = int(time.time())
             claims = {**claims, "iat": now, "exp": now + args.expires_in}

@@ -502,6 +502,12 @@ def main() -> None:
         "and time the other streams' tokens while a large schema is compiled (--api openai)",
     )
     ap.add_argument(
+        "--flood",
+        action="store_true",
+        help="finally time a short request's first token (team 'victim') alone and under a flood of long prompts "
+        "from another team (X-Team-Id 'flood', straight to the server), the starvation a fair scheduler prevents",
+    )
+    ap.add_argument(
         "--api",
         choices=["native", "openai"],
         help="native: /predictions; openai: /v1/completions (default: openai with --peer-url, else native)",
@@ -631,6 +637,8 @@ def main() -> None:
             print(f"{label} memory: {memory}")
     if args.structured:
         compile_stall(args.url, model, max(args.concurrency), args.max_tokens, count)
+    if args.flood:
+        flood_ttft(args.url, model, health)
     if args.fill_context and not health.get("mock"):
         rows, length = health["rows_total"], health["context_length"]
         text = long_prompt(health["model_dir"], length - 40)  # with 8 new tokens, each row ends near its length
@@ -709,6 +717,47 @@ def compile_stall(url: str, model: str, concurrency: int, max_tokens: int, count
     print(
         f"compile stall: the others' longest gap {results['with schemas']['itl_max'] * 1e3:.1f} ms with 4 new "
         f"300-field schemas arriving, {results['alone']['itl_max'] * 1e3:.1f} ms without"
+    )
+
+
+def flood_ttft(url: str, model: str, health: dict, streams: int = 8, probes: int = 5) -> None:
+    """A short request's time to its first token, sent ``probes`` times one after another by team "victim": alone,
+    then while ``streams`` loops of team "flood" send long prompts (each new: no prefix cache holds it) with one
+    token to generate, as fast as they are answered."""
+    length = min(1000, health["context_length"] // 2)
+    text = long_prompt(health["model_dir"], length) if not health.get("mock") else "word " * length
+
+    def probe_ttft() -> list[float]:
+        times = []
+        for _ in range(probes):
+            s = Stream()
+            openai_stream(url, model, "Name a color.", 2, {"X-Team-Id": "victim"}, s)
+            if s.arrivals:
+                times.append(s.arrivals[0] - s.start)
+        return times
+
+    alone = probe_ttft()
+    stop = threading.Event()
+    sent = itertools.count()
+
+    def flood() -> None:
+        while not stop.is_set():
+            s = Stream()
+            openai_stream(url, model, f"{next(sent)} {text}", 1, {"X-Team-Id": "flood"}, s)
+
+    threads = [threading.Thread(target=flood, daemon=True) for _ in range(streams)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)  # the flood's first prompts are in the rows
+    flooded = probe_ttft()
+    stop.set()
+    for t in threads:
+        t.join(300)
+    print(
+        f"short request's TTFT, alone: p50 {pct(alone, 0.5) * 1e3:.0f} ms, max {max(alone, default=0) * 1e3:.0f} ms; "
+        f"beside {streams} streams of {length}-token prompts from another team: p50 {pct(flooded, 0.5) * 1e3:.0f} "
+        f"ms, max {max(flooded, default=0) * 1e3:.0f} ms ({len(flooded)} of {probes} answered; "
+        f"{next(sent) - streams} flood prompts)"
     )
 
 

@@ -56,8 +56,10 @@ class Detokenizer(Protocol):
 
 # what a client sees when its grammar cannot be built for this model's vocabulary (llguidance's reason follows)
 GRAMMAR_ERROR = "grammar error: the request's grammar could not be built for this model"
-# requests of one team whose grammar may be compiling at once; more get a BUSY error at once (a 429)
-MAX_COMPILING_PER_TEAM = 4
+# requests of one team (the proxy's; requests without a team are the operator's, not bounded) whose grammar may
+# be compiling at once; more get a BUSY error at once (a 429). Small schemas compile in milliseconds, so only
+# a flood of large new ones reaches it; the queue takes the teams in turn either way (constrain.FairQueue)
+MAX_COMPILING_PER_TEAM = 8
 COMPILING_BUSY = f"too many grammars being compiled for this team (at most {MAX_COMPILING_PER_TEAM} at once); retry"
 # how long an engine with nothing else to do waits for a grammar being compiled before it looks at its inbox
 COMPILE_POLL_S = 0.005
@@ -120,7 +122,7 @@ class Engine:
         first = seqs[0]
         first.forks = seqs[1:]
         if request.params.grammar is not None and self.constraints is not None:
-            if self._compiling_for(request.team) >= MAX_COMPILING_PER_TEAM:
+            if request.team is not None and self._compiling_for(request.team) >= MAX_COMPILING_PER_TEAM:
                 self.refused.append(self._fail(first, COMPILING_BUSY, kind=ErrorKind.BUSY))
                 return
             for fork in first.forks:  # built while the prompt is computed

@@ -18,8 +18,16 @@ class RowTable:
     def num_used(self) -> int:
         return self.num_rows - len(self._free)
 
-    def allocate(self) -> int | None:
+    def allocate(self, row: int | None = None) -> int | None:
+        """The lowest free row, or ``row`` when it is free (the row whose cache holds a request's prefix)."""
+        if row is not None and row in self._free:
+            self._free.remove(row)
+            heapq.heapify(self._free)
+            return row
         return heapq.heappop(self._free) if self._free else None
+
+    def is_free(self, row: int) -> bool:
+        return row in self._free
 
     def free(self, row: int) -> None:
         if not 0 <= row < self.num_rows or row in self._free:

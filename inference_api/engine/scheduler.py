@@ -113,21 +113,24 @@ class Scheduler:
         token."""
         admitted = []
         while self.waiting and self.rows.num_free:
-            row = self.rows.allocate()
-            if row is None:  # (num_free said there is one)
-                break
-            seq = self.waiting.popleft()
-            seq.row = row
-            seq.status = Status.PREFILL
-            admission = Admission(seq)
+            seq = self.waiting[0]
+            src, length = -1, 0
             if self.prefixes is not None and not seq.scores_prompt:  # prompt log-probs need every position
                 held = {row: (s.namespace, s.all_ids[: s.num_cached]) for row, s in self.running.items()}
                 src, length = self.prefixes.longest(seq.prompt_ids, seq.namespace, held, seq.num_prompt - 1, self.holds)
                 self.prefix_queried += seq.num_prompt
                 self.prefix_hits += length
-                if length:
-                    seq.num_cached = seq.num_reused = length
-                    admission = Admission(seq, None if src == row else src, length)
+            # a free row that holds the prefix is taken as it is; else the lowest free row (copied into)
+            row = self.rows.allocate(src if length and self.rows.is_free(src) else None)
+            if row is None:  # (num_free said there is one)
+                break
+            self.waiting.popleft()
+            seq.row = row
+            seq.status = Status.PREFILL
+            admission = Admission(seq)
+            if length:
+                seq.num_cached = seq.num_reused = length
+                admission = Admission(seq, None if src == row else src, length)
             self.running[row] = seq
             admitted.append(admission)
         return admitted

@@ -58,7 +58,9 @@ def stack():
 def test_with_jwt_secret_both_come_up_and_a_token_streams_an_answer(stack):
     assert requests.get(f"{stack.url}/health", timeout=10).json() == {"status": "ready"}  # public: the status only
     token = jwt.encode(
-        {"team_id": "docker", "token_id": "run", "exp": int(time.time()) + 3600}, SECRET, algorithm="HS256"
+        {"team_id": "docker", "token_id": "run", "exp": int(time.time()) + 3600, "admin": True},
+        SECRET,
+        algorithm="HS256",
     )
     health = requests.get(f"{stack.url}/health", headers={"Authorization": f"Bearer {token}"}, timeout=10).json()
     assert health["status"] == "ready" and health["mock"] is True

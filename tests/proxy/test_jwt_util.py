@@ -70,3 +70,14 @@ def test_the_proxy_accepts_its_tokens(proxy):
     assert response.status_code == 200
     assert ["X-Team-Id", "tenstorrent"] in response.json()["headers"]
     assert ["X-Token-Id", "debug-test"] in response.json()["headers"]
+
+
+def test_admin_makes_an_operators_token(proxy):
+    """--admin adds "admin": true, the claim the proxy asks of /metrics (a team's token gets 403)."""
+    claims = '{"team_id": "ops", "token_id": "operator"}'
+    admin = run("encode", claims, "--admin", env_secret=SECRET).stdout.strip()
+    assert json.loads(run("decode", admin, env_secret=SECRET).stdout)["admin"] is True
+    team = run("encode", claims, env_secret=SECRET).stdout.strip()
+    assert "admin" not in json.loads(run("decode", team, env_secret=SECRET).stdout)
+    assert requests.get(proxy.url + "/metrics", headers=bearer(admin), timeout=10).status_code == 200
+    assert requests.get(proxy.url + "/metrics", headers=bearer(team), timeout=10).status_code == 403

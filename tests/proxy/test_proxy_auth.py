@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +19,8 @@ import requests
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec, rsa
 from proxy_helpers import ROOT, SECRET, bearer, free_port, make_token
+
+from proxy.auth import revocation_line, revoked_id
 
 
 def _b64(data: bytes) -> str:
@@ -139,14 +142,56 @@ def test_a_body_nested_past_the_parsers_depth_gets_the_401_json(proxy):
 
 
 def test_health_is_public_with_the_status_only(proxy):
-    """Without a token /health says only whether the service is up (the server's details, its pid, model path,
-    memory and failures, need a token); with a valid token it is the server's whole answer."""
+    """Without a token, and with a team's, /health says only whether the service is up (the server's details, its
+    pid, model path, memory and failures, are for operators); with an admin token it is the server's whole answer."""
     response = requests.get(proxy.url + "/health", timeout=10)
     assert response.status_code == 200 and response.json() == {"status": "ready"}
     assert requests.head(proxy.url + "/health", timeout=10).status_code == 200
-    full = requests.get(proxy.url + "/health", headers=bearer(make_token()), timeout=10)
+    team = requests.get(proxy.url + "/health", headers=bearer(make_token()), timeout=10)
+    assert team.status_code == 200 and team.json() == {"status": "ready"}
+    not_true = requests.get(proxy.url + "/health", headers=bearer(make_token(admin="true")), timeout=10)
+    assert not_true.json() == {"status": "ready"}  # only JSON true makes an operator
+    full = requests.get(proxy.url + "/health", headers=bearer(make_token(admin=True)), timeout=10)
     assert full.status_code == 200 and full.json()["model"] == "stub-model"
     assert_401(requests.get(proxy.url + "/health", headers={"Authorization": "Bearer x.y.z"}, timeout=10), "malformed")
+
+
+@pytest.mark.parametrize("method", ["GET", "POST", "HEAD"])
+@pytest.mark.parametrize("path", ["/metrics", "//metrics", "/metrics/", "/%6detrics"])
+def test_metrics_need_an_admin_token(proxy, stub, method, path):
+    """/metrics shows every team's traffic: a team's token gets 403 (JSON, never forwarded), an operator's passes."""
+    marker = f"?m={uuid.uuid4().hex}"
+    assert requests.request(method, proxy.url + path + marker, timeout=10).status_code == 401
+    refused = requests.request(method, proxy.url + path + marker, headers=bearer(make_token()), timeout=10)
+    assert refused.status_code == 403 and refused.headers["Content-Type"] == "application/json"
+    if method != "HEAD":
+        assert "admin claim" in refused.json()["message"]
+    assert not any(marker in seen for seen in stub.seen), "a team's /metrics reached the upstream"
+    if path == "/metrics":
+        admin = requests.request(method, proxy.url + path + marker, headers=bearer(make_token(admin=True)), timeout=10)
+        assert admin.status_code == 200 and any(marker in seen for seen in stub.seen)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "framing", ["Content-Length: 1048576", "Transfer-Encoding: chunked"], ids=["content-length", "chunked"]
+)
+@pytest.mark.parametrize("method", ["GET", "HEAD"])
+def test_the_public_health_takes_no_body(proxy, method, framing):
+    """A public route never reads a body (300 stalled 1 MiB uploads to /health grew the proxy by 380 MB): one that
+    is declared gets 413 at once, unread, and the connection closed; the body timeout (30 s) is never waited for."""
+    with socket.create_connection(("127.0.0.1", proxy.port), timeout=10) as sock:
+        sock.sendall(f"{method} /health HTTP/1.1\r\nHost: x\r\n{framing}\r\n\r\n".encode())  # and no body
+        sock.settimeout(25)  # under the body timeout: an answer that waited for the body would not come in time
+        answer = b""
+        while piece := sock.recv(65536):  # read until the proxy closes the connection
+            answer += piece
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 413 ") and b"connection: close" in head.lower(), answer
+    if method == "GET":
+        assert json.loads(body)["message"] == "GET /health takes no request body"
+    empty = requests.get(proxy.url + "/health", headers={"Content-Length": "0"}, timeout=10)
+    assert empty.status_code == 200 and empty.json() == {"status": "ready"}
 
 
 def test_valid_token_passes(proxy):
@@ -184,6 +229,32 @@ def test_a_revoked_token_id_is_refused_without_a_restart(stub, make_proxy, tmp_p
     assert (
         requests.get(proxy.url + "/echo", headers=bearer(make_token(token_id="key-8")), timeout=10).status_code == 200
     )
+
+
+@pytest.mark.parametrize("token_id", ["#x", " a ", "a#b", '"q"', "7"])
+def test_revocation_matches_the_token_id_exactly(token_id):
+    """An id a plain line cannot hold (a '#', outer spaces, a leading quote) goes as a JSON string, read back
+    exactly; a plain line stays as it was (stripped, '#' comments)."""
+    line = revocation_line(token_id)
+    assert revoked_id(line) == token_id
+    assert line == token_id if token_id == "7" else line == json.dumps(token_id)
+    assert revoked_id("  key-7  # leaked") == "key-7" and revoked_id("# a comment") is None and revoked_id("") is None
+    assert revoked_id('"a#b"  # JSON, then a comment') == "a#b"
+    assert revoked_id('"unterminated') == '"unterminated'  # not JSON: the plain reading, as before
+
+
+def test_revoked_ids_with_hashes_and_spaces_get_401(stub, make_proxy, tmp_path):
+    """A token_id with '#' or outer spaces could not be revoked (the file stripped lines and cut at '#')."""
+    ids = ["#x", " a ", "a#b"]
+    revoked = tmp_path / "revoked.txt"
+    revoked.write_text("# revoked token_ids\n" + "".join(revocation_line(i) + "\n" for i in ids))
+    proxy = make_proxy(stub.url, "--jwt-revoked-file", str(revoked))
+    for token_id in ids:
+        assert_401(
+            requests.get(proxy.url + "/echo", headers=bearer(make_token(token_id=token_id)), timeout=10), "revoked"
+        )
+    for token_id in ["a", "x", "a #b"]:  # what the old reading made of those lines, and a near miss: not revoked
+        assert requests.get(proxy.url + "/echo", headers=bearer(make_token(token_id=token_id)), timeout=10).ok
 
 
 def _key_pair(kind: str):

@@ -14,9 +14,9 @@ from proxy_helpers import bearer, make_token, wait_idle
 
 @pytest.fixture(scope="module")
 def model(inference_proxy) -> str:
-    health = requests.get(inference_proxy.url + "/health", headers=bearer(make_token()), timeout=10)  # details: a token
+    health = requests.get(inference_proxy.url + "/health", headers=bearer(make_token(admin=True)), timeout=10)
     assert health.status_code == 200
-    return health.json()["model"]
+    return health.json()["model"]  # the details: an operator's token
 
 
 def echo_of(prompt: str) -> str:

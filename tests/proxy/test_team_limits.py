@@ -14,6 +14,7 @@ from servers import RedisProcess, wait_for
 
 from inference_api.config import ServerConfig
 from lifecycle.quota import LEASE_SECONDS, RETRY_SECONDS, Store, TeamLimits, retry_after, window_rate
+from proxy.app import choices_weight
 from proxy.config import ProxyConfig
 
 
@@ -52,6 +53,95 @@ def test_two_replicas_share_one_teams_open_requests(redis_server):
     assert a.store.fallbacks == 0 and b.store.fallbacks == 0
     unlimited = TeamLimits(Store(redis_server.url), max_concurrent=0)
     assert all(unlimited.acquire(prefix + "x") is not None for _ in range(5))
+
+
+def test_a_requests_weight_is_the_rows_it_asks_for():
+    """n and best_of, at the top (OpenAI, vLLM) or in TGI's parameters, as the server reads them; else 1."""
+    assert choices_weight(b'{"prompt": "x", "n": 8}') == 8
+    assert choices_weight(b'{"n": 2, "best_of": 3}') == 3
+    assert choices_weight(b'{"inputs": "x", "parameters": {"best_of": 4, "n": 2}}') == 4
+    assert choices_weight(b' {"n": "8"}') == 8 and choices_weight(b'{"n": 8.0}') == 8  # the server reads both as 8
+    for body in [b"", b"n=8", b"[8]", b'"n"', b"[" * 5000, b'{"n": true}', b'{"n": 0}', b'{"n": -3}', b'{"n": 2.5}']:
+        assert choices_weight(body) == 1, body
+    for body in [b'{"n": null}', b'{"n": "x"}', b'{"n": "nan"}', b'{"parameters": [{"n": 5}]}', b'{"x": {"n": 5}}']:
+        assert choices_weight(body) == 1, body
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["in-process", "redis"])
+def test_a_lease_weighs_the_rows_it_asks_for(request, shared):
+    """The team's held weight plus the new lease's must stay within the limit; a weighted lease is refreshed and
+    given back whole."""
+    redis = request.getfixturevalue("redis_server") if shared else None
+    team, clock = f"t{uuid.uuid4().hex}", Clock()
+    limits = TeamLimits(Store(redis.url if redis else None), max_concurrent=4, wall_clock=clock)
+    three = limits.acquire(team, 3)
+    assert three is not None and limits.acquire(team, 2) is None  # 3 + 2 > 4
+    one = limits.acquire(team)
+    assert one is not None and limits.acquire(team) is None  # 3 + 1: the limit
+    assert limits.acquire(f"other-{team}", 4) is not None  # another team is counted apart
+    assert limits.never_fits(team, 5) and not limits.never_fits(team, 4) and not limits.never_fits(None, 5)
+    if redis:
+        assert redis.client.zcard(f"inference:quota:leases:{team}") == 4
+    clock.now += LEASE_SECONDS * 0.75
+    limits.refresh()  # every place of the weighted lease is extended...
+    clock.now += LEASE_SECONDS * 0.5
+    assert limits.acquire(team) is None  # ...so none of them has expired
+    three.release()
+    three.release()  # idempotent
+    again = limits.acquire(team, 3)
+    assert again is not None and limits.acquire(team) is None
+    for lease in (again, one):
+        lease.release()
+    assert limits.acquire(team, 4) is not None
+    if redis:
+        assert limits.store.fallbacks == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("shared", [False, True], ids=["in-process", "redis"])
+def test_n_counts_toward_the_teams_open_rows_through_the_proxy(stub, make_proxy, request, shared):
+    """A request takes one of its team's places per choice: n=3 of 4 leaves room for one more row (429 beyond it),
+    and n over the limit can never pass: 400 in the caller's API shape, never forwarded."""
+    from test_proxy_streaming import stream_url
+
+    flags = ["--redis-url", request.getfixturevalue("redis_server").url] if shared else []
+    proxy = make_proxy(stub.url, "--max-concurrent-per-team", "4", *flags)
+    team = bearer(make_token({"team_id": f"team-{uuid.uuid4().hex[:8]}", "token_id": "t"}))
+    held = requests.post(  # long enough to outlast the checks; closed below, which gives its places back
+        stream_url(proxy, f"n-{uuid.uuid4().hex}", chunks=60, delay=0.5),
+        json={"n": 3},
+        headers=team,
+        stream=True,
+        timeout=30,
+    )
+    refused = f"?refused={uuid.uuid4().hex}"  # marks the requests that must not reach the upstream
+    try:
+        assert held.status_code == 200
+        over = requests.post(
+            proxy.url + "/v1/completions" + refused, json={"prompt": "x", "n": 2}, headers=team, timeout=10
+        )
+        assert over.status_code == 429 and over.headers["Retry-After"] == "1"
+        assert over.json()["error"]["type"] == "rate_limit_error"
+        assert requests.post(proxy.url + "/echo", json={"n": 1}, headers=team, timeout=10).status_code == 200
+        assert requests.post(proxy.url + "/echo", data=b"n=9, not JSON", headers=team, timeout=10).status_code == 200
+        never = requests.post(
+            proxy.url + "/v1/completions" + refused, json={"prompt": "x", "n": 5}, headers=team, timeout=10
+        )
+        assert never.status_code == 400, never.text
+        assert "n=5 exceeds the team's limit of 4 open rows" in never.json()["error"]["message"]
+        tgi = requests.post(
+            proxy.url + "/generate" + refused,
+            json={"inputs": "x", "parameters": {"best_of": 5}},
+            headers=team,
+            timeout=10,
+        )
+        assert tgi.status_code == 422 and "limit of 4 open rows" in tgi.json()["error"]
+        assert not any(refused in seen for seen in stub.seen)
+    finally:
+        held.close()
+    assert wait_for(
+        lambda: requests.post(proxy.url + "/echo", json={"n": 4}, headers=team, timeout=10).status_code == 200, 20
+    ), "the weighted lease was not given back when its client went away"
 
 
 def test_a_dead_replicas_leases_expire_and_a_live_ones_are_refreshed(redis_server):
@@ -136,7 +226,7 @@ def test_two_proxies_share_a_teams_limit_and_go_on_without_redis(stub, make_prox
         assert held.status_code == 200
         over = requests.post(b.url + "/echo", headers=bearer(team), timeout=10)  # the other replica knows
         assert over.status_code == 429 and over.headers["Retry-After"] == "1"
-        assert "already has 1 requests in progress" in over.json()["message"]
+        assert "no room for 1 more of its limit of 1 open rows" in over.json()["message"]
         assert (
             requests.post(
                 b.url + "/echo", headers=bearer(make_token({"team_id": "elsewhere", "token_id": "u"})), timeout=10

@@ -64,7 +64,7 @@ def generate_tgi(serving: Serving, body: dict, streamed: bool | None):
     """TGI's /generate (streamed False), /generate_stream (True) and / (None: the body's ``stream`` decides)."""
     ready = serving.ready()
     req = parse_tgi(body, ready.context_length, serving.config.max_stop_sequences)
-    prompt_ids = serving.tokenizer.encode(req.inputs)
+    prompt_ids = serving.tokenizer.encode(serving.tokenizable(req.inputs, "inputs"))
     if req.truncate is not None:
         prompt_ids = prompt_ids[-req.truncate :]
     run = serving.start(

@@ -1,0 +1,197 @@
+"""Tenants against each other, as a determined team would try, through the JWT proxy in front of the real model
+(the shared default server): one team's prompts never show in another's cached tokens or time to first token,
+another team's long prompts never starve a short request, a request costs what it takes (``n``), work is bounded
+before it is validated, operator data needs an operator's token, and a victim's greedy answer is token for
+token the same beside all of it (docs/security.md lists each attack with its test)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+from proxy_helpers import bearer, make_token, start_proxy
+
+SECRET_PROMPT = "My SSN is 987-65-4321, keep it secret. Reply with one short sentence that does not repeat it."
+
+
+@pytest.fixture(scope="module")
+def tenants(default_server):
+    proxy = start_proxy(default_server.url)
+    yield proxy.url, default_server
+    proxy.stop()
+
+
+def team(name: str, **claims) -> dict[str, str]:
+    return bearer(make_token({"team_id": name, "token_id": f"{name}-key", **claims}))
+
+
+def complete(url: str, headers: dict, model: str, prompt: str, **body) -> requests.Response:
+    body = {"model": model, "prompt": prompt, "max_tokens": 1, "temperature": 0, **body}
+    return requests.post(f"{url}/v1/completions", json=body, headers=headers, timeout=300)
+
+
+def cached(r: requests.Response) -> int:
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+def first_token_seconds(url: str, headers: dict, model: str, prompt: str, **body) -> float:
+    """Seconds from sending a streamed completion to its first text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": 2, "temperature": 0, "stream": True, **body}
+    started = time.perf_counter()
+    with requests.post(f"{url}/v1/completions", json=body, headers=headers, stream=True, timeout=300) as r:
+        assert r.status_code == 200, r.text
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                return time.perf_counter() - started
+    raise AssertionError("no token")
+
+
+def test_no_team_finds_another_teams_prompt_in_the_prefix_cache(tenants, model_name):
+    """Team B guesses the token after a known prefix of team A's prompt (the probe that recovered an SSN in 197
+    tries): no guess, the right one included, finds a cached token, while team A's row still holds its prompt and
+    after it is freed; the same prompt sent again by team A reuses its own cache, with another cache_salt it
+    does not."""
+    url, _ = tenants
+    a, b = team("team-a"), team("team-b")
+    known = "My SSN is 987-65-"
+    with ThreadPoolExecutor(1) as pool:
+        holding = pool.submit(complete, url, a, model_name, SECRET_PROMPT, max_tokens=200, ignore_eos=True)
+        time.sleep(0.5)  # team A's request is in its row
+        for guess in ["4321", "1234", "0000"]:  # each in a namespace of its own: only A's rows could answer
+            probe = f"{known}{guess}, keep it secret. filler"
+            assert cached(complete(url, b, model_name, probe, cache_salt=f"probe-{guess}")) == 0
+        assert cached(complete(url, b, model_name, SECRET_PROMPT)) == 0
+        assert cached(complete(url, a, model_name, SECRET_PROMPT, cache_salt="other")) == 0
+        assert cached(complete(url, a, model_name, SECRET_PROMPT)) > 10  # the team's own reuse stays
+        assert holding.result().status_code == 200
+    assert cached(complete(url, team("team-c"), model_name, SECRET_PROMPT)) == 0  # A's rows are free now
+
+
+def test_the_time_to_first_token_tells_no_team_what_another_cached(tenants, model_name):
+    """A long prompt of team A, sent again by A, comes back at once (its own cache); sent by other teams, each
+    computes it in full: their fastest first token is several times A's slowest."""
+    url, _ = tenants
+    a = team("team-ttft-a")
+    prompt = "Confidential memo. " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(120))
+    first_token_seconds(url, a, model_name, prompt)
+    own = [first_token_seconds(url, a, model_name, prompt) for _ in range(3)]
+    others = [first_token_seconds(url, team(f"team-ttft-{i}"), model_name, prompt) for i in range(3)]
+    assert min(others) > 3 * min(own), (own, others)
+
+
+def test_a_short_request_is_not_starved_by_another_teams_long_prompts(tenants, model_name):
+    """Six long prompts of team B start first (the rows below the victim's); team A's short request, sent while
+    they are being computed, ends before any of them: it shares the next step's prompt chunk."""
+    url, server = tenants
+    b, a = team("team-flood"), team("team-short")
+    long_prompt = " ".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(60))
+    ended: dict[str, float] = {}
+
+    def flood(i: int) -> None:
+        r = complete(url, b, model_name, f"{i} {long_prompt}", max_tokens=1)
+        assert r.status_code == 200, r.text
+        ended[f"flood-{i}"] = time.perf_counter()
+
+    threads = [threading.Thread(target=flood, args=(i,)) for i in range(6)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + 60
+    while server.health()["rows_in_use"] < 6 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    r = complete(url, a, model_name, "Name a color.", max_tokens=2)
+    ended["short"] = time.perf_counter()
+    for t in threads:
+        t.join(300)
+    assert r.status_code == 200, r.text
+    assert len(ended) == 7
+    assert ended["short"] < min(v for k, v in ended.items() if k != "short"), ended
+
+
+def test_n_counts_toward_the_teams_open_rows(tenants, model_name):
+    """A request with n choices takes n of the team's 16 places at the proxy: two of n=8 fill them, a third is a
+    429 and n=17 alone a 400, while another team is served."""
+    url, _ = tenants
+    c = team("team-n")
+    body = {"n": 8, "max_tokens": 150, "ignore_eos": True, "temperature": 0.8, "seed": 1}
+    with ThreadPoolExecutor(2) as pool:
+        holding = [pool.submit(complete, url, c, model_name, "Tell a story.", **body) for _ in range(2)]
+        deadline = time.monotonic() + 60
+        refused = None
+        while time.monotonic() < deadline:
+            third = complete(url, c, model_name, "Tell a story.", n=2)
+            if third.status_code == 429:
+                refused = third
+                break
+            time.sleep(0.05)
+        assert refused is not None and refused.headers.get("Retry-After")
+        assert complete(url, c, model_name, "Hi", n=17).status_code == 400
+        assert complete(url, team("team-other"), model_name, "Hi").status_code == 200
+        assert all(f.result().status_code == 200 for f in holding)
+
+
+def test_work_is_bounded_before_validation(tenants, model_name):
+    """A prompt longer than any context could take is refused before it is tokenized, on every path; a schema
+    llguidance cannot match from its first token is a 400 before the request takes a row."""
+    url, _ = tenants
+    a = team("team-big")
+    huge = "word " * 40_000  # 200 KB: over 64 characters per token of the tests' 1024-token context
+    r = complete(url, a, model_name, huge)
+    assert r.status_code == 400 and "characters long" in r.json()["error"]["message"]
+    chat = {"model": model_name, "messages": [{"role": "user", "content": huge}], "max_tokens": 1}
+    assert requests.post(f"{url}/v1/chat/completions", json=chat, headers=a, timeout=60).status_code == 400
+    tokenize = {"model": model_name, "messages": [{"role": "user", "content": huge}]}
+    assert requests.post(f"{url}/tokenize", json=tokenize, headers=a, timeout=60).status_code == 400
+    props = {f"p{i}": {"type": "string"} for i in range(2000)}
+    fmt = {"type": "json_schema", "json_schema": {"name": "wide", "schema": {"type": "object", "properties": props}}}
+    r = complete(url, a, model_name, "Fill in:", max_tokens=5, response_format=fmt)
+    assert r.status_code == 400 and "grammar" in r.json()["error"]["message"], r.text
+
+
+def test_operator_data_needs_an_operators_token(tenants):
+    url, _ = tenants
+    assert requests.get(f"{url}/metrics", headers=team("team-a"), timeout=30).status_code == 403
+    assert requests.get(f"{url}/health", headers=team("team-a"), timeout=30).json().keys() == {"status"}
+    admin = team("ops", admin=True)
+    assert "inference_http_requests" in requests.get(f"{url}/metrics", headers=admin, timeout=30).text
+    assert "model" in requests.get(f"{url}/health", headers=admin, timeout=30).json()
+
+
+def test_a_victims_answer_is_the_same_beside_every_other_teams_attack(tenants, model_name):
+    """The isolation test through the proxy: team A's greedy answer alone equals its answer while other teams
+    probe its prompt in the prefix cache, fork n choices, salt their cache, flood long prompts, send grammars,
+    oversized prompts and sample hot."""
+    url, _ = tenants
+    a = team("team-victim")
+    victim = {"max_tokens": 30, "ignore_eos": True, "logprobs": 0}
+    prompt = "Write two sentences about the history of the violin."
+
+    def tokens(headers: dict, text: str, **body) -> list[str]:
+        r = complete(url, headers, model_name, text, **body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["logprobs"]["tokens"]
+
+    alone = tokens(a, prompt, **victim)
+    attacks = [
+        (team("team-x"), prompt, {"max_tokens": 1}),  # probes the victim's prompt
+        (team("team-x"), prompt[:20] + " cello", {"max_tokens": 1}),
+        (team("team-y"), "Tell me a story.", {"n": 4, "max_tokens": 30, "temperature": 1.5, "seed": 3}),
+        (team("team-y"), prompt, {"cache_salt": "mine", "max_tokens": 10, "temperature": 1.2, "seed": 9}),
+        (team("team-z"), "word " * 700, {"max_tokens": 2}),
+        (team("team-z"), "JSON please:", {"max_tokens": 12, "response_format": {"type": "json_object"}}),
+        (team("team-z"), "word " * 40_000, {}),  # refused before tokenizing
+    ]
+
+    def attack(args) -> None:
+        headers, text, body = args
+        complete(url, headers, model_name, text, **body)
+
+    with ThreadPoolExecutor(1 + len(attacks)) as pool:
+        others = [pool.submit(attack, x) for x in attacks]
+        beside = pool.submit(tokens, a, prompt, **victim)
+        assert beside.result() == alone
+        for o in others:
+            o.result()

@@ -753,11 +753,17 @@ def flood_ttft(url: str, model: str, health: dict, streams: int = 8, probes: int
     stop.set()
     for t in threads:
         t.join(300)
+
+    def summary(times: list[float]) -> str:
+        return (
+            f"p50 {pct(times, 0.5) * 1e3:.0f} ms, p90 {pct(times, 0.9) * 1e3:.0f} ms, "
+            f"max {max(times, default=float('nan')) * 1e3:.0f} ms ({len(times)} of {probes} answered)"
+        )
+
+    print(f"short request's TTFT alone: {summary(alone)}")
     print(
-        f"short request's TTFT, alone: p50 {pct(alone, 0.5) * 1e3:.0f} ms, max {max(alone, default=0) * 1e3:.0f} ms; "
-        f"beside {streams} streams of {length}-token prompts from another team: p50 {pct(flooded, 0.5) * 1e3:.0f} "
-        f"ms, max {max(flooded, default=0) * 1e3:.0f} ms ({len(flooded)} of {probes} answered; "
-        f"{next(sent) - streams} flood prompts)"
+        f"short request's TTFT beside {streams} streams of {length}-token prompts from another team: "
+        f"{summary(flooded)}; {next(sent) - streams} flood prompts answered meanwhile"
     )
 
 

@@ -23,6 +23,10 @@ from .sequence import Sequence, Status
 # holds at this share wait for the next step (in arrival order). The default chunk (512) holds 64 at this share,
 # more than the rows, so every prompt in a row moves on in every step
 MIN_SHARE = 8
+# a prompt with at most this share of the chunk left is short: short prompts may have a step to themselves (and
+# the decoding rows), every other step at most, so a question's first token waits for the step in progress and
+# one small step, not for a share of a step full of long prompts
+SHORT_PROMPT_SHARE = 8
 
 
 def fair_chunks(needs: list[int], budget: int, least: int = MIN_SHARE) -> list[int]:
@@ -74,6 +78,7 @@ class Scheduler:
         self.prefix_queried = 0  # prompt tokens of admitted requests looked up in the prefix cache, ever
         self.prefix_hits = 0  # of them, the tokens reused from some row's cache
         self._arrivals = itertools.count()
+        self._short_step = False  # whether the last step's prompts were the short ones alone
 
     @property
     def has_work(self) -> bool:
@@ -144,10 +149,15 @@ class Scheduler:
     def schedule(self) -> Step:
         """Prompt chunks of several rows, at most prefill_chunk tokens with their padding, so a long prompt never
         stalls the running streams for more than one bounded piece of work, shared between the prompts in
-        arrival order (``fair_chunks``), so no prompt waits behind another's length; and every decoding row
-        (never skipped for a prompt)."""
+        arrival order (``fair_chunks``), so no prompt waits behind another's length, short prompts alone every
+        other step at most while long ones wait (``SHORT_PROMPT_SHARE``); and every decoding row (never skipped
+        for a prompt)."""
         by_row = sorted(self.running.values(), key=lambda s: s.held_row)
         prompts = sorted((s for s in by_row if s.status is Status.PREFILL), key=lambda s: s.arrival)
+        short = [s for s in prompts if s.prefill_remaining <= self.prefill_chunk // SHORT_PROMPT_SHARE]
+        self._short_step = bool(short) and len(short) < len(prompts) and not self._short_step
+        if self._short_step:  # the long prompts go on in the next step
+            prompts = short
         chunks = fair_chunks([s.prefill_remaining for s in prompts], self.prefill_chunk)
         return Step(list(zip(prompts, chunks)), [s for s in by_row if s.status is Status.DECODE])
 

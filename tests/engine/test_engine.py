@@ -475,3 +475,17 @@ def test_the_prefix_cache_is_private_to_a_team_and_a_cache_salt():
     assert runner.copies == []
     assert send("a2", "team-a") == len(prompt) - 1  # the last prompt token is always computed
     assert [(src, n) for src, _, n in runner.copies] == [(0, len(prompt) - 1)]  # from team A's busy row
+
+
+def test_short_prompts_step_alone_every_other_step_at_most_so_long_prompts_go_on():
+    """A short prompt arriving beside a long one has a step to itself (its first token after one small step); a
+    new short prompt every step never holds the long one back for two steps in a row."""
+    engine, runner = make_engine(rows=8, prefill_chunk=64)  # short: at most 64 // 8 = 8 tokens left
+    engine.add(request("long", "x" * 300, max_tokens=1))
+    engine.step()
+    for i in range(6):
+        engine.add(request(f"short-{i}", "ab", max_tokens=1))
+        engine.step()
+    steps = [[n for n in chunks if n > 8] for chunks in runner.prefills]  # the long prompt's chunk, if any
+    assert runner.prefills[1] == [2]  # the first short prompt alone
+    assert all(steps[i] or steps[i + 1] for i in range(len(steps) - 1)), runner.prefills

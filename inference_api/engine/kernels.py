@@ -96,7 +96,9 @@ def _import_built(name: str, build: Path):
     return module
 
 
-def _compile(root: Path, march: str, target: str, cflags: tuple[str, ...]):
+def _compile(root: Path, march: str, target: str, cflags: tuple[str, ...], load: bool = True):
+    """Compile a build into its folder under root; ``load``: import it too (else only its files are written: a
+    level this machine cannot run, whose import would stop the process with an illegal instruction)."""
     from torch.utils import cpp_extension
 
     name, build = _build_dir(root, target, cflags)
@@ -105,13 +107,23 @@ def _compile(root: Path, march: str, target: str, cflags: tuple[str, ...]):
     bin_dir = str(Path(sys.executable).parent)
     if bin_dir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bin_dir + os.pathsep + os.environ.get("PATH", "")
-    return cpp_extension.load(
+    options = dict(extra_cflags=["-O3", f"-march={march}", "-fopenmp", *cflags], extra_ldflags=["-fopenmp"])
+    if load:
+        return cpp_extension.load(name, [str(p) for p in sources()], build_directory=str(build), **options)
+    # what cpp_extension.load does before it imports (torch's own build function, the same ninja file)
+    cpp_extension._write_ninja_file_and_build_library(
         name,
         [str(p) for p in sources()],
+        extra_cuda_cflags=None,
+        extra_sycl_cflags=None,
+        extra_include_paths=None,
         build_directory=str(build),
-        extra_cflags=["-O3", f"-march={march}", "-fopenmp", *cflags],
-        extra_ldflags=["-fopenmp"],
+        verbose=False,
+        with_cuda=False,
+        with_sycl=False,
+        **options,
     )
+    return build / f"{name}.so"
 
 
 def load_kernels(cache_dir: Path, cflags: tuple[str, ...] = ()):
@@ -139,11 +151,17 @@ def load_kernels(cache_dir: Path, cflags: tuple[str, ...] = ()):
         return None
 
 
-def prebuild(root: Path = PREBUILT) -> list[str]:
-    """Every level's build under root (the image's build step: the package's prebuilt folder); the levels."""
-    for level, (march, _) in LEVELS.items():
-        _compile(root, march, level, ())
-    return list(LEVELS)
+def prebuild(root: Path = PREBUILT, levels: tuple[str, ...] = tuple(LEVELS)) -> dict[str, Path]:
+    """Every level's build under root (the image's build step: the package's prebuilt folder), none of them loaded,
+    so any x86 build host makes them all (importing the AVX512-VNNI build on an AVX2-only CPU stops the process
+    with an illegal instruction); {level: its module's file}."""
+    built = {}
+    for level in levels:
+        so = _compile(root, LEVELS[level][0], level, (), load=False)
+        if not Path(so).is_file():
+            raise RuntimeError(f"the {level} build left no {so}")
+        built[level] = Path(so)
+    return built
 
 
 if __name__ == "__main__":
@@ -151,7 +169,8 @@ if __name__ == "__main__":
     logging.basicConfig(level="INFO")
     args = [a for a in sys.argv[1:] if a != "--prebuild"]
     if "--prebuild" in sys.argv[1:]:
-        print("prebuilt quantized CPU kernels:", ", ".join(prebuild(Path(args[0]) if args else PREBUILT)))
+        built = prebuild(Path(args[0]) if args else PREBUILT)
+        print("prebuilt quantized CPU kernels:", ", ".join(f"{level} ({so.name})" for level, so in built.items()))
     else:
         ok = load_kernels(Path(args[0] if args else "model_cache")) is not None
         print("quantized CPU kernels", "ready" if ok else "unavailable")

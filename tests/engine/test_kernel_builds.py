@@ -40,3 +40,28 @@ def test_levels_need_what_their_march_gives():
     assert level_for(LEVELS["avx2"][1]) == "avx2"
     assert level_for(LEVELS["avx512vnni"][1] | LEVELS["avx2"][1]) == "avx512vnni"
     assert level_for(LEVELS["avx512vnni"][1] - {"avx512_vnni"} | LEVELS["avx2"][1]) == "avx2"
+
+
+PREBUILD = (
+    "import sys; from pathlib import Path;"
+    "from inference_api.engine.kernels import prebuild;"
+    "built = prebuild(Path(sys.argv[1]), ('avx512vnni',));"
+    "assert str(built['avx512vnni']) not in Path('/proc/self/maps').read_text(), 'the level was loaded';"
+    "print(*(f'{level}={so}' for level, so in built.items()))"
+)
+
+
+def test_the_prebuild_writes_a_level_without_loading_it(tmp_path):
+    """The image's build step compiles the AVX512-VNNI level without importing it, so an AVX2-only build host
+    (where the import stops the process with an illegal instruction) builds the image too; a level is loaded
+    only where the CPU runs it (load_kernels)."""
+    out = subprocess.run(
+        [sys.executable, "-c", PREBUILD, str(tmp_path)],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    level, so = out.stdout.split()[0].split("=", 1)
+    assert level == "avx512vnni" and so.endswith(".so") and os.path.getsize(so) > 100_000

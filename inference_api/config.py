@@ -27,6 +27,9 @@ class ServerConfig:
     kv_dtype: str = (
         "auto"  # auto (int8 with quantized weights on CPU, else the model's) | float32 | bfloat16 | float16 | int8
     )
+    # the CPU kernels' instruction-set level: auto (a build for this CPU) | avx2 | avx512vnni (that level's build,
+    # and the plan as on a CPU with only its instructions: to measure one level against another on one machine)
+    cpu_level: str = "auto"
     rows: int = 32  # fixed user rows, each with its own KV cache
     context_length: int = 2048  # KV positions per row (prompt + output)
     prefill_chunk: int = 512  # prompt tokens prefilled per engine step, so long prompts never stall streams
@@ -92,6 +95,11 @@ _ENV = {
     "dtype": ("DTYPE", "auto, float32, float16 or bfloat16"),
     "quantize": ("QUANTIZE", "weights: auto (a GGUF keeps its own quantization), none, int8 or int4"),
     "kv_dtype": ("KV_DTYPE", "KV cache: auto, float32, bfloat16, float16 or int8"),
+    "cpu_level": (
+        "CPU_LEVEL",
+        "the CPU kernels' instruction-set level: auto (built for this CPU), avx2 (with FMA and F16C) or avx512vnni; "
+        "a level the CPU lacks stops the start",
+    ),
     "rows": ("MAX_USERS", "user rows decoded together"),
     "context_length": ("CONTEXT_LENGTH", "tokens per row (prompt + output)"),
     "prefill_chunk": ("PREFILL_CHUNK", "prompt tokens prefilled per step"),
@@ -148,6 +156,7 @@ _CHOICES = {
     "dtype": ("auto", "float32", "float16", "bfloat16"),
     "quantize": ("auto", "none", "int8", "int4"),
     "kv_dtype": ("auto", "float32", "float16", "bfloat16", "int8"),
+    "cpu_level": ("auto", "avx2", "avx512vnni"),
 }
 
 

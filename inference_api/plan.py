@@ -31,6 +31,17 @@ def kv_slots(windows: Sequence[int | None], length: int, chunk: int) -> list[int
     return [w + chunk if w and w + chunk < length else length for w in windows]
 
 
+# the CPU kernels' instruction-set levels a build can target ahead of time, best first: (-march, the
+# /proc/cpuinfo flags it needs); engine/kernels.py builds them, the plan decides as a CPU with only these would
+LEVELS = {
+    "avx512vnni": (
+        "cascadelake",
+        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"}),
+    ),
+    "avx2": ("haswell", frozenset({"avx2", "fma", "f16c", "bmi2"})),
+}
+
+
 @dataclass(frozen=True)
 class Machine:
     cpu_flags: frozenset[str] = frozenset()
@@ -64,6 +75,7 @@ class ExecutionPlan:
     int8_inputs: bool = False  # the CPU kernels round up to 16 rows' inputs to int8 blocks, as llama.cpp does
     vnni: bool = False  # ... and every row count's, through the AVX512-VNNI tiles over weights packed at load
     cpu_kernels: bool = False  # the compiled CPU kernels run norms, rotary, attention and quantized linears
+    cpu_level: str | None = None  # the kernels' level (LEVELS) when one is asked for; None: built for this CPU
     model: str = "compact"  # compact (engine/compact.py, described by engine/architectures.py) | transformers
     arch: str = ""
     gguf_types: tuple[str, ...] = ()  # a GGUF's tensor types the compact model serves in their own blocks
@@ -173,6 +185,15 @@ def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> Exec
     else:
         kv = "int8" if quantized_cpu and compact else dtype
     flags = machine.cpu_flags
+    level = None if config.cpu_level == "auto" else config.cpu_level
+    if level is not None and device == "cpu":  # decided as on a CPU with this level's instructions alone
+        needs = LEVELS[level][1]
+        if not needs <= flags:
+            raise PlanError(
+                f"--cpu-level {level}: this CPU lacks {', '.join(sorted(needs - flags))} (it runs "
+                f"{', '.join(name for name, (_, n) in LEVELS.items() if n <= flags) or 'neither level'})"
+            )
+        flags = needs
     # several rows on a bfloat16 copy only where the CPU multiplies bfloat16 but has no AVX512-VNNI: the VNNI
     # tiles compute each row the same whatever the batch (batch-invariant answers), hold no copy, and on the
     # AMX Xeon of 2026-11-24 ran a 32-row decode step in 41 ms against the AMX bfloat16 copy's 51 (prefill
@@ -190,6 +211,7 @@ def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> Exec
         int8_inputs=int8_inputs,
         vnni=int8_inputs and "avx512_vnni" in flags,
         cpu_kernels=cpu_kernels,
+        cpu_level=level if cpu_kernels else None,
         model="compact" if compact else "transformers",
         arch=model.arch,
         gguf_types=model.gguf_types if compact and quantized_cpu and cpu_kernels else (),

@@ -525,6 +525,7 @@ def main() -> None:
     health = requests.get(args.url + "/health", timeout=10).json()
     model = health["model"]
     print(f"server {args.url}: model {model}, {health['rows_total']} rows")
+    print(cpu_line(health))
     count = token_counter(health, args.max_tokens)
     gguf, gguf_note = served_gguf(args.gguf, health)
     one_stream = 1 in args.concurrency
@@ -765,6 +766,19 @@ def flood_ttft(url: str, model: str, health: dict, streams: int = 8, probes: int
         f"short request's TTFT beside {streams} streams of {length}-token prompts from another team: "
         f"{summary(flooded)}; {next(sent) - streams} flood prompts answered meanwhile"
     )
+
+
+CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+
+
+def cpu_line(health: dict) -> str:
+    """This CPU's model and the instruction-set flags the kernels care about, and the kernel path the server
+    runs (its /health's ``kernels``: "native", "prebuilt avx2", "level avx2", ...)."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
+    have = " ".join(f for f in CPU_FLAGS if f in flags)
+    return f"CPU: {name}; flags: {have or 'none of ' + ' '.join(CPU_FLAGS)}; server kernels: {health.get('kernels')}"
 
 
 def process_memory(pid: int | None) -> str | None:

@@ -159,3 +159,18 @@ def test_pre_flight_counts_sliding_window_layers_as_the_rings_the_engine_keeps()
     assert est.kv_cache_bytes == engine.runner.cache.nbytes
     full = estimate_bytes(0, 0, bytes_per_kv(model_plan(config), 64), 6, 1, 64, 2, 256)[1]
     assert est.kv_cache_bytes < full / 2
+
+
+def test_a_cpu_level_plans_as_a_cpu_with_that_level_alone():
+    """--cpu-level avx2 on an AVX-512 VNNI machine: the AVX2 kernels' plan (no VNNI tiles, no bfloat16 copy), to
+    measure one level against the other on one machine; a level the CPU lacks stops the start with a reason."""
+    from inference_api.plan import LEVELS, PlanError
+
+    full = Machine(LEVELS["avx512vnni"][1] | LEVELS["avx2"][1] | {"avx512_bf16"})
+    auto, avx2, vnni = plan(full), plan(full, cpu_level="avx2"), plan(full, cpu_level="avx512vnni")
+    assert auto.vnni and auto.cpu_level is None
+    assert avx2.cpu_level == "avx2" and not avx2.vnni and avx2.int8_inputs and avx2.batch_dtype is None
+    assert vnni.cpu_level == "avx512vnni" and vnni.vnni
+    with pytest.raises(PlanError, match="lacks avx512"):
+        plan(Machine(LEVELS["avx2"][1]), cpu_level="avx512vnni")
+    assert plan(CUDA, cpu_level="avx2").cpu_level is None  # no CPU kernels on CUDA

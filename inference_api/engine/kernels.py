@@ -25,20 +25,12 @@ import os
 import sys
 from pathlib import Path
 
-from ..plan import cpu_flags
+from ..plan import LEVELS, cpu_flags
 
 log = logging.getLogger(__name__)
 
 CSRC = Path(__file__).with_name("csrc")
 PREBUILT = Path(__file__).with_name("prebuilt")  # the image's builds (git-ignored in a checkout)
-# instruction-set levels a build can target ahead of time, best first: (-march, the /proc/cpuinfo flags it needs)
-LEVELS = {
-    "avx512vnni": (
-        "cascadelake",
-        frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni", "avx2", "fma", "f16c"}),
-    ),
-    "avx2": ("haswell", frozenset({"avx2", "fma", "f16c", "bmi2"})),
-}
 # the flags that change what -march=native compiles (a native build's key)
 NATIVE_KEY = (
     "avx2",
@@ -126,21 +118,26 @@ def _compile(root: Path, march: str, target: str, cflags: tuple[str, ...], load:
     return build / f"{name}.so"
 
 
-def load_kernels(cache_dir: Path, cflags: tuple[str, ...] = ()):
-    """The compiled kernels for this machine (cflags: extra compiler flags, such as -mno-avx512f to check the AVX2
-    kernels on an AVX-512 machine), or None when there is no build for it and none can be made. The module's
-    ``build`` says which it is: "native", or "prebuilt <level>"."""
+def load_kernels(cache_dir: Path, cflags: tuple[str, ...] = (), level: str | None = None):
+    """The compiled kernels for this machine (cflags: extra compiler flags), or None when there is no build for it
+    and none can be made; ``level`` (LEVELS: the plan's ``cpu_level``): that level's build, compiled into the cache
+    when neither the image nor the cache has it. The module's ``build`` says which it is: "native", "prebuilt
+    <level>" or "level <level>"."""
     flags = cpu_flags()
     native = "native:" + ",".join(f for f in NATIVE_KEY if f in flags)
     cache = Path(cache_dir) / "kernels"
     try:
-        built, build = _import_built(*_build_dir(cache, native, cflags)), "native"
-        level = level_for(flags) if not cflags else None
-        if built is None and level is not None:  # the image's builds, then a cache's
-            build = f"prebuilt {level}"
-            built = _import_built(*_build_dir(PREBUILT, level, cflags)) or _import_built(
-                *_build_dir(cache, level, cflags)
+        built, build = (
+            (None, "") if level is not None else (_import_built(*_build_dir(cache, native, cflags)), "native")
+        )
+        best = level or (level_for(flags) if not cflags else None)
+        if built is None and best is not None:  # the image's builds, then a cache's
+            build = f"prebuilt {best}"
+            built = _import_built(*_build_dir(PREBUILT, best, cflags)) or _import_built(
+                *_build_dir(cache, best, cflags)
             )
+        if built is None and level is not None:
+            built, build = _compile(cache, LEVELS[level][0], level, cflags), f"level {level}"
         if built is None:
             built, build = _compile(cache, "native", native, cflags), "native"
         built.build = build

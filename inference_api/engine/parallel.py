@@ -331,7 +331,7 @@ def run_rank(config, plan, rank: int, port: int, gguf, model_dir, parent: int, c
         if plan.cpu_kernels:
             from .kernels import load_kernels
 
-            kernels = load_kernels(config.model_cache_dir)
+            kernels = load_kernels(config.model_cache_dir, level=plan.cpu_level)
         runner = load_runner(config, plan, kernels, gguf, model_dir, Shard.of(plan, rank), group.all_reduce)
         release_free_memory()
     except Exception as exc:

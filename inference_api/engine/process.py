@@ -71,7 +71,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     threads = threads_per_rank(config.torch_threads, plan.tp)
     if threads:
         torch.set_num_threads(threads)
-    kernels = load_kernels(config.model_cache_dir) if plan.cpu_kernels else None
+    kernels = load_kernels(config.model_cache_dir, level=plan.cpu_level) if plan.cpu_kernels else None
     kernels_state = kernels.build if kernels is not None else ""
     if plan.cpu_kernels and kernels is None:
         plan = plan.without_cpu_kernels()

@@ -10,8 +10,6 @@ or AVX2).
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -19,9 +17,6 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
-from servers import MODEL_CACHE
-
-from inference_api.engine.kernels import load_kernels
 
 # per type: where its float16 scales lie in a block, and the bytes of its codes (zeroed, a block dequantizes to
 # its minimums: w = d * code + m); signed types have no minimums
@@ -40,13 +35,6 @@ LAYOUT = {
 }
 FLOATS = (T.F16, T.BF16)
 TYPES = [*LAYOUT, *FLOATS]
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = load_kernels(Path(MODEL_CACHE))
-    assert k is not None
-    return k
 
 
 def _raw(t: T, n: int, k: int, seed: int = 0) -> np.ndarray:

@@ -1,0 +1,22 @@
+"""The compiled kernels every kernel test runs on: this CPU's own build and, on a CPU with AVX-512, the AVX2
+level's too (the kernels most users' CPUs run), so both levels are tested on any x86 machine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from servers import MODEL_CACHE
+
+from inference_api.engine.kernels import load_kernels
+from inference_api.plan import LEVELS, cpu_flags
+
+LEVELS_HERE = ["native"] + (["avx2"] if "avx512f" in cpu_flags() and LEVELS["avx2"][1] <= cpu_flags() else [])
+
+
+@pytest.fixture(scope="session", params=LEVELS_HERE)
+def kernels(request):
+    k = load_kernels(Path(MODEL_CACHE), level=None if request.param == "native" else request.param)
+    assert k is not None, "the kernels must build on the test machines (gcc and the Python headers are there)"
+    assert k.build == "native" if request.param == "native" else request.param in k.build
+    return k

@@ -114,20 +114,17 @@ def test_a_short_request_is_not_starved_by_another_teams_long_prompts(tenants, m
 def test_n_counts_toward_the_teams_open_rows(tenants, model_name):
     """A request with n choices takes n of the team's 16 places at the proxy: two of n=8 fill them, a third is a
     429 and n=17 alone a 400, while another team is served."""
-    url, _ = tenants
+    url, server = tenants
     c = team("team-n")
-    body = {"n": 8, "max_tokens": 150, "ignore_eos": True, "temperature": 0.8, "seed": 1}
+    body = {"n": 8, "max_tokens": 300, "ignore_eos": True, "temperature": 0.8, "seed": 1}
     with ThreadPoolExecutor(2) as pool:
         holding = [pool.submit(complete, url, c, model_name, "Tell a story.", **body) for _ in range(2)]
         deadline = time.monotonic() + 60
-        refused = None
-        while time.monotonic() < deadline:
-            third = complete(url, c, model_name, "Tell a story.", n=2)
-            if third.status_code == 429:
-                refused = third
-                break
-            time.sleep(0.05)
-        assert refused is not None and refused.headers.get("Retry-After")
+        while server.health()["rows_in_use"] < 16 and time.monotonic() < deadline:  # both hold their 8 rows
+            time.sleep(0.02)
+        refused = complete(url, c, model_name, "Tell a story.", n=2)
+        assert refused.status_code == 429, refused.text
+        assert refused.headers.get("Retry-After")
         assert complete(url, c, model_name, "Hi", n=17).status_code == 400
         assert complete(url, team("team-other"), model_name, "Hi").status_code == 200
         assert all(f.result().status_code == 200 for f in holding)

@@ -83,6 +83,15 @@ class ExecutionPlan:
     cuda_graphs: bool = False  # the compact model's decode step replayed from CUDA graphs (engine/cuda_graphs.py)
 
     @property
+    def q8_tables_int8(self) -> bool:
+        """Whether a GGUF's Q8_0 embedding and tied head (the largest tensor of a small model: 72 % of Gemma 3
+        270M's bytes a token) are served in quant.py's int8 layout instead of their 34-byte blocks: where int8
+        inputs run the few-row kernels (AVX2, and any CPU without the VNNI tiles), which read the aligned codes
+        at 1.6x the blocks' speed for 6 % more bytes (docs/performance.md). With the VNNI tiles the layout
+        would keep a packed copy beside it, so the blocks stay."""
+        return self.int8_inputs and not self.vnni
+
+    @property
     def matmul_dtype(self) -> str:
         """What several rows' matmuls run in: int8 on the VNNI tiles, a oneDNN copy's dtype, else the model's."""
         return "int8" if self.vnni else self.batch_dtype or self.dtype

@@ -5,7 +5,9 @@
   d (nibble - 8), so m = -8 d, exact in float16; Q4_1 is the layout itself. That layout has VNNI tiles over a
   copy packed at load.
 - Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, F16 and BF16 stay in the file's own bytes (BlockWeight):
-  the kernels read them as they are (csrc/block_form.h), no copy beside them.
+  the kernels read them as they are (csrc/block_form.h), no copy beside them. A Q8_0 table (the token embedding,
+  a tied output head) may instead map onto quant.py's int8 layout (``int8_weight``: the codes as they are, each
+  block's float16 scale as a float32, exact), where the plan says so (``ExecutionPlan.q8_tables_int8``).
 - F32 and any other type are served as float32, dequantized by gguf-py; a type gguf-py cannot read stops the
   start with its name.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .quant import BlockWeight, Int4Weight
+from .quant import BlockWeight, Int4Weight, Int8Weight
 
 INT4_TYPES = {"Q4_0", "Q4_1"}  # taken as they are into the int4 layout
 # served in the file's own blocks (csrc/block_form.h; tests/engine/test_gguf_kernels.py checks every one)
@@ -51,15 +53,30 @@ def int4_weight(t) -> Int4Weight:
     )
 
 
+def int8_weight(t) -> Int8Weight:
+    """A Q8_0 tensor [N, K] as an Int8Weight of groups of 32: its codes contiguous and 32-byte aligned per block,
+    its scales apart, the same numbers (a Q8_0 block is d * code)."""
+    n, k, raw = _rows(t)
+    if t.tensor_type.name != "Q8_0":
+        raise ValueError(f"{t.tensor_type.name} is not Q8_0")
+    blocks = raw.reshape(n, k // 32, 34)
+    d = _f16(blocks[..., 0:2]).astype(np.float32)
+    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+    return Int8Weight(torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // 32)))
+
+
 def block_weight(t) -> BlockWeight:
     """A tensor [N, K] of a BLOCK_TYPES type in its own bytes, row by row."""
     n, k, raw = _rows(t)
     return BlockWeight(torch.from_numpy(raw.copy()), int(t.tensor_type), k)  # a copy: the file is mapped read-only
 
 
-def packed(t) -> Int4Weight | BlockWeight | None:
-    """The tensor's blocks as the kernels take them, or None when its type is served as float32."""
+def packed(t, q8_int8: bool = False) -> Int4Weight | Int8Weight | BlockWeight | None:
+    """The tensor's blocks as the kernels take them, or None when its type is served as float32; ``q8_int8``: a
+    Q8_0 tensor in the int8 layout (``int8_weight``)."""
     kind = t.tensor_type.name
+    if kind == "Q8_0" and q8_int8:
+        return int8_weight(t)
     if kind in INT4_TYPES:
         return int4_weight(t)
     if kind in BLOCK_TYPES:

@@ -41,8 +41,16 @@ ROW_MAPPED = (Int8Weight, Int4Weight, BlockWeight)  # the packed forms whose row
 
 
 class GGUFModel:
-    def __init__(self, path: Path, device: str = "cpu", dtype: torch.dtype = torch.float32, reader=None):
+    def __init__(
+        self,
+        path: Path,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        reader=None,
+        q8_tables_int8: bool = False,
+    ):
         self.path = Path(path)
+        self.q8_tables_int8 = q8_tables_int8  # a Q8_0 embedding or head in the int8 layout (the plan's choice)
         # the weights need the header's numbers and the tensors, never the vocabulary: the light index, unless a
         # first start's full reader is at hand
         self.reader = reader if reader is not None else GGUFIndex(path)
@@ -101,7 +109,7 @@ class GGUFWeights:
         """A tensor's own blocks where the kernels take them as they are, else its float32 weight (None: absent).
         The token embedding of a large vocabulary then never exists in float32 (Gemma 3: 0.67 GB)."""
         t = self.m.tensors.get(name)
-        return None if t is None else packed(t) or self.m.tensor(name)
+        return None if t is None else packed(t, self.m.q8_tables_int8) or self.m.tensor(name)
 
     def embed(self):
         return self._whole("token_embd.weight")

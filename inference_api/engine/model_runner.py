@@ -97,7 +97,11 @@ def load_runner(config, plan: ExecutionPlan, kernels, gguf, model_dir, shard=Non
     from .gguf_model import GGUFModel
 
     dtype = plan.torch(plan.dtype)
-    model = GGUFModel(gguf, plan.device, dtype) if gguf is not None else load_model(model_dir, plan.device, dtype)
+    model = (
+        GGUFModel(gguf, plan.device, dtype, q8_tables_int8=plan.q8_tables_int8)
+        if gguf is not None
+        else load_model(model_dir, plan.device, dtype)
+    )
     return ModelRunner(
         model, config.rows, config.context_length, plan, kernels, config.prefill_chunk, shard, all_reduce
     )

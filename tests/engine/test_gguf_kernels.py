@@ -121,3 +121,22 @@ def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it(kernels, t):
         part = kernels.linear_gguf(rows, raw, int(t), None, True)
         start = 0 if rows.shape[0] == 32 else 5
         assert torch.equal(part, batch[start : start + rows.shape[0]])
+
+
+def test_a_q8_0_table_maps_onto_the_int8_layout_exactly(kernels):
+    """ExecutionPlan.q8_tables_int8: a Q8_0 tensor as an Int8Weight (groups of 32) holds the same numbers as its
+    blocks, and its linear with int8 inputs is the blocks' up to summation order."""
+    from types import SimpleNamespace
+
+    from inference_api.engine.gguf_blocks import int8_weight
+    from inference_api.engine.quant import QuantLinear
+
+    n, k = 48, 256
+    raw = _raw(T.Q8_0, n, k, seed=3)
+    t = SimpleNamespace(shape=(k, n), data=raw, tensor_type=T.Q8_0)
+    w = int8_weight(t)
+    expected = torch.from_numpy(dequantize(raw, T.Q8_0).reshape(n, k))
+    assert torch.equal(w.dequantize(), expected)
+    x = torch.randn(3, k)
+    blocks = kernels.linear_gguf(x, torch.from_numpy(raw), int(T.Q8_0), None, True)
+    torch.testing.assert_close(QuantLinear(w, None, kernels, int8_inputs=True)(x), blocks, rtol=1e-5, atol=1e-4)

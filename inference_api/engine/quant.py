@@ -177,7 +177,8 @@ def vnni_int8(w: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     blocks = k // 32
     q = w.q.view(n // 16, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
     scale = w.s.repeat_interleave(blocks // w.s.shape[1], dim=1)
-    corr = 128 * w.q.view(n, blocks, 32).sum(-1, dtype=torch.int32).float()
+    # a slice of rows at a time: the int32 sums of the whole table at once would hold 4 bytes a weight
+    corr = torch.cat([128 * part.sum(-1, dtype=torch.int32).float() for part in w.q.view(n, blocks, 32).split(4096)])
     by_group = [t.view(n // 16, 16, blocks).transpose(1, 2) for t in (scale, corr)]
     return q, torch.stack(by_group, dim=2).contiguous()
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from flask import request
 
 from lifecycle.drain import RETRY_AFTER, Drain
-from lifecycle.quota import Reservation, TeamLimits
+from lifecycle.quota import TeamLimits
 
 from .config import ServerConfig
 from .engine_client import EngineClient
@@ -101,13 +101,13 @@ class Serving:
         check_prompt_size(prompt, self.ready().context_length)
         return encode(self.tokenizer, prompt)
 
-    def check_quota(self, team: str | None, prompt_tokens: int, params: SamplingParams) -> Reservation | None:
+    def check_quota(self, team: str | None, prompt_tokens: int, params: SamplingParams) -> None:
         """Reserve the request's most possible cost against its team's token quota (``n x max_tokens`` generated,
         the prompt at its weight), kept in the environ for the answer's end to settle (app.py); RateLimited while
         the team's rate (what its answers cost in the last minute, running ones at their reservation) is at or
         over the quota."""
         if self.limits is None:
-            return None
+            return
         reserved = self.limits.reserve(team, self.limits.cost(params.n * params.max_tokens, prompt_tokens))
         if isinstance(reserved, int):
             raise RateLimited(
@@ -116,7 +116,6 @@ class Serving:
                 retry_after=reserved,
             )
         request.environ[RESERVATION_KEY] = reserved
-        return reserved
 
     # submission
     def start(
@@ -139,12 +138,7 @@ class Serving:
             prompt_ids, params, max_tokens, self.ready().context_length, default_max=default_max, field=field
         )
         team = request.headers.get("X-Team-Id")  # the proxy's; None (not counted) straight to the server
-        reservation = self.check_quota(team, len(prompt_ids), params)
-        try:
-            session = self.client.submit(prompt_ids, params, team=team)
-        except BaseException:
-            if reservation is not None:  # never submitted: it cost nothing
-                reservation.settle(0)
-            raise
+        self.check_quota(team, len(prompt_ids), params)  # settled when the response closes (app.py), 0 if refused
+        session = self.client.submit(prompt_ids, params, team=team)
         events = session_events(self.client, session, request.environ)
         return Run(len(prompt_ids), first_event(events), events, params.n, tuple(prompt_ids))

@@ -48,10 +48,14 @@ def _minute(now: float) -> int:
     return int(now // WINDOW)
 
 
+def previous_share(now: float) -> float:
+    """The part of the previous minute's bucket still inside the last 60 seconds."""
+    return (WINDOW - (now - _minute(now) * WINDOW)) / WINDOW
+
+
 def window_rate(current: float, previous: float, now: float) -> float:
     """Tokens in the last 60 seconds, estimated from this minute's bucket and the previous one's share."""
-    elapsed = now - _minute(now) * WINDOW
-    return current + previous * (WINDOW - elapsed) / WINDOW
+    return current + previous * previous_share(now)
 
 
 def retry_after(current: float, previous: float, now: float, quota: int) -> int:
@@ -228,9 +232,9 @@ class RedisStore:
 
     def reserve(self, team: str, reservation: str, count: int, quota: int, now: float) -> tuple[int, int] | None:
         minute = _minute(now)
-        weight = (WINDOW - (now - minute * WINDOW)) / WINDOW  # the previous bucket's share still in the window
         refused = self._reserve(
-            keys=[self._bucket(team, minute), self._bucket(team, minute - 1)], args=[count, weight, quota, 3 * WINDOW]
+            keys=[self._bucket(team, minute), self._bucket(team, minute - 1)],
+            args=[count, previous_share(now), quota, 3 * WINDOW],
         )
         return (int(refused[0]), int(refused[1])) if refused else None
 

@@ -26,9 +26,6 @@ class RowTable:
             return row
         return heapq.heappop(self._free) if self._free else None
 
-    def is_free(self, row: int) -> bool:
-        return row in self._free
-
     def free(self, row: int) -> None:
         if not 0 <= row < self.num_rows or row in self._free:
             raise ValueError(f"row {row} is not in use")

@@ -126,7 +126,7 @@ class Scheduler:
                 self.prefix_queried += seq.num_prompt
                 self.prefix_hits += length
             # a free row that holds the prefix is taken as it is; else the lowest free row (copied into)
-            row = self.rows.allocate(src if length and self.rows.is_free(src) else None)
+            row = self.rows.allocate(src if length else None)
             if row is None:  # (num_free said there is one)
                 break
             self.waiting.popleft()

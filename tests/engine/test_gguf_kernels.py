@@ -2,8 +2,9 @@
 
 The blocks are random bytes with sane float16 scales (any bit pattern of the codes is a valid block), so every
 code, scale and minimum value is reached. Each type is checked through the float kernels (the exact mode: float32
-F.linear on gguf-py's weights, up to summation order) and the int8-input kernels (the codes multiply the inputs
-rounded to int8 blocks of 32, the minimums the exact inputs), for one row (the memory-bound decode of one stream)
+F.linear on gguf-py's weights, up to summation order) and the int8-input kernels (blocks of 32: the codes multiply
+the inputs rounded to int8 blocks of 32, the minimums the exact inputs; the k-quants: the whole weight multiplies
+the inputs rounded to int8 blocks of 256, llama.cpp's Q8_K), for one row (the memory-bound decode of one stream)
 and for several (groups of 4 input rows, tiles, sgemm), on the ISA this machine builds (AVX-512 with VNNI here,
 or AVX2).
 """
@@ -62,8 +63,11 @@ def _weights(t: T, raw: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]
     return deq(raw), deq(zeroed.reshape(raw.shape))
 
 
-def _int8_blocks(x: torch.Tensor) -> torch.Tensor:
-    blocks = x.view(*x.shape[:-1], -1, 32)
+KQUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+
+
+def _int8_blocks(x: torch.Tensor, size: int = 32) -> torch.Tensor:
+    blocks = x.view(*x.shape[:-1], -1, size)
     step = blocks.abs().amax(-1, keepdim=True) / 127
     return (torch.round(blocks / torch.where(step > 0, step, 1)) * step).view(x.shape)
 
@@ -97,6 +101,9 @@ def test_linear_on_blocks_is_float32_linear_on_gguf_py_weights(kernels, t, rows)
     got = kernels.linear_gguf(x, raw_t, int(t), b, True)
     if t in FLOATS:  # no integer codes: the float kernels whatever the inputs
         want = F.linear(x, w, b)
+    elif t in KQUANTS:  # the whole weight against the inputs rounded to int8 blocks of 256 (llama.cpp's Q8_K)
+        want = F.linear(_int8_blocks(x, 256), w, b)
+        assert not torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * scale * 512**0.5)
     else:  # the codes against the inputs rounded to int8 blocks, the minimums against the exact inputs
         rounded = _int8_blocks(x)
         want = F.linear(rounded, w - mins, b) + F.linear(x, mins)

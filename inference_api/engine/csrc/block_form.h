@@ -58,6 +58,29 @@ constexpr int sub_of() {
   else return B::QK;
 }
 
+// the k-quants: super-blocks of 256 with integer sub-block scales (iscales), the kernels' Q8_K inputs
+template <typename B, typename = void>
+struct has_iscales : std::false_type {};
+template <typename B>
+struct has_iscales<B, std::void_t<decltype(&B::iscales)>> : std::true_type {};
+
+// the 32 int16 pair sums of a chunk (maddubs) times its sub-blocks' integer scales, as 8 int32 lanes
+template <typename B>
+inline __m256i chunk_scales(const int16_t* S, int c) {
+  if constexpr (B::SUB == 16) return _mm256_set_m128i(_mm_set1_epi16(S[2 * c + 1]), _mm_set1_epi16(S[2 * c]));
+  else return _mm256_set1_epi16(S[c]);
+}
+// the minimums' integers against the inputs' 16 sums of a super-block (a sub-block of 32 has two of them)
+template <typename B>
+inline __m256i min_lanes(const int16_t* N) {
+  if constexpr (B::SUB == 16) {
+    return _mm256_loadu_si256((const __m256i*)N);
+  } else {
+    const __m128i v = _mm_loadu_si128((const __m128i*)N);
+    return _mm256_set_m128i(_mm_unpackhi_epi16(v, v), _mm_unpacklo_epi16(v, v));
+  }
+}
+
 #ifdef WOQ_VNNI
 template <typename B, typename = void>
 struct has_lane_scales : std::false_type {};
@@ -70,8 +93,10 @@ struct BlockForm {
   const uint8_t* w;  // raw [N, row_bytes]
   int64_t N, K, row_bytes;
   static constexpr bool Q8 = has_codes<B>::value;
+  static constexpr bool K8 = has_iscales<B>::value;  // the k-quants: Q8_K inputs (k8_dot, k8_tile)
+  static constexpr int64_t K8_AHEAD = 16;             // how many passes ahead k8_dot prefetches
 #ifdef WOQ_VNNI
-  static constexpr bool VNNI = Q8;  // integer codes: the VNNI tiles, each group of 16 rows packed on the fly
+  static constexpr bool VNNI = Q8 && !K8;  // blocks of 32: the VNNI tiles, each group of 16 rows packed on the fly
 #else
   static constexpr bool VNNI = false;
 #endif
@@ -130,7 +155,8 @@ struct BlockForm {
   // numbers of dot_q8, summed in another order. A row's numbers are the same whatever the rows beside it.
   struct Group {
     std::vector<uint8_t> codes;
-    std::vector<float> d, m;
+    std::vector<float> d, m;           // per sub-block (blocks of 32), or per super-block D and M (the k-quants)
+    std::vector<int32_t> isc, imn;     // the k-quants: each sub-block's integer scale and minimum [K / SUB][16]
     int64_t rows = 0;
   };
   static constexpr int64_t PREFETCH_GROUPS = 2;  // how far ahead the packing prefetches
@@ -247,15 +273,28 @@ struct BlockForm {
       const int64_t n0 = grp * 16, nb = K / B::QK;
       g.rows = std::min<int64_t>(16, N - n0);
       g.codes.resize(K * 16);
-      g.d.resize(K / B::SUB * 16);
-      g.m.resize(K / B::SUB * 16);
+      if constexpr (K8) {
+        g.d.resize(nb * 16), g.m.resize(nb * 16), g.isc.resize(nb * NS * 16), g.imn.resize(nb * NS * 16);
+      } else {
+        g.d.resize(K / B::SUB * 16), g.m.resize(K / B::SUB * 16);
+      }
       const uint8_t* wr[16];
       group_rows(n0, g.rows, wr);
       const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 4, 5, 12, 13),
                     hi = _mm512_setr_epi64(2, 3, 10, 11, 6, 7, 14, 15);
       for (int64_t blk = 0; blk < nb; ++blk) {
         prefetch_ahead(n0, blk, nb);
-        group_scales(wr, blk, g.d.data() + blk * NS * 16, g.m.data() + blk * NS * 16);
+        if constexpr (K8) {  // each row's integer scales and factors into its lane
+          for (int r = 0; r < 16; ++r) {
+            alignas(32) int16_t S[16], Nm[16];
+            float D, M;
+            B::iscales(wr[r] + blk * B::BYTES, S, Nm, D, M);
+            g.d[blk * 16 + r] = D, g.m[blk * 16 + r] = M;
+            for (int j = 0; j < NS; ++j) g.isc[(blk * NS + j) * 16 + r] = S[j], g.imn[(blk * NS + j) * 16 + r] = Nm[j];
+          }
+        } else {
+          group_scales(wr, blk, g.d.data() + blk * NS * 16, g.m.data() + blk * NS * 16);
+        }
         for (int c = 0; c < CH; ++c) {
           // rows i and i + 8 side by side, then an 8 x 8 transpose of 4-byte steps in each half
           __m512i a[8];
@@ -276,6 +315,55 @@ struct BlockForm {
           }
         }
       }
+    }
+  }
+
+  // The k-quants' tiles: y[i * ldy + r] for the MR input rows from i0 (Q8_K inputs) and the group's rows r. Per
+  // super-block and row: the sub-blocks' vpdpbusd sums times their integer scales, and the inputs' 16 sums times
+  // the minimums' integers, both exact; then acc = fma(D * dx, isum, acc), acc = fma(M * dx, imin, acc): k8_dot's
+  // numbers to the bit.
+  template <int MR>
+  void k8_tile(const Q8KRows& x, int64_t i0, float* y, int64_t ldy) const {
+    if constexpr (K8) {
+      constexpr int STEPS = B::SUB / 4, NS = 256 / B::SUB, PER = B::SUB / 16;
+      const Group& g = group_buffer();
+      const int64_t nb = K / 256;
+      __m512 acc[MR];
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        __m512i isum[MR];
+        for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+        for (int j = 0; j < NS; ++j) {
+          __m512i dot[MR];
+          for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
+          for (int s = 0; s < STEPS; ++s) {
+            const __m512i wv = _mm512_loadu_si512(g.codes.data() + ((blk * NS + j) * STEPS + s) * 64);
+            for (int i = 0; i < MR; ++i) {
+              int32_t v;
+              std::memcpy(&v, x.q.data() + (i0 + i) * K + blk * 256 + j * B::SUB + s * 4, 4);
+              dot[i] = _mm512_dpbusd_epi32(dot[i], wv, _mm512_set1_epi32(v));
+            }
+          }
+          const __m512i sc = _mm512_loadu_si512(g.isc.data() + (blk * NS + j) * 16);
+          for (int i = 0; i < MR; ++i) isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(dot[i], sc));
+        }
+        const __m512 dv = _mm512_loadu_ps(g.d.data() + blk * 16), mv = _mm512_loadu_ps(g.m.data() + blk * 16);
+        for (int i = 0; i < MR; ++i) {
+          const float dx = x.d[(i0 + i) * nb + blk];
+          acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum[i]), acc[i]);
+          const int16_t* bs = x.bsum.data() + ((i0 + i) * nb + blk) * 16;
+          __m512i imin = _mm512_setzero_si512();
+          for (int j = 0; j < NS; ++j) {
+            int32_t b = bs[j * PER];
+            if constexpr (PER == 2) b += bs[j * PER + 1];
+            imin = _mm512_add_epi32(
+                imin, _mm512_mullo_epi32(_mm512_loadu_si512(g.imn.data() + (blk * NS + j) * 16), _mm512_set1_epi32(b)));
+          }
+          acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(mv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(imin), acc[i]);
+        }
+      }
+      const __mmask16 keep = static_cast<__mmask16>((1u << g.rows) - 1);
+      for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy, keep, acc[i]);
     }
   }
 
@@ -314,6 +402,59 @@ struct BlockForm {
     }
   }
 #endif
+
+  // Q8_K inputs (the k-quants), without the tiles: y[ii * ldy + r] for input rows i .. i + MR and weight rows
+  // n .. n + rows (rows <= RW), each weight chunk unpacked once for the MR input rows. Per super-block and row: the
+  // chunks' u8 x s8 pair sums times the sub-blocks' integer scales, and the inputs' 16 sums times the minimums'
+  // integers, both exact; then acc = fma(D * dx, isum, acc), acc = fma(M * dx, imin, acc), as k8_tile does.
+  template <int RW, int MR>
+  void k8_dot(const Q8KRows& x, int64_t i, int64_t n, int64_t rows, float* y, int64_t ldy) const {
+    if constexpr (K8) {
+      const int64_t nb = K / 256;
+      const uint8_t* wr[RW];
+      for (int r = 0; r < RW; ++r) wr[r] = w + (n + (r < rows ? r : 0)) * row_bytes;
+      float acc[RW][MR];
+      for (int r = 0; r < RW; ++r)
+        for (int ii = 0; ii < MR; ++ii) acc[r][ii] = 0.f;
+      // the rows of the pass K8_AHEAD passes on, into L2: one stream's decode reads at 25 against 11 GB/s without it
+      // on a 2-core EPYC (Qwen2.5 1.5B's Q4_K gate_up; 15 GB/s 4 passes ahead into L1)
+      const uint8_t* ahead = w + (n + K8_AHEAD * RW) * row_bytes;
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        for (int r = 0; r < RW; ++r)
+          for (int64_t l = 0; l < B::BYTES; l += 64)
+            _mm_prefetch((const char*)(ahead + r * row_bytes + blk * B::BYTES + l), _MM_HINT_T1);
+        alignas(32) int16_t S[RW][16], Nm[RW][16];
+        float D[RW], M[RW];
+        for (int r = 0; r < RW; ++r) B::iscales(wr[r] + blk * B::BYTES, S[r], Nm[r], D[r], M[r]);
+        __m256i isum[RW][MR];
+        for (int r = 0; r < RW; ++r)
+          for (int ii = 0; ii < MR; ++ii) isum[r][ii] = _mm256_setzero_si256();
+        for (int c = 0; c < 8; ++c) {
+          __m256i codes[RW], sc[RW];
+          for (int r = 0; r < RW; ++r) {
+            codes[r] = B::template codes<V256>(wr[r] + blk * B::BYTES, wr[r] + blk * B::BYTES, c);
+            sc[r] = chunk_scales<B>(S[r], c);
+          }
+          for (int ii = 0; ii < MR; ++ii) {
+            const __m256i xv = _mm256_loadu_si256((const __m256i*)(x.q.data() + (i + ii) * K + blk * 256 + c * 32));
+            for (int r = 0; r < RW; ++r)  // pairs of codes up to 63 against |inputs| <= 127: no saturation
+              isum[r][ii] = _mm256_add_epi32(isum[r][ii], _mm256_madd_epi16(_mm256_maddubs_epi16(codes[r], xv), sc[r]));
+          }
+        }
+        for (int ii = 0; ii < MR; ++ii) {
+          const __m256i bs = _mm256_loadu_si256((const __m256i*)(x.bsum.data() + ((i + ii) * nb + blk) * 16));
+          const float dx = x.d[(i + ii) * nb + blk];
+          for (int r = 0; r < RW; ++r) {
+            const int32_t is = hsum_i32(isum[r][ii]), im = hsum_i32(_mm256_madd_epi16(bs, min_lanes<B>(Nm[r])));
+            acc[r][ii] = std::fma(D[r] * dx, static_cast<float>(is), acc[r][ii]);
+            acc[r][ii] = std::fma(M[r] * dx, static_cast<float>(im), acc[r][ii]);
+          }
+        }
+      }
+      for (int r = 0; r < rows; ++r)
+        for (int ii = 0; ii < MR; ++ii) y[ii * ldy + r] = acc[r][ii];
+    }
+  }
 
   // int8 inputs: y[ii * ldy + r] for input rows i .. i + MR of x and weight rows n .. n + rows (rows <= RW)
   template <int RW, int MR>

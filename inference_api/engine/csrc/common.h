@@ -61,6 +61,13 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// the sum of 8 int32 lanes (exact, in any order)
+inline int32_t hsum_i32(__m256i v) {
+  __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+  s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+  return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
 // The few vector operations the kernels need, over W floats: AVX-512 or AVX2 (with FMA and F16C).
 #ifdef __AVX512F__
 struct Vec {

@@ -24,6 +24,21 @@ inline void scale_min_k4(const uint8_t* q, float dd, float dmin, float* d, float
   _mm256_storeu_ps(m, _mm256_mul_ps(n, _mm256_set1_ps(-dmin)));
 }
 
+
+// The same 6-bit scales and minimums as integers (the int8-input kernels scale a super-block's sums in integers),
+// built in registers and stored whole (the kernels read them back whole: no store-forwarding stall)
+inline void scale_min_k4_int(const uint8_t* q, int16_t* sc, int16_t* mn) {
+  uint32_t u0, u1, u2;
+  std::memcpy(&u0, q, 4);
+  std::memcpy(&u1, q + 4, 4);
+  std::memcpy(&u2, q + 8, 4);
+  const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
+  const uint64_t s = (u0 & k1) | static_cast<uint64_t>((u2 & k2) | (((u0 >> 6) & k3) << 4)) << 32;
+  const uint64_t m = (u1 & k1) | static_cast<uint64_t>(((u2 >> 4) & k2) | (((u1 >> 6) & k3) << 4)) << 32;
+  _mm_storeu_si128((__m128i*)sc, _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(s))));
+  _mm_storeu_si128((__m128i*)mn, _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(m))));
+}
+
 #ifdef WOQ_VNNI
 // the float16 at bit shift (0 or 16) of each 32-bit lane, as floats
 inline __m512 lane_f16(__m512i v, int shift) {
@@ -48,6 +63,13 @@ struct Q2_K {  // scales[16] (4-bit scale, 4-bit minimum), qs[64] (2 bits), d, d
     scale16(_mm_and_si128(sc, low), false, f16_at(b + 80), d);
     scale16(_mm_and_si128(_mm_srli_epi16(sc, 4), low), false, -f16_at(b + 82), m);
   }
+  // the same as integers and the block's two factors: w = D * S[j] * code + M * N[j] (KQuant's form)
+  static void iscales(const uint8_t* b, int16_t* S, int16_t* N, float& D, float& M) {
+    const __m128i sc = _mm_loadu_si128((const __m128i*)b), low = _mm_set1_epi8(15);
+    _mm256_storeu_si256((__m256i*)S, _mm256_cvtepu8_epi16(_mm_and_si128(sc, low)));
+    _mm256_storeu_si256((__m256i*)N, _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(sc, 4), low)));
+    D = f16_at(b + 80), M = -f16_at(b + 82);
+  }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
     return bit_field<V>(a, b, 16 + (c / 4) * 32, 2 * (c % 4), 3);
@@ -57,21 +79,29 @@ struct Q2_K {  // scales[16] (4-bit scale, 4-bit minimum), qs[64] (2 bits), d, d
 struct Q3_K {  // hmask[32] (third bit), qs[64] (low 2 bits), scales[12] (6-bit, minus 32), d; w = d * sc * (code - 4)
   static constexpr int TYPE = 11, QK = 256, BYTES = 110, SUB = 16;
   static constexpr bool SIGNED = false, MINS = true;
-  static void scales(const uint8_t* b, float* d, float* m) {
+  static __m128i signed_scales(const uint8_t* b) {  // the 6-bit scales, minus 32, built in registers
     uint32_t a0, a1, t;
     std::memcpy(&a0, b + 96, 4);
     std::memcpy(&a1, b + 100, 4);
     std::memcpy(&t, b + 104, 4);
     const uint32_t k1 = 0x03030303, k2 = 0x0f0f0f0f;
-    const __m128i sc = _mm_sub_epi8(  // the 6-bit scales, minus 32, built in registers
-        _mm_setr_epi32(static_cast<int>((a0 & k2) | (((t >> 0) & k1) << 4)),
-                       static_cast<int>((a1 & k2) | (((t >> 2) & k1) << 4)),
-                       static_cast<int>(((a0 >> 4) & k2) | (((t >> 4) & k1) << 4)),
-                       static_cast<int>(((a1 >> 4) & k2) | (((t >> 6) & k1) << 4))),
-        _mm_set1_epi8(32));
+    return _mm_sub_epi8(_mm_setr_epi32(static_cast<int>((a0 & k2) | (((t >> 0) & k1) << 4)),
+                                       static_cast<int>((a1 & k2) | (((t >> 2) & k1) << 4)),
+                                       static_cast<int>(((a0 >> 4) & k2) | (((t >> 4) & k1) << 4)),
+                                       static_cast<int>(((a1 >> 4) & k2) | (((t >> 6) & k1) << 4))),
+                        _mm_set1_epi8(32));
+  }
+  static void scales(const uint8_t* b, float* d, float* m) {
+    const __m128i sc = signed_scales(b);
     const float dd = f16_at(b + 108);
     scale16(sc, true, dd, d);
     scale16(sc, true, -4.f * dd, m);
+  }
+  static void iscales(const uint8_t* b, int16_t* S, int16_t* N, float& D, float& M) {
+    const __m256i sc = _mm256_cvtepi8_epi16(signed_scales(b));
+    _mm256_storeu_si256((__m256i*)S, sc);
+    _mm256_storeu_si256((__m256i*)N, sc);
+    D = f16_at(b + 108), M = -4.f * D;
   }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
@@ -83,6 +113,10 @@ struct Q4_K {  // d, dmin, scales[12] (6-bit scales and minimums), qs[128] (nibb
   static constexpr int TYPE = 12, QK = 256, BYTES = 144, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
   static void scales(const uint8_t* b, float* d, float* m) { scale_min_k4(b + 4, f16_at(b), f16_at(b + 2), d, m); }
+  static void iscales(const uint8_t* b, int16_t* S, int16_t* N, float& D, float& M) {
+    scale_min_k4_int(b + 4, S, N);
+    D = f16_at(b), M = -f16_at(b + 2);
+  }
 #ifdef WOQ_VNNI
   // scales' numbers for 16 blocks at b + off[r], in the rows' lanes: d, m [8][16] (the VNNI tiles' layout)
   static void lane_scales(const uint8_t* b, __m512i off, float* d, float* m) {
@@ -115,6 +149,7 @@ struct Q5_K {  // d, dmin, scales[12], qh[32] (fifth bit), qs[128] (nibbles)
   static constexpr int TYPE = 13, QK = 256, BYTES = 176, SUB = 32;
   static constexpr bool SIGNED = false, MINS = true;
   static void scales(const uint8_t* b, float* d, float* m) { Q4_K::scales(b, d, m); }
+  static void iscales(const uint8_t* b, int16_t* S, int16_t* N, float& D, float& M) { Q4_K::iscales(b, S, N, D, M); }
 #ifdef WOQ_VNNI
   static void lane_scales(const uint8_t* b, __m512i off, float* d, float* m) { Q4_K::lane_scales(b, off, d, m); }
 #endif
@@ -132,6 +167,12 @@ struct Q6_K {  // ql[128] (low nibbles), qh[64] (high 2 bits), scales[16] (int8)
     const float dd = f16_at(b + 208);
     scale16(sc, true, dd, d);
     scale16(sc, true, -32.f * dd, m);
+  }
+  static void iscales(const uint8_t* b, int16_t* S, int16_t* N, float& D, float& M) {
+    const __m256i sc = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i*)(b + 192)));
+    _mm256_storeu_si256((__m256i*)S, sc);
+    _mm256_storeu_si256((__m256i*)N, sc);
+    D = f16_at(b + 208), M = -32.f * D;
   }
 #ifdef WOQ_VNNI
   static void lane_scales(const uint8_t* b, __m512i off, float* d, float* m) {

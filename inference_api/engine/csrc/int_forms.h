@@ -296,7 +296,7 @@ struct I8Form {
   int64_t N, K, G, S;
   const int8_t* vq = nullptr;
   const float* vs = nullptr;
-  static constexpr bool Q8 = true, VNNI = true;  // integer kernels for int8 inputs; VNNI tiles
+  static constexpr bool Q8 = true, VNNI = true, K8 = false;  // integer kernels for int8 inputs; VNNI tiles
   static constexpr bool PLUS128 = true;          // the VNNI tiles take the int8 inputs plus 128
   static constexpr bool ONE_ROW = false;         // packed at load: one row goes through the tiles too
   static constexpr bool HALVES = false;
@@ -340,7 +340,7 @@ struct I4Form {
   int64_t N, K, S;
   const uint8_t* vq = nullptr;
   const c10::Half* vs = nullptr;
-  static constexpr bool Q8 = true, VNNI = true, PLUS128 = false, HALVES = false, ONE_ROW = false;
+  static constexpr bool Q8 = true, VNNI = true, K8 = false, PLUS128 = false, HALVES = false, ONE_ROW = false;
   bool vnni_ready() const { return vq != nullptr; }
   void vnni_prepare(int64_t) const {}
   bool q8_ready() const { return true; }

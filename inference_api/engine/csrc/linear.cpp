@@ -28,6 +28,28 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
   const float* xp = x2.data_ptr<float>();
   const auto shape = out_shape(x, N);
   auto deq = [&](int64_t n, int64_t k0, int64_t kc, float* out) { f.deq(n, k0, kc, out); };
+#ifdef WOQ_SIMD
+  if constexpr (F::K8) {  // the k-quants against Q8_K inputs: the tiles for several rows, else passes of rows
+    if (int8_inputs) {
+      const Q8KRows xr(xp, M, K);
+#ifdef WOQ_VNNI
+      if (M > 1)
+        return vnni_rows(
+                   x2, N, bias, [&](int64_t grp) { f.vnni_prepare(grp); },
+                   [&](auto mr, int64_t, int64_t i0, float* out) {
+                     f.template k8_tile<decltype(mr)::value>(xr, i0, out, N);
+                   })
+            .reshape(shape);
+#endif
+      auto pass = [&](auto rw, int64_t n, int64_t rows, float* out) {
+        row_groups(M, [&](auto mr, int64_t i) {
+          f.template k8_dot<decltype(rw)::value, decltype(mr)::value>(xr, i, n, rows, out + i * N, N);
+        });
+      };
+      return (M == 1 ? few_rows<R>(M, x2, N, bias, pass) : few_rows<2>(M, x2, N, bias, pass)).reshape(shape);
+    }
+  }
+#endif
 #ifdef WOQ_VNNI
   if constexpr (F::VNNI) {
     if (int8_inputs && f.vnni_ready()) {

@@ -1,4 +1,5 @@
-// Inputs rounded to int8 blocks of 32, as llama.cpp's Q8 activations (--dtype auto).
+// Inputs rounded to int8 blocks of 32, as llama.cpp's Q8 activations (--dtype auto), or of 256 against the
+// k-quants' super-blocks, as its Q8_K.
 #pragma once
 #include "common.h"
 
@@ -63,6 +64,48 @@ struct Q8Rows {
     sum[b] = t;
 #endif
     d[b] = mx / 127.f;
+  }
+};
+
+// Rows of inputs rounded to int8 blocks of 256 (llama.cpp's Q8_K, the inputs of the k-quants): q [M, K], each
+// block's step d = max |x| / 127 [M, K / 256], and the sums of each 16 of its rounded values, bsum [M, K / 16]
+// (the sub-blocks' minimums multiply them). With integer sub-block scales a super-block's dot product is then one
+// integer sum, scaled once.
+struct Q8KRows {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int16_t> bsum;
+  Q8KRows(const float* x, int64_t M, int64_t K) : q(M * K), d(M * K / 256), bsum(M * K / 16) {
+    const int64_t blocks = M * K / 256;
+    auto run = [&](int64_t b0, int64_t b1) {
+      for (int64_t b = b0; b < b1; ++b) block(x + b * 256, b);
+    };
+    if (blocks >= 256) at::parallel_for(0, blocks, 32, run);  // a prefill's rows
+    else run(0, blocks);
+  }
+
+ private:
+  void block(const float* xb, int64_t b) {
+    __m256 mx = _mm256_setzero_ps();
+    for (int j = 0; j < 256; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(xb + j)));
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+    int8_t* out = q.data() + b * 256;
+    for (int j = 0; j < 256; j += 16) {
+      const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j), inv));  // nearest even
+      const __m256i c = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xb + j + 8), inv));
+      const __m256i s = _mm256_add_epi32(a, c);  // |values| <= 127: the sum of 16 fits int16
+      __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4e));
+      t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xb1));
+      bsum[b * 16 + j / 16] = static_cast<int16_t>(_mm_cvtsi128_si32(t));
+      const __m128i w16 = _mm_packs_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+      const __m128i v16 = _mm_packs_epi32(_mm256_castsi256_si128(c), _mm256_extracti128_si256(c, 1));
+      _mm_storeu_si128((__m128i*)(out + j), _mm_packs_epi16(w16, v16));
+    }
+    d[b] = amax / 127.f;
   }
 };
 #endif  // WOQ_SIMD

@@ -429,7 +429,8 @@ struct BlockForm {
         __m256i isum[RW][MR];
         for (int r = 0; r < RW; ++r)
           for (int ii = 0; ii < MR; ++ii) isum[r][ii] = _mm256_setzero_si256();
-        for (int c = 0; c < 8; ++c) {
+#pragma GCC unroll 8
+        for (int c = 0; c < 8; ++c) {  // unrolled: each chunk's offsets and shifts are constants
           __m256i codes[RW], sc[RW];
           for (int r = 0; r < RW; ++r) {
             codes[r] = B::template codes<V256>(wr[r] + blk * B::BYTES, wr[r] + blk * B::BYTES, c);

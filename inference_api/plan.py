@@ -84,12 +84,12 @@ class ExecutionPlan:
 
     @property
     def q8_tables_int8(self) -> bool:
-        """Whether a GGUF's Q8_0 embedding and tied head (the largest tensor of a small model: 72 % of Gemma 3
-        270M's bytes a token) are served in quant.py's int8 layout instead of their 34-byte blocks: wherever the
-        kernels take int8 inputs. The few-row kernels (AVX2) read its aligned codes at 1.6x the blocks' speed for
-        6 % more bytes; the VNNI tiles run it packed at load (7.3 against 12.0 ms at one row of Gemma's head, 32.5
-        against 42.6 at 32), holding the unpacked codes beside the packed copy for the embedding's rows
-        (docs/performance.md)."""
+        """Whether a GGUF's Q8_0 tensors (the embedding and tied head, the largest tensor of a small model: 72 % of
+        Gemma 3 270M's bytes a token; and Q8_0 linears) are served in quant.py's int8 layout instead of their 34-byte
+        blocks: wherever the kernels take int8 inputs. The few-row kernels (AVX2) read its aligned codes at 1.6x the
+        blocks' speed for 6 % more bytes; the VNNI tiles run it packed at load (7.3 against 12.0 ms at one row of
+        Gemma's head, 32.5 against 42.6 at 32; SmolLM2's Q8_0 linears 7.4 against 9.9 ms a decode step), the
+        unpacked codes let go except for a tied head's embedding rows (docs/performance.md)."""
         return self.int8_inputs
 
     @property

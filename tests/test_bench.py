@@ -197,3 +197,29 @@ def test_fill_context_fills_every_row_and_reports_the_engines_memory(small_defau
     assert "ERRORS" not in result.stdout
     before, filled = re.findall(r"engine memory(?:, every row's context filled)?: ([\d.]+) GiB resident", result.stdout)
     assert float(filled) > float(before)  # the lazily resident cache took its pages
+
+
+def test_the_perplexity_script_scores_llama_perplexitys_chunks(real_server):
+    """scripts/perplexity.py: the text's tokens after the model's BOS (none for SmolLM2), ctx at a time, the
+    second half of each chunk scored, and a perplexity an English text gets from a model that reads English."""
+    import requests
+
+    spec = importlib.util.spec_from_file_location("perplexity", SCRIPT.with_name("perplexity.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    text = module.TEXT.read_text()
+    tokenize = lambda s, special: requests.post(  # noqa: E731
+        f"{real_server.url}/tokenize", json={"prompt": s, "add_special_tokens": special}, timeout=60
+    ).json()["tokens"]
+    ids, bos = tokenize(text, False), tokenize("", True)
+    assert bos == []  # SmolLM2 adds no BOS: its chunks are the text's tokens as they are
+    assert module.chunks(real_server.url, "x", text, 64, 2) == [ids[:64], ids[64:128]]
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT.with_name("perplexity.py")), "--url", real_server.url, "--ctx", "64", "--chunks", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    found = re.search(r"server: PPL ([\d.]+) over 62 positions", result.stdout)
+    assert found and 2 < float(found.group(1)) < 60, result.stdout

@@ -129,11 +129,12 @@ class GGUFWeights:
 
     def linear(self, names: list[str], heads: list[int | None]):
         """(weight, mode) of one linear fused from these tensors (rows stacked): each part in its own blocks
-        (gguf_blocks; parts of different types as pieces of one layer), or, when a part has a type served as
+        (gguf_blocks; Q8_0 in the int8 layout where the plan says, as the tables are; parts of different types as
+        pieces of one layer), or, when a part has a type served as
         float (F32, or one the kernels lack), the float32 weight served unquantized (mode none); q and k rows back
         in the half-split rotary's order."""
         tensors = [self.m.tensors[n] for n in names]
-        blocks = [packed(t) for t in tensors]
+        blocks = [packed(t, self.m.q8_tables_int8) for t in tensors]
         as_blocks = all(b is not None for b in blocks)
         if not as_blocks:
             odd = sorted({t.tensor_type.name for t, b in zip(tensors, blocks) if b is None} - {"F32"})

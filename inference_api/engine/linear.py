@@ -138,9 +138,12 @@ def linear_factory(
     kernels run them); int8_inputs: the kernels round up to 16 rows' inputs to int8 blocks (QuantLinear)."""
     onednn = device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
-    def make_linear(weight, bias: torch.Tensor | None, group: int | None = None, as_mode: str | None = None):
+    def make_linear(
+        weight, bias: torch.Tensor | None, group: int | None = None, as_mode: str | None = None, lookups: bool = False
+    ):
         """weight: a float weight, quantized here as as_mode (or the plan's mode) says, or a GGUF's own blocks
-        (gguf_blocks), kept as they are; with --quantize none both are served dense."""
+        (gguf_blocks), kept as they are; with --quantize none both are served dense. lookups: its rows are read as
+        an embedding too (a tied head: QuantLinear keeps its codes)."""
         bias = None if bias is None else bias.detach().to(device=device, dtype=dtype).clone()
         if isinstance(weight, QUANTIZED):
             packed = weight if mode != "none" else None
@@ -150,8 +153,8 @@ def linear_factory(
         if packed is not None and kernels is not None and device.type == "cpu" and dtype == torch.float32:
             if onednn and batch_dtype is not None:
                 dense = OneDNNLinear(packed.dequantize(kernels), bias, batch_dtype)
-                return SplitLinear(QuantLinear(packed, bias, kernels, int8_inputs), dense)
-            return QuantLinear(packed, bias, kernels, int8_inputs)
+                return SplitLinear(QuantLinear(packed, bias, kernels, int8_inputs, lookups), dense)
+            return QuantLinear(packed, bias, kernels, int8_inputs, lookups)
         if isinstance(packed, Int4Weight) and dtype == torch.bfloat16 and Int4CudaLinear.fits(packed, device):
             return Int4CudaLinear(packed, bias, device)
         if packed is not None:

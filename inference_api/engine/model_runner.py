@@ -67,7 +67,11 @@ def build_model(model, plan: ExecutionPlan, kernels, length: int, shard=None, al
             tied = head_w is embed_w
             # the other ranks build a tied quantized head only for the rows rank 0's embedding reads (the same numbers)
             rows = tied and head_mode is not None
-            head = make_linear(head_w, None, group=plan.group or 32, as_mode=head_mode) if logits or rows else None
+            head = (
+                make_linear(head_w, None, group=plan.group or 32, as_mode=head_mode, lookups=tied)
+                if logits or rows
+                else None
+            )
             if tied and head is not None and hasattr(head, "rows"):
                 return head.rows, head if logits else None  # a tied quantized head: embeddings read from its rows
             head = head if logits else None

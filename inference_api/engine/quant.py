@@ -14,6 +14,8 @@ on the dequantized weight, up to summation order, while reading the quantized by
 
 from __future__ import annotations
 
+import dataclasses
+import mmap
 from dataclasses import dataclass, fields
 
 import numpy as np
@@ -193,6 +195,16 @@ def can_quantize(w: torch.Tensor, mode: str) -> bool:
     return mode == "int8" or (mode == "int4" and w.shape[1] % 32 == 0)
 
 
+def untouched(like: torch.Tensor) -> torch.Tensor:
+    """A tensor of like's shape and dtype over an anonymous mapping of its own, whose pages nothing touches: the
+    place of codes never read again (the kernels check their shape). Not torch.empty: the allocator hands out
+    chunks freed a moment before, already resident."""
+    count = like.numel()
+    return torch.frombuffer(mmap.mmap(-1, max(1, count * like.element_size())), dtype=like.dtype, count=count).view(
+        like.shape
+    )
+
+
 # the forms as the kernels' Decoder names them (csrc/kernels.h); a GGUF tensor's blocks go by their type's number
 FORM_INT8, FORM_INT4 = -1, -2
 
@@ -203,7 +215,9 @@ class QuantLinear:
     and the kernels multiply integers, within half a step of each input (docs/performance.md); the float
     types keep float32 inputs. A StackedWeight runs piece by piece, the outputs side by side."""
 
-    def __init__(self, weight, bias: torch.Tensor | None, kernels, int8_inputs: bool = False):
+    def __init__(self, weight, bias: torch.Tensor | None, kernels, int8_inputs: bool = False, lookups: bool = False):
+        """lookups: the weight's rows are read as an embedding too (a tied head), so its unpacked codes stay beside
+        the VNNI packing; otherwise, once packed, the codes are never read again and are let go."""
         self.weight, self.bias, self.kernels, self.int8_inputs = weight, bias, kernels, int8_inputs
         self.pieces = None
         if isinstance(weight, StackedWeight):
@@ -216,6 +230,8 @@ class QuantLinear:
         )  # several rows' int8 inputs go to the VNNI tiles where the kernels have them
         if int8_inputs and isinstance(weight, (Int8Weight, Int4Weight)) and kernels.vnni() and can_vnni(weight):
             self.vnni = vnni_int4(weight) if isinstance(weight, Int4Weight) else vnni_int8(weight)
+            if not lookups:  # every row count now reads the packing: the codes' place is held by untouched pages
+                self.weight = dataclasses.replace(weight, q=untouched(weight.q))
 
     def parts(self) -> list[tuple]:
         """The layer as the kernels' Decoder takes it, a tuple per piece: (form, q or the blocks' bytes, scales or

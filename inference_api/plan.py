@@ -83,7 +83,7 @@ class ExecutionPlan:
     cuda_graphs: bool = False  # the compact model's decode step replayed from CUDA graphs (engine/cuda_graphs.py)
 
     @property
-    def q8_tables_int8(self) -> bool:
+    def int8_layout(self) -> bool:
         """Whether a GGUF's Q8_0 tensors (the embedding and tied head, the largest tensor of a small model: 72 % of
         Gemma 3 270M's bytes a token; and Q8_0 linears) are served in quant.py's int8 layout instead of their 34-byte
         blocks: wherever the kernels take int8 inputs. The few-row kernels (AVX2) read its aligned codes at 1.6x the

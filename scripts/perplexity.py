@@ -30,7 +30,8 @@ def chunks(url: str, model: str, text: str, ctx: int, count: int) -> list[list[i
     tokenize = lambda s, special: requests.post(  # noqa: E731
         f"{url}/tokenize", json={"model": model, "prompt": s, "add_special_tokens": special}, timeout=120
     ).json()["tokens"]
-    bos = tokenize("", True)[:1]
+    marked, plain = tokenize("The", True), tokenize("The", False)
+    bos = marked[: len(marked) - len(plain)]  # what the model's tokenizer puts in front (BOS, or nothing)
     ids = bos + tokenize(text, False)
     found = [ids[c * ctx : (c + 1) * ctx] for c in range(min(count, len(ids) // ctx))]
     if not found:

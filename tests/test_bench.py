@@ -208,12 +208,13 @@ def test_the_perplexity_script_scores_llama_perplexitys_chunks(real_server):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     text = module.TEXT.read_text()
+    model = requests.get(f"{real_server.url}/v1/models", timeout=10).json()["data"][0]["id"]
     tokenize = lambda s, special: requests.post(  # noqa: E731
-        f"{real_server.url}/tokenize", json={"prompt": s, "add_special_tokens": special}, timeout=60
+        f"{real_server.url}/tokenize", json={"model": model, "prompt": s, "add_special_tokens": special}, timeout=60
     ).json()["tokens"]
-    ids, bos = tokenize(text, False), tokenize("", True)
-    assert bos == []  # SmolLM2 adds no BOS: its chunks are the text's tokens as they are
-    assert module.chunks(real_server.url, "x", text, 64, 2) == [ids[:64], ids[64:128]]
+    ids = tokenize(text, False)
+    assert tokenize("The", True) == tokenize("The", False)  # SmolLM2 adds no BOS: its chunks are the text's tokens
+    assert module.chunks(real_server.url, model, text, 64, 2) == [ids[:64], ids[64:128]]
     result = subprocess.run(
         [sys.executable, str(SCRIPT.with_name("perplexity.py")), "--url", real_server.url, "--ctx", "64", "--chunks", "2"],
         capture_output=True,

@@ -5,9 +5,10 @@
   d (nibble - 8), so m = -8 d, exact in float16; Q4_1 is the layout itself. That layout has VNNI tiles over a
   copy packed at load.
 - Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, F16 and BF16 stay in the file's own bytes (BlockWeight):
-  the kernels read them as they are (csrc/block_form.h), no copy beside them. A Q8_0 table (the token embedding,
-  a tied output head) may instead map onto quant.py's int8 layout (``int8_weight``: the codes as they are, each
-  block's float16 scale as a float32, exact), where the plan says so (``ExecutionPlan.q8_tables_int8``).
+  the kernels read them as they are (csrc/block_form.h), no copy beside them. Where the plan says so
+  (``ExecutionPlan.int8_layout``: wherever the kernels take int8 inputs) the symmetric blocks of 32, Q8_0, Q5_0
+  and IQ4_NL, map onto quant.py's int8 layout instead (``int8_weight``: each weight's code as an int8, Q5_0's less
+  16 and IQ4_NL's looked up, each block's float16 scale as a float32; exact).
 - F32 and any other type are served as float32, dequantized by gguf-py; a type gguf-py cannot read stops the
   start with its name.
 """
@@ -53,15 +54,28 @@ def int4_weight(t) -> Int4Weight:
     )
 
 
+INT8_TYPES = {"Q8_0", "Q5_0", "IQ4_NL"}  # symmetric blocks of 32: w = d * code, code an int8
+
+
 def int8_weight(t) -> Int8Weight:
-    """A Q8_0 tensor [N, K] as an Int8Weight of groups of 32: its codes contiguous and 32-byte aligned per block,
-    its scales apart, the same numbers (a Q8_0 block is d * code)."""
+    """A Q8_0, Q5_0 or IQ4_NL tensor [N, K] as an Int8Weight of groups of 32: each weight's code (Q8_0's as it is,
+    Q5_0's 5-bit value less 16, IQ4_NL's level) contiguous and 32-byte aligned per block, the scales apart; the
+    same numbers (each block is d * code, d its leading float16)."""
     n, k, raw = _rows(t)
-    if t.tensor_type.name != "Q8_0":
-        raise ValueError(f"{t.tensor_type.name} is not Q8_0")
-    blocks = raw.reshape(n, k // 32, 34)
+    kind = t.tensor_type.name
+    if kind not in INT8_TYPES:
+        raise ValueError(f"{kind} is not a symmetric block type of 32 ({', '.join(sorted(INT8_TYPES))})")
+    blocks = raw.reshape(n, k // 32, -1)
     d = _f16(blocks[..., 0:2]).astype(np.float32)
-    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+    if kind == "Q8_0":
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+    else:  # gguf-py's weights over their block's scale: whole numbers, exactly (a small integer times d)
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        w = np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32).reshape(n, k // 32, 32)
+        safe = np.where(d == 0, 1, d)[..., None]
+        q = np.rint(w / safe).astype(np.int8).reshape(n, k)
     return Int8Weight(torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // 32)))
 
 
@@ -71,11 +85,11 @@ def block_weight(t) -> BlockWeight:
     return BlockWeight(torch.from_numpy(raw.copy()), int(t.tensor_type), k)  # a copy: the file is mapped read-only
 
 
-def packed(t, q8_int8: bool = False) -> Int4Weight | Int8Weight | BlockWeight | None:
-    """The tensor's blocks as the kernels take them, or None when its type is served as float32; ``q8_int8``: a
-    Q8_0 tensor in the int8 layout (``int8_weight``)."""
+def packed(t, int8_layout: bool = False) -> Int4Weight | Int8Weight | BlockWeight | None:
+    """The tensor's blocks as the kernels take them, or None when its type is served as float32; ``int8_layout``: a
+    Q8_0, Q5_0 or IQ4_NL tensor in the int8 layout (``int8_weight``)."""
     kind = t.tensor_type.name
-    if kind == "Q8_0" and q8_int8:
+    if kind in INT8_TYPES and int8_layout:
         return int8_weight(t)
     if kind in INT4_TYPES:
         return int4_weight(t)

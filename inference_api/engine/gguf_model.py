@@ -47,10 +47,10 @@ class GGUFModel:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         reader=None,
-        q8_tables_int8: bool = False,
+        int8_layout: bool = False,
     ):
         self.path = Path(path)
-        self.q8_tables_int8 = q8_tables_int8  # a Q8_0 embedding or head in the int8 layout (the plan's choice)
+        self.int8_layout = int8_layout  # a Q8_0 embedding or head in the int8 layout (the plan's choice)
         # the weights need the header's numbers and the tensors, never the vocabulary: the light index, unless a
         # first start's full reader is at hand
         self.reader = reader if reader is not None else GGUFIndex(path)
@@ -109,7 +109,7 @@ class GGUFWeights:
         """A tensor's own blocks where the kernels take them as they are, else its float32 weight (None: absent).
         The token embedding of a large vocabulary then never exists in float32 (Gemma 3: 0.67 GB)."""
         t = self.m.tensors.get(name)
-        return None if t is None else packed(t, self.m.q8_tables_int8) or self.m.tensor(name)
+        return None if t is None else packed(t, self.m.int8_layout) or self.m.tensor(name)
 
     def embed(self):
         return self._whole("token_embd.weight")
@@ -134,7 +134,7 @@ class GGUFWeights:
         float (F32, or one the kernels lack), the float32 weight served unquantized (mode none); q and k rows back
         in the half-split rotary's order."""
         tensors = [self.m.tensors[n] for n in names]
-        blocks = [packed(t, self.m.q8_tables_int8) for t in tensors]
+        blocks = [packed(t, self.m.int8_layout) for t in tensors]
         as_blocks = all(b is not None for b in blocks)
         if not as_blocks:
             odd = sorted({t.tensor_type.name for t, b in zip(tensors, blocks) if b is None} - {"F32"})

@@ -102,7 +102,7 @@ def load_runner(config, plan: ExecutionPlan, kernels, gguf, model_dir, shard=Non
 
     dtype = plan.torch(plan.dtype)
     model = (
-        GGUFModel(gguf, plan.device, dtype, q8_tables_int8=plan.q8_tables_int8)
+        GGUFModel(gguf, plan.device, dtype, int8_layout=plan.int8_layout)
         if gguf is not None
         else load_model(model_dir, plan.device, dtype)
     )

@@ -130,20 +130,25 @@ def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it(kernels, t):
         assert torch.equal(part, batch[start : start + rows.shape[0]])
 
 
-def test_a_q8_0_table_maps_onto_the_int8_layout_exactly(kernels):
-    """ExecutionPlan.q8_tables_int8: a Q8_0 tensor as an Int8Weight (groups of 32) holds the same numbers as its
-    blocks, and its linear with int8 inputs is the blocks' up to summation order."""
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q5_0, T.IQ4_NL], ids=lambda t: t.name)
+def test_a_symmetric_block_type_maps_onto_the_int8_layout_exactly(kernels, t):
+    """ExecutionPlan.int8_layout: a Q8_0, Q5_0 or IQ4_NL tensor as an Int8Weight (groups of 32) holds the same
+    numbers as its blocks, and its linear with int8 inputs is the weight against the inputs rounded to int8 blocks
+    of 32, for one row and several, the one row's numbers the same alone or beside others (the tiles where the
+    CPU has VNNI: the unpacked codes are let go)."""
     from types import SimpleNamespace
 
     from inference_api.engine.gguf_blocks import int8_weight
     from inference_api.engine.quant import QuantLinear
 
     n, k = 48, 256
-    raw = _raw(T.Q8_0, n, k, seed=3)
-    t = SimpleNamespace(shape=(k, n), data=raw, tensor_type=T.Q8_0)
-    w = int8_weight(t)
-    expected = torch.from_numpy(dequantize(raw, T.Q8_0).reshape(n, k))
+    raw = _raw(t, n, k, seed=3)
+    w = int8_weight(SimpleNamespace(shape=(k, n), data=raw, tensor_type=t))
+    expected = torch.from_numpy(dequantize(raw, t).reshape(n, k))
     assert torch.equal(w.dequantize(), expected)
-    x = torch.randn(3, k)
-    blocks = kernels.linear_gguf(x, torch.from_numpy(raw), int(T.Q8_0), None, True)
-    torch.testing.assert_close(QuantLinear(w, None, kernels, int8_inputs=True)(x), blocks, rtol=1e-5, atol=1e-4)
+    layer = QuantLinear(w, None, kernels, int8_inputs=True)
+    x = torch.randn(5, k)
+    several = layer(x)
+    scale = expected.abs().max().item()
+    torch.testing.assert_close(several, F.linear(_int8_blocks(x), expected), rtol=1e-5, atol=1e-5 * scale * k**0.5)
+    assert torch.equal(layer(x[2:3]), several[2:3])

@@ -159,7 +159,7 @@ def tp_refusal(size: int, heads: int, kv_heads: int) -> str | None:
 
 def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> ExecutionPlan:
     """The plan for these flags, this model and this machine. Pure. PlanError where the flags cannot be met."""
-    from .engine.architectures import supported
+    from .engine.architectures import FAMILIES, supported
 
     device = config.device if config.device != "auto" else "cuda" if machine.cuda else "cpu"
     cuda = device.startswith("cuda")
@@ -188,12 +188,15 @@ def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> Exec
     else:  # auto keeps a GGUF file's own quantization; a folder is served as it is
         quantize = model.gguf_quantize if model.gguf and config.dtype in ("auto", "float32") else "none"
     quantized_cpu = quantize != "none" and device == "cpu"
-    # next to quantized weights on CPU the compact model holds its KV cache in int8 (transformers' layers
-    # cannot read one, so they keep the model's dtype)
+    # next to quantized weights on CPU the compact model holds its KV cache in int8, or float16 where its family's
+    # keys do not survive int8 (architectures.Family.kv_int8); transformers' layers cannot read either, so they keep
+    # the model's dtype
     if config.kv_dtype != "auto":
         kv = config.kv_dtype if compact else dtype
+    elif quantized_cpu and compact:
+        kv = "int8" if FAMILIES[model.arch].kv_int8 else "float16"
     else:
-        kv = "int8" if quantized_cpu and compact else dtype
+        kv = dtype
     flags = machine.cpu_flags
     level = None if config.cpu_level == "auto" else config.cpu_level
     if level is not None and device == "cpu":  # decided as on a CPU with this level's instructions alone

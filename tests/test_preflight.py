@@ -83,6 +83,9 @@ def test_the_plan_decides_device_dtypes_kv_and_kernels_once():
     fallback = plan(model=ModelFacts("gpt2", gguf=True, gguf_quantize="int8"))
     assert (fallback.model, fallback.kv_dtype) == ("transformers", "float32")
     assert plan(model=ModelFacts("gemma3_text", gguf=True, gguf_quantize="int8")).model == "compact"
+    # a family whose keys do not survive int8 keeps a float16 cache (Qwen2.5's outlier key channels), unless asked
+    qwen2 = ModelFacts("qwen2", gguf=True, gguf_quantize="int4")
+    assert plan(model=qwen2).kv_dtype == "float16" and plan(model=qwen2, kv_dtype="int8").kv_dtype == "int8"
 
 
 def test_bytes_follow_dtype_quantization_and_kv_dtype():

@@ -13,7 +13,8 @@ interleaved, and the medians are reported (a shared 2-core machine is noisy). Wi
 same prompts through the offline Python API (``LLM.chat``) on an engine of its own with the server's model and
 rows, and prints its throughput next to the HTTP figure. With --fill-context it ends by filling every row's
 whole context at once (one long prompt per row) and prints the engine's memory then: the worst case of the
-lazily resident KV cache. The same prompts go out in every run, which servers with a prompt cache (this one,
+lazily resident KV cache. With --prefill N it times a fresh N-token prompt answered with one token (the prefill
+alone) on the server and the peer. The same prompts go out in every run, which servers with a prompt cache (this one,
 llama-server) answer without computing them again; --fresh-prompts starts every prompt with a tag never
 sent before, so that no server finds any of it cached. --ignore-eos makes every stream run to --max-tokens on
 both servers (answers that end early make tokens/s lean on the time to first token).
@@ -508,6 +509,13 @@ def main() -> None:
         "from another team (X-Team-Id 'flood', straight to the server), the starvation a fair scheduler prevents",
     )
     ap.add_argument(
+        "--prefill",
+        type=int,
+        metavar="N",
+        help="finally time a fresh prompt of N tokens answered with one token (the prefill alone), 3 times or "
+        "--repeat, on the server and the peer, interleaved; prints the medians and their ratio",
+    )
+    ap.add_argument(
         "--api",
         choices=["native", "openai"],
         help="native: /predictions; openai: /v1/completions (default: openai with --peer-url, else native)",
@@ -640,6 +648,8 @@ def main() -> None:
         compile_stall(args.url, model, max(args.concurrency), args.max_tokens, count)
     if args.flood:
         flood_ttft(args.url, model, health)
+    if args.prefill and not health.get("mock"):
+        prefill_ratio(args.url, args.peer_url, model, health, args.prefill, max(3, args.repeat))
     if args.fill_context and not health.get("mock"):
         rows, length = health["rows_total"], health["context_length"]
         text = long_prompt(health["model_dir"], length - 40)  # with 8 new tokens, each row ends near its length
@@ -647,6 +657,25 @@ def main() -> None:
         print(f"engine memory, every row's context filled: {process_memory(health.get('backend_pid'))}")
     if offline:
         offline.llm.close()
+
+
+def prefill_ratio(url: str, peer_url: str | None, model: str, health: dict, length: int, repeat: int) -> None:
+    """--prefill: a prompt of ``length`` tokens, fresh each time (a tag never sent before in front, so no prompt
+    cache holds it), answered with one token through /v1/completions on the server and the peer, interleaved."""
+    text = long_prompt(health["model_dir"], length)
+    sides = [("server", url)] + ([("peer", peer_url)] if peer_url else [])
+    times: dict[str, list[float]] = defaultdict(list)
+    for i in range(repeat):
+        for label, u in sides:
+            body = {"model": model, "prompt": f"Run {i} {time.time_ns()}. {text}", "max_tokens": 1, "temperature": 0}
+            start = time.perf_counter()
+            requests.post(f"{u}/v1/completions", json=body, timeout=900).raise_for_status()
+            times[label].append(time.perf_counter() - start)
+    medians = {label: statistics.median(t) for label, t in times.items()}
+    for label, m in medians.items():
+        print(f"prefill {length} tokens  {label:6s} median {m:.2f} s = {length / m:.0f} tok/s ({len(times[label])} runs)")
+    if peer_url:
+        print(f"ratio: prefill server / peer = {medians['peer'] / medians['server']:.2f}x faster")
 
 
 # --structured: every stream writes a JSON object holding one long string, long enough that no stream ends before

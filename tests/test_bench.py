@@ -199,6 +199,13 @@ def test_fill_context_fills_every_row_and_reports_the_engines_memory(small_defau
     assert float(filled) > float(before)  # the lazily resident cache took its pages
 
 
+def test_prefill_times_a_fresh_long_prompt(small_default_server):
+    result = bench("--url", small_default_server.url, "--concurrency", "1", "--max-tokens", "2", "--prefill", "120")
+    assert result.returncode == 0, result.stderr
+    found = re.search(r"prefill 120 tokens  server median ([\d.]+) s = (\d+) tok/s \(3 runs\)", result.stdout)
+    assert found and float(found.group(1)) > 0, result.stdout
+
+
 def test_the_perplexity_script_scores_llama_perplexitys_chunks(real_server):
     """scripts/perplexity.py: the text's tokens after the model's BOS (none for SmolLM2), ctx at a time, the
     second half of each chunk scored, and a perplexity an English text gets from a model that reads English."""

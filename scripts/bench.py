@@ -673,7 +673,8 @@ def prefill_ratio(url: str, peer_url: str | None, model: str, health: dict, leng
             times[label].append(time.perf_counter() - start)
     medians = {label: statistics.median(t) for label, t in times.items()}
     for label, m in medians.items():
-        print(f"prefill {length} tokens  {label:6s} median {m:.2f} s = {length / m:.0f} tok/s ({len(times[label])} runs)")
+        runs = len(times[label])
+        print(f"prefill {length} tokens  {label:6s} median {m:.2f} s = {length / m:.0f} tok/s ({runs} runs)")
     if peer_url:
         print(f"ratio: prefill server / peer = {medians['peer'] / medians['server']:.2f}x faster")
 

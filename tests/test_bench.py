@@ -222,8 +222,9 @@ def test_the_perplexity_script_scores_llama_perplexitys_chunks(real_server):
     ids = tokenize(text, False)
     assert tokenize("The", True) == tokenize("The", False)  # SmolLM2 adds no BOS: its chunks are the text's tokens
     assert module.chunks(real_server.url, model, text, 64, 2) == [ids[:64], ids[64:128]]
+    script = str(SCRIPT.with_name("perplexity.py"))
     result = subprocess.run(
-        [sys.executable, str(SCRIPT.with_name("perplexity.py")), "--url", real_server.url, "--ctx", "64", "--chunks", "2"],
+        [sys.executable, script, "--url", real_server.url, "--ctx", "64", "--chunks", "2"],
         capture_output=True,
         text=True,
         timeout=300,

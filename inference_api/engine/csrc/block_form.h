@@ -94,7 +94,7 @@ struct BlockForm {
   int64_t N, K, row_bytes;
   static constexpr bool Q8 = has_codes<B>::value;
   static constexpr bool K8 = has_iscales<B>::value;  // the k-quants: Q8_K inputs (k8_dot, k8_tile)
-  static constexpr int64_t K8_AHEAD = 16;             // how many passes ahead k8_dot prefetches
+  static constexpr int64_t K8_AHEAD = 16;            // how many passes ahead k8_dot prefetches
 #ifdef WOQ_VNNI
   static constexpr bool VNNI = Q8 && !K8;  // blocks of 32: the VNNI tiles, each group of 16 rows packed on the fly
 #else
@@ -155,8 +155,8 @@ struct BlockForm {
   // numbers of dot_q8, summed in another order. A row's numbers are the same whatever the rows beside it.
   struct Group {
     std::vector<uint8_t> codes;
-    std::vector<float> d, m;           // per sub-block (blocks of 32), or per super-block D and M (the k-quants)
-    std::vector<int32_t> isc, imn;     // the k-quants: each sub-block's integer scale and minimum [K / SUB][16]
+    std::vector<float> d, m;        // per sub-block (blocks of 32), or per super-block D and M (the k-quants)
+    std::vector<int32_t> isc, imn;  // the k-quants: each sub-block's integer scale and minimum [K / SUB][16]
     int64_t rows = 0;
   };
   static constexpr int64_t PREFETCH_GROUPS = 2;  // how far ahead the packing prefetches

@@ -24,7 +24,6 @@ inline void scale_min_k4(const uint8_t* q, float dd, float dmin, float* d, float
   _mm256_storeu_ps(m, _mm256_mul_ps(n, _mm256_set1_ps(-dmin)));
 }
 
-
 // The same 6-bit scales and minimums as integers (the int8-input kernels scale a super-block's sums in integers),
 // built in registers and stored whole (the kernels read them back whole: no store-forwarding stall)
 inline void scale_min_k4_int(const uint8_t* q, int16_t* sc, int16_t* mn) {

@@ -297,8 +297,8 @@ struct I8Form {
   const int8_t* vq = nullptr;
   const float* vs = nullptr;
   static constexpr bool Q8 = true, VNNI = true, K8 = false;  // integer kernels for int8 inputs; VNNI tiles
-  static constexpr bool PLUS128 = true;          // the VNNI tiles take the int8 inputs plus 128
-  static constexpr bool ONE_ROW = false;         // packed at load: one row goes through the tiles too
+  static constexpr bool PLUS128 = true;                      // the VNNI tiles take the int8 inputs plus 128
+  static constexpr bool ONE_ROW = false;                     // packed at load: one row goes through the tiles too
   static constexpr bool HALVES = false;
   bool vnni_ready() const { return vq != nullptr; }
   void vnni_prepare(int64_t) const {}

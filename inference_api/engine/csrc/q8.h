@@ -87,7 +87,8 @@ struct Q8KRows {
  private:
   void block(const float* xb, int64_t b) {
     __m256 mx = _mm256_setzero_ps();
-    for (int j = 0; j < 256; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(xb + j)));
+    for (int j = 0; j < 256; j += 8)
+      mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(xb + j)));
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));

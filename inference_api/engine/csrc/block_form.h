@@ -156,7 +156,8 @@ struct BlockForm {
   struct Group {
     std::vector<uint8_t> codes;
     std::vector<float> d, m;        // per sub-block (blocks of 32), or per super-block D and M (the k-quants)
-    std::vector<int32_t> isc, imn;  // the k-quants: each sub-block's integer scale and minimum [K / SUB][16]
+    std::vector<int32_t> isc, imn;  // the k-quants: each sub-block's integer scale [K / SUB][16], and the
+                                    // minimums of each two 16s of inputs as int16 pairs [K / 32][16]
     int64_t rows = 0;
   };
   static constexpr int64_t PREFETCH_GROUPS = 2;  // how far ahead the packing prefetches
@@ -274,7 +275,7 @@ struct BlockForm {
       g.rows = std::min<int64_t>(16, N - n0);
       g.codes.resize(K * 16);
       if constexpr (K8) {
-        g.d.resize(nb * 16), g.m.resize(nb * 16), g.isc.resize(nb * NS * 16), g.imn.resize(nb * NS * 16);
+        g.d.resize(nb * 16), g.m.resize(nb * 16), g.isc.resize(nb * NS * 16), g.imn.resize(nb * 8 * 16);
       } else {
         g.d.resize(K / B::SUB * 16), g.m.resize(K / B::SUB * 16);
       }
@@ -290,7 +291,12 @@ struct BlockForm {
             float D, M;
             B::iscales(wr[r] + blk * B::BYTES, S, Nm, D, M);
             g.d[blk * 16 + r] = D, g.m[blk * 16 + r] = M;
-            for (int j = 0; j < NS; ++j) g.isc[(blk * NS + j) * 16 + r] = S[j], g.imn[(blk * NS + j) * 16 + r] = Nm[j];
+            for (int j = 0; j < NS; ++j) g.isc[(blk * NS + j) * 16 + r] = S[j];
+            for (int p = 0; p < 8; ++p) {  // the minimums of inputs 32p .. 32p + 15 and 32p + 16 .. 32p + 31
+              const int16_t lo = Nm[2 * p * 16 / B::SUB], hi = Nm[(2 * p + 1) * 16 / B::SUB];
+              g.imn[(blk * 8 + p) * 16 + r] = static_cast<int32_t>(
+                  static_cast<uint16_t>(lo) | static_cast<uint32_t>(static_cast<uint16_t>(hi)) << 16);
+            }
           }
         } else {
           group_scales(wr, blk, g.d.data() + blk * NS * 16, g.m.data() + blk * NS * 16);
@@ -325,7 +331,7 @@ struct BlockForm {
   template <int MR>
   void k8_tile(const Q8KRows& x, int64_t i0, float* y, int64_t ldy) const {
     if constexpr (K8) {
-      constexpr int STEPS = B::SUB / 4, NS = 256 / B::SUB, PER = B::SUB / 16;
+      constexpr int STEPS = B::SUB / 4, NS = 256 / B::SUB;
       const Group& g = group_buffer();
       const int64_t nb = K / 256;
       __m512 acc[MR];
@@ -353,11 +359,11 @@ struct BlockForm {
           acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum[i]), acc[i]);
           const int16_t* bs = x.bsum.data() + ((i0 + i) * nb + blk) * 16;
           __m512i imin = _mm512_setzero_si512();
-          for (int j = 0; j < NS; ++j) {
-            int32_t b = bs[j * PER];
-            if constexpr (PER == 2) b += bs[j * PER + 1];
-            imin = _mm512_add_epi32(
-                imin, _mm512_mullo_epi32(_mm512_loadu_si512(g.imn.data() + (blk * NS + j) * 16), _mm512_set1_epi32(b)));
+          for (int p = 0; p < 8; ++p) {  // two 16s of inputs' sums against their minimums per vpdpwssd
+            int32_t pair;
+            std::memcpy(&pair, bs + 2 * p, 4);
+            imin = _mm512_dpwssd_epi32(imin, _mm512_loadu_si512(g.imn.data() + (blk * 8 + p) * 16),
+                                       _mm512_set1_epi32(pair));
           }
           acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(mv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(imin), acc[i]);
         }

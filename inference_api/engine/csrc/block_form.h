@@ -81,13 +81,6 @@ inline __m256i min_lanes(const int16_t* N) {
   }
 }
 
-#ifdef WOQ_VNNI
-template <typename B, typename = void>
-struct has_lane_scales : std::false_type {};
-template <typename B>
-struct has_lane_scales<B, std::void_t<decltype(&B::lane_scales)>> : std::true_type {};
-#endif
-
 template <typename B>
 struct BlockForm {
   const uint8_t* w;  // raw [N, row_bytes]
@@ -167,32 +160,10 @@ struct BlockForm {
     return g;
   }
 
-  // the 16 rows' scales and minimums of block blk, each sub-block's in the rows' lanes: d, m [NS][16]. A block of one
-  // scale writes each row's into its lane; a type with lane_scales (the k-quants) reads them straight into the lanes
-  // (gathers at the rows' offsets from row 0: 19 to 37 % faster than the next way on one row's Q4_K, Q5_K and
-  // Q6_K, and 20 to 30 % slower than the scalar scales for blocks of 32); else each row's are unpacked side by side
-  // and gathered.
+  // the 16 rows' scales and minimums of block blk (blocks of 32: one scale each), each row's in its lane: d, m [16]
   static void group_scales(const uint8_t* const* wr, int64_t blk, float* dout, float* mout) {
-    constexpr int NS = B::QK / B::SUB;
-    if constexpr (NS == 1) {
-      for (int r = 0; r < 16; ++r) B::scales(wr[r] + blk * B::BYTES, dout + r, mout + r);
-    } else if constexpr (has_lane_scales<B>::value) {
-      B::lane_scales(wr[0] + blk * B::BYTES, row_offsets(wr), dout, mout);
-    } else {
-      alignas(64) float d[16][NS + 8], m[16][NS + 8];  // + 8: room for the 8-wide stores of a row's scales
-      for (int r = 0; r < 16; ++r) B::scales(wr[r] + blk * B::BYTES, d[r], m[r]);
-      const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(NS + 8));
-      for (int j = 0; j < NS; ++j) {
-        _mm512_storeu_ps(dout + j * 16, _mm512_i32gather_ps(rows, &d[0][j], 4));
-        if constexpr (B::MINS) _mm512_storeu_ps(mout + j * 16, _mm512_i32gather_ps(rows, &m[0][j], 4));
-      }
-    }
-  }
-  static __m512i row_offsets(const uint8_t* const* wr) {
-    alignas(64) int32_t off[16];
-    for (int r = 0; r < 16; ++r) off[r] = static_cast<int32_t>(wr[r] - wr[0]);
-    return _mm512_load_si512(off);
+    static_assert(B::QK == B::SUB, "the tiles over int8 inputs in blocks of 32 take one scale a block");
+    for (int r = 0; r < 16; ++r) B::scales(wr[r] + blk * B::BYTES, dout + r, mout + r);
   }
 
   // the 16 weight rows of the group from row n0 (rows past N read row n0 again; their sums are never stored)
@@ -448,11 +419,13 @@ struct BlockForm {
               isum[r][ii] = _mm256_add_epi32(isum[r][ii], _mm256_madd_epi16(_mm256_maddubs_epi16(codes[r], xv), sc[r]));
           }
         }
+        __m256i mins[RW];
+        for (int r = 0; r < RW; ++r) mins[r] = min_lanes<B>(Nm[r]);
         for (int ii = 0; ii < MR; ++ii) {
           const __m256i bs = _mm256_loadu_si256((const __m256i*)(x.bsum.data() + ((i + ii) * nb + blk) * 16));
           const float dx = x.d[(i + ii) * nb + blk];
           for (int r = 0; r < RW; ++r) {
-            const int32_t is = hsum_i32(isum[r][ii]), im = hsum_i32(_mm256_madd_epi16(bs, min_lanes<B>(Nm[r])));
+            const int32_t is = hsum_i32(isum[r][ii]), im = hsum_i32(_mm256_madd_epi16(bs, mins[r]));
             acc[r][ii] = std::fma(D[r] * dx, static_cast<float>(is), acc[r][ii]);
             acc[r][ii] = std::fma(M[r] * dx, static_cast<float>(im), acc[r][ii]);
           }

@@ -8,25 +8,9 @@ namespace woq {
 #ifdef WOQ_SIMD
 
 // Q4_K and Q5_K's eight 6-bit scales and minimums packed in 12 bytes, unpacked 4 bytes at a time as llama.cpp
-// does: sc[j] = byte j of the first 8 bytes out, mn[j] of the last 8, each as a float times d or -dmin
-inline void scale_min_k4(const uint8_t* q, float dd, float dmin, float* d, float* m) {
-  uint32_t u0, u1, u2;
-  std::memcpy(&u0, q, 4);
-  std::memcpy(&u1, q + 4, 4);
-  std::memcpy(&u2, q + 8, 4);
-  const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
-  // in registers (a store of 4-byte halves read back as 8 bytes stalls the load)
-  const uint64_t sc = (u0 & k1) | static_cast<uint64_t>((u2 & k2) | (((u0 >> 6) & k3) << 4)) << 32;
-  const uint64_t mn = (u1 & k1) | static_cast<uint64_t>(((u2 >> 4) & k2) | (((u1 >> 6) & k3) << 4)) << 32;
-  const __m256 s = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(sc))));
-  const __m256 n = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(static_cast<long long>(mn))));
-  _mm256_storeu_ps(d, _mm256_mul_ps(s, _mm256_set1_ps(dd)));
-  _mm256_storeu_ps(m, _mm256_mul_ps(n, _mm256_set1_ps(-dmin)));
-}
-
-// The same 6-bit scales and minimums as integers (the int8-input kernels scale a super-block's sums in integers),
-// built in registers and stored whole (the kernels read them back whole: no store-forwarding stall)
-inline void scale_min_k4_int(const uint8_t* q, int16_t* sc, int16_t* mn) {
+// does, in registers (a store of 4-byte halves read back as 8 bytes stalls the load): byte j of sc is scale j, of
+// mn minimum j
+inline void k4_scale_bytes(const uint8_t* q, __m128i& sc, __m128i& mn) {
   uint32_t u0, u1, u2;
   std::memcpy(&u0, q, 4);
   std::memcpy(&u1, q + 4, 4);
@@ -34,16 +18,26 @@ inline void scale_min_k4_int(const uint8_t* q, int16_t* sc, int16_t* mn) {
   const uint32_t k1 = 0x3f3f3f3f, k2 = 0x0f0f0f0f, k3 = 0x03030303;
   const uint64_t s = (u0 & k1) | static_cast<uint64_t>((u2 & k2) | (((u0 >> 6) & k3) << 4)) << 32;
   const uint64_t m = (u1 & k1) | static_cast<uint64_t>(((u2 >> 4) & k2) | (((u1 >> 6) & k3) << 4)) << 32;
-  _mm_storeu_si128((__m128i*)sc, _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(s))));
-  _mm_storeu_si128((__m128i*)mn, _mm_cvtepu8_epi16(_mm_cvtsi64_si128(static_cast<long long>(m))));
+  sc = _mm_cvtsi64_si128(static_cast<long long>(s));
+  mn = _mm_cvtsi64_si128(static_cast<long long>(m));
 }
 
-#ifdef WOQ_VNNI
-// the float16 at bit shift (0 or 16) of each 32-bit lane, as floats
-inline __m512 lane_f16(__m512i v, int shift) {
-  return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, shift)));
+// the scales and minimums as floats times d and -dmin
+inline void scale_min_k4(const uint8_t* q, float dd, float dmin, float* d, float* m) {
+  __m128i sc, mn;
+  k4_scale_bytes(q, sc, mn);
+  _mm256_storeu_ps(d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sc)), _mm256_set1_ps(dd)));
+  _mm256_storeu_ps(m, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(mn)), _mm256_set1_ps(-dmin)));
 }
-#endif
+
+// the same as integers (the int8-input kernels scale a super-block's sums in integers), stored whole (the kernels
+// read them back whole: no store-forwarding stall)
+inline void scale_min_k4_int(const uint8_t* q, int16_t* sc, int16_t* mn) {
+  __m128i s, m;
+  k4_scale_bytes(q, s, m);
+  _mm_storeu_si128((__m128i*)sc, _mm_cvtepu8_epi16(s));
+  _mm_storeu_si128((__m128i*)mn, _mm_cvtepu8_epi16(m));
+}
 
 // 16 sub-block scales given as 16 bytes (signed or unsigned) into floats times f
 inline void scale16(__m128i bytes, bool is_signed, float f, float* out) {
@@ -116,28 +110,6 @@ struct Q4_K {  // d, dmin, scales[12] (6-bit scales and minimums), qs[128] (nibb
     scale_min_k4_int(b + 4, S, N);
     D = f16_at(b), M = -f16_at(b + 2);
   }
-#ifdef WOQ_VNNI
-  // scales' numbers for 16 blocks at b + off[r], in the rows' lanes: d, m [8][16] (the VNNI tiles' layout)
-  static void lane_scales(const uint8_t* b, __m512i off, float* d, float* m) {
-    const __m512i head = _mm512_i32gather_epi32(off, b, 1), u0 = _mm512_i32gather_epi32(off, b + 4, 1),
-                  u1 = _mm512_i32gather_epi32(off, b + 8, 1), u2 = _mm512_i32gather_epi32(off, b + 12, 1);
-    const __m512 dd = lane_f16(head, 0),
-                 dmin = _mm512_mul_ps(lane_f16(head, 16), _mm512_set1_ps(-1.f));  // -dmin, exactly
-    const __m512i k6 = _mm512_set1_epi32(63), k4 = _mm512_set1_epi32(15), k2 = _mm512_set1_epi32(3);
-    for (int j = 0; j < 4; ++j) {  // scale_min_k4's bytes, each in the lanes
-      const __m512i sc = _mm512_and_si512(_mm512_srli_epi32(u0, 8 * j), k6),
-                    mn = _mm512_and_si512(_mm512_srli_epi32(u1, 8 * j), k6);
-      const __m512i sc2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 8 * j), k4),
-                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u0, 8 * j + 6), k2), 4));
-      const __m512i mn2 = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(u2, 8 * j + 4), k4),
-                                          _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(u1, 8 * j + 6), k2), 4));
-      _mm512_storeu_ps(d + j * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(sc), dd));
-      _mm512_storeu_ps(m + j * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(mn), dmin));
-      _mm512_storeu_ps(d + (j + 4) * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(sc2), dd));
-      _mm512_storeu_ps(m + (j + 4) * 16, _mm512_mul_ps(_mm512_cvtepi32_ps(mn2), dmin));
-    }
-  }
-#endif
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
     return bit_field<V>(a, b, 16 + (c / 2) * 32, 4 * (c % 2), 15);
@@ -149,9 +121,6 @@ struct Q5_K {  // d, dmin, scales[12], qh[32] (fifth bit), qs[128] (nibbles)
   static constexpr bool SIGNED = false, MINS = true;
   static void scales(const uint8_t* b, float* d, float* m) { Q4_K::scales(b, d, m); }
   static void iscales(const uint8_t* b, int16_t* S, int16_t* N, float& D, float& M) { Q4_K::iscales(b, S, N, D, M); }
-#ifdef WOQ_VNNI
-  static void lane_scales(const uint8_t* b, __m512i off, float* d, float* m) { Q4_K::lane_scales(b, off, d, m); }
-#endif
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
     return V::or_(bit_field<V>(a, b, 48 + (c / 2) * 32, 4 * (c % 2), 15), V::slli(bit_field<V>(a, b, 16, c, 1), 4));
@@ -173,20 +142,6 @@ struct Q6_K {  // ql[128] (low nibbles), qh[64] (high 2 bits), scales[16] (int8)
     _mm256_storeu_si256((__m256i*)N, sc);
     D = f16_at(b + 208), M = -32.f * D;
   }
-#ifdef WOQ_VNNI
-  static void lane_scales(const uint8_t* b, __m512i off, float* d, float* m) {
-    const __m512 dd = lane_f16(_mm512_i32gather_epi32(off, b + 206, 1), 16);  // d is the block's last 2 bytes
-    const __m512 f = _mm512_mul_ps(_mm512_set1_ps(-32.f), dd);
-    for (int g = 0; g < 4; ++g) {
-      const __m512i v = _mm512_i32gather_epi32(off, b + 192 + 4 * g, 1);
-      for (int j = 0; j < 4; ++j) {
-        const __m512 sc = _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(v, 24 - 8 * j), 24));
-        _mm512_storeu_ps(d + (4 * g + j) * 16, _mm512_mul_ps(sc, dd));
-        _mm512_storeu_ps(m + (4 * g + j) * 16, _mm512_mul_ps(sc, f));
-      }
-    }
-  }
-#endif
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
     const int h = c / 4, cc = c % 4;

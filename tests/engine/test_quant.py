@@ -153,7 +153,7 @@ def test_decode_attention_equals_sdpa_over_each_rows_length(kernels, dtype, head
 
 
 @pytest.mark.parametrize("heads", [(2, 6, 16), (1, 4, 64)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_decode_attention_reads_a_window_across_a_rings_wrap_with_the_same_numbers(kernels, dtype, heads):
     """A sliding-window layer's ring (position p at slot p % ring) gives bit for bit what a cache as long as the
     context gives over the same window: across the wrap, within and across the blocks of 64 positions; and

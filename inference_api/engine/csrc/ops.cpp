@@ -48,9 +48,11 @@ inline float silu_mul_one(float g, float u) {
   return g * (g >= 0.f ? r : e * r) * u;
 }
 
-// the caches the vector paths of decode attention read: float32 and int8
+// the caches the vector paths of decode attention read: every type the caches come in (float32, bfloat16, float16,
+// int8)
 template <typename T>
-constexpr bool vector_cache = std::is_same_v<T, float> || std::is_same_v<T, int8_t>;
+constexpr bool vector_cache = std::is_same_v<T, float> || std::is_same_v<T, int8_t> || std::is_same_v<T, c10::Half> ||
+                              std::is_same_v<T, c10::BFloat16>;
 
 inline bool vector_rows(int64_t D) {
 #ifdef WOQ_SIMD
@@ -61,16 +63,19 @@ inline bool vector_rows(int64_t D) {
 }
 
 #ifdef WOQ_SIMD
-// rows [n, D] of an int8 cache into float out [n, D] (their scales are applied to the scores)
-inline void rows_to_float(const int8_t* p, int64_t n, int64_t D, float* out) {
-  for (int64_t j = 0; j < n * D; j += W) Vec::store(out + j, Vec::int8s(p + j));
-}
-
-// W elements of a float32 or int8 cache as floats
+// W elements of a cache as floats
 template <typename T>
 inline Vec::T cache_vec(const T* p) {
   if constexpr (std::is_same_v<T, float>) return Vec::load(p);
+  else if constexpr (std::is_same_v<T, c10::Half>) return Vec::halves(p);
+  else if constexpr (std::is_same_v<T, c10::BFloat16>) return Vec::bf16s(p);
   else return Vec::int8s(p);
+}
+
+// rows [n, D] of a 16-bit or int8 cache into float out [n, D] (an int8 cache's scales are applied to the scores)
+template <typename T>
+inline void rows_to_float(const T* p, int64_t n, int64_t D, float* out) {
+  for (int64_t j = 0; j < n * D; j += W) Vec::store(out + j, cache_vec(p + j));
 }
 
 // scores[g * stride + l] = (q_g . k_l) * scale * (ks[l], or 1) for the group's query heads q [group, D] and
@@ -167,7 +172,7 @@ inline void vector_values(const float* p, int64_t stride, const T* v0, int64_t n
 
 #endif
 
-// positions whose int8 keys the vector path converts to float at a time: 16 KB for D = 64, in L1
+// positions whose keys the vector path converts to float at a time (a 16-bit or int8 cache): 16 KB for D = 64, in L1
 constexpr int64_t POSITION_BLOCK = 64;
 
 // Where a query's positions first .. first + n - 1 lie in its cache row of R slots: a ring holds position p at slot

@@ -224,6 +224,7 @@ class QuantLinear:
             sizes = [p.raw.shape[0] if isinstance(p, BlockWeight) else p.q.shape[0] for p in weight.pieces]
             biases = [None] * len(sizes) if bias is None else list(bias.split(sizes))
             self.pieces = [QuantLinear(p, b, kernels, int8_inputs) for p, b in zip(weight.pieces, biases)]
+            self.weight = StackedWeight([p.weight for p in self.pieces])  # the pieces' codes let go where packed
         self.vnni: tuple[torch.Tensor | None, torch.Tensor | None] = (
             None,
             None,
@@ -232,6 +233,12 @@ class QuantLinear:
             self.vnni = vnni_int4(weight) if isinstance(weight, Int4Weight) else vnni_int8(weight)
             if not lookups:  # every row count now reads the packing: the codes' place is held by untouched pages
                 self.weight = dataclasses.replace(weight, q=untouched(weight.q))
+        elif int8_inputs and isinstance(weight, BlockWeight) and kernels.vnni():
+            packed = kernels.pack_k8(weight.raw, weight.ggml_type)  # Q4_K, Q5_K, Q6_K: empty for other types
+            if packed.numel():
+                self.vnni = (packed, None)
+                if not lookups:
+                    self.weight = dataclasses.replace(weight, raw=untouched(weight.raw))
 
     def parts(self) -> list[tuple]:
         """The layer as the kernels' Decoder takes it, a tuple per piece: (form, q or the blocks' bytes, scales or
@@ -240,7 +247,7 @@ class QuantLinear:
             return [part for p in self.pieces for part in p.parts()]
         w = self.weight
         if isinstance(w, BlockWeight):
-            return [(w.ggml_type, w.raw, None, None, self.bias, self.int8_inputs, None, None)]
+            return [(w.ggml_type, w.raw, None, None, self.bias, self.int8_inputs, *self.vnni)]
         if isinstance(w, Int8Weight):
             return [(FORM_INT8, w.q, w.s, None, self.bias, self.int8_inputs, *self.vnni)]
         return [(FORM_INT4, w.q, w.d, w.m, self.bias, self.int8_inputs, *self.vnni)]
@@ -254,7 +261,7 @@ class QuantLinear:
         if self.pieces is not None:
             return torch.cat([p(x) for p in self.pieces], dim=-1)
         if isinstance(w, BlockWeight):
-            return self.kernels.linear_gguf(x, w.raw, w.ggml_type, self.bias, self.int8_inputs)
+            return self.kernels.linear_gguf(x, w.raw, w.ggml_type, self.bias, self.int8_inputs, self.vnni[0])
         if isinstance(w, Int8Weight):
             return self.kernels.linear_int8(x, w.q, w.s, self.bias, self.int8_inputs, *self.vnni)
         return self.kernels.linear_int4(x, w.q, w.d, w.m, self.bias, self.int8_inputs, *self.vnni)

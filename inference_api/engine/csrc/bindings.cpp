@@ -21,7 +21,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_inputs") = false, py::arg("vnni_q") = py::none(),
         py::arg("vnni_s") = py::none());
   m.def("linear_gguf", &linear_gguf, "x @ W^T for W a GGUF tensor's rows in their own blocks (raw [N, row bytes])",
-        py::arg("x"), py::arg("raw"), py::arg("type"), py::arg("bias"), py::arg("int8_inputs") = false);
+        py::arg("x"), py::arg("raw"), py::arg("type"), py::arg("bias"), py::arg("int8_inputs") = false,
+        py::arg("packed") = py::none());
+  m.def("pack_k8", &pack_k8,
+        "Q4_K, Q5_K or Q6_K rows packed for the VNNI tiles (empty for other types, or without the tiles)",
+        py::arg("raw"), py::arg("type"));
   m.def("dequantize_gguf", &dequantize_gguf, "rows of a GGUF tensor's blocks as float32 [R, K]", py::arg("raw"),
         py::arg("type"));
   m.def("gguf_types", &gguf_types, "ggml's type numbers of the block types served in their own blocks");

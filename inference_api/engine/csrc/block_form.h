@@ -12,6 +12,7 @@
 #include "drivers.h"
 #include "gguf_float.h"
 #include "gguf_kquants.h"
+#include "k8_pack.h"
 #include "q8.h"
 
 namespace woq {
@@ -85,6 +86,7 @@ template <typename B>
 struct BlockForm {
   const uint8_t* w;  // raw [N, row_bytes]
   int64_t N, K, row_bytes;
+  const uint8_t* packed = nullptr;  // the k-quants K8Pack packs at load (k8_pack.h), when given
   static constexpr bool Q8 = has_codes<B>::value;
   static constexpr bool K8 = has_iscales<B>::value;  // the k-quants: Q8_K inputs (k8_dot, k8_tile)
   static constexpr int64_t K8_AHEAD = 16;            // how many passes ahead k8_dot prefetches
@@ -342,6 +344,55 @@ struct BlockForm {
       const __mmask16 keep = static_cast<__mmask16>((1u << g.rows) - 1);
       for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy, keep, acc[i]);
     }
+  }
+
+  // Many input rows over a group packed at load: the group's codes unpacked into the tiles' buffer once (the layout
+  // vnni_prepare makes), so that k8_tile reads bytes where k8p_tile would unpack each vector for every tile of rows
+  void k8p_prepare(int64_t grp) const {
+    if constexpr (K8Pack<B>::ON) {
+      using P = K8Pack<B>;
+      constexpr int NS = P::NS;
+      Group& g = group_buffer();
+      const int64_t nb = K / 256;
+      const uint8_t* base = packed + grp * nb * P::PB;
+      g.rows = std::min<int64_t>(16, N - grp * 16);
+      g.codes.resize(K * 16), g.d.resize(nb * 16), g.m.resize(nb * 16), g.isc.resize(nb * NS * 16);
+      g.imn.resize(nb * 8 * 16);
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        const uint8_t* o = base + blk * P::PB;
+        for (int p = 0; p < 32; ++p) {
+          __m512i w0, w1;
+          P::step_pair(o, p, w0, w1);
+          _mm512_storeu_si512(g.codes.data() + (blk * 64 + 2 * p) * 64, w0);
+          _mm512_storeu_si512(g.codes.data() + (blk * 64 + 2 * p + 1) * 64, w1);
+        }
+        for (int j = 0; j < NS; ++j)
+          _mm512_storeu_si512(g.isc.data() + (blk * NS + j) * 16,
+                              _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(o + P::SC + j * 16))));
+        for (int q = 0; q < 8; ++q) {  // k8_tile's pairs: the minimums of inputs 32q .. 32q + 15 and 32q + 16 ..
+          int32_t* out = g.imn.data() + (blk * 8 + q) * 16;
+          if constexpr (B::SUB == 16) {
+            _mm512_storeu_si512(out, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(o + P::MN + q * 32))));
+          } else {  // one minimum for both 16s of sub-block q
+            for (int r = 0; r < 16; ++r) {
+              const int16_t v = static_cast<int8_t>(o[P::MN + (q / 2) * 32 + r * 2 + q % 2]);
+              out[r] = static_cast<int32_t>(static_cast<uint16_t>(v) | static_cast<uint32_t>(static_cast<uint16_t>(v))
+                                                                           << 16);
+            }
+          }
+        }
+        std::memcpy(g.d.data() + blk * 16, o + P::DM, 64);
+        std::memcpy(g.m.data() + blk * 16, o + P::DM + 64, 64);
+      }
+    }
+  }
+
+  // the tiles over the group packed at load (K8Pack): y[i * ldy + r] for the MR input rows from i0
+  template <int MR>
+  void k8p_tile(const Q8KRows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
+    if constexpr (K8Pack<B>::ON)
+      K8Pack<B>::template tile<MR>(packed + grp * (K / 256) * K8Pack<B>::PB, K, x, i0, y, ldy,
+                                   std::min<int64_t>(16, N - grp * 16));
   }
 
   // y[i * ldy + r] for the MR input rows from i0 and the group's rows r (its first g.rows written)

@@ -8,7 +8,7 @@ namespace woq {
 at::Tensor Piece::operator()(const at::Tensor& x) const {
   if (form == FORM_INT4) return linear_int4(x, q, *a, *b, bias, int8_inputs, vq, vs);
   if (form == FORM_INT8) return linear_int8(x, q, *a, bias, int8_inputs, vq, vs);
-  return linear_gguf(x, q, form, bias, int8_inputs);
+  return linear_gguf(x, q, form, bias, int8_inputs, vq);
 }
 
 QuantLinear::QuantLinear(const std::vector<LinearParts>& parts) {

@@ -20,7 +20,9 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
                        bool int8_inputs, const Packed& vq, const Packed& vs);
 at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tensor& d, const at::Tensor& m,
                        const Bias& bias, bool int8_inputs, const Packed& vq, const Packed& vs);
-at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& raw, int64_t type, const Bias& bias, bool int8_inputs);
+at::Tensor linear_gguf(const at::Tensor& x, const at::Tensor& raw, int64_t type, const Bias& bias, bool int8_inputs,
+                       const Packed& packed);
+at::Tensor pack_k8(const at::Tensor& raw, int64_t type);
 at::Tensor dequantize_gguf(const at::Tensor& raw, int64_t type);
 
 using Scales = c10::optional<at::Tensor>;

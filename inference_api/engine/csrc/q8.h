@@ -74,11 +74,12 @@ struct Q8Rows {
 struct Q8KRows {
   std::vector<int8_t> q;
   std::vector<float> d;
-  std::vector<int16_t> bsum;
-  Q8KRows(const float* x, int64_t M, int64_t K) : q(M * K), d(M * K / 256), bsum(M * K / 16) {
+  std::vector<int16_t> bsum, bsum32;  // each 16 inputs' integer sum, each 32's
+  Q8KRows(const float* x, int64_t M, int64_t K) : q(M * K), d(M * K / 256), bsum(M * K / 16), bsum32(M * K / 32) {
     const int64_t blocks = M * K / 256;
     auto run = [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) block(x + b * 256, b);
+      for (int64_t j = b0 * 8; j < b1 * 8; ++j) bsum32[j] = static_cast<int16_t>(bsum[2 * j] + bsum[2 * j + 1]);
     };
     if (blocks >= 256) at::parallel_for(0, blocks, 32, run);  // a prefill's rows
     else run(0, blocks);

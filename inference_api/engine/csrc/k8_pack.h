@@ -1,0 +1,148 @@
+// Q4_K, Q5_K and Q6_K packed once at load for the VNNI tiles (AVX512-VNNI), as llama.cpp repacks its k-quants: the
+// tiles then read every group of 16 weight rows in the layout vpdpbusd takes, for every row count, with no packing
+// per call. Per group of 16 rows and super-block of 256 inputs, PB bytes:
+// - the codes' low nibbles, 32 vectors of 64 bytes: byte 4r + e of vector p holds input 8p + e of row r in its low
+//   nibble and input 8p + 4 + e in its high one (two steps of [16 rows][4 inputs]);
+// - HB high bits of each code (Q5_K one, Q6_K two), 16 * HB bytes per vector: the HB bits of both codes of byte t
+//   side by side (2 HB bits), 8 / (2 HB) bytes t to a byte, t + 64 / G * g at bits 2 HB g (G groups);
+// - each sub-block's integer scale per row, int8 [NS][16];
+// - the minimums' integers as int16 pairs per row for vpdpwssd, int8 [NS / 2][16][2] (widened at use);
+// - each row's D and M, float [16] each.
+// The numbers are those of BlockForm::k8_dot and k8_tile to the bit: each super-block's sums are exact integers,
+// then acc = fma(D * dx, isum, acc), acc = fma(M * dx, imin, acc). A row's numbers are the same whatever the batch.
+#pragma once
+#include "gguf_kquants.h"
+#include "q8.h"
+
+namespace woq {
+#ifdef WOQ_VNNI
+
+template <typename B>
+struct K8Pack {
+  static constexpr int HB = B::TYPE == Q4_K::TYPE ? 0 : B::TYPE == Q5_K::TYPE ? 1 : B::TYPE == Q6_K::TYPE ? 2 : -1;
+  static constexpr bool ON = HB >= 0;   // the types packed (the others pack a group per call)
+  static constexpr int64_t AHEAD = 16;  // how many super-blocks ahead few rows prefetch
+  static constexpr int NS = 256 / B::SUB, NP = NS / 2;
+  // where each part begins in a super-block's PB bytes
+  static constexpr int64_t HIGH = 2048, SC = HIGH + 512 * (HB > 0 ? HB : 0), MN = SC + NS * 16, DM = MN + NP * 32,
+                           PB = DM + 128;
+
+  // the 16 rows of group grp (rows past N repeat the group's first) of raw [N, row_bytes] into out [K / 256][PB]
+  static void pack(const uint8_t* raw, int64_t N, int64_t row_bytes, int64_t grp, uint8_t* out) {
+    const int64_t nb = row_bytes / B::BYTES, n0 = grp * 16;
+    alignas(32) uint8_t codes[16][256];
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      uint8_t* o = out + blk * PB;
+      float* d = reinterpret_cast<float*>(o + DM);
+      for (int r = 0; r < 16; ++r) {
+        const uint8_t* b = raw + (n0 + (n0 + r < N ? r : 0)) * row_bytes + blk * B::BYTES;
+        for (int c = 0; c < 8; ++c)
+          _mm256_storeu_si256((__m256i*)(codes[r] + c * 32), B::template codes<V256>(b, b, c));
+        alignas(32) int16_t S[16], Nm[16];
+        B::iscales(b, S, Nm, d[r], d[16 + r]);
+        for (int j = 0; j < NS; ++j) o[SC + j * 16 + r] = static_cast<uint8_t>(static_cast<int8_t>(S[j]));
+        for (int q = 0; q < NP; ++q)
+          for (int h = 0; h < 2; ++h)
+            o[MN + q * 32 + r * 2 + h] = static_cast<uint8_t>(static_cast<int8_t>(Nm[2 * q + h]));
+      }
+      for (int p = 0; p < 32; ++p) {
+        uint8_t hv[64];
+        for (int t = 0; t < 64; ++t) {
+          const int r = t / 4, e = t % 4;
+          const uint8_t a = codes[r][8 * p + e], c = codes[r][8 * p + 4 + e];
+          o[p * 64 + t] = static_cast<uint8_t>((a & 15) | (c & 15) << 4);
+          hv[t] = static_cast<uint8_t>((a >> 4) | (c >> 4) << (HB > 0 ? HB : 0));
+        }
+        if constexpr (HB > 0) {
+          constexpr int G = 8 / (2 * HB), L = 64 / G;
+          for (int u = 0; u < L; ++u) {
+            uint8_t v = 0;
+            for (int g = 0; g < G; ++g) v = static_cast<uint8_t>(v | hv[u + g * L] << (2 * HB * g));
+            o[HIGH + p * L + u] = v;
+          }
+        }
+      }
+    }
+  }
+
+  // vector p's two steps of codes (inputs 8p .. 8p + 3 and 8p + 4 .. 8p + 7 of the 16 rows) from a super-block
+  static void step_pair(const uint8_t* o, int p, __m512i& w0, __m512i& w1) {
+    const __m512i v = _mm512_loadu_si512(o + p * 64), nib = _mm512_set1_epi8(15);
+    w0 = _mm512_and_si512(v, nib);
+    w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+    if constexpr (HB > 0) {
+      constexpr int G = 8 / (2 * HB), L = 64 / G;
+      __m512i hv;
+      if constexpr (HB == 1) {
+        hv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(o + HIGH + p * L)));
+        hv = _mm512_srlv_epi16(hv,
+                               _mm512_setr_epi64(0, 0, 0x0002000200020002LL, 0x0002000200020002LL, 0x0004000400040004LL,
+                                                 0x0004000400040004LL, 0x0006000600060006LL, 0x0006000600060006LL));
+      } else {
+        hv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(o + HIGH + p * L)));
+        hv = _mm512_srlv_epi16(hv, _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004LL, 0x0004000400040004LL,
+                                                     0x0004000400040004LL, 0x0004000400040004LL));
+      }
+      const __m512i low = _mm512_set1_epi8((1 << HB) - 1);
+      w0 = _mm512_or_si512(w0, _mm512_slli_epi16(_mm512_and_si512(hv, low), 4));
+      w1 = _mm512_or_si512(w1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hv, HB), low), 4));
+    }
+  }
+
+  // y[i * ldy + r] for the MR input rows from i0 (Q8_K inputs) and the rows r of the group packed at g (its first
+  // rows written)
+  template <int MR>
+  static void tile(const uint8_t* g, int64_t K, const Q8KRows& x, int64_t i0, float* y, int64_t ldy, int64_t rows) {
+    constexpr int VP = B::SUB / 8;  // vectors a sub-block
+    const int64_t nb = K / 256;
+    __m512 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const uint8_t* o = g + blk * PB;
+      if constexpr (MR <= 2)  // one stream's decode: the bytes AHEAD super-blocks on into L2, as k8_dot does
+        for (int64_t l = 0; l < PB; l += 64) _mm_prefetch((const char*)(o + AHEAD * PB + l), _MM_HINT_T1);
+      __m512i isum[MR];
+      for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
+      for (int j = 0; j < NS; ++j) {
+        __m512i dot[MR];
+        for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
+        for (int s = 0; s < VP; ++s) {
+          const int p = j * VP + s;
+          __m512i w0, w1;
+          step_pair(o, p, w0, w1);
+          for (int i = 0; i < MR; ++i) {
+            int32_t v[2];
+            std::memcpy(v, x.q.data() + (i0 + i) * K + blk * 256 + p * 8, 8);
+            dot[i] = _mm512_dpbusd_epi32(dot[i], w0, _mm512_set1_epi32(v[0]));
+            dot[i] = _mm512_dpbusd_epi32(dot[i], w1, _mm512_set1_epi32(v[1]));
+          }
+        }
+        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(o + SC + j * 16)));
+        for (int i = 0; i < MR; ++i) isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(dot[i], sc));
+      }
+      const float* dm = reinterpret_cast<const float*>(o + DM);
+      const __m512 dv = _mm512_loadu_ps(dm), mv = _mm512_loadu_ps(dm + 16);
+      __m512i mn[NP];  // the minimums of sub-blocks 2q and 2q + 1 as int16 pairs
+      for (int q = 0; q < NP; ++q) mn[q] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(o + MN + q * 32)));
+      // the inputs' sums of each sub-block (16 or 32 inputs)
+      const int16_t* xs = B::SUB == 16 ? x.bsum.data() + i0 * nb * 16 : x.bsum32.data() + i0 * nb * 8;
+      for (int i = 0; i < MR; ++i) {
+        const float dx = x.d[(i0 + i) * nb + blk];
+        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum[i]), acc[i]);
+        const int16_t* bs = xs + (i * nb + blk) * NS;
+        __m512i imin = _mm512_setzero_si512();
+        for (int q = 0; q < NP; ++q) {
+          int32_t pair;
+          std::memcpy(&pair, bs + 2 * q, 4);
+          imin = _mm512_dpwssd_epi32(imin, mn[q], _mm512_set1_epi32(pair));
+        }
+        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(mv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(imin), acc[i]);
+      }
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
+    for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy, keep, acc[i]);
+  }
+};
+
+#endif  // WOQ_VNNI
+}  // namespace woq

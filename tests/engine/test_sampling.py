@@ -67,6 +67,51 @@ def test_same_seed_and_step_give_the_same_draw_whatever_the_batch():
     assert sample(batch, t5, k5, p5, seeds, st5)[2] == alone[0]
 
 
+def test_a_rows_draw_does_not_depend_on_the_truncation_of_the_rows_beside_it():
+    """Rows without top_k, top_p or min_p draw from the whole vocabulary in token order (no sort), the others from
+    their sorted tokens: which way a row goes is its own, so a batch that mixes both changes no row's draw, and
+    the unsorted draw still follows the distribution."""
+    torch.manual_seed(0)
+    logits = torch.randn(6, 1000)
+    t, k, p, _, st = rows(6)
+    seeds = torch.arange(6) + 7
+    alone = torch.cat([sample(logits[i : i + 1], t[:1], k[:1], p[:1], seeds[i : i + 1], st[:1]) for i in range(6)])
+    p_mixed = torch.tensor([1.0, 0.5, 1.0, 0.9, 1.0, 1.0])
+    mixed = sample(logits, t, k, p_mixed, seeds, st)
+    whole = p_mixed >= 1
+    assert torch.equal(mixed[whole], alone[whole])
+    probs = torch.tensor([0.6, 0.3, 0.1])
+    n = 4000
+    t, k, p, _, st = rows(n, top_k=3)  # top_k = the vocabulary: the unsorted draw
+    out = sample(torch.log(probs).repeat(n, 1), t, k, p, torch.arange(n), st)
+    assert torch.allclose(torch.bincount(out, minlength=3).float() / n, probs, atol=0.03)
+
+
+def _sorted_reference(logits, top_k, top_p, seeds, steps):
+    """The draw over each row's whole vocabulary sorted: top_k renormalised, the nucleus, one uniform against the
+    running sums."""
+    values, indices = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1])
+    probs = torch.softmax(values.masked_fill(ranks[None, :] >= top_k[:, None], float("-inf")), dim=-1)
+    probs = probs.masked_fill(probs.cumsum(dim=-1) - probs >= top_p[:, None], 0.0)
+    sums = probs.double().cumsum(dim=-1)
+    pick = torch.searchsorted(sums, hash_uniform(seeds, steps, 1) * sums[:, -1:])
+    return indices.gather(1, pick).squeeze(1)
+
+
+def test_a_nucleus_within_the_most_likely_tokens_draws_as_the_whole_sort_does():
+    """top_p without top_k sorts only the CANDIDATES most likely tokens where their mass reaches top_p (peaked rows),
+    and the whole row where it does not (flat rows); top_k beyond the candidates sorts the row too. Every row draws
+    the token a sort of its whole vocabulary draws."""
+    torch.manual_seed(3)
+    vocab, n = 5000, 300
+    logits = torch.randn(n, vocab) * torch.linspace(0.5, 8.0, n)[:, None]  # flat to peaked rows
+    t, k, p, _, st = rows(n, top_k=vocab, top_p=0.9)
+    k[::7] = 300  # some rows with a top_k past the candidates
+    seeds = torch.arange(n) * 31
+    assert torch.equal(sample(logits, t, k, p, seeds, st), _sorted_reference(logits, k, p, seeds, st))
+
+
 def test_hash_uniform_is_deterministic_and_in_range():
     u = hash_uniform(torch.tensor([7, 7, 8]), torch.tensor([0, 0, 0]), 1000)
     assert torch.equal(u[0], u[1]) and not torch.equal(u[0], u[2])

@@ -152,7 +152,7 @@ class EngineReady:
     quantize: str = "none"  # none | int8 | int4: how the weights are held
     kv_dtype: str = ""
     matmul_dtype: str = ""  # the dtype of multi-row matmuls (batched decode and prefill)
-    int8_inputs: bool = False  # inputs rounded to int8 blocks by the CPU kernels (up to 16 rows; all with VNNI)
+    int8_inputs: bool = False  # every row's inputs rounded to int8 blocks by the CPU kernels
     tensor_parallel_size: int = 1  # ranks (processes) the model is split over; rank 0 is the engine process
     rank_pids: tuple[int, ...] = ()  # the process ids of ranks 1..N-1
     kernels: str = ""  # the CPU kernels' build ("native", "prebuilt avx512vnni", ...), "unavailable: why", or "" unused

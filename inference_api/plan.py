@@ -72,7 +72,7 @@ class ExecutionPlan:
     group: int | None = None  # int8 scale group: 32 for a GGUF's blocks (as Q8_0), None: one per output channel
     kv_dtype: str = "float32"
     batch_dtype: str | None = None  # a oneDNN copy the CPU's quantized linears run several rows on (None: none)
-    int8_inputs: bool = False  # the CPU kernels round up to 16 rows' inputs to int8 blocks, as llama.cpp does
+    int8_inputs: bool = False  # the CPU kernels round every row's inputs to int8 blocks, as llama.cpp does
     vnni: bool = False  # ... and every row count's, through the AVX512-VNNI tiles over weights packed at load
     cpu_kernels: bool = False  # the compiled CPU kernels run norms, rotary, attention and quantized linears
     cpu_level: str | None = None  # the kernels' level (LEVELS) when one is asked for; None: built for this CPU
@@ -94,8 +94,9 @@ class ExecutionPlan:
 
     @property
     def matmul_dtype(self) -> str:
-        """What several rows' matmuls run in: int8 on the VNNI tiles, a oneDNN copy's dtype, else the model's."""
-        return "int8" if self.vnni else self.batch_dtype or self.dtype
+        """What several rows' matmuls run in: int8 with int8 inputs (the VNNI tiles, or the integer row kernels),
+        a oneDNN copy's dtype, else the model's."""
+        return "int8" if self.vnni or self.int8_inputs else self.batch_dtype or self.dtype
 
     @property
     def kv_ring(self) -> bool:
@@ -127,7 +128,9 @@ class ExecutionPlan:
         inputs = (
             "every row's inputs int8 (VNNI tiles)"
             if self.vnni
-            else "inputs of up to 16 rows " + ("int8" if self.int8_inputs else self.dtype)
+            else "every row's inputs int8 (integer row kernels)"
+            if self.int8_inputs
+            else f"inputs {self.dtype}"
         )
         kind = f"{self.arch} {self.model} layers" if self.arch else f"{self.model} layers"
         weights = f"the GGUF's own blocks ({', '.join(self.gguf_types)})" if self.gguf_types else self.quantize

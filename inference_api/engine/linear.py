@@ -135,7 +135,7 @@ def linear_factory(
 ) -> Callable:
     """make_linear(weight [N, K], bias) -> a callable layer, for this device, dtype and quantization;
     batch_dtype: the dtype of a oneDNN copy that quantized layers run several rows on (None: no copy, the
-    kernels run them); int8_inputs: the kernels round up to 16 rows' inputs to int8 blocks (QuantLinear)."""
+    kernels run them); int8_inputs: the kernels round every row's inputs to int8 blocks (QuantLinear)."""
     onednn = device.type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
     def make_linear(

@@ -60,8 +60,8 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
                    })
             .reshape(shape);
 #endif
-      auto pass = [&](auto rw, int64_t n, int64_t rows, float* out) {
-        row_groups(M, [&](auto mr, int64_t i) {
+      auto pass = [&](auto rw, int64_t n, int64_t rows, float* out, int64_t i0, int64_t i1) {
+        row_groups(i0, i1, [&](auto mr, int64_t i) {
           f.template k8_dot<decltype(rw)::value, decltype(mr)::value>(xr, i, n, rows, out + i * N, N);
         });
       };
@@ -92,8 +92,8 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
   if constexpr (F::Q8) {
     if (int8_inputs && f.q8_ready()) {
       const Q8Rows xr(xp, M, K, false, F::HALVES);
-      auto pass = [&](auto rw, int64_t n, int64_t rows, float* out) {
-        row_groups(M, [&](auto mr, int64_t i) {
+      auto pass = [&](auto rw, int64_t n, int64_t rows, float* out, int64_t i0, int64_t i1) {
+        row_groups(i0, i1, [&](auto mr, int64_t i) {
           f.template dot_q8<decltype(rw)::value, decltype(mr)::value>(xr, i, n, rows, out + i * N, N);
         });
       };
@@ -106,8 +106,9 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
   const auto aux = f.one_row_inputs(xp);
 #ifdef WOQ_SIMD
   if (f.vec_ready())  // one row: memory-bound, each weight byte read once
-    return few_rows<R>(1, x2, N, bias,
-                       [&](auto, int64_t n, int64_t rows, float* out) { f.dot_rows(xp, aux, n, rows, out); })
+    return few_rows<R>(
+               1, x2, N, bias,
+               [&](auto, int64_t n, int64_t rows, float* out, int64_t, int64_t) { f.dot_rows(xp, aux, n, rows, out); })
         .reshape(shape);
 #endif
   return each_row(x2, N, bias, [&](int64_t n) { return f.dot_row(xp, aux, n); }).reshape(shape);

@@ -122,7 +122,7 @@ def load_kernels(cache_dir: Path, cflags: tuple[str, ...] = (), level: str | Non
     """The compiled kernels for this machine (cflags: extra compiler flags), or None when there is no build for it
     and none can be made; ``level`` (LEVELS: the plan's ``cpu_level``): that level's build, compiled into the cache
     when neither the image nor the cache has it. The module's ``build`` says which it is: "native", "prebuilt
-    <level>" or "level <level>"."""
+    <level>" (the image's) or "level <level>" (built into the cache, now or before)."""
     flags = cpu_flags()
     native = "native:" + ",".join(f for f in NATIVE_KEY if f in flags)
     cache = Path(cache_dir) / "kernels"
@@ -132,10 +132,9 @@ def load_kernels(cache_dir: Path, cflags: tuple[str, ...] = (), level: str | Non
         )
         best = level or (level_for(flags) if not cflags else None)
         if built is None and best is not None:  # the image's builds, then a cache's
-            build = f"prebuilt {best}"
-            built = _import_built(*_build_dir(PREBUILT, best, cflags)) or _import_built(
-                *_build_dir(cache, best, cflags)
-            )
+            built, build = _import_built(*_build_dir(PREBUILT, best, cflags)), f"prebuilt {best}"
+            if built is None:
+                built, build = _import_built(*_build_dir(cache, best, cflags)), f"level {best}"
         if built is None and level is not None:
             built, build = _compile(cache, LEVELS[level][0], level, cflags), f"level {level}"
         if built is None:

@@ -148,9 +148,7 @@ def sample(
     for rows, draw in ((whole, _draw_whole), (~greedy & ~whole, _draw_truncated)):
         if bool(rows.any()):
             at = rows.nonzero().squeeze(1)
-            tokens[at] = draw(
-                scaled[at], top_k[at], top_p[at], seeds[at], steps[at], None if min_p is None else min_p[at]
-            )
+            tokens[at] = draw(scaled[at], top_k[at], top_p[at], seeds[at], steps[at], _rows(min_p, at))
     return tokens
 
 
@@ -176,31 +174,35 @@ def _draw_truncated(scaled, top_k, top_p, seeds, steps, min_p) -> torch.Tensor:
     truncation closes within the CANDIDATES most likely tokens (top_k within them, or their mass reaching top_p,
     or the last of them below min_p's share) those are all a row sorts; the other rows sort their vocabulary."""
     vocab = scaled.shape[-1]
-    if int(top_k.max()) > CANDIDATES < vocab:
-        values, indices = scaled.topk(CANDIDATES, dim=-1)
-        probs = torch.exp(values - torch.logsumexp(scaled, dim=-1, keepdim=True))  # the whole row's probabilities
-        # closed within the candidates: top_k inside them, or (top_k off) their mass past top_p or their last token
-        # below min_p's share of the best
-        ends = probs.sum(dim=-1) >= top_p
-        if min_p is not None:
-            ends |= (min_p > 0) & (probs[:, -1] < min_p * probs[:, 0])
-        closed = (top_k <= CANDIDATES) | ((top_k >= vocab) & ends)
-        tokens = torch.empty_like(top_k)
-        if bool(closed.any()):
-            at = closed.nonzero().squeeze(1)
-            kept = _truncate(probs[at], top_k[at], top_p[at], None if min_p is None else min_p[at])
-            tokens[at] = indices[at].gather(1, _pick(kept, seeds[at], steps[at])[:, None]).squeeze(1)
-        if not bool(closed.all()):
-            at = (~closed).nonzero().squeeze(1)
-            tokens[at] = _draw_sorted(scaled[at], top_k[at], top_p[at], seeds[at], steps[at], vocab, min_p, at)
-        return tokens
-    return _draw_sorted(scaled, top_k, top_p, seeds, steps, min(int(top_k.max()), vocab), min_p, None)
+    if int(top_k.max()) <= CANDIDATES or vocab <= CANDIDATES:
+        return _draw_sorted(scaled, top_k, top_p, seeds, steps, min_p)
+    values, indices = scaled.topk(CANDIDATES, dim=-1)
+    probs = torch.exp(values - torch.logsumexp(scaled, dim=-1, keepdim=True))  # the whole row's probabilities
+    # closed within the candidates: top_k inside them, or (top_k off) their mass past top_p or their last token
+    # below min_p's share of the best
+    ends = probs.sum(dim=-1) >= top_p
+    if min_p is not None:
+        ends |= (min_p > 0) & (probs[:, -1] < min_p * probs[:, 0])
+    closed = (top_k <= CANDIDATES) | ((top_k >= vocab) & ends)
+    tokens = torch.empty_like(top_k)
+    if bool(closed.any()):
+        at = closed.nonzero().squeeze(1)
+        kept = _truncate(probs[at], top_k[at], top_p[at], _rows(min_p, at))
+        tokens[at] = indices[at].gather(1, _pick(kept, seeds[at], steps[at])[:, None]).squeeze(1)
+    if not bool(closed.all()):
+        at = (~closed).nonzero().squeeze(1)
+        tokens[at] = _draw_sorted(scaled[at], top_k[at], top_p[at], seeds[at], steps[at], _rows(min_p, at))
+    return tokens
 
 
-def _draw_sorted(scaled, top_k, top_p, seeds, steps, kmax: int, min_p, at) -> torch.Tensor:
-    values, indices = scaled.topk(kmax, dim=-1)  # sorted, largest first
-    probs = torch.softmax(values, dim=-1)
-    kept = _truncate(probs, top_k, top_p, None if min_p is None else (min_p if at is None else min_p[at]))
+def _rows(t: torch.Tensor | None, at: torch.Tensor) -> torch.Tensor | None:
+    return None if t is None else t[at]
+
+
+def _draw_sorted(scaled, top_k, top_p, seeds, steps, min_p) -> torch.Tensor:
+    """The rows' tokens sorted as far as their largest top_k (their whole vocabulary with top_k off)."""
+    values, indices = scaled.topk(min(int(top_k.max()), scaled.shape[-1]), dim=-1)  # sorted, largest first
+    kept = _truncate(torch.softmax(values, dim=-1), top_k, top_p, min_p)
     return indices.gather(1, _pick(kept, seeds, steps)[:, None]).squeeze(1)
 
 

@@ -182,7 +182,8 @@ def test_the_same_prompt_gives_the_same_answer_whatever_the_load(default_server,
 def test_a_victims_answer_alone_equals_its_answer_beside_adversarial_requests(default_server, model_name):
     """Per-row isolation in the default mode: a greedy request answers token for token as it does alone while
     other requests in the same steps sample hot with seeds, carry penalties, log-probs, stop strings, min_tokens
-    and ignore_eos, end after one token, or push long prompts through chunked prefill."""
+    and ignore_eos, end after one token, or push long prompts through chunked prefill; and a seeded hot sampler
+    without truncation draws the same tokens beside rows whose top_p or top_k sort their candidates or vocabulary."""
     server = default_server
 
     def complete(body: dict) -> list[str]:
@@ -197,7 +198,10 @@ def test_a_victims_answer_alone_equals_its_answer_beside_adversarial_requests(de
         "ignore_eos": True,
         "logprobs": 0,
     }
-    alone = complete(victim)
+    # a seeded hot sampler without truncation draws over its whole vocabulary in token order, whatever the
+    # truncation (sorted candidates, or a sorted vocabulary) of the rows beside it
+    sampler = {"prompt": "Name a colour.", "max_tokens": 24, "temperature": 1.3, "seed": 21, "logprobs": 0}
+    alone, sampled_alone = complete(victim), complete(sampler)
     adversaries = [
         {"prompt": "Tell me a story.", "max_tokens": 40, "temperature": 1.8, "top_p": 1.0, "seed": 7},
         {
@@ -220,11 +224,14 @@ def test_a_victims_answer_alone_equals_its_answer_beside_adversarial_requests(de
             "min_p": 0.2,
             "top_k": 3,
         },
+        {"prompt": "Tell me a story.", "max_tokens": 24, "temperature": 1.0, "top_p": 0.9, "seed": 11},
+        {"prompt": "Tell me a joke.", "max_tokens": 24, "temperature": 1.2, "top_k": 300, "seed": 5},
     ]
-    with ThreadPoolExecutor(1 + 2 * len(adversaries)) as pool:
+    with ThreadPoolExecutor(2 + 2 * len(adversaries)) as pool:
         others = [pool.submit(complete, a) for a in adversaries * 2]
-        beside = pool.submit(complete, victim)
+        beside, sampled_beside = pool.submit(complete, victim), pool.submit(complete, sampler)
         assert beside.result() == alone
+        assert sampled_beside.result() == sampled_alone
         for o in others:
             o.result()
     assert server.wait_idle()["open_sessions"] == 0

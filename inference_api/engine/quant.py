@@ -233,8 +233,8 @@ class QuantLinear:
             self.vnni = vnni_int4(weight) if isinstance(weight, Int4Weight) else vnni_int8(weight)
             if not lookups:  # every row count now reads the packing: the codes' place is held by untouched pages
                 self.weight = dataclasses.replace(weight, q=untouched(weight.q))
-        elif int8_inputs and isinstance(weight, BlockWeight) and kernels.vnni():
-            packed = kernels.pack_k8(weight.raw, weight.ggml_type)  # Q4_K, Q5_K, Q6_K: empty for other types
+        elif int8_inputs and isinstance(weight, BlockWeight):
+            packed = kernels.pack_k8(weight.raw, weight.ggml_type)  # Q4_K, Q5_K, Q6_K (both levels): else empty
             if packed.numel():
                 self.vnni = (packed, None)
                 if not lookups:

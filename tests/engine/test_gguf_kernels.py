@@ -132,19 +132,20 @@ def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it(kernels, t):
 
 @pytest.mark.parametrize("t", list(LAYOUT), ids=lambda t: t.name)
 def test_k_quants_packed_at_load_give_the_unpacked_numbers(kernels, t):
-    """With the VNNI tiles, Q4_K, Q5_K and Q6_K are packed once at load (pack_k8: nibbles and high bits in the
-    tiles' order) and every row count reads only the packing: few rows unpack each vector in the tile, more rows
-    each group once per call. Either way a row's numbers are those of the blocks as the file holds them, to the
-    bit (and so the same whatever the batch). Other types, and kernels without the tiles, are not packed."""
+    """At both levels Q4_K, Q5_K and Q6_K are packed once at load (pack_k8: nibbles and high bits in the tiles'
+    order) and every row count reads only the packing: with VNNI few rows unpack each vector in the tile, more rows
+    each group once per call; with AVX2 each tile of up to 4 rows unpacks each half vector of 8 weight rows. Either
+    way a row's numbers are those of the blocks as the file holds them, to the bit (and so the same whatever the
+    batch). Other types are not packed."""
     raw = torch.from_numpy(_raw(t, 40, 512, seed=5))  # two groups of 16 and a part group
     packed = kernels.pack_k8(raw, int(t))
-    if not kernels.vnni() or t not in (T.Q4_K, T.Q5_K, T.Q6_K):
+    if t not in (T.Q4_K, T.Q5_K, T.Q6_K):
         assert packed.numel() == 0
         return
     assert packed.shape[0] == 3
     torch.manual_seed(5)
     x, b = torch.randn(70, 512), torch.randn(40)
-    for rows in (1, 2, 9, 24, 25, 70):  # k8p_tile up to 24 rows, then each group unpacked once
+    for rows in (1, 2, 3, 5, 9, 24, 25, 70):  # VNNI: k8p_tile up to 24 rows, then each group unpacked once
         want = kernels.linear_gguf(x[:rows], raw, int(t), b, True)
         assert torch.equal(kernels.linear_gguf(x[:rows], raw, int(t), b, True, packed), want)
     with pytest.raises(RuntimeError, match="packed wrongly"):

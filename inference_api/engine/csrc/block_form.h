@@ -372,17 +372,23 @@ struct BlockForm {
         for (int q = 0; q < 8; ++q) {  // k8_tile's pairs: the minimums of inputs 32q .. 32q + 15 and 32q + 16 ..
           int32_t* out = g.imn.data() + (blk * 8 + q) * 16;
           if constexpr (B::SUB == 16) {
-            _mm512_storeu_si512(out, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(o + P::MN + q * 32))));
+            _mm512_storeu_si512(out, _mm512_cvtepi8_epi16(P::min_pairs(o, q)));
           } else {  // one minimum for both 16s of sub-block q
+            alignas(32) int8_t pairs[32];
+            _mm256_store_si256((__m256i*)pairs, P::min_pairs(o, q / 2));
             for (int r = 0; r < 16; ++r) {
-              const int16_t v = static_cast<int8_t>(o[P::MN + (q / 2) * 32 + r * 2 + q % 2]);
+              const int16_t v = pairs[r * 2 + q % 2];
               out[r] = static_cast<int32_t>(static_cast<uint16_t>(v) | static_cast<uint32_t>(static_cast<uint16_t>(v))
                                                                            << 16);
             }
           }
         }
-        std::memcpy(g.d.data() + blk * 16, o + P::DM, 64);
-        std::memcpy(g.m.data() + blk * 16, o + P::DM + 64, 64);
+        for (int h = 0; h < 2; ++h) {
+          __m256 d, m;
+          P::dm_half(o, h, d, m);
+          _mm256_storeu_ps(g.d.data() + blk * 16 + 8 * h, d);
+          _mm256_storeu_ps(g.m.data() + blk * 16 + 8 * h, m);
+        }
       }
     }
   }
@@ -428,6 +434,14 @@ struct BlockForm {
       const __mmask16 keep = static_cast<__mmask16>((1u << g.rows) - 1);
       for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy, keep, acc[i]);
     }
+  }
+#else
+  // the AVX2 tiles over the group packed at load (K8Pack::tile_avx2): y[i * ldy + r] for the MR input rows from i0
+  template <int MR>
+  void k8p_tile(const Q8KRows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
+    if constexpr (K8Pack<B>::ON)
+      K8Pack<B>::template tile_avx2<MR>(packed + grp * (K / 256) * K8Pack<B>::PB, K, x, i0, y, ldy,
+                                        std::min<int64_t>(16, N - grp * 16));
   }
 #endif
 

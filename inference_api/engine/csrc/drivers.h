@@ -94,13 +94,13 @@ at::Tensor tiled_rows(const at::Tensor& x2, int64_t N, const c10::optional<at::T
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
-#ifdef WOQ_VNNI
-constexpr int VNNI_MR = 8;  // input rows per tile: 8 int32 and 8 float accumulators
+constexpr int VNNI_MR = 8;  // input rows per VNNI tile: 8 int32 and 8 float accumulators
+constexpr int AVX2_MR = 4;  // input rows per AVX2 tile over 8 weight rows: 4 int16 and 4 int32 accumulators
 
 // y [M, N]: groups of 16 weight rows split between the threads; each group's packed weights (K * 8 or K * 16
-// bytes) stay in L1 while tiles of up to VNNI_MR input rows pass over them. prepare(group) first (a form that packs
+// bytes) stay in L1 while tiles of up to MR input rows pass over them. prepare(group) first (a form that packs
 // a group's weights on the fly), then tile(Int<MR>, group, i0, out) for each tile of input rows.
-template <typename Prepare, typename Tile>
+template <int MR = VNNI_MR, typename Prepare, typename Tile>
 at::Tensor vnni_rows(const at::Tensor& x2, int64_t N, const c10::optional<at::Tensor>& bias, Prepare prepare,
                      Tile tile) {
   const int64_t M = x2.size(0);
@@ -109,15 +109,13 @@ at::Tensor vnni_rows(const at::Tensor& x2, int64_t N, const c10::optional<at::Te
   at::parallel_for(0, (N + 15) / 16, 1, [&](int64_t g0, int64_t g1) {
     for (int64_t grp = g0; grp < g1; ++grp) {
       prepare(grp);
-      for (int64_t i0 = 0; i0 < M; i0 += VNNI_MR)
-        with_count<VNNI_MR>(std::min<int64_t>(VNNI_MR, M - i0),
-                            [&](auto mr) { tile(mr, grp, i0, yp + i0 * N + grp * 16); });
+      for (int64_t i0 = 0; i0 < M; i0 += MR)
+        with_count<MR>(std::min<int64_t>(MR, M - i0), [&](auto mr) { tile(mr, grp, i0, yp + i0 * N + grp * 16); });
     }
   });
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
-#endif  // WOQ_VNNI
 
 // the inputs a thread's passes of weight rows take at a time: 256 KB of int8 inputs, which stay in L2, where a
 // prefill's whole inputs streamed from L3 for every pass (Qwen2.5 1.5B's Q4_K gate_up at 512 rows on the AVX2 level:

@@ -1,13 +1,17 @@
-// Q4_K, Q5_K and Q6_K packed once at load for the VNNI tiles (AVX512-VNNI), as llama.cpp repacks its k-quants: the
-// tiles then read every group of 16 weight rows in the layout vpdpbusd takes, for every row count, with no packing
-// per call. Per group of 16 rows and super-block of 256 inputs, PB bytes:
+// Q4_K, Q5_K and Q6_K packed once at load for the tiles, as llama.cpp repacks its k-quants: the tiles then read every
+// group of 16 weight rows in the layout vpdpbusd takes (AVX512-VNNI: tile), or as two halves of 8 rows that
+// vpmaddubsw takes (AVX2: tile_avx2), for every row count, with no packing per call. Per group of 16 rows and
+// super-block of 256 inputs, PB bytes:
 // - the codes' low nibbles, 32 vectors of 64 bytes: byte 4r + e of vector p holds input 8p + e of row r in its low
 //   nibble and input 8p + 4 + e in its high one (two steps of [16 rows][4 inputs]);
 // - HB high bits of each code (Q5_K one, Q6_K two), 16 * HB bytes per vector: the HB bits of both codes of byte t
 //   side by side (2 HB bits), 8 / (2 HB) bytes t to a byte, t + 64 / G * g at bits 2 HB g (G groups);
 // - each sub-block's integer scale per row, int8 [NS][16];
-// - the minimums' integers as int16 pairs per row for vpdpwssd, int8 [NS / 2][16][2] (widened at use);
-// - each row's D and M, float [16] each.
+// - Q4_K and Q5_K: the minimums' integers as int16 pairs per row for vpdpwssd, int8 [NS / 2][16][2] (widened at
+//   use; Q6_K's are its scales, min_pairs);
+// - each row's D, float16 [16], then Q4_K's and Q5_K's M (Q6_K's is -32 D).
+// That is the file's bytes but for 4 a row in 148 (Q4_K) or 180 (Q5_K), and Q6_K's 210 exactly: one stream's decode
+// reads about as much as from the blocks.
 // The numbers are those of BlockForm::k8_dot and k8_tile to the bit: each super-block's sums are exact integers,
 // then acc = fma(D * dx, isum, acc), acc = fma(M * dx, imin, acc). A row's numbers are the same whatever the batch.
 #pragma once
@@ -15,7 +19,7 @@
 #include "q8.h"
 
 namespace woq {
-#ifdef WOQ_VNNI
+#ifdef WOQ_SIMD
 
 template <typename B>
 struct K8Pack {
@@ -24,8 +28,9 @@ struct K8Pack {
   static constexpr int64_t AHEAD = 16;  // how many super-blocks ahead few rows prefetch
   static constexpr int NS = 256 / B::SUB, NP = NS / 2;
   // where each part begins in a super-block's PB bytes
-  static constexpr int64_t HIGH = 2048, SC = HIGH + 512 * (HB > 0 ? HB : 0), MN = SC + NS * 16, DM = MN + NP * 32,
-                           PB = DM + 128;
+  static constexpr bool OWN_MINS = HB < 2;  // Q6_K's minimums are its scales, its M is -32 D
+  static constexpr int64_t HIGH = 2048, SC = HIGH + 512 * (HB > 0 ? HB : 0), MN = SC + NS * 16,
+                           DM = MN + (OWN_MINS ? NP * 32 : 0), PB = DM + (OWN_MINS ? 64 : 32);
 
   // the 16 rows of group grp (rows past N repeat the group's first) of raw [N, row_bytes] into out [K / 256][PB]
   static void pack(const uint8_t* raw, int64_t N, int64_t row_bytes, int64_t grp, uint8_t* out) {
@@ -33,17 +38,21 @@ struct K8Pack {
     alignas(32) uint8_t codes[16][256];
     for (int64_t blk = 0; blk < nb; ++blk) {
       uint8_t* o = out + blk * PB;
-      float* d = reinterpret_cast<float*>(o + DM);
+      uint16_t* dm = reinterpret_cast<uint16_t*>(o + DM);
       for (int r = 0; r < 16; ++r) {
         const uint8_t* b = raw + (n0 + (n0 + r < N ? r : 0)) * row_bytes + blk * B::BYTES;
         for (int c = 0; c < 8; ++c)
           _mm256_storeu_si256((__m256i*)(codes[r] + c * 32), B::template codes<V256>(b, b, c));
         alignas(32) int16_t S[16], Nm[16];
-        B::iscales(b, S, Nm, d[r], d[16 + r]);
+        float D, M;  // float16 values (the file's), so float16 holds them exactly
+        B::iscales(b, S, Nm, D, M);
+        dm[r] = _cvtss_sh(D, 0);
+        if constexpr (OWN_MINS) dm[16 + r] = _cvtss_sh(M, 0);
         for (int j = 0; j < NS; ++j) o[SC + j * 16 + r] = static_cast<uint8_t>(static_cast<int8_t>(S[j]));
-        for (int q = 0; q < NP; ++q)
-          for (int h = 0; h < 2; ++h)
-            o[MN + q * 32 + r * 2 + h] = static_cast<uint8_t>(static_cast<int8_t>(Nm[2 * q + h]));
+        if constexpr (OWN_MINS)
+          for (int q = 0; q < NP; ++q)
+            for (int h = 0; h < 2; ++h)
+              o[MN + q * 32 + r * 2 + h] = static_cast<uint8_t>(static_cast<int8_t>(Nm[2 * q + h]));
       }
       for (int p = 0; p < 32; ++p) {
         uint8_t hv[64];
@@ -65,6 +74,24 @@ struct K8Pack {
     }
   }
 
+  // the minimums of sub-blocks 2q and 2q + 1 as int8 pairs of the 16 rows, [16][2]
+  static __m256i min_pairs(const uint8_t* o, int q) {
+    if constexpr (OWN_MINS) {
+      return _mm256_loadu_si256((const __m256i*)(o + MN + q * 32));
+    } else {
+      const __m128i a = _mm_loadu_si128((const __m128i*)(o + SC + 2 * q * 16)),
+                    b = _mm_loadu_si128((const __m128i*)(o + SC + (2 * q + 1) * 16));
+      return _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
+    }
+  }
+  // rows 8h .. 8h + 7's D and M
+  static void dm_half(const uint8_t* o, int h, __m256& d, __m256& m) {
+    d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + DM + 16 * h)));
+    if constexpr (OWN_MINS) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + DM + 32 + 16 * h)));
+    else m = _mm256_mul_ps(d, _mm256_set1_ps(-32.f));
+  }
+
+#ifdef WOQ_VNNI
   // vector p's two steps of codes (inputs 8p .. 8p + 3 and 8p + 4 .. 8p + 7 of the 16 rows) from a super-block
   static void step_pair(const uint8_t* o, int p, __m512i& w0, __m512i& w1) {
     const __m512i v = _mm512_loadu_si512(o + p * 64), nib = _mm512_set1_epi8(15);
@@ -120,10 +147,12 @@ struct K8Pack {
         const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(o + SC + j * 16)));
         for (int i = 0; i < MR; ++i) isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(dot[i], sc));
       }
-      const float* dm = reinterpret_cast<const float*>(o + DM);
-      const __m512 dv = _mm512_loadu_ps(dm), mv = _mm512_loadu_ps(dm + 16);
+      __m256 d0, m0, d1, m1;
+      dm_half(o, 0, d0, m0), dm_half(o, 1, d1, m1);
+      const __m512 dv = _mm512_insertf32x8(_mm512_castps256_ps512(d0), d1, 1),
+                   mv = _mm512_insertf32x8(_mm512_castps256_ps512(m0), m1, 1);
       __m512i mn[NP];  // the minimums of sub-blocks 2q and 2q + 1 as int16 pairs
-      for (int q = 0; q < NP; ++q) mn[q] = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(o + MN + q * 32)));
+      for (int q = 0; q < NP; ++q) mn[q] = _mm512_cvtepi8_epi16(min_pairs(o, q));
       // the inputs' sums of each sub-block (16 or 32 inputs)
       const int16_t* xs = B::SUB == 16 ? x.bsum.data() + i0 * nb * 16 : x.bsum32.data() + i0 * nb * 8;
       for (int i = 0; i < MR; ++i) {
@@ -142,7 +171,92 @@ struct K8Pack {
     const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
     for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy, keep, acc[i]);
   }
+#endif  // WOQ_VNNI
+
+  // half h of vector p (rows 8h .. 8h + 7): its two steps of codes, [8 rows][4 inputs] each
+  static void half_pair(const uint8_t* o, int p, int h, __m256i& w0, __m256i& w1) {
+    const __m256i v = _mm256_loadu_si256((const __m256i*)(o + p * 64 + h * 32)), nib = _mm256_set1_epi8(15);
+    w0 = _mm256_and_si256(v, nib);
+    w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+    if constexpr (HB > 0) {
+      __m256i hv;             // the high bits of the half's bytes t in bits 0 .. 2 HB - 1 of each byte
+      if constexpr (HB == 1)  // bytes 32h + u and 32h + 16 + u at bits 4h and 4h + 2 of byte u
+        hv = _mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(o + HIGH + p * 16))),
+                               _mm256_setr_epi64x(4 * h, 4 * h, 4 * h + 2, 4 * h + 2));
+      else  // byte 32h + u at bits 4h of byte u
+        hv = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(o + HIGH + p * 32)), 4 * h);
+      const __m256i low = _mm256_set1_epi8((1 << HB) - 1);
+      w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(hv, low), 4));
+      w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, HB), low), 4));
+    }
+  }
+
+  // tile's numbers with AVX2: per half of 8 rows, the u8 x s8 pair sums (vpmaddubsw) of FLUSH vectors summed in int16
+  // (each step's pairs are at most 2 * 127 * (2^(4 + HB) - 1): 8 steps of 4-bit codes, 4 of 5-bit, 2 of 6-bit),
+  // then times the rows' integer scales into int32 (vpmaddwd): the same exact integers, the same floats
+  template <int MR>
+  static void tile_avx2(const uint8_t* g, int64_t K, const Q8KRows& x, int64_t i0, float* y, int64_t ldy,
+                        int64_t rows) {
+    constexpr int VP = B::SUB / 8, FLUSH = HB == 0 ? 4 : HB == 1 ? 2 : 1;
+    static_assert(VP % FLUSH == 0, "a sub-block's vectors in whole flushes");
+    const int64_t nb = K / 256;
+    alignas(32) float acc[2][MR][8];
+    for (int h = 0; h < 2; ++h)
+      for (int i = 0; i < MR; ++i) _mm256_store_ps(acc[h][i], _mm256_setzero_ps());
+    const int16_t* xs = B::SUB == 16 ? x.bsum.data() + i0 * nb * 16 : x.bsum32.data() + i0 * nb * 8;
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const uint8_t* o = g + blk * PB;
+      if constexpr (MR <= 2)  // one stream's decode: the bytes AHEAD super-blocks on into L2, as k8_dot does
+        for (int64_t l = 0; l < PB; l += 64) _mm_prefetch((const char*)(o + AHEAD * PB + l), _MM_HINT_T1);
+      const int8_t* xq = x.q.data() + i0 * K + blk * 256;
+      for (int h = 0; h < 2; ++h) {
+        __m256i isum[MR];
+        for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+        for (int j = 0; j < NS; ++j) {
+          const __m128i s8 = _mm_loadl_epi64((const __m128i*)(o + SC + j * 16 + h * 8));
+          const __m256i sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s8, s8));  // each row's scale in both its lanes
+          for (int f = 0; f < VP; f += FLUSH) {
+            __m256i d16[MR];
+            for (int s = 0; s < FLUSH; ++s) {
+              const int p = j * VP + f + s;
+              __m256i w0, w1;
+              half_pair(o, p, h, w0, w1);
+              for (int i = 0; i < MR; ++i) {
+                int32_t v[2];
+                std::memcpy(v, xq + i * K + p * 8, 8);
+                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(v[0])),
+                                                   _mm256_maddubs_epi16(w1, _mm256_set1_epi32(v[1])));
+                d16[i] = s == 0 ? t : _mm256_add_epi16(d16[i], t);
+              }
+            }
+            for (int i = 0; i < MR; ++i) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(d16[i], sc));
+          }
+        }
+        __m256 dv, mv;
+        dm_half(o, h, dv, mv);
+        __m256i mn[NP];  // the minimums of sub-blocks 2q and 2q + 1 as int16 pairs
+        for (int q = 0; q < NP; ++q) {
+          const __m256i pairs = min_pairs(o, q);
+          mn[q] = _mm256_cvtepi8_epi16(h ? _mm256_extracti128_si256(pairs, 1) : _mm256_castsi256_si128(pairs));
+        }
+        for (int i = 0; i < MR; ++i) {
+          const __m256 dx = _mm256_set1_ps(x.d[(i0 + i) * nb + blk]);
+          __m256 a = _mm256_fmadd_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(isum[i]), _mm256_load_ps(acc[h][i]));
+          const int16_t* bs = xs + (i * nb + blk) * NS;
+          __m256i imin = _mm256_setzero_si256();
+          for (int q = 0; q < NP; ++q) {
+            int32_t pair;
+            std::memcpy(&pair, bs + 2 * q, 4);
+            imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn[q], _mm256_set1_epi32(pair)));
+          }
+          _mm256_store_ps(acc[h][i], _mm256_fmadd_ps(_mm256_mul_ps(mv, dx), _mm256_cvtepi32_ps(imin), a));
+        }
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int r = 0; r < rows; ++r) y[i * ldy + r] = acc[r / 8][i][r % 8];
+  }
 };
 
-#endif  // WOQ_VNNI
+#endif  // WOQ_SIMD
 }  // namespace woq

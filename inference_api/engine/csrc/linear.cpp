@@ -4,9 +4,9 @@
 // dequantized weight, up to summation order (or, with int8 inputs, on inputs rounded to int8 blocks of 32).
 //
 // One ladder picks the kernel for every form (run_linear), from the most specific to the most general:
-// 1. int8 inputs and weights packed for the VNNI tiles (quant.py's forms packed at load, GGUF blocks packed a group of
-//    16 rows at a time on the fly): every row count on the integer tiles (AVX512-VNNI), so that each row's
-//    numbers are the same whatever the batch;
+// 1. int8 inputs and weights packed for the tiles (quant.py's forms packed at load, GGUF blocks packed a group of
+//    16 rows at a time on the fly): every row count on the integer tiles (AVX512-VNNI; at the AVX2 level the
+//    k-quants packed at load), so that each row's numbers are the same whatever the batch;
 // 2. int8 inputs, a form with integer kernels: each pass of weight rows read once for up to 4 input rows
 //    at a time (one row: the memory-bound decode of one stream);
 // 3. float inputs, at least a vector's width of rows: dequantized chunks multiplied in register tiles;
@@ -57,6 +57,14 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
                    x2, N, bias, [&](int64_t grp) { f.vnni_prepare(grp); },
                    [&](auto mr, int64_t, int64_t i0, float* out) {
                      f.template k8_tile<decltype(mr)::value>(xr, i0, out, N);
+                   })
+            .reshape(shape);
+#else
+      if (f.packed)  // packed at load: the AVX2 tiles, every row count
+        return vnni_rows<AVX2_MR>(
+                   x2, N, bias, [](int64_t) {},
+                   [&](auto mr, int64_t grp, int64_t i0, float* out) {
+                     f.template k8p_tile<decltype(mr)::value>(xr, grp, i0, out, N);
                    })
             .reshape(shape);
 #endif
@@ -171,7 +179,7 @@ at::Tensor linear_int4(const at::Tensor& x, const at::Tensor& q, const at::Tenso
 // the bytes pack_k8 makes of raw [N, row_bytes] of this type; 0 where the type is not packed
 int64_t k8_packed_bytes(int64_t type, int64_t N, int64_t row_bytes) {
   int64_t bytes = 0;
-#ifdef WOQ_VNNI
+#ifdef WOQ_SIMD
   with_block(type, [&](auto b) {
     using B = decltype(b);
     if constexpr (K8Pack<B>::ON) bytes = (N + 15) / 16 * (row_bytes / B::BYTES) * K8Pack<B>::PB;
@@ -187,7 +195,7 @@ at::Tensor pack_k8(const at::Tensor& raw, int64_t type) {
   const int64_t N = raw.size(0), bytes = k8_packed_bytes(type, N, raw.size(1)), groups = (N + 15) / 16;
   if (bytes == 0) return at::empty({0}, at::kByte);
   auto out = at::empty({groups, bytes / groups}, at::kByte);
-#ifdef WOQ_VNNI
+#ifdef WOQ_SIMD
   with_block(type, [&](auto b) {
     using B = decltype(b);
     if constexpr (K8Pack<B>::ON) {

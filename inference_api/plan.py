@@ -94,8 +94,8 @@ class ExecutionPlan:
 
     @property
     def matmul_dtype(self) -> str:
-        """What several rows' matmuls run in: int8 with int8 inputs (the VNNI tiles, or the integer row kernels),
-        a oneDNN copy's dtype, else the model's."""
+        """What several rows' matmuls run in: int8 with int8 inputs (the VNNI tiles, or AVX2 tiles and integer row
+        kernels), a oneDNN copy's dtype, else the model's."""
         return "int8" if self.vnni or self.int8_inputs else self.batch_dtype or self.dtype
 
     @property
@@ -128,7 +128,7 @@ class ExecutionPlan:
         inputs = (
             "every row's inputs int8 (VNNI tiles)"
             if self.vnni
-            else "every row's inputs int8 (integer row kernels)"
+            else "every row's inputs int8 (AVX2 tiles for 4-bit and k-quant weights, integer row kernels else)"
             if self.int8_inputs
             else f"inputs {self.dtype}"
         )

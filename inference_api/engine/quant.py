@@ -229,7 +229,8 @@ class QuantLinear:
             None,
             None,
         )  # several rows' int8 inputs go to the VNNI tiles where the kernels have them
-        if int8_inputs and isinstance(weight, (Int8Weight, Int4Weight)) and kernels.vnni() and can_vnni(weight):
+        tiles = kernels.vnni() or (isinstance(weight, Int4Weight) and kernels.int4_tiles())  # AVX2: the 4-bit form
+        if int8_inputs and isinstance(weight, (Int8Weight, Int4Weight)) and tiles and can_vnni(weight):
             self.vnni = vnni_int4(weight) if isinstance(weight, Int4Weight) else vnni_int8(weight)
             if not lookups:  # every row count now reads the packing: the codes' place is held by untouched pages
                 self.weight = dataclasses.replace(weight, q=untouched(weight.q))

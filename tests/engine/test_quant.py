@@ -102,14 +102,17 @@ def test_few_rows_with_int8_inputs_are_linear_on_the_rounded_inputs(kernels, for
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 33, 70])
 @pytest.mark.parametrize("form", ["int8-channel", "int8-group32", "int4"])
 def test_vnni_tiles_are_linear_on_the_rounded_inputs(kernels, form, rows):
-    """AVX512-VNNI: the weights packed once (quant.vnni_int4, vnni_int8), every row count through the integer
-    tiles, with the same rounding of the inputs as the few-row kernels."""
-    if not kernels.vnni():
-        pytest.skip("the kernels were built without AVX512-VNNI")
+    """The weights packed once (quant.vnni_int4, vnni_int8), every row count through the integer tiles, with the
+    same rounding of the inputs as the few-row kernels: AVX512-VNNI, and AVX2 for the 4-bit form (avx2_i4_tile),
+    one row's numbers the same alone as in the batch."""
+    if not kernels.vnni() and form != "int4":
+        pytest.skip("the kernels were built without AVX512-VNNI (the 8-bit form has tiles there only)")
     packed, b, x = _int8_input_case(form, 96, 416, rows)
     layer = QuantLinear(packed, b, kernels, int8_inputs=True)
     assert layer.vnni[0] is not None  # packed for the tiles
-    torch.testing.assert_close(layer(x), _rounded_linear(packed, b, x), rtol=1e-5, atol=1e-5)
+    y = layer(x)
+    torch.testing.assert_close(y, _rounded_linear(packed, b, x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer(x[-1:]), y[-1:])  # the last row (of a part tile) alone, to the bit
     with pytest.raises(RuntimeError, match="VNNI weights packed wrongly"):  # the layout is checked, not trusted
         linear = kernels.linear_int4 if isinstance(packed, Int4Weight) else kernels.linear_int8
         args = (packed.q, packed.d, packed.m) if isinstance(packed, Int4Weight) else (packed.q, packed.s)

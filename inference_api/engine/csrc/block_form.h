@@ -98,6 +98,7 @@ struct BlockForm {
   static constexpr bool ONE_ROW = VNNI;  // one input row: vnni_one, the tiles' numbers without the packing
   static constexpr bool PLUS128 = false;
   static constexpr bool HALVES = sub_of<B>() == 16;
+  static constexpr bool AVX2_TILE = false;  // the k-quants' AVX2 tiles go by K8 (k8p_tile)
 
   BlockForm(const uint8_t* raw, int64_t n, int64_t row) : w(raw), N(n), K(row / B::BYTES * B::QK), row_bytes(row) {}
   bool vnni_ready() const { return VNNI; }

@@ -218,6 +218,49 @@ inline void deq_row_i4_vec(const uint8_t* q, const c10::Half* d, const c10::Half
 inline void deq_row_i8_vec(const int8_t* q, const float* s, int64_t k0, int64_t kc, int64_t G, float* out) {
   for (int64_t j = k0; j < k0 + kc; j += W) Vec::store(out + j - k0, Vec::mul(Vec::int8s(q + j), Vec::set1(s[j / G])));
 }
+#ifndef WOQ_VNNI
+// vnni_i4_tile's numbers on AVX2 (below), over the same packing: per half of the group (8 weight rows, 32 of each
+// step's 64 bytes), vpmaddubsw of the nibbles against the input's 4 bytes broadcast, the pair sums of a whole block
+// added in int16 (8 steps of at most 2 * 15 * 127), then summed into int32 per row (vpmaddwd by ones): each block's
+// integer sum is exact, so the floats after it are vnni_i4_tile's to the bit.
+template <int MR>
+inline void avx2_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, const int8_t* xq, const float* dx,
+                         const float* xs, int64_t K, float* y, int64_t ldy, int64_t rows) {
+  const __m256i low = _mm256_set1_epi8(15), ones = _mm256_set1_epi16(1);
+  for (int h = 0; h < 2; ++h) {
+    __m256 accf[MR];
+    for (int i = 0; i < MR; ++i) accf[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < S; ++g) {
+      __m256i acc[MR];
+      for (int a = 0; a < 4; ++a) {
+        const __m256i v = _mm256_loadu_si256((const __m256i*)(wp + (g * 4 + a) * 64 + h * 32));
+        const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+        for (int i = 0; i < MR; ++i) {
+          const int8_t* x = xq + i * K + g * 32 + 4 * a;
+          int32_t x0, x1;
+          std::memcpy(&x0, x, 4), std::memcpy(&x1, x + 16, 4);
+          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
+                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+          acc[i] = a == 0 ? t : _mm256_add_epi16(acc[i], t);
+        }
+      }
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dm + g * 32 + 8 * h)));
+      const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dm + g * 32 + 16 + 8 * h)));
+      for (int i = 0; i < MR; ++i) {
+        const __m256 dot = _mm256_cvtepi32_ps(_mm256_madd_epi16(acc[i], ones));
+        accf[i] = _mm256_fmadd_ps(dot, _mm256_mul_ps(d, _mm256_set1_ps(dx[i * S + g])), accf[i]);
+        accf[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i * S + g]), accf[i]);
+      }
+    }
+    alignas(32) float out[8];
+    for (int i = 0; i < MR; ++i) {
+      _mm256_store_ps(out, accf[i]);
+      for (int r = 8 * h; r < std::min<int64_t>(rows, 8 * h + 8); ++r) y[i * ldy + r] = out[r - 8 * h];
+    }
+  }
+}
+#endif  // !WOQ_VNNI
+
 #ifdef WOQ_VNNI
 // Any number of rows with int8 inputs on AVX512-VNNI: each vpdpbusd multiplies 16 weight rows by 4 inputs of one
 // input row and adds the 4 products into each row's int32 lane (64 multiply-adds per instruction, against
@@ -299,7 +342,7 @@ struct I8Form {
   static constexpr bool Q8 = true, VNNI = true, K8 = false;  // integer kernels for int8 inputs; VNNI tiles
   static constexpr bool PLUS128 = true;                      // the VNNI tiles take the int8 inputs plus 128
   static constexpr bool ONE_ROW = false;                     // packed at load: one row goes through the tiles too
-  static constexpr bool HALVES = false;
+  static constexpr bool HALVES = false, AVX2_TILE = false;
   bool vnni_ready() const { return vq != nullptr; }
   void vnni_prepare(int64_t) const {}
   bool q8_ready() const { return G % 32 == 0; }
@@ -341,6 +384,7 @@ struct I4Form {
   const uint8_t* vq = nullptr;
   const c10::Half* vs = nullptr;
   static constexpr bool Q8 = true, VNNI = true, K8 = false, PLUS128 = false, HALVES = false, ONE_ROW = false;
+  static constexpr bool AVX2_TILE = true;  // the packing's tiles without VNNI too (avx2_i4_tile)
   bool vnni_ready() const { return vq != nullptr; }
   void vnni_prepare(int64_t) const {}
   bool q8_ready() const { return true; }
@@ -374,6 +418,13 @@ struct I4Form {
   }
   void dot_rows(const float* x, const std::vector<float>& xsum, int64_t n, int64_t rows, float* y) const {
     dot_rows_i4(x, xsum.data(), q + n * K / 2, d + n * S, m + n * S, K, rows, y);
+  }
+#endif
+#if defined(WOQ_SIMD) && !defined(WOQ_VNNI)
+  template <int MR>
+  void avx2_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
+    avx2_i4_tile<MR>(vq + grp * S * 256, vs + grp * S * 32, S, x.q.data() + i0 * K, x.d.data() + i0 * S,
+                     x.sum.data() + i0 * S, K, y, ldy, std::min<int64_t>(16, N - grp * 16));
   }
 #endif
 #ifdef WOQ_VNNI

@@ -96,6 +96,19 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
     }
   }
 #endif
+#if defined(WOQ_SIMD) && !defined(WOQ_VNNI)
+  if constexpr (F::AVX2_TILE) {
+    if (int8_inputs && f.vnni_ready()) {  // packed at load (the 4-bit form): the AVX2 tiles, every row count
+      const Q8Rows xr(xp, M, K, F::PLUS128, F::HALVES);
+      return vnni_rows<AVX2_MR>(
+                 x2, N, bias, [](int64_t) {},
+                 [&](auto mr, int64_t grp, int64_t i0, float* out) {
+                   f.template avx2_tile<decltype(mr)::value>(xr, grp, i0, out, N);
+                 })
+          .reshape(shape);
+    }
+  }
+#endif
 #ifdef WOQ_SIMD
   if constexpr (F::Q8) {
     if (int8_inputs && f.q8_ready()) {
@@ -132,14 +145,23 @@ bool packed_for_vnni(const Packed& vq, const Packed& vs, int64_t N, int64_t K, a
               "VNNI weights packed wrongly");
   TORCH_CHECK(vq->numel() == N * K / (four ? 2 : 1) && vs->numel() == N / 16 * (K / 32) * 32,
               "VNNI weights packed wrongly: their sizes do not fit the layer");
-  return vnni();
+  return four ? int4_tiles() : vnni();
 }
 
 }  // namespace
 
-// Whether these kernels were built with the VNNI tiles (AVX512-VNNI): quant.py packs the weights for them only then.
+// Whether these kernels were built with the VNNI tiles (AVX512-VNNI): quant.py packs the 8-bit weights only then.
 bool vnni() {
 #ifdef WOQ_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+// Whether these kernels have tiles over the 4-bit weights packed at load (AVX512-VNNI, and AVX2)
+bool int4_tiles() {
+#ifdef WOQ_SIMD
   return true;
 #else
   return false;

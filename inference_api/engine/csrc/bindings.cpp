@@ -24,7 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("raw"), py::arg("type"), py::arg("bias"), py::arg("int8_inputs") = false,
         py::arg("packed") = py::none());
   m.def("pack_k8", &pack_k8,
-        "Q4_K, Q5_K or Q6_K rows packed for the VNNI tiles (empty for other types, or without the tiles)",
+        "Q4_K, Q5_K or Q6_K rows (and Q5_0 or Q5_1 at the AVX2 level) packed for the tiles (else empty)",
         py::arg("raw"), py::arg("type"));
   m.def("dequantize_gguf", &dequantize_gguf, "rows of a GGUF tensor's blocks as float32 [R, K]", py::arg("raw"),
         py::arg("type"));

@@ -98,10 +98,11 @@ struct BlockForm {
   static constexpr bool ONE_ROW = VNNI;  // one input row: vnni_one, the tiles' numbers without the packing
   static constexpr bool PLUS128 = false;
   static constexpr bool HALVES = sub_of<B>() == 16;
-  static constexpr bool AVX2_TILE = false;  // the k-quants' AVX2 tiles go by K8 (k8p_tile)
+  static constexpr bool AVX2_TILE = B32Pack<B>::ON;  // Q5_0, Q5_1 packed at load (avx2_tile); the k-quants go by K8
 
   BlockForm(const uint8_t* raw, int64_t n, int64_t row) : w(raw), N(n), K(row / B::BYTES * B::QK), row_bytes(row) {}
   bool vnni_ready() const { return VNNI; }
+  bool avx2_ready() const { return packed != nullptr; }
   bool q8_ready() const { return Q8; }
   bool vec_ready() const { return true; }
 
@@ -443,6 +444,13 @@ struct BlockForm {
     if constexpr (K8Pack<B>::ON)
       K8Pack<B>::template tile_avx2<MR>(packed + grp * (K / 256) * K8Pack<B>::PB, K, x, i0, y, ldy,
                                         std::min<int64_t>(16, N - grp * 16));
+  }
+  // the same for blocks of 32 (B32Pack::tile_avx2)
+  template <int MR>
+  void avx2_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
+    if constexpr (B32Pack<B>::ON)
+      B32Pack<B>::template tile_avx2<MR>(packed + grp * (K / 32) * B32Pack<B>::PB, K, x, i0, y, ldy,
+                                         std::min<int64_t>(16, N - grp * 16));
   }
 #endif
 

@@ -344,6 +344,7 @@ struct I8Form {
   static constexpr bool ONE_ROW = false;                     // packed at load: one row goes through the tiles too
   static constexpr bool HALVES = false, AVX2_TILE = false;
   bool vnni_ready() const { return vq != nullptr; }
+  bool avx2_ready() const { return false; }
   void vnni_prepare(int64_t) const {}
   bool q8_ready() const { return G % 32 == 0; }
   bool vec_ready() const;
@@ -386,6 +387,7 @@ struct I4Form {
   static constexpr bool Q8 = true, VNNI = true, K8 = false, PLUS128 = false, HALVES = false, ONE_ROW = false;
   static constexpr bool AVX2_TILE = true;  // the packing's tiles without VNNI too (avx2_i4_tile)
   bool vnni_ready() const { return vq != nullptr; }
+  bool avx2_ready() const { return vq != nullptr; }
   void vnni_prepare(int64_t) const {}
   bool q8_ready() const { return true; }
   bool vec_ready() const { return true; }

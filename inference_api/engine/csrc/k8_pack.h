@@ -21,6 +21,50 @@
 namespace woq {
 #ifdef WOQ_SIMD
 
+// The codes of 16 rows (row r's at codes + r * stride, 8 nv of them) as nv vectors of 64 bytes at low: byte 4r + e
+// of vector p holds code 8p + e of row r in its low nibble and 8p + 4 + e in its high one; and their HB high bits
+// at high, 16 HB bytes a vector: the HB bits of both codes of byte t side by side, 8 / (2 HB) bytes t to a byte,
+// t + 64 / G * g at bits 2 HB g (G groups)
+template <int HB>
+inline void pack_codes(const uint8_t* codes, int64_t stride, int nv, uint8_t* low, uint8_t* high) {
+  for (int p = 0; p < nv; ++p) {
+    uint8_t hv[64];
+    for (int t = 0; t < 64; ++t) {
+      const int r = t / 4, e = t % 4;
+      const uint8_t a = codes[r * stride + 8 * p + e], c = codes[r * stride + 8 * p + 4 + e];
+      low[p * 64 + t] = static_cast<uint8_t>((a & 15) | (c & 15) << 4);
+      hv[t] = static_cast<uint8_t>((a >> 4) | (c >> 4) << HB);
+    }
+    if constexpr (HB > 0) {
+      constexpr int G = 8 / (2 * HB), L = 64 / G;
+      for (int u = 0; u < L; ++u) {
+        uint8_t v = 0;
+        for (int g = 0; g < G; ++g) v = static_cast<uint8_t>(v | hv[u + g * L] << (2 * HB * g));
+        high[p * L + u] = v;
+      }
+    }
+  }
+}
+
+// half h of vector p of pack_codes' layout (rows 8h .. 8h + 7): its two steps of codes, [8 rows][4 inputs] each
+template <int HB>
+inline void half_codes(const uint8_t* low, const uint8_t* high, int p, int h, __m256i& w0, __m256i& w1) {
+  const __m256i v = _mm256_loadu_si256((const __m256i*)(low + p * 64 + h * 32)), nib = _mm256_set1_epi8(15);
+  w0 = _mm256_and_si256(v, nib);
+  w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
+  if constexpr (HB > 0) {
+    __m256i hv;             // the high bits of the half's bytes t in bits 0 .. 2 HB - 1 of each byte
+    if constexpr (HB == 1)  // bytes 32h + u and 32h + 16 + u at bits 4h and 4h + 2 of byte u
+      hv = _mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(high + p * 16))),
+                             _mm256_setr_epi64x(4 * h, 4 * h, 4 * h + 2, 4 * h + 2));
+    else  // byte 32h + u at bits 4h of byte u
+      hv = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(high + p * 32)), 4 * h);
+    const __m256i mask = _mm256_set1_epi8((1 << HB) - 1);
+    w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(hv, mask), 4));
+    w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, HB), mask), 4));
+  }
+}
+
 template <typename B>
 struct K8Pack {
   static constexpr int HB = B::TYPE == Q4_K::TYPE ? 0 : B::TYPE == Q5_K::TYPE ? 1 : B::TYPE == Q6_K::TYPE ? 2 : -1;
@@ -54,23 +98,7 @@ struct K8Pack {
             for (int h = 0; h < 2; ++h)
               o[MN + q * 32 + r * 2 + h] = static_cast<uint8_t>(static_cast<int8_t>(Nm[2 * q + h]));
       }
-      for (int p = 0; p < 32; ++p) {
-        uint8_t hv[64];
-        for (int t = 0; t < 64; ++t) {
-          const int r = t / 4, e = t % 4;
-          const uint8_t a = codes[r][8 * p + e], c = codes[r][8 * p + 4 + e];
-          o[p * 64 + t] = static_cast<uint8_t>((a & 15) | (c & 15) << 4);
-          hv[t] = static_cast<uint8_t>((a >> 4) | (c >> 4) << (HB > 0 ? HB : 0));
-        }
-        if constexpr (HB > 0) {
-          constexpr int G = 8 / (2 * HB), L = 64 / G;
-          for (int u = 0; u < L; ++u) {
-            uint8_t v = 0;
-            for (int g = 0; g < G; ++g) v = static_cast<uint8_t>(v | hv[u + g * L] << (2 * HB * g));
-            o[HIGH + p * L + u] = v;
-          }
-        }
-      }
+      pack_codes<(HB > 0 ? HB : 0)>(&codes[0][0], 256, 32, o, o + HIGH);
     }
   }
 
@@ -175,20 +203,7 @@ struct K8Pack {
 
   // half h of vector p (rows 8h .. 8h + 7): its two steps of codes, [8 rows][4 inputs] each
   static void half_pair(const uint8_t* o, int p, int h, __m256i& w0, __m256i& w1) {
-    const __m256i v = _mm256_loadu_si256((const __m256i*)(o + p * 64 + h * 32)), nib = _mm256_set1_epi8(15);
-    w0 = _mm256_and_si256(v, nib);
-    w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), nib);
-    if constexpr (HB > 0) {
-      __m256i hv;             // the high bits of the half's bytes t in bits 0 .. 2 HB - 1 of each byte
-      if constexpr (HB == 1)  // bytes 32h + u and 32h + 16 + u at bits 4h and 4h + 2 of byte u
-        hv = _mm256_srlv_epi64(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i*)(o + HIGH + p * 16))),
-                               _mm256_setr_epi64x(4 * h, 4 * h, 4 * h + 2, 4 * h + 2));
-      else  // byte 32h + u at bits 4h of byte u
-        hv = _mm256_srli_epi16(_mm256_loadu_si256((const __m256i*)(o + HIGH + p * 32)), 4 * h);
-      const __m256i low = _mm256_set1_epi8((1 << HB) - 1);
-      w0 = _mm256_or_si256(w0, _mm256_slli_epi16(_mm256_and_si256(hv, low), 4));
-      w1 = _mm256_or_si256(w1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hv, HB), low), 4));
-    }
+    half_codes<(HB > 0 ? HB : 0)>(o, o + HIGH, p, h, w0, w1);
   }
 
   // tile's numbers with AVX2: per half of 8 rows, the u8 x s8 pair sums (vpmaddubsw) of FLUSH vectors summed in int16
@@ -255,6 +270,93 @@ struct K8Pack {
     }
     for (int i = 0; i < MR; ++i)
       for (int r = 0; r < rows; ++r) y[i * ldy + r] = acc[r / 8][i][r % 8];
+  }
+};
+
+// Q5_0 and Q5_1 packed once at load for the AVX2 tiles (the VNNI tiles pack blocks of 32 a group per call): per
+// group of 16 rows and block of 32 inputs, the codes as pack_codes lays them (4 vectors, then a plane of fifth bits),
+// each row's d, float16 [16], then Q5_1's m (Q5_0's is -16 d): 384 bytes, 24 a row (Q5_1's own; Q5_0's 22).
+template <typename B>
+struct B32Pack {
+#ifdef WOQ_VNNI
+  static constexpr bool ON = false;
+#else
+  static constexpr bool ON = B::TYPE == Q5_0::TYPE || B::TYPE == Q5_1::TYPE;
+#endif
+  static constexpr bool OWN_MINS = B::TYPE == Q5_1::TYPE;
+  static constexpr int64_t HIGH = 256, D = HIGH + 64, PB = D + (OWN_MINS ? 64 : 32);
+  static constexpr int64_t AHEAD = 96;  // how many blocks ahead one or two rows prefetch (about K8Pack's distance)
+
+  // the 16 rows of group grp (rows past N repeat the group's first) of raw [N, row_bytes] into out [K / 32][PB]
+  static void pack(const uint8_t* raw, int64_t N, int64_t row_bytes, int64_t grp, uint8_t* out) {
+    const int64_t nb = row_bytes / B::BYTES, n0 = grp * 16;
+    alignas(32) uint8_t codes[16][32];
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      uint8_t* o = out + blk * PB;
+      uint16_t* dm = reinterpret_cast<uint16_t*>(o + D);
+      for (int r = 0; r < 16; ++r) {
+        const uint8_t* b = raw + (n0 + (n0 + r < N ? r : 0)) * row_bytes + blk * B::BYTES;
+        _mm256_store_si256((__m256i*)codes[r], B::template codes<V256>(b, b, 0));
+        float d, m;  // d a float16 of the file; Q5_1's m too
+        B::scales(b, &d, &m);
+        dm[r] = _cvtss_sh(d, 0);
+        if constexpr (OWN_MINS) dm[16 + r] = _cvtss_sh(m, 0);
+      }
+      pack_codes<1>(&codes[0][0], 32, 4, o, o + HIGH);
+    }
+  }
+
+  // y[i * ldy + r] for the MR input rows from i0 (int8 blocks of 32) and the rows r of the group packed at g (its
+  // first rows written): per half of 8 rows, the vpmaddubsw pair sums of 2 vectors (4 steps of at most 2 * 31 *
+  // 127) added in int16, summed into int32 per row (vpmaddwd by ones) twice a block; then as vnni_i4_tile, each
+  // block's exact integer sum times d and the input block's step, plus m times the input block's float sum
+  template <int MR>
+  static void tile_avx2(const uint8_t* g, int64_t K, const Q8Rows& x, int64_t i0, float* y, int64_t ldy, int64_t rows) {
+    const int64_t nb = K / 32;
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int h = 0; h < 2; ++h) {
+      __m256 accf[MR];
+      for (int i = 0; i < MR; ++i) accf[i] = _mm256_setzero_ps();
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        const uint8_t* o = g + blk * PB;
+        if constexpr (MR <= 2)
+          if (h == 0)
+            for (int64_t l = 0; l < PB; l += 64) _mm_prefetch((const char*)(o + AHEAD * PB + l), _MM_HINT_T1);
+        __m256i isum[MR];
+        for (int f = 0; f < 2; ++f) {
+          __m256i d16[MR];
+          for (int s = 0; s < 2; ++s) {
+            const int p = 2 * f + s;
+            __m256i w0, w1;
+            half_codes<1>(o, o + HIGH, p, h, w0, w1);
+            for (int i = 0; i < MR; ++i) {
+              int32_t v[2];
+              std::memcpy(v, x.q.data() + (i0 + i) * K + blk * 32 + p * 8, 8);
+              const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(v[0])),
+                                                 _mm256_maddubs_epi16(w1, _mm256_set1_epi32(v[1])));
+              d16[i] = s == 0 ? t : _mm256_add_epi16(d16[i], t);
+            }
+          }
+          for (int i = 0; i < MR; ++i) {
+            const __m256i part = _mm256_madd_epi16(d16[i], ones);
+            isum[i] = f == 0 ? part : _mm256_add_epi32(isum[i], part);
+          }
+        }
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + D + 16 * h)));
+        const __m256 m = OWN_MINS ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + D + 32 + 16 * h)))
+                                  : _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
+        for (int i = 0; i < MR; ++i) {
+          const int64_t b = (i0 + i) * nb + blk;
+          accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, _mm256_set1_ps(x.d[b])), accf[i]);
+          accf[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[b]), accf[i]);
+        }
+      }
+      alignas(32) float out[8];
+      for (int i = 0; i < MR; ++i) {
+        _mm256_store_ps(out, accf[i]);
+        for (int r = 8 * h; r < std::min<int64_t>(rows, 8 * h + 8); ++r) y[i * ldy + r] = out[r - 8 * h];
+      }
+    }
   }
 };
 

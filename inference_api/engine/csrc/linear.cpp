@@ -98,7 +98,8 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
 #endif
 #if defined(WOQ_SIMD) && !defined(WOQ_VNNI)
   if constexpr (F::AVX2_TILE) {
-    if (int8_inputs && f.vnni_ready()) {  // packed at load (the 4-bit form): the AVX2 tiles, every row count
+    if (int8_inputs &&
+        f.avx2_ready()) {  // packed at load (the 4-bit form, Q5_0, Q5_1): the AVX2 tiles, every row count
       const Q8Rows xr(xp, M, K, F::PLUS128, F::HALVES);
       return vnni_rows<AVX2_MR>(
                  x2, N, bias, [](int64_t) {},
@@ -205,13 +206,14 @@ int64_t k8_packed_bytes(int64_t type, int64_t N, int64_t row_bytes) {
   with_block(type, [&](auto b) {
     using B = decltype(b);
     if constexpr (K8Pack<B>::ON) bytes = (N + 15) / 16 * (row_bytes / B::BYTES) * K8Pack<B>::PB;
+    if constexpr (B32Pack<B>::ON) bytes = (N + 15) / 16 * (row_bytes / B::BYTES) * B32Pack<B>::PB;
   });
 #endif
   return bytes;
 }
 
-// Q4_K, Q5_K or Q6_K rows packed for the VNNI tiles (k8_pack.h): uint8 [groups of 16 rows, super-blocks * PB]; an
-// empty tensor for other types or without the tiles
+// Q4_K, Q5_K or Q6_K rows packed for the tiles (k8_pack.h: K8Pack), and Q5_0 or Q5_1 rows for the AVX2 tiles
+// (B32Pack): uint8 [groups of 16 rows, blocks * PB]; an empty tensor for other types
 at::Tensor pack_k8(const at::Tensor& raw, int64_t type) {
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(), "GGUF rows: uint8 [N, bytes]");
   const int64_t N = raw.size(0), bytes = k8_packed_bytes(type, N, raw.size(1)), groups = (N + 15) / 16;
@@ -220,11 +222,12 @@ at::Tensor pack_k8(const at::Tensor& raw, int64_t type) {
 #ifdef WOQ_SIMD
   with_block(type, [&](auto b) {
     using B = decltype(b);
-    if constexpr (K8Pack<B>::ON) {
+    using P = std::conditional_t<K8Pack<B>::ON, K8Pack<B>, B32Pack<B>>;
+    if constexpr (P::ON) {
       TORCH_CHECK(raw.size(1) % B::BYTES == 0, "rows of ", raw.size(1), " bytes are not whole blocks");
       at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
         for (int64_t g = g0; g < g1; ++g)
-          K8Pack<B>::pack(raw.data_ptr<uint8_t>(), N, raw.size(1), g, out.data_ptr<uint8_t>() + g * (bytes / groups));
+          P::pack(raw.data_ptr<uint8_t>(), N, raw.size(1), g, out.data_ptr<uint8_t>() + g * (bytes / groups));
       });
     }
   });

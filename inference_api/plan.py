@@ -83,14 +83,18 @@ class ExecutionPlan:
     cuda_graphs: bool = False  # the compact model's decode step replayed from CUDA graphs (engine/cuda_graphs.py)
 
     @property
-    def int8_layout(self) -> bool:
-        """Whether a GGUF's Q8_0 tensors (the embedding and tied head, the largest tensor of a small model: 72 % of
-        Gemma 3 270M's bytes a token; and Q8_0 linears) are served in quant.py's int8 layout instead of their 34-byte
-        blocks: wherever the kernels take int8 inputs. The few-row kernels (AVX2) read its aligned codes at 1.6x the
-        blocks' speed for 6 % more bytes; the VNNI tiles run it packed at load (7.3 against 12.0 ms at one row of
-        Gemma's head, 32.5 against 42.6 at 32; SmolLM2's Q8_0 linears 7.4 against 9.9 ms a decode step), the
-        unpacked codes let go except for a tied head's embedding rows (docs/performance.md)."""
-        return self.int8_inputs
+    def int8_layout(self) -> frozenset[str]:
+        """The GGUF block types served in quant.py's int8 layout instead of their own blocks: wherever the kernels
+        take int8 inputs, Q8_0 (the embedding and tied head, the largest tensor of a small model: 72 % of Gemma 3
+        270M's bytes a token; and Q8_0 linears) and IQ4_NL; Q5_0 with the VNNI tiles only (the AVX2 level packs its
+        blocks for its tiles, 22 bytes a row and block against the layout's 36). The few-row kernels (AVX2) read the
+        layout's aligned codes at 1.6x the blocks' speed for 6 % more bytes; the VNNI tiles run it packed at load
+        (7.3 against 12.0 ms at one row of Gemma's head, 32.5 against 42.6 at 32; SmolLM2's Q8_0 linears 7.4 against
+        9.9 ms a decode step), the unpacked codes let go except for a tied head's embedding rows
+        (docs/performance.md)."""
+        if not self.int8_inputs:
+            return frozenset()
+        return frozenset({"Q8_0", "IQ4_NL", "Q5_0"} if self.vnni else {"Q8_0", "IQ4_NL"})
 
     @property
     def matmul_dtype(self) -> str:

@@ -5,15 +5,17 @@
   d (nibble - 8), so m = -8 d, exact in float16; Q4_1 is the layout itself. That layout has VNNI tiles over a
   copy packed at load.
 - Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, F16 and BF16 stay in the file's own bytes (BlockWeight):
-  the kernels read them as they are (csrc/block_form.h), no copy beside them. Where the plan says so
-  (``ExecutionPlan.int8_layout``: wherever the kernels take int8 inputs) the symmetric blocks of 32, Q8_0, Q5_0
-  and IQ4_NL, map onto quant.py's int8 layout instead (``int8_weight``: each weight's code as an int8, Q5_0's less
+  the kernels read them as they are (csrc/block_form.h), no copy beside them. The symmetric blocks of 32 the plan
+  names (``ExecutionPlan.int8_layout``: wherever the kernels take int8 inputs, Q8_0 and IQ4_NL, and Q5_0 with the
+  VNNI tiles) map onto quant.py's int8 layout instead (``int8_weight``: each weight's code as an int8, Q5_0's less
   16 and IQ4_NL's looked up, each block's float16 scale as a float32; exact).
 - F32 and any other type are served as float32, dequantized by gguf-py; a type gguf-py cannot read stops the
   start with its name.
 """
 
 from __future__ import annotations
+
+from collections.abc import Collection
 
 import numpy as np
 import torch
@@ -85,11 +87,11 @@ def block_weight(t) -> BlockWeight:
     return BlockWeight(torch.from_numpy(raw.copy()), int(t.tensor_type), k)  # a copy: the file is mapped read-only
 
 
-def packed(t, int8_layout: bool = False) -> Int4Weight | Int8Weight | BlockWeight | None:
-    """The tensor's blocks as the kernels take them, or None when its type is served as float32; ``int8_layout``: a
-    Q8_0, Q5_0 or IQ4_NL tensor in the int8 layout (``int8_weight``)."""
+def packed(t, int8_layout: Collection[str] = ()) -> Int4Weight | Int8Weight | BlockWeight | None:
+    """The tensor's blocks as the kernels take them, or None when its type is served as float32; ``int8_layout``: the
+    types (of INT8_TYPES) served in the int8 layout (``int8_weight``)."""
     kind = t.tensor_type.name
-    if kind in INT8_TYPES and int8_layout:
+    if kind in INT8_TYPES and kind in int8_layout:
         return int8_weight(t)
     if kind in INT4_TYPES:
         return int4_weight(t)

@@ -47,10 +47,10 @@ class GGUFModel:
         device: str = "cpu",
         dtype: torch.dtype = torch.float32,
         reader=None,
-        int8_layout: bool = False,
+        int8_layout: frozenset[str] = frozenset(),
     ):
         self.path = Path(path)
-        self.int8_layout = int8_layout  # a Q8_0 embedding or head in the int8 layout (the plan's choice)
+        self.int8_layout = int8_layout  # the block types served in the int8 layout (the plan's choice)
         # the weights need the header's numbers and the tensors, never the vocabulary: the light index, unless a
         # first start's full reader is at hand
         self.reader = reader if reader is not None else GGUFIndex(path)

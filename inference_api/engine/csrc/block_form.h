@@ -395,14 +395,6 @@ struct BlockForm {
     }
   }
 
-  // the tiles over the group packed at load (K8Pack): y[i * ldy + r] for the MR input rows from i0
-  template <int MR>
-  void k8p_tile(const Q8KRows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
-    if constexpr (K8Pack<B>::ON)
-      K8Pack<B>::template tile<MR>(packed + grp * (K / 256) * K8Pack<B>::PB, K, x, i0, y, ldy,
-                                   std::min<int64_t>(16, N - grp * 16));
-  }
-
   // y[i * ldy + r] for the MR input rows from i0 and the group's rows r (its first g.rows written)
   template <int MR>
   void vnni_tile(const Q8Rows& x, int64_t, int64_t i0, float* y, int64_t ldy) const {
@@ -438,14 +430,7 @@ struct BlockForm {
     }
   }
 #else
-  // the AVX2 tiles over the group packed at load (K8Pack::tile_avx2): y[i * ldy + r] for the MR input rows from i0
-  template <int MR>
-  void k8p_tile(const Q8KRows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
-    if constexpr (K8Pack<B>::ON)
-      K8Pack<B>::template tile_avx2<MR>(packed + grp * (K / 256) * K8Pack<B>::PB, K, x, i0, y, ldy,
-                                        std::min<int64_t>(16, N - grp * 16));
-  }
-  // the same for blocks of 32 (B32Pack::tile_avx2)
+  // the AVX2 tiles over blocks of 32 packed at load (B32Pack::tile_avx2)
   template <int MR>
   void avx2_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
     if constexpr (B32Pack<B>::ON)
@@ -453,6 +438,21 @@ struct BlockForm {
                                          std::min<int64_t>(16, N - grp * 16));
   }
 #endif
+
+  // the tiles over the group packed at load (K8Pack::tile, or tile_avx2 without VNNI): y[i * ldy + r] for the MR
+  // input rows from i0
+  template <int MR>
+  void k8p_tile(const Q8KRows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
+    if constexpr (K8Pack<B>::ON) {
+      const uint8_t* g = packed + grp * (K / 256) * K8Pack<B>::PB;
+      const int64_t rows = std::min<int64_t>(16, N - grp * 16);
+#ifdef WOQ_VNNI
+      K8Pack<B>::template tile<MR>(g, K, x, i0, y, ldy, rows);
+#else
+      K8Pack<B>::template tile_avx2<MR>(g, K, x, i0, y, ldy, rows);
+#endif
+    }
+  }
 
   // Q8_K inputs (the k-quants), without the tiles: y[ii * ldy + r] for input rows i .. i + MR and weight rows
   // n .. n + rows (rows <= RW), each weight chunk unpacked once for the MR input rows. Per super-block and row: the

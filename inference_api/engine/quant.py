@@ -228,9 +228,14 @@ class QuantLinear:
         self.vnni: tuple[torch.Tensor | None, torch.Tensor | None] = (
             None,
             None,
-        )  # several rows' int8 inputs go to the VNNI tiles where the kernels have them
-        tiles = kernels.vnni() or (isinstance(weight, Int4Weight) and kernels.int4_tiles())  # AVX2: the 4-bit form
-        if int8_inputs and isinstance(weight, (Int8Weight, Int4Weight)) and tiles and can_vnni(weight):
+        )  # every row count's int8 inputs go to the tiles over this packed copy where the kernels have them
+        form = FORM_INT4 if isinstance(weight, Int4Weight) else FORM_INT8
+        if (
+            int8_inputs
+            and isinstance(weight, (Int8Weight, Int4Weight))
+            and kernels.packed_tiles(form)
+            and can_vnni(weight)
+        ):
             self.vnni = vnni_int4(weight) if isinstance(weight, Int4Weight) else vnni_int8(weight)
             if not lookups:  # every row count now reads the packing: the codes' place is held by untouched pages
                 self.weight = dataclasses.replace(weight, q=untouched(weight.q))

@@ -30,7 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("type"));
   m.def("gguf_types", &gguf_types, "ggml's type numbers of the block types served in their own blocks");
   m.def("vnni", &vnni, "whether the VNNI tiles were built (AVX512-VNNI)");
-  m.def("int4_tiles", &int4_tiles, "whether the tiles over 4-bit weights packed at load were built (AVX2 or VNNI)");
+  m.def("packed_tiles", &packed_tiles, "whether every row count of quant.py's form runs on tiles over a packed copy",
+        py::arg("form"));
   m.def("decode_attention", &decode_attention, "one query token per entry over its row's cached positions",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("ks"), py::arg("vs"), py::arg("lengths"), py::arg("scale"),
         py::arg("rows") = py::none(), py::arg("starts") = py::none(), py::arg("softcap") = 0.0, py::arg("ring") = 0);

@@ -182,6 +182,12 @@ inline __m256i dot_u8s8_i32(__m256i a, __m256i b) {
   return _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1));
 #endif
 }
+// the 8 lanes of acc as outputs 8h .. 8h + 7 of a group of 16 weight rows at y, as far as its first rows
+inline void store_half(__m256 acc, int h, int64_t rows, float* y) {
+  alignas(32) float out[8];
+  _mm256_store_ps(out, acc);
+  for (int64_t r = 8 * h; r < std::min<int64_t>(rows, 8 * h + 8); ++r) y[r] = out[r - 8 * h];
+}
 #endif  // WOQ_SIMD
 
 }  // namespace woq

@@ -252,11 +252,7 @@ inline void avx2_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, cons
         accf[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(xs[i * S + g]), accf[i]);
       }
     }
-    alignas(32) float out[8];
-    for (int i = 0; i < MR; ++i) {
-      _mm256_store_ps(out, accf[i]);
-      for (int r = 8 * h; r < std::min<int64_t>(rows, 8 * h + 8); ++r) y[i * ldy + r] = out[r - 8 * h];
-    }
+    for (int i = 0; i < MR; ++i) store_half(accf[i], h, rows, y + i * ldy);
   }
 }
 #endif  // !WOQ_VNNI

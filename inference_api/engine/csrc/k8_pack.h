@@ -15,6 +15,7 @@
 // The numbers are those of BlockForm::k8_dot and k8_tile to the bit: each super-block's sums are exact integers,
 // then acc = fma(D * dx, isum, acc), acc = fma(M * dx, imin, acc). A row's numbers are the same whatever the batch.
 #pragma once
+#include <type_traits>
 #include "gguf_kquants.h"
 #include "q8.h"
 
@@ -351,14 +352,14 @@ struct B32Pack {
           accf[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[b]), accf[i]);
         }
       }
-      alignas(32) float out[8];
-      for (int i = 0; i < MR; ++i) {
-        _mm256_store_ps(out, accf[i]);
-        for (int r = 8 * h; r < std::min<int64_t>(rows, 8 * h + 8); ++r) y[i * ldy + r] = out[r - 8 * h];
-      }
+      for (int i = 0; i < MR; ++i) store_half(accf[i], h, rows, y + i * ldy);
     }
   }
 };
+
+// the packing at load of block type B, if any (ON)
+template <typename B>
+using LoadPack = std::conditional_t<K8Pack<B>::ON, K8Pack<B>, B32Pack<B>>;
 
 #endif  // WOQ_SIMD
 }  // namespace woq

@@ -146,7 +146,7 @@ bool packed_for_vnni(const Packed& vq, const Packed& vs, int64_t N, int64_t K, a
               "VNNI weights packed wrongly");
   TORCH_CHECK(vq->numel() == N * K / (four ? 2 : 1) && vs->numel() == N / 16 * (K / 32) * 32,
               "VNNI weights packed wrongly: their sizes do not fit the layer");
-  return four ? int4_tiles() : vnni();
+  return packed_tiles(four ? FORM_INT4 : FORM_INT8);
 }
 
 }  // namespace
@@ -160,10 +160,13 @@ bool vnni() {
 #endif
 }
 
-// Whether these kernels have tiles over the 4-bit weights packed at load (AVX512-VNNI, and AVX2)
-bool int4_tiles() {
-#ifdef WOQ_SIMD
-  return true;
+// Whether these kernels run every row count of quant.py's form (FORM_INT8, FORM_INT4) on tiles over a copy packed at
+// load (vnni_int8, vnni_int4): both forms with AVX512-VNNI, the 4-bit form with AVX2 too (avx2_i4_tile)
+bool packed_tiles(int64_t form) {
+#ifdef WOQ_VNNI
+  return form == FORM_INT8 || form == FORM_INT4;
+#elif defined(WOQ_SIMD)
+  return form == FORM_INT4;
 #else
   return false;
 #endif
@@ -205,8 +208,7 @@ int64_t k8_packed_bytes(int64_t type, int64_t N, int64_t row_bytes) {
 #ifdef WOQ_SIMD
   with_block(type, [&](auto b) {
     using B = decltype(b);
-    if constexpr (K8Pack<B>::ON) bytes = (N + 15) / 16 * (row_bytes / B::BYTES) * K8Pack<B>::PB;
-    if constexpr (B32Pack<B>::ON) bytes = (N + 15) / 16 * (row_bytes / B::BYTES) * B32Pack<B>::PB;
+    if constexpr (LoadPack<B>::ON) bytes = (N + 15) / 16 * (row_bytes / B::BYTES) * LoadPack<B>::PB;
   });
 #endif
   return bytes;
@@ -222,7 +224,7 @@ at::Tensor pack_k8(const at::Tensor& raw, int64_t type) {
 #ifdef WOQ_SIMD
   with_block(type, [&](auto b) {
     using B = decltype(b);
-    using P = std::conditional_t<K8Pack<B>::ON, K8Pack<B>, B32Pack<B>>;
+    using P = LoadPack<B>;
     if constexpr (P::ON) {
       TORCH_CHECK(raw.size(1) % B::BYTES == 0, "rows of ", raw.size(1), " bytes are not whole blocks");
       at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {

@@ -23,8 +23,6 @@ COPY requirements-proxy.txt ./
 RUN pip install --no-cache-dir -r requirements-proxy.txt
 COPY proxy/ proxy/
 COPY lifecycle/ lifecycle/
-# the error shapes shared with the server: pure Python (the package's __init__ imports nothing)
-COPY inference_api/__init__.py inference_api/error_shapes.py inference_api/
 COPY scripts/healthcheck.py scripts/jwt_util.py scripts/
 ENV PROXY_HOST=0.0.0.0 PROXY_PORT=1223
 USER 10001:10001
@@ -57,19 +55,19 @@ FROM server-base AS kernels
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++ \
  && rm -rf /var/lib/apt/lists/*
-RUN python -m inference_api.engine.kernels --prebuild
+RUN python -m inference_api.kernels --prebuild
 
 # ---- the inference server (and the proxy for the one-container stack); the default target ----
 # no compiler: the kernels come built (a CPU with neither level serves dequantized weights, and says so)
 FROM server-base AS server
-COPY --from=kernels /app/inference_api/engine/prebuilt/ inference_api/engine/prebuilt/
+COPY --from=kernels /app/inference_api/kernels/prebuilt/ inference_api/kernels/prebuilt/
 # the embedded model's tokenizer and config prepared once, at build time (the weights are read straight from the
 # GGUF, no float32 copy), so containers start in seconds; hub models (MODEL=...) land in the same folder, which
 # compose and Kubernetes mount as a volume
 ENV MODEL_CACHE_DIR=/models HF_HOME=/models/huggingface PORT=8000 PROXY_HOST=0.0.0.0 PROXY_PORT=1223
 RUN python -c "from pathlib import Path; \
 from inference_api.config import ServerConfig; \
-from inference_api.model_loader import embedded_gguf, gguf_folder, gguf_target; \
+from inference_api.model.loader import embedded_gguf, gguf_folder, gguf_target; \
 gguf = embedded_gguf(); \
 gguf_folder(gguf, gguf_target(ServerConfig(model_cache_dir=Path('/models')), gguf), weights=False)" \
  && mkdir -p /models/huggingface \

@@ -10,15 +10,15 @@ import os
 import sys
 
 from inference_api.config import ServerConfig
-from inference_api.preflight import PreflightError, preflight
+from inference_api.engine.preflight import PreflightError, preflight
 from lifecycle.drain import drain_on_signals, gunicorn_settings
 
 _server = ServerConfig.from_env(os.environ)
 
-wsgi_app = "inference_api.app:create_app()"
+wsgi_app = "inference_api.web.app:create_app()"
 bind = f"{_server.host}:{_server.port}"
 workers = 1
-worker_class = "inference_api.worker.ServerWorker"  # gthread with a header deadline
+worker_class = "inference_api.web.worker.ServerWorker"  # gthread with a header deadline
 threads = _server.threads
 timeout = 120
 _shared = gunicorn_settings(_server.drain_timeout)  # what the proxy's gunicorn has too

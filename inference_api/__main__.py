@@ -10,7 +10,7 @@ from gunicorn.app.base import BaseApplication
 from lifecycle.drain import DrainingArbiter, drain_on_signals, gunicorn_settings
 
 from .config import ServerConfig
-from .preflight import Estimate, PreflightError, preflight
+from .engine.preflight import Estimate, PreflightError, preflight
 
 
 class Server(BaseApplication):
@@ -24,7 +24,7 @@ class Server(BaseApplication):
         options = {
             "bind": f"{c.host}:{c.port}",
             "workers": 1,
-            "worker_class": "inference_api.worker.ServerWorker",
+            "worker_class": "inference_api.web.worker.ServerWorker",
             "threads": c.threads,
             "timeout": 120,
             "keepalive": 5,
@@ -37,7 +37,7 @@ class Server(BaseApplication):
             self.cfg.set(key, value)
 
     def load(self):
-        from .app import create_app  # imported in the worker: the engine process belongs to it
+        from .web.app import create_app  # imported in the worker: the engine process belongs to it
 
         return create_app(self.server_config, self.estimate)
 

@@ -1,6 +1,6 @@
 """Errors the proxy answers itself, always JSON, never HTML, in the shape of the API the request was for.
 
-The shapes are the server's own (``inference_api.error_shapes``, pure Python: no torch, no Flask), so each
+The shapes are the server's own (``lifecycle.error_shapes``, pure Python: no torch, no Flask), so each
 client raises the same exception type for a proxy error as for the server's (a 429 here and the server's
 503 both make the text-generation client raise ``OverloadedError``). Paths shared by two dialects
 (``/generate``, ``/tokenize``) are told apart by the body, as the server does.
@@ -15,8 +15,8 @@ from typing import Any
 from flask import Flask, Response, current_app, g, jsonify, request
 from werkzeug.exceptions import HTTPException, MethodNotAllowed
 
-from inference_api.error_shapes import api_of, error_body, status_for
 from lifecycle.deadlines import BodyTimeout, Watchdog
+from lifecycle.error_shapes import api_of, error_body, status_for
 
 from .auth import AuthError
 

@@ -364,7 +364,7 @@ def served_gguf(path: str | None, health: dict) -> tuple[Path | None, str]:
     try:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from inference_api.config import DEFAULT_MODEL_NAME
-        from inference_api.model_loader import embedded_gguf
+        from inference_api.model.loader import embedded_gguf
 
         if health.get("model") != DEFAULT_MODEL_NAME:
             return None, f"the server serves {health.get('model')}, not the embedded model: pass --gguf"

@@ -40,10 +40,10 @@ def main() -> None:
 
     from inference_api.config import ServerConfig
     from inference_api.engine.cuda_graphs import DecodeGraphs
-    from inference_api.engine.gguf_model import GGUFModel
     from inference_api.engine.model_runner import ModelRunner
-    from inference_api.model_loader import embedded_gguf
-    from inference_api.plan import make_plan, model_facts, probe_machine
+    from inference_api.engine.plan import make_plan, model_facts, probe_machine
+    from inference_api.model.gguf_model import GGUFModel
+    from inference_api.model.loader import embedded_gguf
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rows", type=int, default=32)

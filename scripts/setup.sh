@@ -17,4 +17,4 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   echo "$want" > "$stamp"
 fi
 # the quantized CPU kernels: compiled once into the model cache (seconds when already built)
-.venv/bin/python -m inference_api.engine.kernels "${MODEL_CACHE_DIR:-model_cache}" >/dev/null 2>&1 || true
+.venv/bin/python -m inference_api.kernels "${MODEL_CACHE_DIR:-model_cache}" >/dev/null 2>&1 || true

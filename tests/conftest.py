@@ -62,7 +62,7 @@ def reference(model_dir):
 def model_dir() -> Path:
     """The default model converted into the model cache (the folder the real server loads)."""
     from inference_api.config import ServerConfig
-    from inference_api.model_loader import convert_gguf, embedded_gguf, gguf_target
+    from inference_api.model.loader import convert_gguf, embedded_gguf, gguf_target
 
     gguf = embedded_gguf()
     return convert_gguf(gguf, gguf_target(ServerConfig(model_cache_dir=Path(MODEL_CACHE)), gguf))
@@ -70,6 +70,6 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def hf_tokenizer(model_dir):
-    from inference_api.tokenizer import HFTokenizer
+    from inference_api.model.tokenizer import HFTokenizer
 
     return HFTokenizer(model_dir)

@@ -18,8 +18,8 @@ from gguf_reference import load_reference
 from servers import MODEL_CACHE
 
 from inference_api.config import ServerConfig
-from inference_api.engine.architectures import FAMILIES
 from inference_api.engine.process import build_engine
+from inference_api.model.families import FAMILIES
 
 REFERENCE = load_reference()
 
@@ -73,7 +73,7 @@ def test_a_type_the_kernels_lack_is_served_dequantized_with_a_warning(monkeypatc
     """A tensor type outside the kernels' list is never rounded again nor silently served wrong: its layers are
     served as float32 from gguf-py's dequantization, the start-up log names the tensors and the type, and the
     answers stay llama.cpp's (here Q6_K taken off the list, on the Q6_K file)."""
-    from inference_api.engine import gguf_blocks
+    from inference_api.model import gguf_blocks
 
     monkeypatch.setattr(gguf_blocks, "BLOCK_TYPES", gguf_blocks.BLOCK_TYPES - {"Q6_K"})
     ref = REFERENCE["llama-q6_k.gguf"]
@@ -103,8 +103,8 @@ def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
     from gguf.quants import dequantize
     from servers import MODEL_CACHE
 
-    from inference_api.engine.gguf_blocks import packed
-    from inference_api.engine.kernels import load_kernels
+    from inference_api.kernels import load_kernels
+    from inference_api.model.gguf_blocks import packed
 
     files = [ref.path for ref in REFERENCE.values() if kind in ref.tensor_types]
     tensor = next(

@@ -17,10 +17,10 @@ from servers import MODEL_CACHE, ServerProcess
 from test_quality import exact_plan, perplexity, plan_for, text_ids  # noqa: F401 (fixture)
 
 from inference_api.engine.cuda_graphs import DecodeGraphs
-from inference_api.engine.linear import Int4CudaLinear, linear_factory
 from inference_api.engine.model_runner import ModelRunner
-from inference_api.engine.quant import quantize_int4
-from inference_api.model_loader import load_model
+from inference_api.kernels.quant import quantize_int4
+from inference_api.model.linear import Int4CudaLinear, linear_factory
+from inference_api.model.loader import load_model
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 

@@ -13,9 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from inference_api.engine.cuda_graphs import DecodeGraphs, bucket_sizes, capture_decode, span_sizes
 from inference_api.engine.engine import Engine
+from inference_api.engine.messages import GenerateRequest, SamplingParams
 from inference_api.engine.model_runner import ModelRunner
-from inference_api.messages import GenerateRequest, SamplingParams
-from inference_api.model_loader import load_model
+from inference_api.model.loader import load_model
 
 
 def test_the_buckets_cover_every_row_count_with_few_graphs():
@@ -148,7 +148,7 @@ def test_on_cuda_the_captured_step_launched_ahead_answers_as_launched_after():
     import transformers as T
 
     from inference_api.config import ServerConfig
-    from inference_api.plan import ModelFacts, make_plan, probe_machine
+    from inference_api.engine.plan import ModelFacts, make_plan, probe_machine
 
     torch.manual_seed(0)
     model = T.AutoModelForCausalLM.from_config(tiny_llama_config(512)).to("cuda", torch.bfloat16).eval()

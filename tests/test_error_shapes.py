@@ -1,4 +1,4 @@
-"""One error shape per API family (inference_api.error_shapes), read by each family's own client: the server and
+"""One error shape per API family (lifecycle.error_shapes), read by each family's own client: the server and
 the proxy both answer through it, so a client raises the same exception type whoever refused the request."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from text_generation.errors import (
     parse_error,
 )
 
-from inference_api.error_shapes import LLAMA_STACK, OPENAI, SHORTFIN, TGI, error_body, status_for
+from lifecycle.error_shapes import LLAMA_STACK, OPENAI, SHORTFIN, TGI, error_body, status_for
 
 STATUSES = (400, 401, 404, 413, 429, 500, 502, 503, 504)
 
@@ -88,7 +88,7 @@ def test_shortfin_codes():
 def test_proxy_imports_the_shapes_without_torch_or_the_server():
     code = (
         "import sys, proxy.app, proxy.errors; "
-        "bad = [m for m in ('torch', 'flask_inference', 'inference_api.app', 'inference_api.engine') "
+        "bad = [m for m in ('torch', 'flask_inference', 'inference_api.web.app', 'inference_api.engine') "
         "if m in sys.modules]; assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True, timeout=60)

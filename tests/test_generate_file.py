@@ -1,4 +1,4 @@
-"""``python -m inference_api.generate`` over the mock: a few hundred lines, killed halfway and run again, end
+"""``python -m inference_api.offline.generate`` over the mock: a few hundred lines, killed halfway and run again, end
 with every line answered once and in input order; bad lines get error lines in their place."""
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def start(tmp_path: Path, *extra: str) -> subprocess.Popen:
         [
             sys.executable,
             "-m",
-            "inference_api.generate",
+            "inference_api.offline.generate",
             str(tmp_path / "in.jsonl"),
             str(tmp_path / "out.jsonl"),
             *FLAGS,

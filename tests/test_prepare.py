@@ -8,9 +8,9 @@ import sys
 import pytest
 from jinja2 import TemplateError
 
-from inference_api.messages import SamplingParams
+from inference_api.engine.messages import SamplingParams
 from inference_api.mock.tokenizer import ByteTokenizer
-from inference_api.prepare import DEFAULT_MAX_TOKENS, Prompt, check_model, encode, engine_params, prepare
+from inference_api.request.prepare import DEFAULT_MAX_TOKENS, Prompt, check_model, encode, engine_params, prepare
 from inference_api.request_errors import ModelNotFound, RequestError
 
 
@@ -64,8 +64,8 @@ def test_model_check():
 
 def test_no_transport_below_the_routes():
     """Preparation, the parsers and the formatters load without Flask (the offline API does not need it)."""
-    modules = ["inference_api.prepare", "inference_api.offline"] + [
-        f"inference_api.dialects.{d}.{m}"
+    modules = ["inference_api.request.prepare", "inference_api.offline.llm"] + [
+        f"inference_api.web.dialects.{d}.{m}"
         for d in ("openai", "tgi", "native", "llama_stack", "shortfin")
         for m in ("protocol", "format")
     ]

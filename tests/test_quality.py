@@ -11,10 +11,10 @@ import torch
 from servers import MODEL_CACHE
 
 from inference_api.config import ServerConfig
-from inference_api.engine.kernels import load_kernels
 from inference_api.engine.model_runner import ModelRunner
-from inference_api.model_loader import load_model
-from inference_api.plan import ExecutionPlan, ModelFacts, make_plan, probe_machine
+from inference_api.engine.plan import ExecutionPlan, ModelFacts, make_plan, probe_machine
+from inference_api.kernels import load_kernels
+from inference_api.model.loader import load_model
 
 EMBEDDED = ModelFacts("llama", gguf=True, gguf_quantize="int4")  # the embedded SmolLM2 Q4_1 GGUF
 

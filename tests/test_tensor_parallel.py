@@ -24,10 +24,10 @@ from test_model_loader import VOCAB
 from tiny import tiny_llama_config
 
 from inference_api.config import ServerConfig
+from inference_api.engine.messages import GenerateRequest, SamplingParams
+from inference_api.engine.plan import Machine, ModelFacts, PlanError, make_plan
+from inference_api.engine.preflight import PreflightError, estimate, preflight
 from inference_api.engine.process import build_engine
-from inference_api.messages import GenerateRequest, SamplingParams
-from inference_api.plan import Machine, ModelFacts, PlanError, make_plan
-from inference_api.preflight import PreflightError, estimate, preflight
 
 
 @pytest.fixture(scope="module")
@@ -233,10 +233,10 @@ def test_a_tiny_model_split_over_ranks_answers_as_one_rank(tiny_llama, size):
 def test_an_input_split_that_breaks_quantized_blocks_is_refused():
     """4-bit blocks of 32 inputs: o's 64 inputs over 4 ranks would leave 16 a rank (a float weight quantized after
     the split, and a weight that is 4-bit blocks already alike); over 2 ranks the blocks stay whole."""
-    from inference_api.engine.architectures import describe
-    from inference_api.engine.compact import HFWeights
-    from inference_api.engine.linear import quantize as quantize_weight
     from inference_api.engine.parallel import Shard
+    from inference_api.model.compact import HFWeights
+    from inference_api.model.families import describe
+    from inference_api.model.linear import quantize as quantize_weight
 
     model = T.AutoModelForCausalLM.from_config(
         T.LlamaConfig(

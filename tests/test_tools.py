@@ -1,4 +1,4 @@
-"""Tool calling without a model (inference_api/tools.py): tools and tool_choice checked, the grammar a forced
+"""Tool calling without a model (inference_api/request/tools.py): tools and tool_choice checked, the grammar a forced
 call gets, what a template without tools is shown, the calls parsed from text whole and streamed."""
 
 from __future__ import annotations
@@ -8,13 +8,13 @@ import json
 import pytest
 from llguidance import LLMatcher
 
-from inference_api.dialects.openai.protocol import parse_chat
-from inference_api.dialects.openai.tool_format import ToolChatFormat
-from inference_api.generation import Generation
-from inference_api.messages import EngineReady, FinishReason
-from inference_api.prepare import PLACEHOLDER_MODELS, Prompt, check_model, encode
+from inference_api.engine.messages import EngineReady, FinishReason
+from inference_api.request.generation import Generation
+from inference_api.request.prepare import PLACEHOLDER_MODELS, Prompt, check_model, encode
+from inference_api.request.tools import CallSplitter, parse_tools, plain_messages, split_calls
 from inference_api.request_errors import ModelNotFound, RequestError
-from inference_api.tools import CallSplitter, parse_tools, plain_messages, split_calls
+from inference_api.web.dialects.openai.protocol import parse_chat
+from inference_api.web.dialects.openai.tool_format import ToolChatFormat
 
 WEATHER = {
     "type": "function",
@@ -225,7 +225,7 @@ def test_tool_answers_in_openais_shape():
     ],
 )
 def test_llama_stack_tools_are_checked(fields, param):
-    from inference_api.dialects.llama_stack.protocol import parse_chat as llama_stack_chat
+    from inference_api.web.dialects.llama_stack.protocol import parse_chat as llama_stack_chat
 
     body = {"model": "m", "messages": [{"role": "user", "content": "hi"}], **fields}
     with pytest.raises(RequestError) as info:
@@ -234,7 +234,7 @@ def test_llama_stack_tools_are_checked(fields, param):
 
 
 def test_llama_stack_tools_become_function_tools():
-    from inference_api.dialects.llama_stack.protocol import parse_chat as llama_stack_chat
+    from inference_api.web.dialects.llama_stack.protocol import parse_chat as llama_stack_chat
 
     body = {
         "model": "m",

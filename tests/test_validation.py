@@ -2,8 +2,8 @@
 
 import pytest
 
-from inference_api.dialects.native.protocol import parse_native
 from inference_api.request_errors import RequestError
+from inference_api.web.dialects.native.protocol import parse_native
 
 GOOD = [
     ({"text": "hi"}, dict(temperature=1.0, top_k=10, top_p=0.9, max_tokens=128, stop=(), seed=None)),

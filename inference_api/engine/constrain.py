@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..grammar import Grammar
+from .grammar import Grammar
 
 if TYPE_CHECKING:
     from llguidance import LLExecutor, LLMatcher, LLTokenizer

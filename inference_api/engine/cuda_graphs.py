@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .forward_batch import ForwardBatch
+from ..model.forward_batch import ForwardBatch
 
 log = logging.getLogger(__name__)
 

@@ -12,7 +12,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from ..messages import (
+from .constrain import Constraints
+from .messages import (
     EngineStats,
     ErrorKind,
     FinishReason,
@@ -21,7 +22,6 @@ from ..messages import (
     TokenLogprob,
     step_rows_bucket,
 )
-from .constrain import Constraints
 from .sampling import RowParams, apply_penalties, choice_seed, mask_tokens, sample
 from .scheduler import Scheduler, Step
 from .sequence import Sequence, Status

@@ -3,8 +3,8 @@ show that one request's failure leaves every other stream intact (TEST_FAULT_TEX
 
 from __future__ import annotations
 
-from ..messages import GenerateRequest, TokenEvent, TokenLogprob
 from .engine import Engine
+from .messages import GenerateRequest, TokenEvent, TokenLogprob
 from .sequence import Sequence
 
 

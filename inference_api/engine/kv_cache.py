@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from transformers.cache_utils import Cache
 
-from ..plan import kv_slots
+from .plan import kv_slots
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:

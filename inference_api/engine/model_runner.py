@@ -1,7 +1,7 @@
 """Runs a causal LM over the row KV cache: chunked prefill of several rows, decode of many.
 
 The runner owns the tensor layout: from the scheduler's rows, chunks and positions it builds each forward's
-ForwardBatch. Architectures that architectures.py describes run as a CompactLM (compact.py); every other
+ForwardBatch. Architectures that families.py describes run as a CompactLM (compact.py); every other
 runs transformers' own modules with their linears swapped for the ones linear.py picked, as the
 ExecutionPlan says. Both take the same call.
 """
@@ -11,14 +11,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..plan import ExecutionPlan
-from .attention import use_row_attention
-from .compact import CompactLM, build_compact
+from ..kernels.quant import QUANTIZED
+from ..model.attention import use_row_attention
+from ..model.compact import CompactLM, build_compact
+from ..model.forward_batch import ForwardBatch
+from ..model.linear import linear_factory, use_linears
 from .cuda_graphs import capture_decode
-from .forward_batch import ForwardBatch
 from .kv_cache import RowKVCache
-from .linear import linear_factory, use_linears
-from .quant import QUANTIZED
+from .plan import ExecutionPlan
 
 
 def kv_geometry(config) -> tuple[int, int, int]:
@@ -97,8 +97,8 @@ def build_model(model, plan: ExecutionPlan, kernels, length: int, shard=None, al
 def load_runner(config, plan: ExecutionPlan, kernels, gguf, model_dir, shard=None, all_reduce=None) -> ModelRunner:
     """The runner over the model read straight from a GGUF file (gguf: where the compact decoder reads one) or
     loaded from the transformers folder model_dir: one tensor-parallel rank's share where shard says."""
-    from ..model_loader import load_model
-    from .gguf_model import GGUFModel
+    from ..model.gguf_model import GGUFModel
+    from ..model.loader import load_model
 
     dtype = plan.torch(plan.dtype)
     model = (

@@ -40,8 +40,8 @@ from typing import Any
 
 import torch
 
-from ..plan import tp_refusal
-from .quant import BlockWeight, Int4Weight, Int8Weight, StackedWeight
+from ..kernels.quant import BlockWeight, Int4Weight, Int8Weight, StackedWeight
+from .plan import tp_refusal
 
 log = logging.getLogger(__name__)
 
@@ -329,7 +329,7 @@ def run_rank(config, plan, rank: int, port: int, gguf, model_dir, parent: int, c
         group = Group(rank, plan.tp, Group.store(plan.tp, port))
         kernels = None
         if plan.cpu_kernels:
-            from .kernels import load_kernels
+            from ..kernels import load_kernels
 
             kernels = load_kernels(config.model_cache_dir, level=plan.cpu_level)
         runner = load_runner(config, plan, kernels, gguf, model_dir, Shard.of(plan, rank), group.all_reduce)

@@ -6,9 +6,9 @@ import logging
 import queue
 
 from ..config import ServerConfig
-from ..messages import CancelRequest, EngineFailed, EngineReady, GenerateRequest, Shutdown, StepOutput
 from .engine import Engine
 from .lifeline import die_with_parent, release_free_memory
+from .messages import CancelRequest, EngineFailed, EngineReady, GenerateRequest, Shutdown, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def release_freed_memory() -> None:
 
 
 def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
-    from ..model_loader import model_name
+    from ..model.loader import model_name
 
     if config.mock:
         from ..mock.runner import MockRunner
@@ -57,13 +57,13 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
 
     import torch
 
-    from ..model_loader import eos_ids, gguf_source, gguf_target, resolve_model_dir
-    from ..plan import make_plan, model_facts, probe_machine
-    from ..tokenizer import HFTokenizer
+    from ..kernels import WITHOUT_KERNELS, load_kernels
+    from ..model.loader import eos_ids, gguf_source, gguf_target, resolve_model_dir
+    from ..model.tokenizer import HFTokenizer
     from .constrain import for_hf_tokenizer
-    from .kernels import WITHOUT_KERNELS, load_kernels
     from .model_runner import load_runner
     from .parallel import start_group, threads_per_rank
+    from .plan import make_plan, model_facts, probe_machine
 
     gguf = gguf_source(config)
     folder = gguf_target(config, gguf) if gguf is not None else resolve_model_dir(config)

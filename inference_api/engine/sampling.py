@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from ..messages import SamplingParams
+from .messages import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 

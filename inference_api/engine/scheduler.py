@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ..messages import EngineStats
+from .messages import EngineStats
 from .prefix import PrefixIndex
 from .rows import RowTable
 from .sequence import Sequence, Status

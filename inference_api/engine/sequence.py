@@ -8,8 +8,8 @@ from collections.abc import Sequence as Seq
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from ..messages import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
 from .detokenize import IncrementalDetokenizer
+from .messages import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
 from .stopping import check_stop
 
 if TYPE_CHECKING:

@@ -6,11 +6,11 @@ import json
 
 import pytest
 
-from inference_api.dialects.openai.format import ChatFormat, stream_chunks
-from inference_api.dialects.openai.protocol import parse_chat, parse_completion
-from inference_api.dialects.tgi.protocol import parse_tgi
-from inference_api.messages import EngineReady, FinishReason, TokenEvent
+from inference_api.engine.messages import EngineReady, FinishReason, TokenEvent
 from inference_api.request_errors import RequestError
+from inference_api.web.dialects.openai.format import ChatFormat, stream_chunks
+from inference_api.web.dialects.openai.protocol import parse_chat, parse_completion
+from inference_api.web.dialects.tgi.protocol import parse_tgi
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 

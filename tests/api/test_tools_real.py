@@ -10,7 +10,7 @@ import jsonschema
 import openai
 import pytest
 
-from inference_api.tools import plain_messages
+from inference_api.request.tools import plain_messages
 
 WEATHER = {
     "type": "function",

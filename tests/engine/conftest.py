@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from servers import MODEL_CACHE
 
-from inference_api.engine.kernels import load_kernels
-from inference_api.plan import LEVELS, cpu_flags
+from inference_api.engine.plan import LEVELS, cpu_flags
+from inference_api.kernels import load_kernels
 
 LEVELS_HERE = ["native"] + (["avx2"] if "avx512f" in cpu_flags() and LEVELS["avx2"][1] <= cpu_flags() else [])
 

@@ -2,7 +2,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from inference_api.engine.attention import NAME, row_sdpa, use_row_attention
+from inference_api.model.attention import NAME, row_sdpa, use_row_attention
 
 
 class _Module:

@@ -11,8 +11,8 @@ import pytest
 
 from inference_api.engine.constrain import FairQueue, for_hf_tokenizer
 from inference_api.engine.engine import MAX_COMPILING_PER_TEAM, Engine
-from inference_api.grammar import Grammar
-from inference_api.messages import ErrorKind, FinishReason, GenerateRequest, SamplingParams
+from inference_api.engine.grammar import Grammar
+from inference_api.engine.messages import ErrorKind, FinishReason, GenerateRequest, SamplingParams
 from inference_api.mock.runner import MockRunner
 from inference_api.mock.tokenizer import EOS, ByteTokenizer
 

@@ -7,7 +7,7 @@ from collections import defaultdict
 import pytest
 
 from inference_api.engine.engine import Engine
-from inference_api.messages import FinishReason, GenerateRequest, SamplingParams
+from inference_api.engine.messages import FinishReason, GenerateRequest, SamplingParams
 from inference_api.mock.runner import MockRunner
 from inference_api.mock.tokenizer import EOS, ByteTokenizer
 
@@ -409,7 +409,7 @@ def test_prompt_logprobs_come_with_the_first_event_and_reuse_no_prefix():
 def test_a_grammar_that_fails_in_a_step_without_sampled_rows_still_reports_its_error():
     """The mock engine has no grammar support: the request fails as its matcher would; the step only prefills a
     chunk of a long prompt (no row samples), and the error event must still go out."""
-    from inference_api.grammar import Grammar
+    from inference_api.engine.grammar import Grammar
 
     engine, _ = make_engine(rows=4, prefill_chunk=8)
     engine.add(request("long", "x" * 40))

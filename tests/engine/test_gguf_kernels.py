@@ -169,8 +169,8 @@ def test_a_symmetric_block_type_maps_onto_the_int8_layout_exactly(kernels, t):
     CPU has VNNI: the unpacked codes are let go)."""
     from types import SimpleNamespace
 
-    from inference_api.engine.gguf_blocks import int8_weight
-    from inference_api.engine.quant import QuantLinear
+    from inference_api.kernels.quant import QuantLinear
+    from inference_api.model.gguf_blocks import int8_weight
 
     n, k = 48, 256
     raw = _raw(t, n, k, seed=3)

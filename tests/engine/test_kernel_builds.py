@@ -10,11 +10,11 @@ from pathlib import Path
 
 from servers import MODEL_CACHE, ROOT
 
-from inference_api.engine.kernels import LEVELS, level_for
+from inference_api.kernels import LEVELS, level_for
 
 LOAD = (
     "import logging, sys; from pathlib import Path; logging.basicConfig();"
-    "from inference_api.engine.kernels import load_kernels;"
+    "from inference_api.kernels import load_kernels;"
     "k = load_kernels(Path(sys.argv[1])); print('loaded' if k is not None else 'none')"
 )
 
@@ -45,7 +45,7 @@ def test_levels_need_what_their_march_gives():
 
 PREBUILD = (
     "import sys; from pathlib import Path;"
-    "from inference_api.engine.kernels import prebuild;"
+    "from inference_api.kernels import prebuild;"
     "built = prebuild(Path(sys.argv[1]), (sys.argv[2],));"
     "assert str(built[sys.argv[2]]) not in Path('/proc/self/maps').read_text(), 'the level was loaded';"
     "print(*(f'{level}={so}' for level, so in built.items()))"

@@ -14,8 +14,8 @@ from servers import MODEL_CACHE, ROOT
 
 from inference_api.config import ServerConfig
 from inference_api.engine.kv_cache import RowKVCache
+from inference_api.engine.messages import GenerateRequest, SamplingParams
 from inference_api.engine.process import build_engine
-from inference_api.messages import GenerateRequest, SamplingParams
 
 GEMMA3 = ROOT / "tests" / "data" / "gguf" / "gemma3-q4_k_m.gguf"
 CHUNK = 24  # the prefill chunk: rings of 16 + 24 = 40 slots in a context of 256

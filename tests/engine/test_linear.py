@@ -7,9 +7,9 @@ from servers import MODEL_CACHE
 from torch import nn
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
-from inference_api.engine.kernels import load_kernels
-from inference_api.engine.linear import DenseLinear, OneDNNLinear, SplitLinear, linear_factory, row_bucket, use_linears
-from inference_api.engine.quant import QuantLinear, quantize_int4
+from inference_api.kernels import load_kernels
+from inference_api.kernels.quant import QuantLinear, quantize_int4
+from inference_api.model.linear import DenseLinear, OneDNNLinear, SplitLinear, linear_factory, row_bucket, use_linears
 
 onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 onednn_bf16 = pytest.mark.skipif(

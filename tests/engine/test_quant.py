@@ -10,10 +10,10 @@ import torch
 import torch.nn.functional as F
 from servers import MODEL_CACHE
 
-from inference_api.engine.compact import _rope
-from inference_api.engine.kernels import load_kernels
 from inference_api.engine.kv_cache import quantize_heads
-from inference_api.engine.quant import Int4Weight, QuantLinear, quantize_int4, quantize_int8
+from inference_api.kernels import load_kernels
+from inference_api.kernels.quant import Int4Weight, QuantLinear, quantize_int4, quantize_int8
+from inference_api.model.compact import _rope
 
 
 def test_the_kernels_load_again_from_another_path_in_one_process(kernels):

@@ -1,7 +1,7 @@
 import torch
 
+from inference_api.engine.messages import SamplingParams
 from inference_api.engine.sampling import RowParams, apply_penalties, hash_uniform, mask_tokens, sample
-from inference_api.messages import SamplingParams
 
 
 def rows(n, **kw):

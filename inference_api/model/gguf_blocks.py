@@ -1,0 +1,100 @@
+"""A GGUF tensor's own blocks taken as the kernels serve them, without rounding any weight again.
+
+- Q4_0 and Q4_1 map onto quant.py's int4 layout (per 32 weights a float16 scale d, a float16 minimum m and 16
+  bytes of nibbles, weights 0..15 in the low nibbles and 16..31 in the high ones; w = d * nibble + m): Q4_0 is
+  d (nibble - 8), so m = -8 d, exact in float16; Q4_1 is the layout itself. That layout has VNNI tiles over a
+  copy packed at load.
+- Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, F16 and BF16 stay in the file's own bytes (BlockWeight):
+  the kernels read them as they are (csrc/block_form.h), no copy beside them. The symmetric blocks of 32 the plan
+  names (``ExecutionPlan.int8_layout``: wherever the kernels take int8 inputs, Q8_0 and IQ4_NL, and Q5_0 with the
+  VNNI tiles) map onto quant.py's int8 layout instead (``int8_weight``: each weight's code as an int8, Q5_0's less
+  16 and IQ4_NL's looked up, each block's float16 scale as a float32; exact).
+- F32 and any other type are served as float32, dequantized by gguf-py; a type gguf-py cannot read stops the
+  start with its name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import numpy as np
+import torch
+
+from ..kernels.quant import BlockWeight, Int4Weight, Int8Weight
+
+INT4_TYPES = {"Q4_0", "Q4_1"}  # taken as they are into the int4 layout
+# served in the file's own blocks (csrc/block_form.h; tests/engine/test_gguf_kernels.py checks every one)
+BLOCK_TYPES = {"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "F16", "BF16"}
+
+
+def _rows(t) -> tuple[int, int, np.ndarray]:
+    """(rows, inputs per row, the raw bytes as [rows, bytes per row])."""
+    n, k = int(t.shape[1]), int(t.shape[0])
+    return n, k, np.asarray(t.data).view(np.uint8).reshape(n, -1)
+
+
+def _f16(b: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(b).view(np.float16)[..., 0]
+
+
+def int4_weight(t) -> Int4Weight:
+    """A Q4_0 or Q4_1 tensor [N, K] as an Int4Weight."""
+    n, k, raw = _rows(t)
+    kind = t.tensor_type.name
+    if kind in ("Q4_0", "Q4_1"):
+        size = 18 if kind == "Q4_0" else 20
+        blocks = raw.reshape(n, k // 32, size)
+        d = _f16(blocks[..., 0:2])
+        m = (d * np.float16(-8)) if kind == "Q4_0" else _f16(blocks[..., 2:4])
+        q = blocks[..., size - 16 :]  # the layout's own nibble order
+    else:
+        raise ValueError(f"{kind} is not a 4-bit block type taken as it is")
+    return Int4Weight(
+        torch.from_numpy(np.ascontiguousarray(q).reshape(n, k // 2)),
+        torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // 32)),
+        torch.from_numpy(np.ascontiguousarray(m).reshape(n, k // 32)),
+    )
+
+
+INT8_TYPES = {"Q8_0", "Q5_0", "IQ4_NL"}  # symmetric blocks of 32: w = d * code, code an int8
+
+
+def int8_weight(t) -> Int8Weight:
+    """A Q8_0, Q5_0 or IQ4_NL tensor [N, K] as an Int8Weight of groups of 32: each weight's code (Q8_0's as it is,
+    Q5_0's 5-bit value less 16, IQ4_NL's level) contiguous and 32-byte aligned per block, the scales apart; the
+    same numbers (each block is d * code, d its leading float16)."""
+    n, k, raw = _rows(t)
+    kind = t.tensor_type.name
+    if kind not in INT8_TYPES:
+        raise ValueError(f"{kind} is not a symmetric block type of 32 ({', '.join(sorted(INT8_TYPES))})")
+    blocks = raw.reshape(n, k // 32, -1)
+    d = _f16(blocks[..., 0:2]).astype(np.float32)
+    if kind == "Q8_0":
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+    else:  # gguf-py's weights over their block's scale: whole numbers, exactly (a small integer times d)
+        from gguf import GGMLQuantizationType
+        from gguf.quants import dequantize
+
+        w = np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32).reshape(n, k // 32, 32)
+        safe = np.where(d == 0, 1, d)[..., None]
+        q = np.rint(w / safe).astype(np.int8).reshape(n, k)
+    return Int8Weight(torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // 32)))
+
+
+def block_weight(t) -> BlockWeight:
+    """A tensor [N, K] of a BLOCK_TYPES type in its own bytes, row by row."""
+    n, k, raw = _rows(t)
+    return BlockWeight(torch.from_numpy(raw.copy()), int(t.tensor_type), k)  # a copy: the file is mapped read-only
+
+
+def packed(t, int8_layout: Collection[str] = ()) -> Int4Weight | Int8Weight | BlockWeight | None:
+    """The tensor's blocks as the kernels take them, or None when its type is served as float32; ``int8_layout``: the
+    types (of INT8_TYPES) served in the int8 layout (``int8_weight``)."""
+    kind = t.tensor_type.name
+    if kind in INT8_TYPES and kind in int8_layout:
+        return int8_weight(t)
+    if kind in INT4_TYPES:
+        return int4_weight(t)
+    if kind in BLOCK_TYPES:
+        return block_weight(t)
+    return None

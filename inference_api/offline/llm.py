@@ -1,0 +1,674 @@
+"""The Python API for offline and embedded use: the server's engine process, flags and validation, no HTTP.
+
+    from inference_api import LLM, SamplingParams
+
+    with LLM(mock=True) as llm:                       # the server's flags as keyword arguments
+        handle = llm.start_request("Hello", SamplingParams(max_tokens=16))
+        while (out := handle.queue.get()) is not None:  # new tokens and text as they come
+            print(out.text, end="")
+        print(llm.generate(["a", "b"], SamplingParams(temperature=0))[0].text)
+
+Requests go through the same ``EngineClient`` and the same preparation (``prepare``) as the HTTP app;
+sampling parameters and prompts are checked by the parsers of ``/v1/completions`` (one validation), and a bad
+one raises ``ParameterError`` naming it.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence, Sized
+from dataclasses import dataclass, fields
+from pathlib import Path
+from queue import Empty
+from typing import Any
+
+from ..config import ServerConfig
+from ..engine.client import EngineClient, Session
+from ..engine.grammar import one_of
+from ..engine.messages import FinishReason, TokenEvent, TokenLogprob
+from ..engine.messages import SamplingParams as EngineParams
+from ..model.tokenizer import Tokenizer
+from ..request.prepare import Prompt, prepare
+from ..request.tools import ToolCall, Tools, parse_tools, split_calls
+from ..request_errors import RateLimited, RequestError, Unavailable
+from ..web.dialects.openai.protocol import COMPLETION_SAMPLING_FIELDS as SAMPLING_FIELDS
+from ..web.dialects.openai.protocol import completion_sampling, parse_messages, parse_prompt
+
+_ANY_VOCAB = 1 << 31  # token-id checks need the model's vocabulary; they are made again at submission
+
+
+class ParameterError(ValueError):
+    """A bad parameter, prompt or option; ``field`` names it (the same message the HTTP APIs send)."""
+
+    def __init__(self, message: str, field: str | None = None):
+        super().__init__(message)
+        self.field = field
+
+
+class EngineError(RuntimeError):
+    """The engine cannot take or finish the request: closed, failed, or every row and queue place taken."""
+
+
+def _translate(err: RequestError) -> Exception:
+    if isinstance(err, (Unavailable, RateLimited)):
+        return EngineError(err.message)
+    return ParameterError(err.message, err.field)
+
+
+class SamplingParams:
+    """Sampling parameters with the OpenAI/vLLM names and ranges of ``/v1/completions``, checked when built.
+
+    temperature (0: greedy), top_p, top_k, max_tokens (None: as many as fit, at most 1024), stop (a string or up
+    to 4), seed, presence_penalty, frequency_penalty, repetition_penalty, logprobs (None, or the chosen token's
+    log-prob plus the top N, N <= 5), and any other sampling field /v1/completions accepts.
+    """
+
+    def __init__(self, **params: Any):
+        unknown = sorted(set(params) - SAMPLING_FIELDS)
+        if unknown:
+            raise ParameterError(
+                f"unknown sampling parameter {unknown[0]!r}; accepted: {', '.join(sorted(SAMPLING_FIELDS))}", unknown[0]
+            )
+        self.params = dict(params)
+        self.resolve(_ANY_VOCAB)
+
+    def resolve(self, vocab_size: int) -> tuple[EngineParams, int | None]:
+        """(engine parameters, max_tokens or None): the OpenAI completions parser, errors translated."""
+        try:
+            params, max_tokens = completion_sampling(self.params, vocab_size)
+        except RequestError as err:
+            raise _translate(err) from None
+        return params, max_tokens
+
+    def __repr__(self) -> str:
+        return f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in self.params.items())})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, SamplingParams) and other.params == self.params
+
+
+class RequestStatus(str, enum.Enum):
+    WAITING = "waiting"  # queued for a free row
+    PREFILLING = "prefilling"  # in a row, its prompt going into the KV cache
+    GENERATING = "generating"  # output tokens arriving
+    INTERRUPTED = "interrupted"  # stopped by stop_request, release_request or close, or failed by the engine
+    FINISHED = "finished"  # ended by the end token, a stop string or max_tokens
+
+
+@dataclass(frozen=True)
+class Output:
+    """What one ``get`` returns: every token and its text produced since the previous ``get`` (with n choices:
+    one choice's, ``index``)."""
+
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprob, ...] | None  # None unless SamplingParams(logprobs=...) asked for them
+    finish_reason: str | None  # set on the last output of a request
+    completion_tokens: int  # tokens generated so far
+    error: str | None = None
+    index: int = 0  # the choice (of SamplingParams n) this output belongs to: each get returns one choice's
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """One prompt's whole result from ``generate`` or ``chat``."""
+
+    index: int  # position in the input
+    prompt: Any  # as given: text, token ids or a conversation
+    prompt_token_ids: tuple[int, ...]
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str  # stop, length, eos; cancelled or error only with errors="return"
+    prompt_tokens: int
+    completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    error: str | None = None
+    # every choice of a request with SamplingParams(n=...) (choice 0's are the fields above); one for n=1
+    outputs: tuple[ChoiceOutput, ...] = ()
+    # a chat with tools: the calls parsed out of text (which keeps the model's whole text), as the chat API's
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+@dataclass(frozen=True)
+class ChoiceOutput:
+    """One of a request's n choices."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: str
+    completion_tokens: int
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    tool_calls: tuple[ToolCall, ...] = ()
+
+
+class ResultQueue:
+    """One request's output queue and status. ``get`` never blocks on a request that has ended: it returns None."""
+
+    def __init__(self, llm: LLM, session: Session, want_logprobs: bool):
+        self._llm = llm
+        self._session = session
+        self._want_logprobs = want_logprobs
+        self._read = threading.Lock()  # its holder alone takes events off the session queue (keeps their order)
+        self._state = threading.Lock()
+        self._buffer: collections.deque[TokenEvent] = collections.deque()
+        self._end: RequestStatus | None = None
+        self._generating = False
+        self._released = False
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        self.prompt_tokens = session.prompt_tokens
+        self.generated_length = 0  # tokens generated so far (received from the engine), every choice's
+        self._finished: dict[int, str] = {}  # choices ended: index -> finish reason
+
+    # reading
+    def get(self, timeout: float | None = None) -> Output | None:
+        """New output, waiting up to ``timeout`` seconds (None: until some arrives); None on timeout or when the
+        request has ended and everything has been read."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._read.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return self._pop()
+        try:
+            while True:
+                self._drain()
+                if self._buffer or self._end is not None:
+                    return self._pop()
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
+                    return None
+                try:
+                    self._take(self._session.events.get(timeout=wait))
+                except Empty:
+                    return None
+        finally:
+            self._read.release()
+
+    def get_nowait(self) -> Output | None:
+        """New output if any has arrived, else None at once."""
+        self._poll()
+        return self._pop()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the request ends (its output stays queued); False if ``timeout`` passed first."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        if not self._read.acquire(timeout=-1 if timeout is None else max(0.0, timeout)):
+            return False
+        try:
+            self._drain()
+            while self._end is None:
+                wait = None if deadline is None else deadline - time.monotonic()
+                if wait is not None and wait <= 0:
+                    return False
+                try:
+                    self._take(self._session.events.get(timeout=wait))
+                except Empty:
+                    return False
+            return True
+        finally:
+            self._read.release()
+
+    # status
+    @property
+    def status(self) -> RequestStatus:
+        self._poll()
+        if self._end is not None:
+            return self._end
+        if self._generating:
+            return RequestStatus.GENERATING
+        return self._llm._queued_status(self)
+
+    @property
+    def ended(self) -> bool:
+        self._poll()
+        return self._end is not None
+
+    # internals
+    def _poll(self) -> None:
+        """Take what has arrived, unless another thread is reading (it takes it as it arrives)."""
+        if self._read.acquire(blocking=False):
+            try:
+                self._drain()
+            finally:
+                self._read.release()
+
+    def _drain(self) -> None:
+        while self._end is None:
+            try:
+                event = self._session.events.get_nowait()
+            except Empty:
+                return
+            self._take(event)
+
+    def _take(self, event: TokenEvent) -> None:
+        with self._state:
+            if self._end is not None:
+                return  # output after a stop: nobody asked for it
+            if not self._released:
+                self._buffer.append(event)
+            self.generated_length += len(event.token_ids)
+            self._generating = self._generating or bool(event.token_ids)
+            reason = event.finish_reason
+            if reason is None:  # not finished
+                return
+            ok = reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.EOS)
+            self._finished[event.index] = reason.value
+            if ok and len(self._finished) < self._session.n:
+                return  # other choices still running
+            self.finish_reason = (self._finished.get(0) if ok else None) or reason.value
+            self.error = event.error
+            self._end = RequestStatus.FINISHED if ok else RequestStatus.INTERRUPTED
+        self._llm._ended(self)
+
+    def _pop(self) -> Output | None:
+        """The buffered output of one choice (the oldest's; all of it for n=1); the other choices' stays queued."""
+        with self._state:
+            if not self._buffer:
+                return None
+            index = self._buffer[0].index
+            events = [e for e in self._buffer if e.index == index or e.finish_reason is FinishReason.CANCELLED]
+            rest = [e for e in self._buffer if not (e.index == index or e.finish_reason is FinishReason.CANCELLED)]
+            self._buffer.clear()
+            self._buffer.extend(rest)
+        last = events[-1]
+        return Output(
+            token_ids=tuple(t for e in events for t in e.token_ids),
+            text="".join(e.text for e in events),
+            logprobs=tuple(lp for e in events for lp in e.logprobs) if self._want_logprobs else None,
+            finish_reason=last.finish_reason.value if last.finish_reason is not None else None,
+            completion_tokens=self.generated_length if self._session.n == 1 else last.completion_tokens,
+            error=last.error,
+            index=index,
+        )
+
+    def _interrupt(self, message: str | None) -> None:
+        """End the request here: the events before this marker are kept, anything after it is dropped."""
+        self._session.events.put(TokenEvent(self._session.id, "", finish_reason=FinishReason.CANCELLED, error=message))
+        self._poll()
+
+    def _release(self) -> None:
+        with self._state:
+            self._released = True
+            self._buffer.clear()
+
+
+class RequestHandle:
+    """What ``start_request`` returns: the request's id, prompt tokens and result queue."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: tuple[int, ...],
+        params: SamplingParams,
+        queue: ResultQueue,
+        tools: Tools | None = None,
+    ):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.queue = queue
+        self.tools = tools  # a conversation's tools: its results' calls are parsed
+
+    @property
+    def status(self) -> RequestStatus:
+        return self.queue.status
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.queue.finish_reason
+
+    def __repr__(self) -> str:
+        return f"<RequestHandle {self.request_id[:8]} {self.status.value}>"
+
+
+def build_config(model: str | Path | None, options: dict[str, Any]) -> ServerConfig:
+    """The server's configuration from keyword arguments named like its flags (``rows=8``, ``mock=True``)."""
+    names = {f.name for f in fields(ServerConfig)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ParameterError(
+            f"unknown option {unknown[0]!r}; accepted: model, {', '.join(sorted(names - {'model'}))}", unknown[0]
+        )
+    if "model_cache_dir" in options:
+        options = {**options, "model_cache_dir": Path(options["model_cache_dir"])}
+    return ServerConfig(model=None if model is None else str(model), **options)
+
+
+class LLM:
+    """The engine in a child process, as the server runs it, driven from Python.
+
+    ``LLM(model=None, **options)``: the model the server would load for ``--model`` (None: the embedded
+    default), and any server flag as a keyword argument (``rows``, ``context_length``, ``mock``, ``device``...).
+    Use it as a context manager, or call ``close()``. Programs that create one must guard their entry point
+    with ``if __name__ == "__main__":`` (the engine process is started with ``spawn``).
+    """
+
+    def __init__(self, model: str | Path | None = None, *, ready_timeout: float = 600.0, **options: Any):
+        self.config = build_config(model, options)
+        # past the restart bound the client is marked failed (its failure is set) and open requests end with
+        # that error; the user's process is never signalled
+        self._client = EngineClient(self.config, on_give_up=lambda: None).start()
+        self._lock = threading.Lock()
+        self._live: dict[str, ResultQueue] = {}  # requests not yet ended, in submission (= admission) order
+        self._closed = False
+        deadline = time.monotonic() + ready_timeout
+        while self._client.ready is None:
+            if self._client.failure is not None or time.monotonic() > deadline:
+                why = self._client.failure or f"not ready after {ready_timeout:.0f} s"
+                self._client.shutdown()
+                raise EngineError(f"the engine did not start: {why}")
+            time.sleep(0.05)
+        self.model_name = self._client.ready.model_name
+        self.context_length = self._client.ready.context_length
+        self.vocab_size = self._client.ready.vocab_size
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        """The model's tokenizer: ``encode(text)``, ``encode_chat(messages)``, ``decode(ids)``."""
+        tokenizer = self._client.tokenizer
+        if tokenizer is None:  # (the client loads it before it reports the engine ready, which __init__ awaits)
+            raise EngineError("the engine has not reported ready")
+        return tokenizer
+
+    # life cycle
+    def close(self) -> None:
+        """Interrupt every open request and stop the engine process."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            queues = list(self._live.values())
+        for q in queues:
+            self._stop(q, "the LLM was closed")
+        self._client.shutdown()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # one request at a time
+    def start_request(
+        self, prompt: str | Sequence[int] | Sequence[dict], params: SamplingParams | None = None
+    ) -> RequestHandle:
+        """Submit a prompt (text, token ids, or a conversation of {role, content} messages for the chat template)
+        and return its handle at once. Raises ParameterError for a bad prompt or parameter, EngineError when the
+        engine is closed or failed, or every row and queue place is taken (see ``max_waiting``)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ParameterError("params must be a SamplingParams", "params")
+        prompt_ids, engine_params = self._prepare(prompt, params)
+        with self._lock:
+            if self._closed:
+                raise EngineError("the LLM is closed")
+            try:
+                session = self._client.submit(prompt_ids, engine_params)
+            except RequestError as err:
+                raise _translate(err) from None
+            queue = ResultQueue(self, session, engine_params.logprobs is not None)
+            self._live[session.id] = queue
+        return RequestHandle(
+            session.id, tuple(prompt_ids), params, queue, prompt.tools if isinstance(prompt, Conversation) else None
+        )
+
+    def stop_request(self, handle: RequestHandle) -> RequestStatus:
+        """Interrupt the request (its row is freed); output already produced stays in its queue."""
+        self._stop(handle.queue, None)
+        return handle.queue.status
+
+    def release_request(self, handle: RequestHandle) -> None:
+        """Free everything the request holds: stop it if it runs, and drop its unread output."""
+        self._stop(handle.queue, None)
+        handle.queue._release()
+
+    def sync_request(self, handle: RequestHandle, timeout: float | None = None) -> RequestStatus:
+        """Wait until the request ends (or ``timeout`` seconds pass); return its status."""
+        handle.queue.wait(timeout)
+        return handle.queue.status
+
+    def _prepare(self, prompt: Any, params: SamplingParams) -> tuple[list[int], EngineParams]:
+        """The HTTP APIs' preparation: the prompt parsed as /v1/completions parses it (a conversation as chat
+        messages), the parameters for this model's vocabulary, then ``prepare``."""
+        if _is_conversation(prompt):
+            prompt = Conversation(prompt)
+        try:
+            tools = prompt.tools if isinstance(prompt, Conversation) else None
+            if isinstance(prompt, Conversation):
+                parsed = Prompt(
+                    messages=parse_messages(prompt.messages),
+                    tools=tools.tools if tools is not None and tools.offered else None,
+                )
+            else:
+                text, ids = parse_prompt(list(prompt) if isinstance(prompt, tuple) else prompt, self.vocab_size)
+                parsed = Prompt(text=text, ids=ids)
+            engine_params, max_tokens = params.resolve(self.vocab_size)
+            if tools is not None and tools.forced:  # required or a named function: a grammar forces the calls
+                engine_params = dataclasses.replace(
+                    engine_params, grammar=one_of(engine_params.grammar, tools.grammar(), field="tool_choice")
+                )
+            return prepare(
+                self.tokenizer, self.context_length, parsed, engine_params, max_tokens, prompt_field="prompt"
+            )
+        except RequestError as err:
+            raise _translate(err) from None
+
+    def _stop(self, queue: ResultQueue, message: str | None) -> None:
+        if queue.ended:
+            return
+        self._client.release(queue._session)  # the engine frees the row; later output is dropped
+        queue._interrupt(message)
+
+    def _ended(self, queue: ResultQueue) -> None:
+        with self._lock:
+            self._live.pop(queue._session.id, None)
+        self._client.release(queue._session)
+
+    def _queued_status(self, queue: ResultQueue) -> RequestStatus:
+        """Waiting or prefilling: the engine admits requests in order, so the open requests ahead of this one
+        that the engine's latest step counted in rows tell which it is."""
+        rows_in_use = self._client.stats.rows_in_use
+        with self._lock:
+            ahead = 0
+            for q in self._live.values():
+                if q is queue:
+                    break
+                if not q._session.done:
+                    ahead += 1
+            else:
+                return RequestStatus.WAITING  # no longer tracked: ended meanwhile
+        return RequestStatus.PREFILLING if ahead < rows_in_use else RequestStatus.WAITING
+
+    # many requests
+    def generate(
+        self,
+        prompts: str | Iterable,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Run every prompt through the rows; the results in input order. ``prompts``: one prompt or an iterable
+        (text, token ids, or ``(prompt, SamplingParams)`` pairs); ``params``: one for all or one per prompt."""
+        if isinstance(prompts, str) or _is_token_ids(prompts):
+            prompts = [prompts]
+        return list(self.generate_iter(prompts, params, use_tqdm=use_tqdm))
+
+    def chat(
+        self,
+        conversations: Sequence[dict] | Iterable[Sequence[dict]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        tools: Sequence[dict] | None = None,
+        tool_choice: str | dict | None = None,
+        parallel_tool_calls: bool | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """``generate`` over conversations ({role, content} messages, and the chat API's tool and assistant-call
+        messages) through the model's chat template. ``tools``, ``tool_choice`` and ``parallel_tool_calls`` as
+        /v1/chat/completions takes them: the model is shown the tools, a ``required`` or named choice is forced
+        by a grammar, and each result's ``tool_calls`` holds the calls parsed out of its text."""
+        try:
+            parsed = parse_tools(tools, tool_choice, parallel_tool_calls)
+        except RequestError as err:
+            raise _translate(err) from None
+        given: Iterable[Any] = [conversations] if _is_conversation(conversations) else conversations
+        items: Iterable[Conversation] = (Conversation(c, parsed) for c in given)
+        if isinstance(given, Sized):
+            items = [Conversation(c, parsed) for c in given]
+        return self.generate(items, params, use_tqdm=use_tqdm)
+
+    def generate_iter(
+        self,
+        prompts: Iterable,
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        errors: str = "raise",
+    ) -> Iterator[RequestOutput]:
+        """Like ``generate``, yielding each result in input order as soon as it and those before it are done,
+        reading the prompts lazily (a file of any size). ``errors="return"``: a prompt the engine rejects, or a
+        request it fails, gives a result with ``finish_reason="error"`` instead of raising."""
+        from tqdm.auto import tqdm
+
+        jobs = _jobs(prompts, params)
+        total = len(prompts) if isinstance(prompts, Sized) else None
+        bar = tqdm(total=total, desc="Generating", unit="req", disable=not use_tqdm, dynamic_ncols=True)
+        started, out_tokens = time.monotonic(), 0
+        running: dict[int, tuple[Any, RequestHandle]] = {}
+        done: dict[int, RequestOutput] = {}
+        next_out, exhausted, held = 0, False, None
+        try:
+            while True:
+                while not exhausted and self._free_places() > 0:
+                    job, held = held or next(jobs, None), None
+                    if job is None:
+                        exhausted = True
+                        break
+                    index, prompt, job_params = job
+                    if running and _choices(job_params) > self._free_places():
+                        held = job  # its n choices take n places: it waits for them
+                        break
+                    shown = prompt.messages if isinstance(prompt, Conversation) else prompt
+                    try:
+                        running[index] = (shown, self.start_request(prompt, job_params))
+                    except ParameterError as err:
+                        if errors != "return":
+                            raise ParameterError(f"prompt {index}: {err}", err.field) from None
+                        done[index] = RequestOutput(index, shown, (), "", (), "error", 0, 0, error=str(err))
+                        bar.update(1)
+                finished = [i for i, (_, h) in running.items() if h.queue.ended]
+                for i in finished:
+                    result = _result(i, *running.pop(i))
+                    if result.finish_reason == "error" and errors != "return":
+                        raise EngineError(f"prompt {i} failed: {result.error}")
+                    done[i] = result
+                    out_tokens += result.completion_tokens
+                    bar.update(1)
+                if finished:
+                    bar.set_postfix_str(
+                        f"{out_tokens / max(time.monotonic() - started, 1e-9):.1f} tok/s", refresh=False
+                    )
+                while next_out in done:
+                    yield done.pop(next_out)
+                    next_out += 1
+                if exhausted and not running:
+                    return
+                if running and not finished:
+                    oldest = min(running)
+                    running[oldest][1].queue.wait(0.02)  # wakes when the oldest ends; others are swept above
+                elif not running and not finished:
+                    time.sleep(0.01)  # every place is taken by requests started elsewhere
+        finally:
+            for _, handle in running.values():
+                self.release_request(handle)
+            bar.close()
+
+    def _free_places(self) -> int:
+        """Requests that may still be submitted: rows plus queue places not taken by open requests."""
+        return self.config.max_open_sessions - self._client.open_places
+
+
+class Conversation:
+    """Marks a prompt as chat messages ({role, content}) for the chat template, even a malformed one (so its
+    error names ``messages``), with the tools it offers (``tools.parse_tools``; ``chat`` builds them). Lists of
+    dicts are recognised without it."""
+
+    def __init__(self, messages: Any, tools: Tools | None = None):
+        self.messages: Any = messages.messages if isinstance(messages, Conversation) else messages
+        self.tools: Tools | None = (
+            tools if tools is not None or not isinstance(messages, Conversation) else messages.tools
+        )
+
+
+def _is_conversation(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and isinstance(value[0], dict)
+
+
+def _is_token_ids(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and bool(value) and all(type(t) is int for t in value)
+
+
+def _jobs(
+    prompts: Iterable[Any], params: SamplingParams | Sequence[SamplingParams] | None
+) -> Iterator[tuple[int, Any, SamplingParams | None]]:
+    """(index, prompt, params) for each prompt; a ``(prompt, SamplingParams)`` pair brings its own."""
+    per_prompt: Iterator[SamplingParams | None] = (
+        itertools.repeat(params) if params is None or isinstance(params, SamplingParams) else iter(params)
+    )
+    for index, item in enumerate(prompts):
+        try:
+            own = next(per_prompt)
+        except StopIteration:
+            raise ParameterError(f"params has fewer entries than there are prompts ({index})", "params") from None
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[1], SamplingParams):
+            item, own = item
+        yield index, item, own
+
+
+def _choices(params: SamplingParams | None) -> int:
+    """The places a request takes: its n (checked when its SamplingParams were built)."""
+    return int(params.params.get("n") or 1) if params is not None else 1
+
+
+def _result(index: int, prompt: Any, handle: RequestHandle) -> RequestOutput:
+    q = handle.queue
+    parts: dict[int, list[Output]] = collections.defaultdict(list)
+    while (out := q.get_nowait()) is not None:
+        parts[out.index].append(out)
+    choices = []
+    tools = handle.tools if handle.tools is not None and handle.tools.offered else None
+    for i in range(q._session.n):
+        outs = parts.get(i, [])
+        lps = tuple(lp for o in outs for lp in o.logprobs or ()) if outs and outs[0].logprobs is not None else None
+        text = "".join(o.text for o in outs)
+        calls = tuple(split_calls(text, tools.names, tools.forced)[1]) if tools is not None else ()
+        choices.append(
+            ChoiceOutput(
+                i,
+                text,
+                tuple(t for o in outs for t in o.token_ids),
+                q._finished.get(i) or q.finish_reason or "error",
+                sum(len(o.token_ids) for o in outs),
+                lps,
+                calls,
+            )
+        )
+    first = choices[0]
+    return RequestOutput(
+        index=index,
+        prompt=prompt,
+        prompt_token_ids=handle.prompt_token_ids,
+        text=first.text,
+        token_ids=first.token_ids,
+        finish_reason=first.finish_reason,
+        prompt_tokens=q.prompt_tokens,
+        completion_tokens=q.generated_length,
+        logprobs=first.logprobs,
+        error=q.error,
+        outputs=tuple(choices),
+        tool_calls=first.tool_calls,
+    )

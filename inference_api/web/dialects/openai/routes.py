@@ -1,0 +1,117 @@
+"""The OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions, and vLLM's /tokenize and
+/detokenize (a /tokenize body with ``inputs`` is TGI's: ``dialects.shared`` tells them apart)."""
+
+from __future__ import annotations
+
+import time
+
+from flask import Blueprint, jsonify, request
+
+from lifecycle.error_shapes import OPENAI
+
+from ....engine.messages import EngineReady
+from ....request.prepare import Prompt
+from ....request.validation import string
+from ....request_errors import RequestError
+from ...serving import Run, Serving
+from ..http import family_blueprint, json_body, sse_response
+from .format import ChatFormat, CompletionFormat, response_body, stream_chunks
+from .protocol import OpenAIRequest, parse_chat, parse_completion, parse_detokenize, parse_tokenize
+from .tool_format import ToolChatFormat
+
+
+def openai_blueprint(serving: Serving) -> Blueprint:
+    api = family_blueprint("openai", OPENAI)
+    max_stop = serving.config.max_stop_sequences
+
+    def check_model(body: dict) -> None:
+        serving.check_model(string(body, "model", required=True))
+
+    def model_object() -> dict:
+        return {
+            "id": serving.model_name,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "inference_api",
+            "max_model_len": serving.ready().context_length,
+        }
+
+    @api.get("/v1/models")
+    def models():
+        return jsonify(object="list", data=[model_object()])
+
+    @api.get("/v1/models/<path:model_name>")
+    def model(model_name: str):
+        check_model({"model": model_name})
+        return jsonify(model_object())
+
+    def parsed(parse) -> tuple[OpenAIRequest, EngineReady]:
+        """The body, its model checked, through ``parse``."""
+        body = json_body(request)
+        serving.check_model(string(body, "model", required=True), placeholders=True)  # "tgi", "dummy" too
+        ready = serving.ready()
+        return parse(body, ready.vocab_size, max_stop), ready
+
+    @api.post("/v1/completions")
+    def completions():
+        req, ready = parsed(parse_completion)
+        prompt = Prompt(text=req.prompt, ids=req.prompt_ids)
+        return respond(req, prompt, CompletionFormat(ready, req.params.logprobs is not None))
+
+    @api.post("/v1/chat/completions")
+    def chat_completions():
+        req, ready = parsed(parse_chat)
+        want_logprobs = req.params.logprobs is not None
+        if req.tools is not None and req.tools.offered:
+            prompt = Prompt(messages=req.messages, tools=req.tools.tools)
+            return respond(req, prompt, ToolChatFormat(ready, want_logprobs, req.tools))
+        return respond(req, Prompt(messages=req.messages), ChatFormat(ready, want_logprobs))
+
+    def respond(req: OpenAIRequest, prompt: Prompt, fmt):
+        run: Run = serving.start(prompt, req.params, req.max_tokens, field=req.max_tokens_field)
+        if req.echo or req.prompt_logprobs is not None:  # the prompt's log-probs came with the first event
+            text = req.prompt if req.prompt is not None else serving.tokenizer.decode(list(run.prompt_ids))
+            fmt.scoring(
+                text if req.echo else None,
+                serving.tokenizer.decode(list(run.prompt_ids[:1])),
+                run.first.prompt_logprobs if run.first is not None else None,
+                req.params.logprobs,
+                req.prompt_logprobs,
+            )
+        if not req.stream:
+            return jsonify(response_body(fmt, run.collect_choices(), run.prompt_tokens))
+        return sse_response(
+            stream_chunks(fmt, run.events(), run.prompt_tokens, req.include_usage, req.continuous_usage, run.n)
+        )
+
+    @api.post("/detokenize")
+    def detokenize():
+        """vLLM's POST /detokenize: ``tokens`` into ``{prompt}``."""
+        body = json_body(request)
+        model = string(body, "model")
+        if model is not None:
+            serving.check_model(model)
+        tokens = parse_detokenize(body, serving.ready().vocab_size)
+        return jsonify(prompt=serving.tokenizer.decode(list(tokens)))
+
+    return api
+
+
+def tokenize_openai(serving: Serving, body: dict):
+    """vLLM's POST /tokenize: ``prompt`` or ``messages`` into ``{count, max_model_len, tokens}``."""
+    model = string(body, "model")
+    if model is not None:
+        serving.check_model(model)
+    req = parse_tokenize(body)
+    if req.messages is not None:
+        ids = serving.encode(Prompt(messages=req.messages, tools=req.tools))
+    elif req.prompt is None:  # (parse_tokenize requires one of them)
+        raise RequestError("prompt or messages is required", "prompt")
+    else:
+        ids = serving.tokenizer.encode(
+            serving.tokenizable(req.prompt, "prompt"), add_special_tokens=req.add_special_tokens
+        )
+    out = {"count": len(ids), "max_model_len": serving.ready().context_length, "tokens": ids}
+    if req.return_token_strs:
+        out["token_strs"] = [serving.tokenizer.decode([t]) for t in ids]
+    return jsonify(out)

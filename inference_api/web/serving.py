@@ -1,0 +1,152 @@
+"""The serving layer under every API (after vLLM's ``OpenAIServing``): readiness and the model check,
+the drain refusal and the team quota, preparation (``prepare``: the prompt's tokens, max-token defaults, the
+context fit), submission, and the event stream of one request.
+
+Each dialect (``dialects/``) is a parser (request body into the engine's ``SamplingParams``) and a formatter
+(events into its wire format); everything between the two lives here, once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from flask import request
+
+from lifecycle.drain import RETRY_AFTER, Drain
+from lifecycle.quota import TeamLimits
+
+from ..config import ServerConfig
+from ..engine.client import EngineClient
+from ..engine.messages import EngineReady, SamplingParams, TokenEvent
+from ..engine.preflight import Estimate
+from ..model.tokenizer import Tokenizer
+from ..request.generation import Generation, all_events, collect, collect_choices
+from ..request.prepare import (
+    DEFAULT_MAX_TOKENS,
+    Prompt,
+    check_chars,
+    check_model,
+    check_prompt_size,
+    encode,
+    engine_params,
+)
+from ..request_errors import RateLimited, Unavailable
+from .streaming import first_event, session_events
+
+RESERVATION_KEY = "inference_api.reservation"  # environ key: the request's quota Reservation, settled by app.py
+
+
+@dataclass
+class Run:
+    """One submitted request whose first event has arrived (so early failures still get a status code)."""
+
+    prompt_tokens: int
+    first: TokenEvent | None
+    rest: Iterator[TokenEvent]
+    n: int = 1  # choices: the events of all n come interleaved, each tagged with its index
+    prompt_ids: tuple[int, ...] = ()
+
+    def events(self) -> Iterator[TokenEvent]:
+        """Every event, the first included; an ``ERROR`` event is left to the formatter to render."""
+        return all_events(self.first, self.rest)
+
+    def collect(self) -> Generation:
+        """The whole generation (Unavailable if the engine fails on the way)."""
+        return collect(self.first, self.rest)
+
+    def collect_choices(self) -> list[Generation]:
+        """Each of the n choices' whole generation."""
+        return collect_choices(self.first, self.rest, self.n)
+
+
+class Serving:
+    def __init__(
+        self,
+        client: EngineClient,
+        config: ServerConfig,
+        drain: Drain | None = None,
+        preflight: Estimate | None = None,
+        limits: TeamLimits | None = None,
+    ):
+        self.client = client
+        self.limits = limits  # the teams' token quota (lifecycle.quota), reserved before each submission
+        self.config = config
+        self.drain = drain  # while it is active, new generation requests get a 503 in their API's shape
+        self.preflight = preflight  # the pre-flight memory estimate, shown by /health
+
+    @property
+    def draining(self) -> bool:
+        return self.drain is not None and self.drain.active
+
+    # readiness and the model
+    def ready(self) -> EngineReady:
+        return self.client.check_ready()
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        self.ready()
+        tokenizer = self.client.tokenizer
+        if tokenizer is None:  # (the client loads it before it reports the engine ready)
+            raise Unavailable("model is loading, try again shortly", retry_after=5)
+        return tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.ready().model_name
+
+    def tokenizable(self, text: str, name: str) -> str:
+        """Text to tokenize, within the character cap (``prepare.char_limit``): more can never fit a request."""
+        check_chars(len(text), self.ready().context_length, name, name)
+        return text
+
+    def check_model(self, name: str, placeholders: bool = False) -> None:
+        """ModelNotFound unless ``name`` is the served model (or, with ``placeholders``, a placeholder name)."""
+        check_model(name, self.model_name, placeholders)
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        """The prompt's tokens, once its size is known to be within the character cap."""
+        check_prompt_size(prompt, self.ready().context_length)
+        return encode(self.tokenizer, prompt)
+
+    def check_quota(self, team: str | None, prompt_tokens: int, params: SamplingParams) -> None:
+        """Reserve the request's most possible cost against its team's token quota (``n x max_tokens`` generated,
+        the prompt at its weight), kept in the environ for the answer's end to settle (app.py); RateLimited while
+        the team's rate (what its answers cost in the last minute, running ones at their reservation) is at or
+        over the quota."""
+        if self.limits is None:
+            return
+        reserved = self.limits.reserve(team, self.limits.cost(params.n * params.max_tokens, prompt_tokens))
+        if isinstance(reserved, int):
+            raise RateLimited(
+                f"team {team!r} has used its quota of {self.limits.tokens_per_minute} tokens in the last minute "
+                f"(running requests count at n x max_tokens until they end); retry in {reserved} s",
+                retry_after=reserved,
+            )
+        request.environ[RESERVATION_KEY] = reserved
+
+    # submission
+    def start(
+        self,
+        prompt: Prompt,
+        params: SamplingParams,
+        max_tokens: int | None,
+        default_max: int = DEFAULT_MAX_TOKENS,
+        field: str = "max_tokens",
+    ) -> Run:
+        """Encode the prompt, refuse while draining, prepare the engine's parameters (``prepare.engine_params``:
+        max_tokens filled in, the context fit), reserve its cost in the team's quota, submit (refused past the
+        server's or the team's places), and wait for the first event."""
+        prompt_ids = self.encode(prompt)
+        if self.draining:
+            raise Unavailable(
+                "server is shutting down; retry shortly (another instance takes over)", retry_after=RETRY_AFTER
+            )
+        params = engine_params(
+            prompt_ids, params, max_tokens, self.ready().context_length, default_max=default_max, field=field
+        )
+        team = request.headers.get("X-Team-Id")  # the proxy's; None (not counted) straight to the server
+        self.check_quota(team, len(prompt_ids), params)  # settled when the response closes (app.py), 0 if refused
+        session = self.client.submit(prompt_ids, params, team=team)
+        events = session_events(self.client, session, request.environ)
+        return Run(len(prompt_ids), first_event(events), events, params.n, tuple(prompt_ids))

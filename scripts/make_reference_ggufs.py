@@ -79,24 +79,163 @@ HEAD_COPY = 2.0  # ...and untied heads get the embedding of a fixed vocab permut
 QK_SCALE = 5.0  # query/key factor: attention logits of std ~2.5 instead of ~0.1, so positions (rope) matter
 TARGET_TOP1 = 0.4  # mean top-1 probability the final norm is calibrated to (uniform would be 1/512)
 
-# name -> spec. "quants": llama-quantize types to produce (file tests/data/gguf/<name>-<type>.gguf).
-# Optional overrides: "init", "emb_scale", "head_copy", "qk_scale" (qwen3/gemma3 scale their q/k norms instead:
-# those already give attention logits of std ~1).
+# name -> spec. "family": its entry in the engine's family table (inference_api/model/families.py: the config class
+# and what it computes differently), "config": the transformers config keys beyond _common's (with "common": False,
+# all of them but the vocabulary and the init), "quants": llama-quantize types to produce (file
+# tests/data/gguf/<name>-<type>.gguf). Optional overrides: "init", "emb_scale", "head_copy", "qk_scale" (the
+# families with q/k norms scale those instead: they already give attention logits of std ~1). "base": the model of
+# another entry (the *-spm entries: only the vocabulary differs).
+_HEAD_DIM = HIDDEN // N_HEADS
+LONGROPE_ORIG_POS = 64  # phi3longrope: original_max_position_embeddings (< PPL_CTX: the long factors are used)
+LONGROPE_MAX_POS = 4096  # max_position_embeddings: attention factor sqrt(1 + ln(64)/ln(64)) = sqrt(2)
+
+
+def longrope_factors(n: int) -> tuple[list[float], list[float]]:
+    """Fixed, deterministic LongRoPE factors (one per rotary frequency pair, high to low frequency): short ones
+    1.0-3.0, long ones 2.0-20.0, both growing towards the low frequencies (as in Phi-3) with a wiggle so that
+    neighbouring pairs differ."""
+    short, long = [], []
+    for i in range(n):
+        x = i / (n - 1)
+        short.append(round(1.0 + 1.9 * x * x + 0.1 * (0.5 + 0.5 * math.sin(3.0 * i)), 4))
+        long.append(round(2.0 + 17.0 * x**1.5 + 1.0 * (0.5 + 0.5 * math.cos(2.0 * i)), 4))
+    return short, long
+
+
+_FALCON = dict(
+    hidden_size=HIDDEN,
+    ffn_hidden_size=4 * HIDDEN,
+    num_hidden_layers=2,
+    num_attention_heads=N_HEADS,
+    alibi=False,
+    bias=False,
+    parallel_attn=True,
+    layer_norm_epsilon=1e-5,
+    rope_theta=10000.0,
+    bos_token_id=0,
+    eos_token_id=1,
+    max_position_embeddings=2048,
+    tie_word_embeddings=True,
+)
+_GEMMA3 = dict(  # 6 layers: llama.cpp has no per-layer pattern key for gemma3 GGUFs and uses its built-in pattern
+    # of 6 (layers 0-4 sliding, layer 5 global), which is also transformers' default layer_types. intermediate
+    # 256 (not 512) keeps the 6-layer file under ~1.5 MB
+    num_hidden_layers=6,
+    num_key_value_heads=1,
+    intermediate_size=256,
+    head_dim=_HEAD_DIM,
+    query_pre_attn_scalar=_HEAD_DIM,
+    rms_norm_eps=1e-6,
+    rope_theta=1e6,
+    rope_local_base_freq=10000.0,
+    sliding_window=16,
+    hidden_activation="gelu_pytorch_tanh",
+    tie_word_embeddings=True,
+)
+_LLAMA = dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
+_PHI3 = dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None)
 ARCHS: dict[str, dict] = {
-    "llama": dict(quants=["Q4_K_M", "Q8_0", "Q4_0", "Q5_K_M", "Q6_K"]),
-    "llama3rope": dict(quants=["Q4_K_M"]),
-    "mistral": dict(quants=["Q4_K_M"]),
-    "qwen2": dict(quants=["Q4_K_M"]),
-    "qwen3": dict(quants=["Q4_K_M"], qk_scale=1.6),
-    "gemma": dict(quants=["Q4_K_M"], emb_scale=0.5),  # its embedding is multiplied by sqrt(hidden)
-    "gemma2": dict(quants=["Q4_K_M"], emb_scale=6.0),
-    "gemma3": dict(quants=["Q4_K_M"], emb_scale=10.0, qk_scale=1.6),
-    "phi3": dict(quants=["Q4_K_M"]),
-    # its attn_factor sqrt(2) doubles the attention logits, so the layers get a larger share: a larger embedding keeps
-    # the "bigram" top-1 margins >= 1.6 (with 2.5 the smallest f32 margin was 0.13)
-    "phi3longrope": dict(quants=["Q4_K_M"], emb_scale=3.5),
-    "falcon": dict(quants=["Q4_K_M"], emb_scale=4.0),
-    "falcon40b": dict(quants=["Q4_K_M"], emb_scale=4.0),
+    "llama": dict(family="llama", config=_LLAMA, quants=["Q4_K_M", "Q8_0", "Q4_0", "Q5_K_M", "Q6_K"]),
+    "llama3rope": dict(
+        family="llama",
+        config=dict(
+            _LLAMA,
+            tie_word_embeddings=True,
+            max_position_embeddings=512,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        ),
+        quants=["Q4_K_M"],
+    ),
+    "mistral": dict(
+        family="mistral",
+        config=dict(_LLAMA, rope_theta=1e6, sliding_window=None, head_dim=_HEAD_DIM),
+        quants=["Q4_K_M"],
+    ),
+    "qwen2": dict(
+        family="qwen2",
+        config=dict(rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, use_sliding_window=False),
+        quants=["Q4_K_M"],
+    ),
+    "qwen3": dict(
+        family="qwen3",
+        config=dict(
+            rms_norm_eps=1e-6, rope_theta=1e6, tie_word_embeddings=True, head_dim=_HEAD_DIM, use_sliding_window=False
+        ),
+        quants=["Q4_K_M"],
+        qk_scale=1.6,
+    ),
+    "gemma": dict(
+        family="gemma",
+        config=dict(
+            num_key_value_heads=1,
+            head_dim=_HEAD_DIM,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        ),
+        quants=["Q4_K_M"],
+        emb_scale=0.5,  # its embedding is multiplied by sqrt(hidden)
+    ),
+    "gemma2": dict(
+        family="gemma2",
+        config=dict(
+            head_dim=_HEAD_DIM,
+            query_pre_attn_scalar=_HEAD_DIM,
+            rms_norm_eps=1e-6,
+            rope_theta=10000.0,
+            sliding_window=16,
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+            hidden_activation="gelu_pytorch_tanh",
+            tie_word_embeddings=True,
+        ),
+        quants=["Q4_K_M"],
+        emb_scale=6.0,
+    ),
+    "gemma3": dict(family="gemma3_text", config=_GEMMA3, quants=["Q4_K_M"], emb_scale=10.0, qk_scale=1.6),
+    "phi3": dict(family="phi3", config=dict(_PHI3, original_max_position_embeddings=2048), quants=["Q4_K_M"]),
+    # Phi-3-mini-128k / Phi-3.5-mini style LongRoPE: per rotary frequency pair a short and a long divisor of the
+    # frequency; the long set applies when the sequence (llama.cpp: the padded per-sequence context) exceeds
+    # original_max_position_embeddings, and both scale cos/sin by sqrt(1 + ln(max/orig) / ln(orig)). Its attn_factor
+    # sqrt(2) doubles the attention logits, so the layers get a larger share: a larger embedding keeps the "bigram"
+    # top-1 margins >= 1.6 (with 2.5 the smallest f32 margin was 0.13)
+    "phi3longrope": dict(
+        family="phi3",
+        config=dict(
+            _PHI3,
+            max_position_embeddings=LONGROPE_MAX_POS,
+            original_max_position_embeddings=LONGROPE_ORIG_POS,
+            rope_scaling=dict(
+                zip(("type", "short_factor", "long_factor"), ("longrope", *longrope_factors(_HEAD_DIM // 2)))
+            ),
+        ),
+        quants=["Q4_K_M"],
+        emb_scale=3.5,
+    ),
+    # falcon-7b style: one layernorm, parallel attention/MLP, multi-query (num_kv_heads=1 explicitly: transformers
+    # ignores it under multi_query, but convert_hf_to_gguf reads it)
+    "falcon": dict(
+        family="falcon",
+        common=False,
+        config=dict(_FALCON, new_decoder_architecture=False, multi_query=True, num_kv_heads=1),
+        quants=["Q4_K_M"],
+        emb_scale=4.0,
+    ),
+    # falcon-40b style "new decoder architecture": ln_attn + ln_mlp, grouped KV
+    "falcon40b": dict(
+        family="falcon",
+        common=False,
+        config=dict(_FALCON, new_decoder_architecture=True, num_kv_heads=2),
+        quants=["Q4_K_M"],
+        emb_scale=4.0,
+    ),
     # sentencepiece (SPM) vocabularies: the model of "base", but with tokenizer.ggml.model "llama" (SPM_FLAVORS)
     "llama-spm": dict(quants=["Q4_K_M"], base="llama", spm="llama"),
     "gemma-spm": dict(quants=["Q4_K_M"], base="gemma", spm="gemma", emb_scale=0.5),
@@ -323,197 +462,40 @@ def _common(vocab: int, **kw) -> dict:
     return d
 
 
+def model_config(name: str, vocab: int, init: float | None = None):
+    """The transformers config of entry `name`: its family's config class over its keys."""
+    import transformers as T
+
+    from inference_api.model.families import FAMILIES, config_windows, gguf_windows
+
+    spec = ARCHS[name]
+    base = ARCHS[spec.get("base", name)]  # *-spm: the model of their base entry (only the vocabulary differs)
+    family = FAMILIES[base["family"]]
+    init = spec.get("init", INIT) if init is None else init
+    keys = dict(base["config"], initializer_range=init)
+    cfg = T.AutoConfig.for_model(
+        family.model_type, **(_common(vocab, **keys) if base.get("common", True) else dict(keys, vocab_size=vocab))
+    )
+    if family.gguf and family.swa_pattern:  # the file will carry no per-layer key: llama.cpp's pattern must match
+        windows = gguf_windows(family.gguf, cfg.num_hidden_layers, cfg.sliding_window)
+        assert config_windows(cfg) == windows, (name, config_windows(cfg), windows)
+    return family, cfg
+
+
 def build_model(name: str, vocab: int, init: float | None = None):
-    """The random transformers model for architecture `name` (before calibrate())."""
+    """The random transformers model for entry `name` (before calibrate())."""
     import torch
     import transformers as T
 
     torch.manual_seed(SEED)
-    init = ARCHS[name].get("init", INIT) if init is None else init
     spec = ARCHS[name]
-    name = spec.get("base", name)  # *-spm: the model of their base arch (only the vocabulary differs)
+    family, cfg = model_config(name, vocab, init)
     emb_scale = spec.get("emb_scale", EMB_SCALE)
     head_scale = 1.0
-    if name == "llama":
-        cfg = T.LlamaConfig(
-            **_common(vocab, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, initializer_range=init)
-        )
-        cls = T.LlamaForCausalLM
-    elif name == "llama3rope":
-        cfg = T.LlamaConfig(
-            **_common(
-                vocab,
-                rms_norm_eps=1e-5,
-                rope_theta=10000.0,
-                tie_word_embeddings=True,
-                initializer_range=init,
-                max_position_embeddings=512,
-                rope_scaling={
-                    "rope_type": "llama3",
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 64,
-                },
-            )
-        )
-        cls = T.LlamaForCausalLM
-    elif name == "mistral":
-        cfg = T.MistralConfig(
-            **_common(
-                vocab,
-                rms_norm_eps=1e-5,
-                rope_theta=1e6,
-                sliding_window=None,
-                head_dim=HIDDEN // N_HEADS,
-                tie_word_embeddings=False,
-                initializer_range=init,
-            )
-        )
-        cls = T.MistralForCausalLM
-    elif name == "qwen2":
-        cfg = T.Qwen2Config(
-            **_common(
-                vocab,
-                rms_norm_eps=1e-6,
-                rope_theta=1e6,
-                tie_word_embeddings=True,
-                use_sliding_window=False,
-                initializer_range=init,
-            )
-        )
-        cls = T.Qwen2ForCausalLM
-    elif name == "qwen3":
-        cfg = T.Qwen3Config(
-            **_common(
-                vocab,
-                rms_norm_eps=1e-6,
-                rope_theta=1e6,
-                tie_word_embeddings=True,
-                head_dim=HIDDEN // N_HEADS,
-                use_sliding_window=False,
-                initializer_range=init,
-            )
-        )
-        cls = T.Qwen3ForCausalLM
-    elif name == "gemma":
-        cfg = T.GemmaConfig(
-            **_common(
-                vocab,
-                num_key_value_heads=1,
-                head_dim=HIDDEN // N_HEADS,
-                rms_norm_eps=1e-6,
-                rope_theta=10000.0,
-                hidden_activation="gelu_pytorch_tanh",
-                tie_word_embeddings=True,
-                initializer_range=init,
-                pad_token_id=None,
-            )
-        )
-        cls = T.GemmaForCausalLM
-    elif name == "gemma2":
-        cfg = T.Gemma2Config(
-            **_common(
-                vocab,
-                head_dim=HIDDEN // N_HEADS,
-                query_pre_attn_scalar=HIDDEN // N_HEADS,
-                rms_norm_eps=1e-6,
-                rope_theta=10000.0,
-                sliding_window=16,
-                attn_logit_softcapping=50.0,
-                final_logit_softcapping=30.0,
-                hidden_activation="gelu_pytorch_tanh",
-                tie_word_embeddings=True,
-                initializer_range=init,
-            )
-        )
-        cls = T.Gemma2ForCausalLM
-    elif name == "gemma3":
-        # 6 layers: llama.cpp has no per-layer pattern key for gemma3 GGUFs and uses its built-in pattern of 6
-        # (layers 0-4 sliding, layer 5 global), which is also transformers' default layer_types.
-        # intermediate 256 (not 512) keeps the 6-layer file under ~1.5 MB
-        cfg = T.Gemma3TextConfig(
-            **_common(
-                vocab,
-                num_hidden_layers=6,
-                num_key_value_heads=1,
-                intermediate_size=256,
-                head_dim=HIDDEN // N_HEADS,
-                query_pre_attn_scalar=HIDDEN // N_HEADS,
-                rms_norm_eps=1e-6,
-                rope_theta=1e6,
-                rope_local_base_freq=10000.0,
-                sliding_window=16,
-                hidden_activation="gelu_pytorch_tanh",
-                tie_word_embeddings=True,
-                initializer_range=init,
-            )
-        )
-        assert cfg.layer_types == ["sliding_attention"] * 5 + ["full_attention"], cfg.layer_types
-        cls = T.Gemma3ForCausalLM
-    elif name == "phi3":
-        cfg = T.Phi3Config(
-            **_common(
-                vocab,
-                rms_norm_eps=1e-5,
-                rope_theta=10000.0,
-                tie_word_embeddings=False,
-                original_max_position_embeddings=2048,
-                sliding_window=None,
-                initializer_range=init,
-            )
-        )
-        cls = T.Phi3ForCausalLM
-    elif name in ("falcon", "falcon40b"):
-        kw = dict(
-            vocab_size=vocab,
-            hidden_size=HIDDEN,
-            ffn_hidden_size=4 * HIDDEN,
-            num_hidden_layers=2,
-            num_attention_heads=N_HEADS,
-            alibi=False,
-            bias=False,
-            parallel_attn=True,
-            layer_norm_epsilon=1e-5,
-            rope_theta=10000.0,
-            bos_token_id=0,
-            eos_token_id=1,
-            max_position_embeddings=2048,
-            tie_word_embeddings=True,
-            initializer_range=init,
-        )
-        if name == "falcon":  # falcon-7b style: one layernorm, parallel attention/MLP, multi-query
-            # num_kv_heads=1 explicitly: transformers ignores it under multi_query, but convert_hf_to_gguf reads it
-            kw.update(new_decoder_architecture=False, multi_query=True, num_kv_heads=1)
-        else:  # falcon-40b style "new decoder architecture": ln_attn + ln_mlp, grouped KV
-            kw.update(new_decoder_architecture=True, num_kv_heads=2)
-        cfg = T.FalconConfig(**kw)
-        cls = T.FalconForCausalLM
-    elif name == "phi3longrope":
-        # Phi-3-mini-128k / Phi-3.5-mini style LongRoPE: per rotary frequency pair a short and a long divisor of the
-        # frequency; the long set applies when the sequence (llama.cpp: the padded per-sequence context) exceeds
-        # original_max_position_embeddings, and both scale cos/sin by sqrt(1 + ln(max/orig) / ln(orig))
-        short, long = longrope_factors((HIDDEN // N_HEADS) // 2)
-        cfg = T.Phi3Config(
-            **_common(
-                vocab,
-                rms_norm_eps=1e-5,
-                rope_theta=10000.0,
-                tie_word_embeddings=False,
-                max_position_embeddings=LONGROPE_MAX_POS,
-                original_max_position_embeddings=LONGROPE_ORIG_POS,
-                sliding_window=None,
-                initializer_range=init,
-                rope_scaling={"type": "longrope", "short_factor": short, "long_factor": long},
-            )
-        )
-        cls = T.Phi3ForCausalLM
-    else:
-        raise KeyError(name)
     # (gemma2/gemma3: their post-attention / post-MLP norms give every layer an O(1) contribution to the residual,
     # hence their larger emb_scale in ARCHS; gemma: its embedding is multiplied by sqrt(hidden), hence a smaller one)
     # eager attention: sdpa silently skips gemma2's attention-logit softcapping
-    model = cls._from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32).eval()
     with torch.no_grad():
         emb = model.get_input_embeddings().weight
         emb.mul_(emb_scale)
@@ -524,34 +506,18 @@ def build_model(name: str, vocab: int, init: float | None = None):
             # one than a tied head would give
             perm = torch.randperm(emb.shape[0])
             out.weight.mul_(head_scale).add_(emb[perm] * spec.get("head_copy", HEAD_COPY))
-        scale_qk(model, name, spec.get("qk_scale", QK_SCALE))
+        scale_qk(model, family, spec.get("qk_scale", QK_SCALE))
         # random norms / biases are left at their default init (ones / zeros) except that we give the (non-gemma)
         # RMSNorm weights some spread, so a wrong norm implementation shows up
         for n, p in model.named_parameters():
             if n.endswith("norm.weight") or ".ln_" in n or "layernorm.weight" in n or n.endswith("ln_f.weight"):
-                if "gemma" in name:
+                if family.norm_offset:
                     p.add_(torch.randn_like(p) * 0.1)  # stored as (w-1)
                 else:
                     p.mul_(1.0 + torch.randn_like(p) * 0.1)
             elif n.endswith(".bias"):
                 p.add_(torch.randn_like(p) * 0.1)
     return model
-
-
-LONGROPE_ORIG_POS = 64  # phi3longrope: original_max_position_embeddings (< PPL_CTX: the long factors are used)
-LONGROPE_MAX_POS = 4096  # max_position_embeddings: attention factor sqrt(1 + ln(64)/ln(64)) = sqrt(2)
-
-
-def longrope_factors(n: int) -> tuple[list[float], list[float]]:
-    """Fixed, deterministic LongRoPE factors (one per rotary frequency pair, high to low frequency): short ones
-    1.0-3.0, long ones 2.0-20.0, both growing towards the low frequencies (as in Phi-3) with a wiggle so that
-    neighbouring pairs differ."""
-    short, long = [], []
-    for i in range(n):
-        x = i / (n - 1)
-        short.append(round(1.0 + 1.9 * x * x + 0.1 * (0.5 + 0.5 * math.sin(3.0 * i)), 4))
-        long.append(round(2.0 + 17.0 * x**1.5 + 1.0 * (0.5 + 0.5 * math.cos(2.0 * i)), 4))
-    return short, long
 
 
 def rope_scaling_info(meta: dict, per_tensor: dict) -> dict | None:
@@ -592,7 +558,7 @@ def rope_scaling_info(meta: dict, per_tensor: dict) -> dict | None:
     )
 
 
-def scale_qk(model, name: str, f: float):
+def scale_qk(model, family, f: float):
     """Multiplies the query and key projections by f (attention logits by f^2): with a small init the attention
     would otherwise be nearly uniform, and position handling (rope) would hardly matter."""
     import torch
@@ -602,9 +568,9 @@ def scale_qk(model, name: str, f: float):
     nh = cfg.num_attention_heads
     with torch.no_grad():
         for n, p in model.named_parameters():
-            if name in ("qwen3", "gemma3"):  # q/k RMS norms undo any scale of q_proj/k_proj
+            if family.qk_norm:  # q/k RMS norms undo any scale of q_proj/k_proj
                 if n.endswith(("q_norm.weight", "k_norm.weight")):
-                    if name == "gemma3":
+                    if family.norm_offset:  # stored as (w-1)
                         p.copy_((1.0 + p) * f - 1.0)
                     else:
                         p.mul_(f)
@@ -627,19 +593,19 @@ def final_norm(model):
     return getattr(base, "norm", None) or base.ln_f
 
 
-def calibrate(model, name: str, tok_dir: Path, target: float = TARGET_TOP1) -> float:
+def calibrate(model, family, tok_dir: Path, target: float = TARGET_TOP1) -> float:
     """Scales the final norm (i.e. the logits before any softcap) so the mean top-1 probability of the f32 HF model
     on the first PPL_CTX tokens of the text is about `target`. Returns the factor."""
     import torch
 
     norm = final_norm(model)
-    gemma = "gemma" in name
+    gemma = bool(family.norm_offset)
     w0 = norm.weight.detach().clone()
     b0 = norm.bias.detach().clone() if getattr(norm, "bias", None) is not None else None
 
     def apply(f):
         with torch.no_grad():
-            if gemma:  # Gemma RMSNorm computes x * (1 + w)
+            if gemma:  # Gemma's RMSNorm computes x * (1 + w)
                 norm.weight.copy_((1.0 + w0) * f - 1.0)
             else:
                 norm.weight.copy_(w0 * f)
@@ -1276,7 +1242,7 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
                 for k, v in spm_token_ids(spec["spm"]).items():
                     setattr(model.config, k, v)
                     setattr(model.generation_config, k, v)
-            calib = calibrate(model, name, m_tok_dir)
+            calib = calibrate(model, model_config(name, m_vocab)[0], m_tok_dir)
             peak = hf_peakedness(model, m_tok_dir)
             mdir = tmp / f"hf-{name}"
             model.save_pretrained(mdir, safe_serialization=True)

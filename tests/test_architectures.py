@@ -138,3 +138,52 @@ def test_an_spm_vocabulary_tokenizes_as_llama_cpp(name):
     for case in cases:
         got = engine.tokenizer.encode(case["text"], add_special_tokens=case["add_special"])
         assert got == list(case["tokens"]), (case["text"], case["add_special"])
+
+
+def family_branches(source: str) -> list[str]:
+    """The comparisons in a module's source against a family's name (transformers' or llama.cpp's): ``arch ==
+    "gemma2"``, ``arch in ("gemma", "gemma3")``: knowledge of a family outside its table entry."""
+    import ast
+
+    names = set(FAMILIES) | {f.gguf for f in FAMILIES.values() if f.gguf}
+
+    def about_a_model(side) -> bool:  # arch, m.arch, config.model_type, name... (not a vocabulary's type)
+        label = side.id if isinstance(side, ast.Name) else side.attr if isinstance(side, ast.Attribute) else ""
+        return any(word in label for word in ("arch", "model_type", "family", "name"))
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare) or not any(map(about_a_model, (node.left, *node.comparators))):
+            continue
+        for side in (node.left, *node.comparators):
+            items = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            hits = [i.value for i in items if isinstance(i, ast.Constant) and i.value in names]
+            if hits:
+                found.append(f"line {node.lineno}: {', '.join(hits)}")
+    return found
+
+
+def test_a_family_is_described_in_its_table_entry_only():
+    root = Path(__file__).resolve().parents[1]
+    table = root / "inference_api" / "model" / "families.py"
+    readers = [p for p in (root / "inference_api").rglob("*.py") if p != table]
+    readers.append(root / "scripts" / "make_reference_ggufs.py")
+    branches = {str(p.relative_to(root)): b for p in readers if (b := family_branches(p.read_text()))}
+    assert branches == {}
+    assert family_branches('if arch == "gemma2" or m.arch in ("qwen3", "x") or vocab.model == "llama":\n    pass') == [
+        "line 1: gemma2",
+        "line 1: qwen3",
+    ]
+
+
+def test_the_gguf_names_lead_to_their_families():
+    from inference_api.model.families import GGUF_FAMILIES, gguf_windows, model_type
+
+    assert model_type("gemma3") == "gemma3_text" and model_type("llama") == "llama"
+    assert model_type("bert") == "bert"  # not a family: the name itself
+    assert all(GGUF_FAMILIES[f.gguf] is f for f in FAMILIES.values() if f.gguf)
+    # llama.cpp's built-in patterns where the file has no per-layer key, and the file's key over them
+    assert gguf_windows("gemma3", 6, 16) == (16, 16, 16, 16, 16, None)
+    assert gguf_windows("gemma2", 3, 16) == (16, None, 16)
+    assert gguf_windows("gemma2", 3, 16, pattern=0) == (16, 16, 16)
+    assert gguf_windows("llama", 2, 16) == (None, None)

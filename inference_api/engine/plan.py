@@ -257,7 +257,8 @@ def model_facts(gguf: Path | None, folder: Path | None) -> ModelFacts:
         return ModelFacts(
             cfg.get("model_type", ""), config=cfg, heads=heads, kv_heads=text.get("num_key_value_heads") or heads
         )
-    from ..model.gguf_meta import model_type, read_header
+    from ..model.families import model_type
+    from ..model.gguf_meta import read_header
     from ..model.loader import read_stamp
 
     header = (read_stamp(gguf, folder) if folder is not None else None) or read_header(gguf)

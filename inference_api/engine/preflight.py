@@ -201,10 +201,10 @@ def shape_from_config(cfg: dict, num_params: int | None = None) -> ModelShape:
 
 
 def _config_windows(cfg: dict) -> tuple:
-    from ..model.families import layer_windows
+    from ..model.families import config_windows
 
     try:
-        return layer_windows(SimpleNamespace(**cfg))
+        return config_windows(SimpleNamespace(**cfg))
     except AttributeError:  # no model_type: no architecture the rings apply to
         return ()
 

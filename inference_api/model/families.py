@@ -1,19 +1,29 @@
 """The architectures the compact decoder runs, each described once (as llama.cpp's per-architecture tables and
-vLLM's model registry do): a ``Family`` says what a family does differently (norms, activation, q/k norms,
-embedding scale, its tensor names), and ``describe`` reads one model's numbers from its transformers config
-(attention scale, soft-capping, each layer's sliding window and rotary base). compact.py runs any of them
-through the same layers; everything else runs on transformers' own modules (the fallback).
+vLLM's model registry do). A ``Family`` entry is every fact about a family that the code reads: its names
+(transformers' model_type, llama.cpp's architecture), what it computes differently (norms, activation, q/k norms,
+embedding scale, a parallel block), its transformers tensor names, and how its GGUF files say the rest (the
+sliding-window pattern llama.cpp assumes, q/k rows permuted by the converter, the config keys only this family
+reads from the file's metadata). The GGUF reader (gguf_meta, gguf_model), the loader, the plan, pre-flight and
+scripts/make_reference_ggufs.py read this table; adding a family is one entry here and its tests (CONTRIBUTING.md).
+
+``describe`` reads one model's numbers from its transformers config (attention scale, soft-capping, each layer's
+sliding window and rotary base). compact.py runs any described family through the same layers; everything else
+runs on transformers' own modules (the fallback).
 """
 
 from __future__ import annotations
 
 import copy
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
 class Family:
+    model_type: str  # transformers' model_type, the key of FAMILIES
+    gguf: str | None = None  # llama.cpp's general.architecture (None: llama.cpp writes this family as another)
     norm_offset: float = 0.0  # RMSNorm multiplies by (offset + weight): Gemma's norms store weight - 1
     activation: str = "silu"  # the gated MLP's activation: silu | gelu_tanh
     qk_norm: bool = False  # RMSNorm over each head's query and key before rotary (qwen3, gemma3)
@@ -27,6 +37,16 @@ class Family:
     # scale); a family whose keys carry outlier channels keeps float16 instead (Qwen2.5's k biases: Qwen2.5-Coder
     # 1.5B Q4_K_M's perplexity 1.9 % below llama-perplexity's with int8 keys, 0.2 % with float32 ones)
     kv_int8: bool = True
+    # the sliding-window layers where neither a config's layer_types nor a GGUF's per-layer key says: llama.cpp's
+    # pattern n (layer i slides unless i % n == n - 1; 0: every layer slides); None: no layer slides
+    swa_pattern: int | None = None
+    # convert_hf_to_gguf permuted q and k rows for llama.cpp's adjacent-pair rotary (rope type NORM); the reader
+    # permutes them back for the half-split rotary the decoder runs
+    permuted_qk: bool = False
+    # the transformers config keys only this family reads from a GGUF: (the file, the common keys) -> the keys
+    # AutoConfig.for_model takes (gguf_model.gguf_config builds the common ones; the file: its hparam(key, default)
+    # by llama.cpp's key after "<arch>.", and its tensors by name)
+    gguf_config: Callable[[Any, dict], dict] | None = None
     # transformers' tensor names, per layer (after "model.layers.N.") and for the fused forms (phi3)
     names: dict = field(
         default_factory=lambda: dict(
@@ -43,29 +63,127 @@ class Family:
 
 
 def _names(**over) -> dict:
-    return {**Family().names, **over}
+    return {**Family("").names, **over}
 
 
-_LLAMA = Family()
 _GEMMA_NAMES = _names(
     post_attn_norm="post_attention_layernorm",
     mlp_norm="pre_feedforward_layernorm",
     post_mlp_norm="post_feedforward_layernorm",
 )
 
-FAMILIES: dict[str, Family] = {
-    "llama": _LLAMA,
-    "mistral": _LLAMA,
-    "qwen2": Family(kv_int8=False),  # q/k/v biases: taken where the weights have them
-    "qwen3": Family(qk_norm=True),
-    "phi3": Family(names=_names(qkv="self_attn.qkv_proj", gate_up="mlp.gate_up_proj")),
-    "gemma": Family(norm_offset=1.0, activation="gelu_tanh", embed_scale=True),
-    "gemma2": Family(norm_offset=1.0, activation="gelu_tanh", embed_scale=True, sandwich=True, names=_GEMMA_NAMES),
-    "falcon": Family(activation="gelu_tanh", norm="layer", parallel=True, gated=False, gguf_only=True),
-    "gemma3_text": Family(
-        norm_offset=1.0, activation="gelu_tanh", embed_scale=True, sandwich=True, qk_norm=True, names=_GEMMA_NAMES
-    ),
-}
+
+def _gemma_gguf(gguf, kw: dict) -> dict:
+    # llama.cpp's attention scale: 1 / sqrt(head_dim), but for the 27B models (46 or 62 layers) 1 / sqrt(hidden /
+    # heads)
+    wide = kw["num_hidden_layers"] in (46, 62)
+    scalar = kw["hidden_size"] // kw["num_attention_heads"] if wide else kw["head_dim"]
+    return {**kw, "hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar}
+
+
+def _gemma2_gguf(gguf, kw: dict) -> dict:
+    caps = {k: gguf.hparam(k) for k in ("attn_logit_softcapping", "final_logit_softcapping")}
+    return {**_gemma_gguf(gguf, kw), **caps}
+
+
+def _gemma3_gguf(gguf, kw: dict) -> dict:
+    local = float(gguf.hparam("rope.freq_base_swa", 10000.0))  # the sliding layers' own rotary base
+    return {
+        **_gemma_gguf(gguf, kw),
+        "rope_local_base_freq": local,
+        "final_logit_softcapping": gguf.hparam("final_logit_softcapping"),
+    }
+
+
+def _falcon_gguf(gguf, kw: dict) -> dict:
+    # 7B: one LayerNorm, multi-query; 40B ("new decoder architecture"): attention's own norm_2, grouped KV
+    common = {k: v for k, v in kw.items() if k not in ("rms_norm_eps", "head_dim", "intermediate_size")}
+    return {
+        **common,
+        "layer_norm_epsilon": float(gguf.hparam("attention.layer_norm_epsilon", 1e-5)),
+        "num_kv_heads": kw["num_key_value_heads"],
+        "activation": "gelu",
+        "alibi": False,
+        "new_decoder_architecture": "blk.0.attn_norm_2.weight" in gguf.tensors,
+        "parallel_attn": True,
+        "multi_query": kw["num_key_value_heads"] == 1,
+        "bias": False,
+        "ffn_hidden_size": kw["intermediate_size"],
+    }
+
+
+def _family(model_type: str, **facts: Any) -> tuple[str, Family]:
+    return model_type, Family(model_type=model_type, **facts)
+
+
+_GEMMA = dict(norm_offset=1.0, activation="gelu_tanh", embed_scale=True)
+
+FAMILIES: dict[str, Family] = dict(
+    [
+        _family("llama", gguf="llama", permuted_qk=True),
+        _family("mistral", permuted_qk=True, swa_pattern=0),  # llama.cpp writes Mistral's files as "llama"
+        # q/k/v biases, taken where the weights have them; the keys' outlier channels keep a float16 KV cache
+        _family("qwen2", gguf="qwen2", kv_int8=False, gguf_config=lambda gguf, kw: {**kw, "use_sliding_window": False}),
+        _family("qwen3", gguf="qwen3", qk_norm=True),
+        _family("phi3", gguf="phi3", names=_names(qkv="self_attn.qkv_proj", gate_up="mlp.gate_up_proj")),
+        _family("gemma", gguf="gemma", gguf_config=_gemma_gguf, **_GEMMA),
+        _family(
+            "gemma2",
+            gguf="gemma2",
+            sandwich=True,
+            names=_GEMMA_NAMES,
+            swa_pattern=2,
+            gguf_config=_gemma2_gguf,
+            **_GEMMA,
+        ),
+        _family(
+            "gemma3_text",
+            gguf="gemma3",
+            sandwich=True,
+            qk_norm=True,
+            names=_GEMMA_NAMES,
+            swa_pattern=6,
+            gguf_config=_gemma3_gguf,
+            **_GEMMA,
+        ),
+        _family(
+            "falcon",
+            gguf="falcon",
+            activation="gelu_tanh",
+            norm="layer",
+            parallel=True,
+            gated=False,
+            gguf_only=True,
+            gguf_config=_falcon_gguf,
+        ),
+    ]
+)
+# llama.cpp's architecture names -> their families (the GGUF files the compact decoder reads)
+GGUF_FAMILIES: dict[str, Family] = {f.gguf: f for f in FAMILIES.values() if f.gguf is not None}
+
+
+def model_type(gguf_arch: str) -> str:
+    """transformers' model_type for a llama.cpp architecture name (the name itself where no family says otherwise)."""
+    family = GGUF_FAMILIES.get(gguf_arch)
+    return family.model_type if family is not None else gguf_arch
+
+
+def gguf_windows(gguf_arch: str, layers: int, window, pattern=None) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: the layer reads the whole context) from a GGUF's
+    ``attention.sliding_window`` and ``attention.sliding_window_pattern`` (the family's llama.cpp pattern when the
+    file has none)."""
+    family = GGUF_FAMILIES.get(gguf_arch)
+    if family is None or family.swa_pattern is None:  # a family without sliding layers
+        return (None,) * layers
+    return _windows(layers, window, family.swa_pattern if pattern is None else pattern)
+
+
+def _windows(layers: int, window, pattern: int | None) -> tuple[int | None, ...]:
+    if pattern is None or not window:
+        return (None,) * layers
+    n = int(pattern)
+    return tuple(int(window) if n == 0 or i % n < n - 1 else None for i in range(layers))
+
 
 _ACTIVATIONS = {
     "silu": "silu",
@@ -126,17 +244,17 @@ class ModelSpec:
         )
 
 
-def layer_windows(config) -> tuple[int | None, ...]:
+def config_windows(config) -> tuple[int | None, ...]:
     """Each layer's sliding window (None: the layer reads the whole context) from a transformers config (or any
     object with its attributes: pre-flight reads config.json's)."""
-    arch, layers = config.model_type, config.num_hidden_layers
-    window = getattr(config, "sliding_window", None)
+    layers, window = config.num_hidden_layers, getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     if types is not None:
         return tuple(window if t == "sliding_attention" else None for t in types)
-    if window and getattr(config, "use_sliding_window", True) and arch in ("mistral", "gemma2"):
-        return tuple(window if arch == "mistral" or i % 2 == 0 else None for i in range(layers))
-    return (None,) * layers
+    family = FAMILIES.get(config.model_type)
+    if family is None or not getattr(config, "use_sliding_window", True):
+        return (None,) * layers
+    return _windows(layers, window, family.swa_pattern)
 
 
 def describe(config) -> ModelSpec:
@@ -145,7 +263,7 @@ def describe(config) -> ModelSpec:
     family = FAMILIES[arch]
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    windows = layer_windows(config)
+    windows = config_windows(config)
     ropes, rope = [config], [0] * config.num_hidden_layers
     local_base = getattr(config, "rope_local_base_freq", None)
     if local_base is not None and any(windows):  # gemma3: sliding layers turn by their own base, unscaled

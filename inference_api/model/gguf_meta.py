@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .families import gguf_windows
+
 if TYPE_CHECKING:
     import numpy as np
     from gguf import GGMLQuantizationType
@@ -25,10 +27,6 @@ def mode_of(types: list[str]) -> str:
     if all(t in FLOAT_TYPES for t in types):
         return "none"
     return "int4" if all(t in FOUR_BIT for t in types) else "int8"
-
-
-# llama.cpp's architecture names that transformers calls otherwise
-MODEL_TYPES = {"gemma3": "gemma3_text"}
 
 
 # GGUF value types: (struct format, size) of the scalar ones; 8 is a string, 9 an array
@@ -166,20 +164,6 @@ def open_gguf(source):
     return source if isinstance(source, GGUFReader) else GGUFReader(str(source))
 
 
-# sliding-window layers: llama.cpp's pattern per architecture when the file has no per-layer key (layer i
-# slides unless i % n == n - 1)
-SWA_PATTERN = {"gemma2": 2, "gemma3": 6}
-
-
-def layer_windows(arch: str, layers: int, window, pattern=None) -> tuple[int | None, ...]:
-    """Each layer's sliding window (None: the layer reads the whole context), from the file's
-    ``attention.sliding_window`` and ``attention.sliding_window_pattern`` (llama.cpp's pattern when absent)."""
-    if arch not in SWA_PATTERN or not window:
-        return (None,) * layers
-    n = int(pattern if pattern is not None else SWA_PATTERN[arch])
-    return tuple(int(window) if n == 0 or i % n < n - 1 else None for i in range(layers))
-
-
 def read_header(source) -> dict:
     reader = open_gguf(source)
 
@@ -215,7 +199,7 @@ def read_header(source) -> dict:
         "tied": "output.weight" not in sizes,
         "hidden": hidden,
         "windows": list(
-            layer_windows(
+            gguf_windows(
                 arch,
                 field(f"{arch}.block_count") or 0,
                 field(f"{arch}.attention.sliding_window"),
@@ -223,7 +207,3 @@ def read_header(source) -> dict:
             )
         ),
     }
-
-
-def model_type(arch: str) -> str:
-    return MODEL_TYPES.get(arch, arch)

@@ -18,25 +18,12 @@ import numpy as np
 import torch
 
 from ..kernels.quant import BlockWeight, Int4Weight, Int8Weight, stack
+from .families import GGUF_FAMILIES, gguf_windows
 from .gguf_blocks import packed
-from .gguf_meta import SWA_PATTERN, GGUFIndex, layer_windows
+from .gguf_meta import GGUFIndex
 
 log = logging.getLogger(__name__)
 
-# llama.cpp's architecture names -> transformers' model_type, for the architectures the compact decoder runs
-ARCHS = {
-    "llama": "llama",
-    "qwen2": "qwen2",
-    "qwen3": "qwen3",
-    "gemma": "gemma",
-    "gemma2": "gemma2",
-    "gemma3": "gemma3_text",
-    "phi3": "phi3",
-    "falcon": "falcon",
-}
-# llama.cpp rotates adjacent pairs for these (rope type NORM): convert_hf_to_gguf permuted their q and k rows,
-# which are permuted back here for the half-split rotary the decoder runs
-ROPE_NORM = {"llama"}
 ROW_MAPPED = (Int8Weight, Int4Weight, BlockWeight)  # the packed forms whose rows map_rows rewrites
 
 
@@ -57,8 +44,9 @@ class GGUFModel:
         self.fields = self.reader.fields
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.arch = self._field("general.architecture")
-        if self.arch not in ARCHS:
+        if self.arch not in GGUF_FAMILIES:
             raise ValueError(f"GGUF architecture {self.arch!r} is not one the compact decoder runs")
+        self.family = GGUF_FAMILIES[self.arch]
         self.config = gguf_config(self)
         self.device, self.dtype = torch.device(device), dtype
 
@@ -85,7 +73,7 @@ class GGUFModel:
     def _unpermute(self, w, heads: int):
         """convert_hf_to_gguf's permutation of q or k rows (per head: pairs interleaved) undone, on a tensor or on
         each row-first tensor of packed blocks."""
-        if w is None or self.arch not in ROPE_NORM:
+        if w is None or not self.family.permuted_qk:
             return w
         if isinstance(w, ROW_MAPPED):
             return w.map_rows(lambda t: self._unpermute(t, heads))
@@ -181,7 +169,7 @@ class GGUFWeights:
             mlp_norm=t("ffn_norm.weight"),
             mlp_norm_b=t("ffn_norm.bias"),
         )
-        if self.m.arch == "falcon":  # one LayerNorm for both (7B), or attention's own norm_2 (40B)
+        if self.m.family.parallel:  # one LayerNorm for both (falcon 7B), or attention's own norm_2 (40B)
             first = norms["attn_norm"], norms["attn_norm_b"]
             second = t("attn_norm_2.weight"), t("attn_norm_2.bias")
             norms = dict(
@@ -239,41 +227,15 @@ def gguf_config(m: GGUFModel):
         kw["partial_rotary_factor"] = int(rot) / head_dim
     if m.hparam("rope.scaling.type") == "linear" and m.hparam("rope.scaling.factor"):
         kw["rope_scaling"] = {"rope_type": "linear", "factor": float(m.hparam("rope.scaling.factor"))}
-    if arch in ("gemma", "gemma2", "gemma3"):
-        kw["hidden_activation"] = "gelu_pytorch_tanh"
-        # llama.cpp's attention scale: 1 / sqrt(head_dim), but for the 27B models 1 / sqrt(hidden / heads)
-        kw["query_pre_attn_scalar"] = hidden // heads if layers in (46, 62) else head_dim
-    windows = layer_windows(
+    windows = gguf_windows(
         arch, layers, m.hparam("attention.sliding_window"), m.hparam("attention.sliding_window_pattern")
     )
-    if arch in SWA_PATTERN:
+    if m.family.swa_pattern is not None:
         kw["layer_types"] = ["sliding_attention" if w else "full_attention" for w in windows]
         if any(windows):
             kw["sliding_window"] = next(w for w in windows if w)
-    if arch == "gemma2":
-        kw["attn_logit_softcapping"] = m.hparam("attn_logit_softcapping")
-        kw["final_logit_softcapping"] = m.hparam("final_logit_softcapping")
-    if arch == "gemma3":
-        kw["rope_local_base_freq"] = float(m.hparam("rope.freq_base_swa", 10000.0))
-        kw["final_logit_softcapping"] = m.hparam("final_logit_softcapping")
-    if arch == "qwen2":
-        kw["use_sliding_window"] = False
-    if arch == "falcon":
-        eps = float(m.hparam("attention.layer_norm_epsilon", 1e-5))
-        kw.update(
-            layer_norm_epsilon=eps,
-            num_kv_heads=kw["num_key_value_heads"],
-            activation="gelu",
-            alibi=False,
-            rope_theta=kw["rope_theta"],
-            new_decoder_architecture="blk.0.attn_norm_2.weight" in m.tensors,
-            parallel_attn=True,
-            multi_query=kw["num_key_value_heads"] == 1,
-            bias=False,
-            ffn_hidden_size=kw.pop("intermediate_size"),
-        )
-        kw.pop("rms_norm_eps")
-    config = AutoConfig.for_model(ARCHS[arch], **{k: v for k, v in kw.items() if arch != "falcon" or k != "head_dim"})
+    args = m.family.gguf_config(m, kw) if m.family.gguf_config else kw
+    config = AutoConfig.for_model(m.family.model_type, **args)
     for key in ("num_key_value_heads", "head_dim"):  # what the decoder reads, whatever the config class calls it
         if getattr(config, key, None) != kw[key]:
             setattr(config, key, kw[key])

@@ -33,25 +33,25 @@ def test_a_refused_template_names_the_prompt_field():
 
 
 def test_max_tokens_defaults_to_what_fits():
-    assert engine_params([1] * 10, SamplingParams(), None, 2048).max_tokens == DEFAULT_MAX_TOKENS
-    assert engine_params([1] * 2000, SamplingParams(), None, 2048).max_tokens == 48
-    assert engine_params([1] * 10, SamplingParams(), None, 2048, default_max=100).max_tokens == 100
+    assert engine_params([1] * 10, SamplingParams(max_tokens=None), 2048).max_tokens == DEFAULT_MAX_TOKENS
+    assert engine_params([1] * 2000, SamplingParams(max_tokens=None), 2048).max_tokens == 48
+    assert engine_params([1] * 10, SamplingParams(max_tokens=None), 2048, default_max=100).max_tokens == 100
     with pytest.raises(RequestError, match="plus max_tokens \\(1\\)"):  # at least one token, which must fit
-        engine_params([1] * 2048, SamplingParams(), None, 2048)
-    ids, params = prepare(ByteTokenizer(), 64, Prompt(text="hi"), SamplingParams(temperature=0), 5)
+        engine_params([1] * 2048, SamplingParams(max_tokens=None), 2048)
+    ids, params = prepare(ByteTokenizer(), 64, Prompt(text="hi"), SamplingParams(temperature=0, max_tokens=5))
     assert ids == [104, 105] and params == SamplingParams(temperature=0, max_tokens=5)
 
 
 def test_what_does_not_fit_names_the_field():
     with pytest.raises(RequestError) as err:
-        engine_params([1] * 60, SamplingParams(), 5, 64, field="max_new_tokens")
+        engine_params([1] * 60, SamplingParams(max_tokens=5), 64, field="max_new_tokens")
     assert err.value.kind == "invalid" and err.value.field == "max_new_tokens"
     assert err.value.message == "prompt (60 tokens) plus max_new_tokens (5) exceeds the context length of 64 tokens"
     with pytest.raises(RequestError) as err:
-        engine_params([], SamplingParams(), 5, 64)
+        engine_params([], SamplingParams(max_tokens=5), 64)
     assert err.value.field is None and err.value.message == "the prompt is empty (no tokens)"
     with pytest.raises(RequestError) as err:
-        prepare(ByteTokenizer(), 64, Prompt(text=""), SamplingParams(), 5, prompt_field="prompt")
+        prepare(ByteTokenizer(), 64, Prompt(text=""), SamplingParams(max_tokens=5), prompt_field="prompt")
     assert err.value.field == "prompt"
 
 

@@ -289,7 +289,7 @@ class Engine:
         )
         if penalised:
             logits = apply_penalties(logits, rows, p)
-        early = [(i, s) for i, s in enumerate(seqs) if s.num_output < s.params.min_tokens]
+        early = [(i, s) for i, s in enumerate(seqs) if s.early(ahead=1)]
         unmasked = None
         if early:  # no end or stop token before min_tokens: each row its own (never another request's) tokens
             cells = [(i, t) for i, s in early for t in self.eos_ids.union(s.params.stop_token_ids)]
@@ -319,7 +319,7 @@ class Engine:
         if launch is None or any(s.params.logprobs is not None for s in seqs):
             return None
         positions = [s.num_tokens for s in seqs]  # each row's next position (its last token's + 1)
-        if max(positions) >= self.context_length or all(s.num_output + 1 >= s.params.max_tokens for s in seqs):
+        if max(positions) >= self.context_length or all(s.at_length(self.context_length, ahead=1) for s in seqs):
             return None
         return launch([s.held_row for s in seqs], tokens, positions)
 

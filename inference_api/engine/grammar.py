@@ -1,10 +1,12 @@
 """Constrained output: the one description of a grammar a request may carry, and its check.
 
-Every API's constraint (OpenAI's ``response_format``, vLLM's ``guided_*`` and ``structured_outputs``, TGI's
-``grammar``, llama-stack's ``response_format``, the offline ``SamplingParams``) becomes a ``Grammar``: a kind
-and its text. llguidance (``llguidance``: a Rust library with no dependencies beyond itself) turns it into a
-matcher in the engine (``engine/constrain.py``); here it is only checked, with no tokenizer, so that a schema
-feature it cannot enforce is refused with the request, never answered unconstrained.
+Every API's constraint becomes a ``Grammar``, a kind and its text, parsed once by the dialect that owns the field
+(``web/dialects/<api>/protocol.py``: OpenAI's ``response_format`` with vLLM's ``guided_*`` and
+``structured_outputs``, TGI's ``grammar``, llama-stack's ``response_format``, the native fields; the offline
+``SamplingParams`` through the OpenAI parser) with the builders here; a forced tool call's grammar is merged by
+``request.tools.Tools.constrain``. llguidance (``llguidance``: a Rust library with no dependencies beyond itself)
+turns it into a matcher in the engine (``engine/constrain.py``); here it is only checked, with no tokenizer, so that
+a schema feature it cannot enforce is refused with the request, never answered unconstrained.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ if TYPE_CHECKING:
 # llguidance's format names; "grammar" is EBNF as vLLM and llama.cpp write it (GBNF), or Lark
 KINDS = ("json_schema", "regex", "choice", "grammar")
 MAX_GRAMMAR_BYTES = 64 * 1024  # the largest schema, regex or grammar text a request may send
-MAX_CHOICES = 256  # guided_choice's strings
+MAX_GUIDED_CHOICES = 256  # guided_choice's strings
 
 
 @dataclass(frozen=True)
@@ -79,10 +81,10 @@ def choice(options, field: str) -> Grammar:
     if (
         not isinstance(options, list)
         or not options
-        or len(options) > MAX_CHOICES
+        or len(options) > MAX_GUIDED_CHOICES
         or not all(isinstance(o, str) for o in options)
     ):
-        raise RequestError(f"{field} must be a list of 1 to {MAX_CHOICES} strings", field)
+        raise RequestError(f"{field} must be a list of 1 to {MAX_GUIDED_CHOICES} strings", field)
     return checked(Grammar("choice", json.dumps(options)), field)
 
 
@@ -108,32 +110,7 @@ def checked(grammar: Grammar, field: str) -> Grammar:
     return grammar
 
 
-def response_format(value, field: str = "response_format") -> Grammar | None:
-    """OpenAI's response_format (text, json_object, json_schema with its schema), and TGI's forms of it
-    (``{"type": "json" | "json_object", "value": schema}``, ``{"type": "regex", "value": ...}``)."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
-        raise RequestError(f"{field} must be an object with a type", field)
-    kind = value["type"]
-    if kind == "text":
-        return None
-    if kind in ("json", "json_object") and value.get("value") is not None:  # TGI's: the schema as value
-        return json_schema(_maybe_json(value["value"], f"{field}.value"), f"{field}.value")
-    if kind == "json_object":
-        return ANY_JSON_OBJECT
-    if kind == "json_schema":
-        spec = value.get("json_schema")
-        if not isinstance(spec, dict):
-            raise RequestError(f"{field}.json_schema must be an object with a schema", f"{field}.json_schema")
-        schema = spec.get("schema", {"type": "object"} if "schema" not in spec else None)
-        return json_schema(_maybe_json(schema, f"{field}.json_schema.schema"), f"{field}.json_schema.schema")
-    if kind == "regex" and value.get("value") is not None:
-        return text_grammar("regex", value["value"], f"{field}.value")
-    raise RequestError(f"{field}.type {kind!r} is not supported; use text, json_object or json_schema", field)
-
-
-def _maybe_json(value, field: str):
+def maybe_json(value, field: str):
     """A schema sent as a JSON string (vLLM's guided_json and TGI accept both) as the object it holds."""
     if isinstance(value, str):
         try:
@@ -143,93 +120,9 @@ def _maybe_json(value, field: str):
     return value
 
 
-# vLLM's structured outputs: the older guided_* fields, the newer structured_outputs object
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
-STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
-
-
-def vllm_guided(body: dict) -> Grammar | None:
-    """vLLM's guided_json / guided_regex / guided_choice / guided_grammar, or structured_outputs: at most one."""
-    found = [(GUIDED_FIELDS[f], body[f], f) for f in GUIDED_FIELDS if body.get(f) is not None]
-    outputs = body.get("structured_outputs")
-    if outputs is not None:
-        if not isinstance(outputs, dict):
-            raise RequestError("structured_outputs must be an object", "structured_outputs")
-        unknown = sorted(
-            set(outputs)
-            - STRUCTURED_KEYS
-            - {"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "backend"}
-        )
-        if unknown:
-            raise RequestError(f"structured_outputs.{unknown[0]} is not supported", f"structured_outputs.{unknown[0]}")
-        found += [
-            (k, outputs[k], f"structured_outputs.{k}")
-            for k in sorted(STRUCTURED_KEYS)
-            if outputs.get(k) not in (None, False)
-        ]
-    if not found:
-        return None
-    if len(found) > 1:
-        raise RequestError(f"{found[0][2]} and {found[1][2]} cannot be combined: give one constraint", found[1][2])
-    kind, value, field = found[0]
-    if kind == "json":
-        return json_schema(_maybe_json(value, field), field)
-    if kind == "json_object":
-        return ANY_JSON_OBJECT
-    if kind == "choice":
-        return choice(value, field)
-    return text_grammar(kind, value, field)
-
-
 def one_of(*grammars: Grammar | None, field: str) -> Grammar | None:
     """The request's one grammar (several constraints at once: 400)."""
     given = [g for g in grammars if g is not None]
     if len(given) > 1:
         raise RequestError("give one output constraint (response_format or a guided field), not several", field)
     return given[0] if given else None
-
-
-def tgi_grammar(value, field: str = "grammar") -> Grammar | None:
-    """TGI's grammar parameter: ``{"type": "json" | "json_schema", "value": schema}`` or
-    ``{"type": "regex", "value": "..."}``."""
-    if value is None:
-        return None
-    if (
-        not isinstance(value, dict)
-        or value.get("type") not in ("json", "json_schema", "regex")
-        or value.get("value") is None
-    ):
-        raise RequestError(f'{field} must be {{"type": "json" or "regex", "value": ...}}', field)
-    if value["type"] == "regex":
-        return text_grammar("regex", value["value"], f"{field}.value")
-    return json_schema(_maybe_json(value["value"], f"{field}.value"), f"{field}.value")
-
-
-def llama_stack_format(value, field: str = "response_format") -> Grammar | None:
-    """llama-stack's response_format: ``{"type": "json_schema", "json_schema": schema}`` or
-    ``{"type": "grammar", "bnf": {...}}`` (a GBNF grammar, as its own root rule ``root``)."""
-    if value is None:
-        return None
-    if not isinstance(value, dict) or value.get("type") not in ("json_schema", "grammar"):
-        raise RequestError(f"{field}.type must be json_schema or grammar", f"{field}.type")
-    if value["type"] == "json_schema":
-        return json_schema(_maybe_json(value.get("json_schema"), f"{field}.json_schema"), f"{field}.json_schema")
-    bnf = value.get("bnf")
-    if isinstance(bnf, dict):  # llama-stack sends the grammar as {"root": "..."} or {"grammar": "..."}
-        bnf = bnf.get("grammar") or "\n".join(f"{k} ::= {v}" for k, v in bnf.items())
-    return text_grammar("grammar", bnf, f"{field}.bnf")
-
-
-def native_grammar(body: dict) -> Grammar | None:
-    """The native API's fields, named as vLLM names them: json_schema, regex, choice, grammar (one of them)."""
-    given = [k for k in ("json_schema", "regex", "choice", "grammar") if body.get(k) is not None]
-    if len(given) > 1:
-        raise RequestError(f"{given[0]} and {given[1]} cannot be combined: give one constraint", given[1])
-    if not given:
-        return None
-    k = given[0]
-    if k == "json_schema":
-        return json_schema(_maybe_json(body[k], k), k)
-    if k == "choice":
-        return choice(body[k], k)
-    return text_grammar(k, body[k], k)

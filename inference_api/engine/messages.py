@@ -30,7 +30,8 @@ class SamplingParams:
     top_k: int = 0  # 0 disables top-k
     top_p: float = 1.0
     min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one (0: off)
-    max_tokens: int = 128
+    # the request's one home for it: None, as many as fit (request.prepare fills it in, at most the API's default)
+    max_tokens: int | None = 128
     min_tokens: int = 0  # no end token, stop token or stop string before this many tokens
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()  # tokens that end the output (not shown), as the end token does

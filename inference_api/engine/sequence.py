@@ -99,10 +99,22 @@ class Sequence:
     def last_token(self) -> int:
         return self.output_ids[-1]
 
+    def early(self, ahead: int = 0) -> bool:
+        """The min_tokens rule: whether output token number ``num_output + ahead`` (from 1) comes before
+        min_tokens, where no end token, stop token or stop string ends the output (the engine masks the tokens
+        before it samples, ``ahead`` 1; ``append`` ignores the stops after, ``ahead`` 0)."""
+        return self.num_output + ahead <= self.params.min_tokens
+
+    def at_length(self, context_length: int, ahead: int = 0) -> bool:
+        """The length rule: whether the output has reached max_tokens or the context ``ahead`` tokens from now
+        (``append`` ends the output with 0; the engine's launch-ahead asks 1: whether this step's token ends it)."""
+        limit = self.params.max_tokens
+        return (limit is not None and self.num_output + ahead >= limit) or self.num_tokens + ahead >= context_length
+
     def append(self, token_id: int, eos_ids: frozenset[int], context_length: int) -> str:
         """Add a sampled token; update status; return the text now safe to stream."""
         self.output_ids.append(token_id)
-        early = self.num_output <= self.params.min_tokens  # the engine masks end and stop tokens until then
+        early = self.early()
         if token_id in eos_ids and not self.params.ignore_eos and not early:
             return self.finish(FinishReason.EOS)
         if token_id in self.params.stop_token_ids and not early:
@@ -113,7 +125,7 @@ class Sequence:
         if stop.stopped:
             self._text = self._text[: stop.safe_len]
             return self.finish(FinishReason.STOP)
-        if self.num_output >= self.params.max_tokens or self.num_tokens >= context_length:
+        if self.at_length(context_length):
             return self.finish(FinishReason.LENGTH)
         return self._take(stop.safe_len)
 

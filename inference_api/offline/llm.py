@@ -16,7 +16,6 @@ one raises ``ParameterError`` naming it.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import enum
 import itertools
 import threading
@@ -29,7 +28,6 @@ from typing import Any
 
 from ..config import ServerConfig
 from ..engine.client import EngineClient, Session
-from ..engine.grammar import one_of
 from ..engine.messages import FinishReason, TokenEvent, TokenLogprob
 from ..engine.messages import SamplingParams as EngineParams
 from ..model.tokenizer import Tokenizer
@@ -77,13 +75,13 @@ class SamplingParams:
         self.params = dict(params)
         self.resolve(_ANY_VOCAB)
 
-    def resolve(self, vocab_size: int) -> tuple[EngineParams, int | None]:
-        """(engine parameters, max_tokens or None): the OpenAI completions parser, errors translated."""
+    def resolve(self, vocab_size: int) -> EngineParams:
+        """The engine's parameters (max_tokens None: as many as fit): the OpenAI completions parser, errors
+        translated."""
         try:
-            params, max_tokens = completion_sampling(self.params, vocab_size)
+            return completion_sampling(self.params, vocab_size)
         except RequestError as err:
             raise _translate(err) from None
-        return params, max_tokens
 
     def __repr__(self) -> str:
         return f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in self.params.items())})"
@@ -446,14 +444,10 @@ class LLM:
             else:
                 text, ids = parse_prompt(list(prompt) if isinstance(prompt, tuple) else prompt, self.vocab_size)
                 parsed = Prompt(text=text, ids=ids)
-            engine_params, max_tokens = params.resolve(self.vocab_size)
-            if tools is not None and tools.forced:  # required or a named function: a grammar forces the calls
-                engine_params = dataclasses.replace(
-                    engine_params, grammar=one_of(engine_params.grammar, tools.grammar(), field="tool_choice")
-                )
-            return prepare(
-                self.tokenizer, self.context_length, parsed, engine_params, max_tokens, prompt_field="prompt"
-            )
+            engine_params = params.resolve(self.vocab_size)
+            if tools is not None:  # required or a named function: a grammar forces the calls
+                engine_params = tools.constrain(engine_params)
+            return prepare(self.tokenizer, self.context_length, parsed, engine_params, prompt_field="prompt")
         except RequestError as err:
             raise _translate(err) from None
 

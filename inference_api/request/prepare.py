@@ -105,7 +105,6 @@ def encode(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
 def engine_params(
     prompt_ids: Sequence[int],
     params: SamplingParams,
-    max_tokens: int | None,
     context_length: int,
     *,
     default_max: int = DEFAULT_MAX_TOKENS,
@@ -119,6 +118,7 @@ def engine_params(
         raise RequestError("the prompt is empty (no tokens)", prompt_field)
     if params.grammar is not None:  # compiled in the engine: its size bounded before it is queued
         check_chars(len(params.grammar.text), context_length, None, "the request's grammar (its schema)")
+    max_tokens = params.max_tokens
     if max_tokens is None:
         max_tokens = max(1, min(default_max, context_length - len(prompt_ids)))
     if len(prompt_ids) + max_tokens > context_length:
@@ -135,7 +135,6 @@ def prepare(
     context_length: int,
     prompt: Prompt,
     params: SamplingParams,
-    max_tokens: int | None,
     *,
     default_max: int = DEFAULT_MAX_TOKENS,
     field: str = "max_tokens",
@@ -145,5 +144,5 @@ def prepare(
     check_prompt_size(prompt, context_length)
     prompt_ids = encode(tokenizer, prompt)
     return prompt_ids, engine_params(
-        prompt_ids, params, max_tokens, context_length, default_max=default_max, field=field, prompt_field=prompt_field
+        prompt_ids, params, context_length, default_max=default_max, field=field, prompt_field=prompt_field
     )

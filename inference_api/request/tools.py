@@ -18,6 +18,7 @@ out in the call format, tool results as user turns in ``<tool_response>`` tags.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -25,7 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from ..engine.grammar import JSON_OPTIONS, Grammar, checked, json_schema
+from ..engine.grammar import JSON_OPTIONS, Grammar, checked, json_schema, one_of
+from ..engine.messages import SamplingParams
 from ..request_errors import RequestError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -56,6 +58,13 @@ class Tools:
     def forced(self) -> bool:
         """Whether the answer must be calls (``required`` or a named function), enforced by ``grammar``."""
         return self.choice in ("required", "function")
+
+    def constrain(self, params: SamplingParams) -> SamplingParams:
+        """The parameters with the grammar a ``required`` or named choice imposes (every dialect's and the offline
+        API's one merge; with another output constraint too: 400)."""
+        if not self.forced:
+            return params
+        return dataclasses.replace(params, grammar=one_of(params.grammar, self.grammar(), field="tool_choice"))
 
     def grammar(self) -> Grammar | None:
         """The grammar a ``required`` or named choice imposes (None for auto and none)."""

@@ -116,7 +116,8 @@ class Serving:
         over the quota."""
         if self.limits is None:
             return
-        reserved = self.limits.reserve(team, self.limits.cost(params.n * params.max_tokens, prompt_tokens))
+        most = params.max_tokens if params.max_tokens is not None else self.ready().context_length  # (prepared: set)
+        reserved = self.limits.reserve(team, self.limits.cost(params.n * most, prompt_tokens))
         if isinstance(reserved, int):
             raise RateLimited(
                 f"team {team!r} has used its quota of {self.limits.tokens_per_minute} tokens in the last minute "
@@ -130,7 +131,6 @@ class Serving:
         self,
         prompt: Prompt,
         params: SamplingParams,
-        max_tokens: int | None,
         default_max: int = DEFAULT_MAX_TOKENS,
         field: str = "max_tokens",
     ) -> Run:
@@ -142,9 +142,7 @@ class Serving:
             raise Unavailable(
                 "server is shutting down; retry shortly (another instance takes over)", retry_after=RETRY_AFTER
             )
-        params = engine_params(
-            prompt_ids, params, max_tokens, self.ready().context_length, default_max=default_max, field=field
-        )
+        params = engine_params(prompt_ids, params, self.ready().context_length, default_max=default_max, field=field)
         team = request.headers.get("X-Team-Id")  # the proxy's; None (not counted) straight to the server
         self.check_quota(team, len(prompt_ids), params)  # settled when the response closes (app.py), 0 if refused
         session = self.client.submit(prompt_ids, params, team=team)

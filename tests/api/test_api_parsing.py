@@ -25,7 +25,7 @@ def rejects(parse, body: dict, param: str) -> str:
 def test_chat_defaults():
     req = parse_chat(dict(CHAT), 100)
     assert req.params.temperature == 1.0 and req.params.top_p == 1.0 and req.params.logprobs is None
-    assert req.max_tokens is None and not req.stream and not req.include_usage
+    assert req.params.max_tokens is None and not req.stream and not req.include_usage
     assert req.messages == ({"role": "user", "content": "hi"},)
 
 
@@ -48,7 +48,7 @@ def test_chat_maps_parameters():
         100,
     )
     assert (req.params.temperature, req.params.stop, req.params.seed, req.params.logprobs) == (0, ("\n",), 3, 2)
-    assert req.max_tokens == 7 and req.max_tokens_field == "max_completion_tokens" and req.include_usage
+    assert req.params.max_tokens == 7 and req.max_tokens_field == "max_completion_tokens" and req.include_usage
     assert req.messages == ({"role": "system", "content": "a\nb"},)
 
 

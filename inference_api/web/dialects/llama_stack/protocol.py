@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ....engine.grammar import llama_stack_format, one_of
+from ....engine.grammar import Grammar, json_schema, maybe_json, text_grammar
 from ....engine.messages import SamplingParams
 from ....request.tools import Tools, assistant_calls, parse_tools
 from ....request.validation import boolean, number, reject_unknown, string
@@ -50,7 +50,6 @@ PARAM_TYPES = {
 @dataclass(frozen=True)
 class LlamaStackRequest:
     params: SamplingParams
-    max_tokens: int | None
     stream: bool
     content: str | None = None
     messages: tuple[dict, ...] | None = None
@@ -66,7 +65,7 @@ def _text(content, where: str) -> str:
     raise RequestError(f"{where} must be a string or a list of strings (images are not supported)", where)
 
 
-def _sampling(body: dict) -> tuple[SamplingParams, int | None]:
+def _sampling(body: dict) -> SamplingParams:
     sp = body.get("sampling_params")
     sp = {} if sp is None else sp
     if not isinstance(sp, dict):
@@ -89,8 +88,9 @@ def _sampling(body: dict) -> tuple[SamplingParams, int | None]:
         top_p=top_p if strategy == "top_p" else 1.0,
         top_k=top_k if strategy == "top_k" else 0,
         repetition_penalty=repetition,
+        max_tokens=max_tokens or None,  # 0 (the default): as many as fit, at most prepare's DEFAULT_MAX_TOKENS
     )
-    return params, max_tokens or None  # 0 (the default): as many as fit, at most prepare's DEFAULT_MAX_TOKENS
+    return params
 
 
 def _logprobs(body: dict) -> int | None:
@@ -105,12 +105,12 @@ def _logprobs(body: dict) -> int | None:
 
 def _common(body: dict, check_model: Callable[[str], None], **prompt) -> LlamaStackRequest:
     check_model(string(body, "model", required=True))
-    params, max_tokens = _sampling(body)
+    params = _sampling(body)
     params = dataclasses.replace(params, grammar=llama_stack_format(body.get("response_format")))
     logprobs = _logprobs(body)
     if logprobs is not None:
         params = dataclasses.replace(params, logprobs=logprobs)
-    return LlamaStackRequest(params=params, max_tokens=max_tokens, stream=boolean(body, "stream", False), **prompt)
+    return LlamaStackRequest(params=params, stream=boolean(body, "stream", False), **prompt)
 
 
 def parse_completion(body: dict, check_model: Callable[[str], None]) -> LlamaStackRequest:
@@ -157,8 +157,7 @@ def parse_chat(body: dict, check_model: Callable[[str], None]) -> LlamaStackRequ
     tools = _tools(body.get("tools"), body.get("tool_choice"))
     if tools is None:
         return req
-    grammar = one_of(req.params.grammar, tools.grammar(), field="tool_choice") if tools.forced else req.params.grammar
-    return dataclasses.replace(req, tools=tools, params=dataclasses.replace(req.params, grammar=grammar))
+    return dataclasses.replace(req, tools=tools, params=tools.constrain(req.params))
 
 
 def _openai_call(call) -> dict:
@@ -217,3 +216,18 @@ def _tools(tools, tool_choice) -> Tools | None:
             }
         )
     return parse_tools(functions, tool_choice or "auto", None)
+
+
+def llama_stack_format(value, field: str = "response_format") -> Grammar | None:
+    """llama-stack's response_format: ``{"type": "json_schema", "json_schema": schema}`` or
+    ``{"type": "grammar", "bnf": {...}}`` (a GBNF grammar, as its own root rule ``root``)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or value.get("type") not in ("json_schema", "grammar"):
+        raise RequestError(f"{field}.type must be json_schema or grammar", f"{field}.type")
+    if value["type"] == "json_schema":
+        return json_schema(maybe_json(value.get("json_schema"), f"{field}.json_schema"), f"{field}.json_schema")
+    bnf = value.get("bnf")
+    if isinstance(bnf, dict):  # llama-stack sends the grammar as {"root": "..."} or {"grammar": "..."}
+        bnf = bnf.get("grammar") or "\n".join(f"{k} ::= {v}" for k, v in bnf.items())
+    return text_grammar("grammar", bnf, f"{field}.bnf")

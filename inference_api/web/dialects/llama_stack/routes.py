@@ -41,7 +41,7 @@ def llama_stack_blueprint(serving: Serving) -> Blueprint:
         return respond(req, Prompt(messages=req.messages, tools=tools), chat=True)
 
     def respond(req: LlamaStackRequest, prompt: Prompt, chat: bool):
-        run = serving.start(prompt, req.params, req.max_tokens, field="sampling_params.max_tokens")
+        run = serving.start(prompt, req.params, field="sampling_params.max_tokens")
         want = req.params.logprobs is not None
         if not req.stream:
             return jsonify(answer(run.collect(), chat, want, req.tools))

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ....config import DEFAULT_MAX_STOP_SEQUENCES
-from ....engine.grammar import native_grammar
+from ....engine.grammar import Grammar, choice, json_schema, maybe_json, text_grammar
 from ....engine.messages import SamplingParams
 from ....request.validation import SEED_RANGE, boolean, number, penalties, reject_unknown, stop_list, string
+from ....request_errors import RequestError
 
 NATIVE_FIELDS = {
     "text",
@@ -56,3 +57,18 @@ def parse_native(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> Nati
         return_prompt=boolean(body, "return_prompt", False),
         stream=boolean(body, "stream", True),
     )
+
+
+def native_grammar(body: dict) -> Grammar | None:
+    """The native API's fields, named as vLLM names them: json_schema, regex, choice, grammar (one of them)."""
+    given = [k for k in ("json_schema", "regex", "choice", "grammar") if body.get(k) is not None]
+    if len(given) > 1:
+        raise RequestError(f"{given[0]} and {given[1]} cannot be combined: give one constraint", given[1])
+    if not given:
+        return None
+    k = given[0]
+    if k == "json_schema":
+        return json_schema(maybe_json(body[k], k), k)
+    if k == "choice":
+        return choice(body[k], k)
+    return text_grammar(k, body[k], k)

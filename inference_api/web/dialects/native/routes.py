@@ -36,7 +36,7 @@ def native_blueprint(serving: Serving) -> Blueprint:
         prompt = (
             Prompt(messages=[{"role": "user", "content": req.text}], field="text") if chat else Prompt(text=req.text)
         )
-        run = serving.start(prompt, req.params, req.params.max_tokens, req.params.max_tokens)
+        run = serving.start(prompt, req.params)
         prefix = req.text if req.return_prompt else ""
         if not req.stream:
             return jsonify(answer(prefix, run.collect(), run.prompt_tokens))

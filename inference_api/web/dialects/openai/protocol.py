@@ -12,7 +12,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from ....config import DEFAULT_MAX_STOP_SEQUENCES, MAX_CHOICES
-from ....engine.grammar import GUIDED_FIELDS, one_of, response_format, vllm_guided
+from ....engine.grammar import ANY_JSON_OBJECT, Grammar, choice, json_schema, maybe_json, one_of, text_grammar
 from ....engine.messages import SamplingParams
 from ....request.tools import Tools, assistant_calls, parse_tools
 from ....request.validation import (
@@ -29,6 +29,10 @@ from ....request.validation import (
 from ....request_errors import RequestError
 
 # sent by clients, harmless to ignore: they do not change what the model generates
+# vLLM's structured outputs: the older guided_* fields, the newer structured_outputs object
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+STRUCTURED_KEYS = {"json", "regex", "choice", "grammar", "json_object"}
+
 _IGNORED = {
     "user",
     "metadata",
@@ -109,7 +113,6 @@ _MESSAGE_FIELDS = {"role", "content", "name", "refusal", "tool_calls", "tool_cal
 class OpenAIRequest:
     model: str
     params: SamplingParams  # max_tokens is filled in once the prompt length is known
-    max_tokens: int | None  # None: as much as fits, up to the server's cap
     max_tokens_field: str  # the field max_tokens came from, for error messages
     stream: bool
     include_usage: bool
@@ -127,7 +130,7 @@ def parse_completion(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_ST
     echo = boolean(body, "echo", False)
     only_default(body, "suffix", "")
     prompt, prompt_ids = parse_prompt(body.get("prompt"), vocab_size)
-    params, max_tokens = completion_sampling(body, vocab_size, max_stop)
+    params = completion_sampling(body, vocab_size, max_stop)
     vllm_prompt = number(body, "prompt_logprobs", None, 0, 20, integer=True)
     wanted = [n for n in (params.logprobs if echo else None, vllm_prompt) if n is not None]
     if wanted:  # the prompt's tokens get log-probs, computed in its prefill
@@ -135,7 +138,6 @@ def parse_completion(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_ST
     return _request(
         body,
         params,
-        max_tokens,
         "max_tokens",
         prompt=prompt,
         prompt_ids=prompt_ids,
@@ -144,10 +146,8 @@ def parse_completion(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_ST
     )
 
 
-def completion_sampling(
-    body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES
-) -> tuple[SamplingParams, int | None]:
-    """The sampling fields of a /v1/completions body (``COMPLETION_SAMPLING_FIELDS``): (parameters, max_tokens)."""
+def completion_sampling(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> SamplingParams:
+    """The sampling fields of a /v1/completions body (``COMPLETION_SAMPLING_FIELDS``), max_tokens among them."""
     only_default(body, "best_of", 1)
     logprobs = number(body, "logprobs", None, 0, 5, integer=True)
     return parse_sampling(body, logprobs, "max_tokens", vocab_size, max_stop)
@@ -170,22 +170,21 @@ def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQ
     if top is not None and not want:
         raise RequestError("top_logprobs requires logprobs to be true", "top_logprobs")
     field = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
-    params, max_tokens = parse_sampling(body, (top or 0) if want else None, field, vocab_size, max_stop)
+    params = parse_sampling(body, (top or 0) if want else None, field, vocab_size, max_stop)
     string(body, "tool_prompt")  # TGI's preamble to its tools: accepted, the server describes tools its own way
     tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
-    if tools is not None and tools.forced:
-        params = dataclasses.replace(params, grammar=one_of(params.grammar, tools.grammar(), field="tool_choice"))
-    return _request(body, params, max_tokens, field, messages=messages, tools=tools)
+    if tools is not None:
+        params = tools.constrain(params)
+    return _request(body, params, field, messages=messages, tools=tools)
 
 
-def _request(body: dict, params: SamplingParams, max_tokens: int | None, max_field: str, **prompt) -> OpenAIRequest:
+def _request(body: dict, params: SamplingParams, max_field: str, **prompt) -> OpenAIRequest:
     model = string(body, "model", required=True)
     stream = boolean(body, "stream", False)
     include_usage, continuous_usage = _stream_options(body.get("stream_options"), stream)
     return OpenAIRequest(
         model=model,
         params=params,
-        max_tokens=max_tokens,
         max_tokens_field=max_field,
         stream=stream,
         include_usage=include_usage or continuous_usage,
@@ -194,11 +193,9 @@ def _request(body: dict, params: SamplingParams, max_tokens: int | None, max_fie
     )
 
 
-def parse_sampling(
-    body: dict, logprobs: int | None, max_field: str, vocab_size: int, max_stop: int
-) -> tuple[SamplingParams, int | None]:
-    """The sampling fields both endpoints share (``SAMPLING_FIELDS``, ``logprobs`` parsed by the endpoint):
-    (parameters, max_tokens from ``max_field``, None when absent)."""
+def parse_sampling(body: dict, logprobs: int | None, max_field: str, vocab_size: int, max_stop: int) -> SamplingParams:
+    """The sampling fields both endpoints share (``SAMPLING_FIELDS``, ``logprobs`` parsed by the endpoint), with
+    max_tokens from ``max_field`` (None when absent: as many as fit)."""
     logit_bias = body.get("logit_bias")
     if logit_bias is not None and logit_bias != {}:
         raise RequestError("logit_bias is not supported by this server", "logit_bias")
@@ -226,7 +223,7 @@ def parse_sampling(
     max_tokens = number(body, max_field, None, 1, 1 << 31, integer=True)
     if max_tokens is not None and params.min_tokens > max_tokens:
         raise RequestError(f"min_tokens ({params.min_tokens}) must not exceed {max_field} ({max_tokens})", "min_tokens")
-    return params, max_tokens
+    return dataclasses.replace(params, max_tokens=max_tokens)
 
 
 def _cache_salt(body: dict) -> str | None:
@@ -382,3 +379,62 @@ def parse_tokenize(body: dict) -> TokenizeRequest:
 def parse_detokenize(body: dict, vocab_size: int) -> tuple[int, ...]:
     reject_unknown(body, {"model", "tokens"})
     return token_ids(body, "tokens", vocab_size, required=True)
+
+
+# the structured-output fields, each parsed here into the one Grammar
+def response_format(value, field: str = "response_format") -> Grammar | None:
+    """OpenAI's response_format (text, json_object, json_schema with its schema), and TGI's forms of it
+    (``{"type": "json" | "json_object", "value": schema}``, ``{"type": "regex", "value": ...}``)."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise RequestError(f"{field} must be an object with a type", field)
+    kind = value["type"]
+    if kind == "text":
+        return None
+    if kind in ("json", "json_object") and value.get("value") is not None:  # TGI's: the schema as value
+        return json_schema(maybe_json(value["value"], f"{field}.value"), f"{field}.value")
+    if kind == "json_object":
+        return ANY_JSON_OBJECT
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise RequestError(f"{field}.json_schema must be an object with a schema", f"{field}.json_schema")
+        schema = spec.get("schema", {"type": "object"} if "schema" not in spec else None)
+        return json_schema(maybe_json(schema, f"{field}.json_schema.schema"), f"{field}.json_schema.schema")
+    if kind == "regex" and value.get("value") is not None:
+        return text_grammar("regex", value["value"], f"{field}.value")
+    raise RequestError(f"{field}.type {kind!r} is not supported; use text, json_object or json_schema", field)
+
+
+def vllm_guided(body: dict) -> Grammar | None:
+    """vLLM's guided_json / guided_regex / guided_choice / guided_grammar, or structured_outputs: at most one."""
+    found = [(GUIDED_FIELDS[f], body[f], f) for f in GUIDED_FIELDS if body.get(f) is not None]
+    outputs = body.get("structured_outputs")
+    if outputs is not None:
+        if not isinstance(outputs, dict):
+            raise RequestError("structured_outputs must be an object", "structured_outputs")
+        unknown = sorted(
+            set(outputs)
+            - STRUCTURED_KEYS
+            - {"disable_any_whitespace", "disable_additional_properties", "whitespace_pattern", "backend"}
+        )
+        if unknown:
+            raise RequestError(f"structured_outputs.{unknown[0]} is not supported", f"structured_outputs.{unknown[0]}")
+        found += [
+            (k, outputs[k], f"structured_outputs.{k}")
+            for k in sorted(STRUCTURED_KEYS)
+            if outputs.get(k) not in (None, False)
+        ]
+    if not found:
+        return None
+    if len(found) > 1:
+        raise RequestError(f"{found[0][2]} and {found[1][2]} cannot be combined: give one constraint", found[1][2])
+    kind, value, field = found[0]
+    if kind == "json":
+        return json_schema(maybe_json(value, field), field)
+    if kind == "json_object":
+        return ANY_JSON_OBJECT
+    if kind == "choice":
+        return choice(value, field)
+    return text_grammar(kind, value, field)

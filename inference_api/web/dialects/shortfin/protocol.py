@@ -32,8 +32,7 @@ DEFAULT_MAX_COMPLETION_TOKENS = 50
 class ShortfinRequest:
     text: str | None
     input_ids: tuple[int, ...] | None
-    params: SamplingParams
-    max_completion_tokens: int
+    params: SamplingParams  # max_tokens: sampling_params.max_completion_tokens
     rid: str
     return_input_ids: bool
     stream: bool
@@ -73,6 +72,7 @@ def parse_shortfin(body: dict, vocab_size: int) -> ShortfinRequest:
         temperature=temperature if sampling else 0.0,
         top_k=top_k or 0,
         top_p=min(0.99, max(0.01, top_p)) if top_p is not None else 1.0,
+        max_tokens=number(sp, "max_completion_tokens", DEFAULT_MAX_COMPLETION_TOKENS, 1, 1 << 31, integer=True),
     )
     rid = body.get("rid")
     if rid is not None and not isinstance(rid, str):
@@ -81,9 +81,6 @@ def parse_shortfin(body: dict, vocab_size: int) -> ShortfinRequest:
         text=string(body, "text", required=True) if text is not None else None,
         input_ids=token_ids(body, "input_ids", vocab_size, required=True) if ids is not None else None,
         params=params,
-        max_completion_tokens=number(
-            sp, "max_completion_tokens", DEFAULT_MAX_COMPLETION_TOKENS, 1, 1 << 31, integer=True
-        ),
         rid=rid or uuid.uuid4().hex,
         return_input_ids=boolean(body, "return_input_ids", False),
         stream=boolean(body, "stream", False),

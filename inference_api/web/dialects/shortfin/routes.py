@@ -22,13 +22,7 @@ from .protocol import parse_shortfin
 
 def generate_shortfin(serving: Serving, body: dict):
     req = parse_shortfin(body, serving.ready().vocab_size)
-    run = serving.start(
-        Prompt(text=req.text, ids=req.input_ids),
-        req.params,
-        req.max_completion_tokens,
-        req.max_completion_tokens,
-        "max_completion_tokens",
-    )
+    run = serving.start(Prompt(text=req.text, ids=req.input_ids), req.params, field="max_completion_tokens")
     if req.stream:
         return sse_response(stream(req, run.events()))
     return jsonify(answer(req, run.collect()))

@@ -6,7 +6,7 @@ import random
 from dataclasses import dataclass
 
 from ....config import DEFAULT_MAX_STOP_SEQUENCES
-from ....engine.grammar import tgi_grammar
+from ....engine.grammar import Grammar, json_schema, maybe_json, text_grammar
 from ....engine.messages import SamplingParams
 from ....request.validation import boolean, number, only_default, reject_unknown, stop_list, string
 from ....request_errors import RequestError
@@ -39,8 +39,7 @@ DEFAULT_MAX_NEW_TOKENS = 100  # TGI's default when max_new_tokens is absent
 @dataclass(frozen=True)
 class TgiRequest:
     inputs: str
-    params: SamplingParams  # max_tokens is filled in once the prompt length is known
-    max_new_tokens: int | None
+    params: SamplingParams  # max_tokens: max_new_tokens (None: as many as fit, at most DEFAULT_MAX_NEW_TOKENS)
     truncate: int | None  # keep only the last N input tokens
     return_full_text: bool
     details: bool
@@ -85,13 +84,29 @@ def parse_tgi(body: dict, context_length: int, max_stop: int = DEFAULT_MAX_STOP_
         repetition_penalty=number(p, "repetition_penalty", 1.0, 0, 100, lo_open=True),
         logprobs=0,  # token logprobs go into every stream event and into details
         grammar=tgi_grammar(p.get("grammar")),
+        max_tokens=number(p, "max_new_tokens", None, 1, 1 << 31, integer=True),
     )
     return TgiRequest(
         inputs=inputs,
         params=params,
-        max_new_tokens=number(p, "max_new_tokens", None, 1, 1 << 31, integer=True),
         truncate=number(p, "truncate", None, 1, context_length, integer=True),
         return_full_text=boolean(p, "return_full_text", False),
         details=boolean(p, "details", False),
         stream=boolean(body, "stream", False),
     )
+
+
+def tgi_grammar(value, field: str = "grammar") -> Grammar | None:
+    """TGI's grammar parameter: ``{"type": "json" | "json_schema", "value": schema}`` or
+    ``{"type": "regex", "value": "..."}``."""
+    if value is None:
+        return None
+    if (
+        not isinstance(value, dict)
+        or value.get("type") not in ("json", "json_schema", "regex")
+        or value.get("value") is None
+    ):
+        raise RequestError(f'{field} must be {{"type": "json" or "regex", "value": ...}}', field)
+    if value["type"] == "regex":
+        return text_grammar("regex", value["value"], f"{field}.value")
+    return json_schema(maybe_json(value["value"], f"{field}.value"), f"{field}.value")

@@ -68,9 +68,7 @@ def generate_tgi(serving: Serving, body: dict, streamed: bool | None):
     prompt_ids = serving.tokenizer.encode(serving.tokenizable(req.inputs, "inputs"))
     if req.truncate is not None:
         prompt_ids = prompt_ids[-req.truncate :]
-    run = serving.start(
-        Prompt(ids=prompt_ids), req.params, req.max_new_tokens, DEFAULT_MAX_NEW_TOKENS, "max_new_tokens"
-    )
+    run = serving.start(Prompt(ids=prompt_ids), req.params, DEFAULT_MAX_NEW_TOKENS, "max_new_tokens")
     if streamed is True or (streamed is None and req.stream):
         return sse_response(stream(req, run.events()))
     result = answer(req, run.collect())

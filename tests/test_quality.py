@@ -107,7 +107,7 @@ def test_decode_kernels_over_the_int8_cache_match_the_prefill_path(model_dir, te
         one = runner.decode([0], [ids[39]], [39])[0]
         two = runner.decode([0, 1], [ids[39]] * 2, [39, 39])
         whole = runner.prefill([2], [ids], [0])[0]
-        decoder, runner.model.fused = runner.model.fused, None  # the same kernels called layer by layer from Python
+        decoder, runner.model.fused = runner.model.fused, None  # forward's one layer loop over the same kernels
         layer_by_layer = runner.decode([0], [ids[39]], [39])[0]
     assert decoder is not None and torch.equal(layer_by_layer, one)
     assert precision.int8_inputs == (matmuls == "default")

@@ -1,9 +1,9 @@
-"""The engine: the scheduler plans a step, the runner computes it, the engine samples every row and emits text."""
+"""The engine: each step the scheduler plans, the runner computes the logits, the sampler draws every row's next
+token, and the engine emits it as text (``Engine.step``: schedule, run, sample, emit)."""
 
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
@@ -22,7 +22,7 @@ from .messages import (
     TokenLogprob,
     step_rows_bucket,
 )
-from .sampling import RowParams, apply_penalties, choice_seed, mask_tokens, sample
+from .sampler import Sampler
 from .scheduler import Scheduler, Step
 from .sequence import Sequence, Status
 
@@ -32,7 +32,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+# the next decode step launched from sampled tokens still on the device: (rows, tokens, positions) -> what reads
+# the tokens back (CUDA graphs: cuda_graphs.DecodeGraphs.decode_ahead)
+LaunchAhead = Callable[[list[int], torch.Tensor, list[int]], Callable[[], list[int]]]
+
+
 class Runner(Protocol):
+    """What the engine asks of a runner (model_runner.ModelRunner, parallel.GroupRunner, mock.MockRunner)."""
+
     device: torch.device
     vocab_size: int
 
@@ -44,10 +51,15 @@ class Runner(Protocol):
 
     def score(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor: ...  # every position's logits
 
-    # optional: holds(cached, length), whether a row that wrote cached positions still holds a prefix of length
-    # (ModelRunner: its cache's rings); a runner without it holds every prefix it wrote
-    # optional: decode_ahead, None or (rows, tokens, positions) -> what reads the tokens back: the next decode step
-    # launched from sampled tokens still on the device (ModelRunner with CUDA graphs: Engine._launch_ahead)
+    def holds(self, cached: int, length: int) -> bool:
+        """Whether a row that wrote cached positions still holds a prefix of length (a sliding window's ring
+        keeps only its last positions)."""
+        ...
+
+    @property
+    def decode_ahead(self) -> LaunchAhead | None:
+        """The launch of the next decode step ahead of reading the tokens (None: this runner has none)."""
+        ...
 
 
 class Detokenizer(Protocol):
@@ -64,17 +76,13 @@ COMPILING_BUSY = f"too many grammars being compiled for this team (at most {MAX_
 # how long an engine with nothing else to do waits for a grammar being compiled before it looks at its inbox
 COMPILE_POLL_S = 0.005
 
-# prompt positions whose log-probs are worked out at a time: a float32 log-softmax of 64 x the vocabulary (12 MB
-# for 49,152 tokens) beside the chunk's logits, instead of a second copy of all of them
-SCORE_SLICE = 64
-
 # what a client sees when a step fails: the exception's text (paths, shapes, internals) stays in the log
 ENGINE_ERROR = "engine error: this request failed on the server (its log has the details, under the request id)"
 
 
 class Engine:
-    """Each step: the scheduler admits and plans, the runner computes logits, the engine samples every row and
-    turns tokens into events."""
+    """Each step: the scheduler admits and plans, the runner computes logits, the sampler draws every row's token,
+    the engine turns tokens into events."""
 
     def __init__(
         self,
@@ -89,12 +97,11 @@ class Engine:
     ):
         self.runner = runner
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(rows, prefill_chunk, prefix_cache, context_length, getattr(runner, "holds", None))
+        self.scheduler = Scheduler(rows, prefill_chunk, prefix_cache, context_length, runner.holds)
+        self.sampler = Sampler(rows, runner.vocab_size, runner.device, eos_ids, tokenizer.decode, constraints)
         self.context_length = context_length
         self.eos_ids = eos_ids
-        self.params = RowParams.allocate(rows, runner.vocab_size, runner.device)
         self.sessions: dict[str, list[Sequence]] = {}  # a request's choices not yet ended (n: SamplingParams.n)
-        self._rng = random.Random()
         self.constraints = constraints  # None: requests with a grammar fail (the mock has no real vocabulary)
         # requests (a choice each: Sequence.key) waiting for their grammar's matcher (None: no grammar support)
         self.compiling: dict[tuple[str, int], tuple[Sequence, Future[LLMatcher] | None]] = {}
@@ -102,8 +109,7 @@ class Engine:
         # decode steps and their seconds by step_rows_bucket (EngineStats.decode_steps)
         buckets = step_rows_bucket(rows) + 1
         self.decode_steps, self.decode_seconds = [0] * buckets, [0.0] * buckets
-        # the runner's launch of the next decode step ahead of reading the tokens (None: it has none)
-        self.launch_ahead = getattr(runner, "decode_ahead", None)
+        self.launch_ahead = runner.decode_ahead
 
     @property
     def has_work(self) -> bool:
@@ -164,6 +170,8 @@ class Engine:
                 del self.sessions[seq.session_id]
 
     def step(self) -> list[TokenEvent]:
+        """Schedule, run, sample, emit: one step of every row that has work (and the requests that ended before
+        they ran: refused, or their grammar failed)."""
         failed, self.refused = self.refused + self._compiled(), []
         self._admit()
         started = time.perf_counter()
@@ -171,14 +179,14 @@ class Engine:
         if not step:
             return failed
         try:
-            seqs, logits = self._forward(step)
+            seqs, logits = self._run(step)
             if not seqs:
                 return failed  # only prompt chunks that did not finish: nothing to sample
             tokens = self._sample(seqs, logits, ahead=not step.prefill)
         except Exception:  # a failed forward must not take the process (and every stream) down
             log.exception("engine step failed")
             return failed + self._fail_running(ENGINE_ERROR)
-        events = self._postprocess(seqs, tokens, logits)
+        events = self._emit(seqs, tokens, logits)
         if not step.prefill:  # a decode step alone: its time by the rows it decoded
             bucket = step_rows_bucket(len(step.decode))
             self.decode_steps[bucket] += 1
@@ -212,8 +220,7 @@ class Engine:
     def _admit(self) -> None:
         for admission in self.scheduler.admit():
             seq = admission.seq
-            seed = choice_seed(seq.params.seed, seq.index) if seq.params.seed is not None else self._rng.getrandbits(63)
-            self.params.set_row(seq.held_row, seq.params, seed, seq.prompt_ids)
+            self.sampler.admit(seq)
             if admission.copy_from is not None:
                 try:
                     self.runner.copy_prefix(admission.copy_from, seq.held_row, admission.length)
@@ -221,7 +228,7 @@ class Engine:
                     log.exception("copying a cached prefix failed")
                     self.scheduler.forget_prefix(seq)
 
-    def _forward(self, step: Step) -> tuple[list[Sequence], torch.Tensor]:
+    def _run(self, step: Step) -> tuple[list[Sequence], torch.Tensor]:
         """Up to one chunk of prompt tokens and every decoding row: one runner call each."""
         prefill = decode = None
         if step.prefill:
@@ -255,57 +262,16 @@ class Engine:
         for s, n in chunks:
             if s.scores_prompt:
                 every = self.runner.score(s.held_row, s.prompt_ids[s.num_cached : s.num_cached + n], s.num_cached)
-                self._score_prompt(s, every, s.num_cached)
+                self.sampler.score_prompt(s, every, s.num_cached)
                 rows.append(every[-1])
             else:
                 rows.append(next(plain_rows))
         return torch.stack(rows)
 
-    def _score_prompt(self, seq: Sequence, logits: torch.Tensor, start: int) -> None:
-        """The log-probs of the prompt tokens that positions start.. predict (the last prompt position predicts
-        the first output token: not a prompt token)."""
-        scores = seq.prompt_logprobs
-        targets = seq.prompt_ids[start + 1 : start + 1 + logits.shape[0]]
-        if scores is None or not targets:  # (only a request that asked for its prompt's log-probs is scored)
-            return
-        n, decode = seq.params.prompt_logprobs, self.tokenizer.decode
-        for a in range(0, len(targets), SCORE_SLICE):  # a slice at a time: one copy of the chunk's logits at most
-            part = targets[a : a + SCORE_SLICE]
-            lp = torch.log_softmax(logits[a : a + len(part)].float(), dim=-1)
-            chosen = lp.gather(1, torch.tensor(part, device=lp.device)[:, None])
-            ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-            top_v, top_i = lp.topk(n, dim=-1) if n else (lp[:, :0], lp[:, :0].long())
-            for t, v, rank, ids, vals in zip(part, chosen[:, 0].tolist(), ranks, top_i.tolist(), top_v.tolist()):
-                top = tuple((decode([i]), x) for i, x in zip(ids, vals))
-                scores.append(TokenLogprob(decode([t]), v, top, t, rank, tuple(ids)))
-
     def _sample(self, seqs: list[Sequence], logits: torch.Tensor, ahead: bool = False) -> list[int]:
-        """Each row's next token; ahead (a step of decoding rows alone): the next step may be launched from them
-        before they are read back (_launch_ahead)."""
-        p = self.params
-        rows = torch.tensor([s.held_row for s in seqs], device=logits.device)
-        penalised = any(
-            s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1.0 for s in seqs
-        )
-        if penalised:
-            logits = apply_penalties(logits, rows, p)
-        early = [(i, s) for i, s in enumerate(seqs) if s.early(ahead=1)]
-        unmasked = None
-        if early:  # no end or stop token before min_tokens: each row its own (never another request's) tokens
-            cells = [(i, t) for i, s in early for t in self.eos_ids.union(s.params.stop_token_ids)]
-            unmasked = logits
-            logits = mask_tokens(logits, torch.tensor(cells, dtype=torch.long, device=logits.device).view(-1, 2))
-        # a grammar's row: only the tokens its matcher allows (the other rows pay nothing)
-        constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
-        if constrained:
-            if self.constraints is None:  # (it alone builds matchers)
-                raise RuntimeError("rows with a grammar in an engine without grammar support")
-            logits = self.constraints.mask(logits, constrained, unmasked)
-        steps = torch.tensor([s.num_output for s in seqs], device=logits.device)
-        min_p = p.min_p[rows] if any(s.params.min_p for s in seqs) else None
-        tokens = sample(logits, p.temperature[rows], p.top_k[rows], p.top_p[rows], p.seed[rows], steps, min_p)
-        if penalised:  # the counts only penalties read; a row's counts start afresh with its request
-            p.record(rows, tokens)
+        """Each row's next token (the sampler's); ahead (a step of decoding rows alone): the next step may be
+        launched from them before they are read back (_launch_ahead)."""
+        tokens = self.sampler.sample(seqs, logits)
         read = self._launch_ahead(seqs, tokens) if ahead else None
         return read() if read is not None else tokens.tolist()
 
@@ -323,19 +289,19 @@ class Engine:
             return None
         return launch([s.held_row for s in seqs], tokens, positions)
 
-    def _postprocess(self, seqs: list[Sequence], tokens: list[int], logits: torch.Tensor) -> list[TokenEvent]:
+    def _emit(self, seqs: list[Sequence], tokens: list[int], logits: torch.Tensor) -> list[TokenEvent]:
         """Detokenize, match stops and gather log-probs per row. An exception here fails only the rows involved."""
         events = []
-        want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
-        logprobs, logprob_error = {}, None
+        logprobs: dict[int, TokenLogprob] = {}
+        logprob_error = None
         try:
-            logprobs = self._logprobs(logits, want_logprobs, tokens, seqs) if want_logprobs else {}
+            logprobs = self.sampler.logprobs(seqs, logits, tokens)
         except Exception as exc:
             log.exception("log-probs failed")
             logprob_error = exc
         for i, (seq, token) in enumerate(zip(seqs, tokens)):
             try:
-                if logprob_error is not None and i in want_logprobs:
+                if logprob_error is not None and seq.params.logprobs is not None:
                     raise logprob_error
                 events.extend(self._advance(seq, token, logprobs.get(i)))
             except Exception:
@@ -382,19 +348,6 @@ class Engine:
         seq.pending_ids.clear()
         seq.pending_logprobs.clear()
         return event
-
-    def _logprobs(
-        self, logits: torch.Tensor, idx: list[int], tokens: list[int], seqs: list[Sequence]
-    ) -> dict[int, TokenLogprob]:
-        lp = torch.log_softmax(logits[idx].float(), dim=-1)
-        top_n = max(seqs[i].params.logprobs or 0 for i in idx)
-        top_v, top_i = lp.topk(max(top_n, 1), dim=-1)
-        out = {}
-        for j, i in enumerate(idx):
-            n = seqs[i].params.logprobs
-            top = tuple((self.tokenizer.decode([t]), v) for t, v in zip(top_i[j, :n].tolist(), top_v[j, :n].tolist()))
-            out[i] = TokenLogprob(self.tokenizer.decode([tokens[i]]), float(lp[j, tokens[i]]), top)
-        return out
 
     def _fail(
         self, seq: Sequence, message: str, cache_valid: bool = True, kind: ErrorKind = ErrorKind.FAILED

@@ -406,6 +406,10 @@ class GroupRunner:
     def holds(self, cached: int, length: int) -> bool:
         return self.runner.holds(cached, length)
 
+    @property
+    def decode_ahead(self) -> None:
+        return None  # no CUDA graphs across ranks: each step is launched when asked
+
     def close(self, timeout: float = 10.0) -> None:
         """End the other ranks (they leave their loop), killing any that does not within the timeout."""
         self.closing.set()

@@ -80,8 +80,8 @@ class ExecutionPlan:
         blocks for its tiles, 22 bytes a row and block against the layout's 36). The few-row kernels (AVX2) read the
         layout's aligned codes at 1.6x the blocks' speed for 6 % more bytes; the VNNI tiles run it packed at load
         (7.3 against 12.0 ms at one row of Gemma's head, 32.5 against 42.6 at 32; SmolLM2's Q8_0 linears 7.4 against
-        9.9 ms a decode step), the unpacked codes let go except for a tied head's embedding rows
-        (docs/performance.md)."""
+        9.9 ms a decode step; AMD EPYC with AVX-512, 2026-11-25), the unpacked codes let go except for a tied
+        head's embedding rows."""
         if not self.int8_inputs:
             return frozenset()
         return frozenset({"Q8_0", "IQ4_NL", "Q5_0"} if self.vnni else {"Q8_0", "IQ4_NL"})
@@ -207,7 +207,7 @@ def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> Exec
     # several rows on a bfloat16 copy only where the CPU multiplies bfloat16 but has no AVX512-VNNI: the VNNI
     # tiles compute each row the same whatever the batch (batch-invariant answers), hold no copy, and on the
     # AMX Xeon of 2026-11-24 ran a 32-row decode step in 41 ms against the AMX bfloat16 copy's 51 (prefill
-    # 1.3x slower); Zen 4 (AVX512-BF16 and VNNI): 0.6 of bfloat16's time (docs/performance.md)
+    # 1.3x slower); Zen 4 (AVX512-BF16 and VNNI, 2026-11-24): 0.6 of bfloat16's time
     bf16 = ("amx_bf16" in flags or "avx512_bf16" in flags) and "avx512_vnni" not in flags
     cpu_kernels = device == "cpu" and dtype == "float32"
     int8_inputs = quantized_cpu and config.dtype == "auto" and cpu_kernels

@@ -212,7 +212,7 @@ FORM_INT8, FORM_INT4 = -1, -2
 class QuantLinear:
     """A linear layer over a weight in one of the forms above, through the compiled kernels. int8_inputs: the
     inputs are rounded to int8 per block of 32 (127 steps of the block's own scale, llama.cpp's Q8 activations)
-    and the kernels multiply integers, within half a step of each input (docs/performance.md); the float
+    and the kernels multiply integers, within half a step of each input (tests/test_quality.py); the float
     types keep float32 inputs. A StackedWeight runs piece by piece, the outputs side by side."""
 
     def __init__(self, weight, bias: torch.Tensor | None, kernels, int8_inputs: bool = False, lookups: bool = False):

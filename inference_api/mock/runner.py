@@ -40,6 +40,13 @@ class MockRunner:
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         self._cached[dst] = self._cached[src][:length]
 
+    def holds(self, cached: int, length: int) -> bool:
+        return True  # every position a row wrote (no sliding window)
+
+    @property
+    def decode_ahead(self) -> None:
+        return None  # no launch ahead
+
     def _logits(self, rows: list[int], next_positions: list[int]) -> torch.Tensor:
         logits = torch.zeros(len(rows), VOCAB)
         for i, (row, pos) in enumerate(zip(rows, next_positions)):

@@ -165,14 +165,12 @@ class CompactLM:
         self.dtype = dtype
         # one cos and sin table per rotary base, in the model's dtype as transformers casts them
         self.ropes = [tuple(t.to(dtype) for t in rotary_tables(c, length, device)) for c in spec.ropes]
-        # the kernels that take a llama-shaped layer whole: rotary + cache write, decode attention, the Decoder
-        self.fast = self.kernels is not None and spec.plain
         # rotary + cache write in one kernel call for any family whose rotary turns whole heads
         self.rope_kernel = self.kernels is not None and spec.rot_dim == spec.head_dim
-        # the Decoder runs a step's layers in one C++ call: none where the sums go through an all-reduce
-        self.fused, self.fused_max_rows = fused_decoder(
-            self.kernels if self.fast and not self.split else None, layers, self.heads, self.eps
-        )
+        # the Decoder runs a llama-shaped model's decode step in one C++ call: none where the sums go through an
+        # all-reduce
+        plain = self.kernels is not None and spec.plain and not self.split
+        self.fused, self.fused_max_rows = fused_decoder(self.kernels if plain else None, layers, self.heads, self.eps)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm as transformers computes it: in float32, the weight applied after the cast back (the CPU
@@ -206,8 +204,11 @@ class CompactLM:
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def forward(self, batch: ForwardBatch, cache) -> torch.Tensor | None:
-        if batch.decode and self.fast and not batch.static:
-            return self._decode(batch, cache)
+        """The one layer loop (every family, every batch); a llama-shaped decode step goes to the kernels'
+        Decoder, its mirror in C++, where it takes the rows."""
+        fused = self.fused is not None and self.head is not None
+        if fused and batch.decode and not batch.static and batch.shape[0] <= self.fused_max_rows:
+            return self._fused(batch, cache)
         spec, k = self.spec, self.kernels
         b, t = batch.shape
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
@@ -306,38 +307,26 @@ class CompactLM:
             return self._logits(x if batch.static else x[batch.last])
         return _pad(self._logits(x), tokens, b * t).view(b, t, -1)
 
-    def _decode(self, batch: ForwardBatch, cache) -> torch.Tensor | None:
-        """One token for each of rows 0..B-1 through the CPU kernels: a few calls per layer, each row reading
-        only its own cached positions. Returns logits [B, V] (None on a rank without the head)."""
-        k = self.kernels
-        if k is None:  # (forward takes this path only with the kernels: self.fast)
-            raise RuntimeError("the decode path runs on the CPU kernels")
-        write, lengths = batch.write[:, 0], batch.lengths()
+    def _fused(self, batch: ForwardBatch, cache) -> torch.Tensor:
+        """A decode step of rows 0..B-1 through the kernels' Decoder: the layers of ``forward``'s loop in one C++
+        call (csrc/decoder.cpp, its mirror for llama-shaped models, checked bit for bit against it by
+        tests/test_quality.py). Returns logits [B, V]."""
+        k, head = self.kernels, self.head
+        if k is None or head is None:  # (forward takes this path only with the Decoder and the head)
+            raise RuntimeError("the Decoder runs on the CPU kernels, on the rank with the head")
         cos, sin = (t[batch.positions[:, 0]] for t in self.ropes[0])
-        x = self._embed(batch.ids[:, 0])
-        if self.fused is not None and self.head is not None and x.shape[0] <= self.fused_max_rows:
-            x = self.fused.forward(
-                x, cos, sin, write, lengths, cache.keys, cache.values, cache.key_scales, cache.value_scales
-            )
-            return self.head(k.rms_norm(x, self.norm, self.eps))
-        for i, layer in enumerate(self.layers):
-            keys, values = cache.keys[i], cache.values[i]
-            key_scales, value_scales = cache.scales(i)
-            q = k.rope_store(
-                layer.qkv(k.rms_norm(x, layer.attn_norm, self.eps)),
-                cos,
-                sin,
-                keys,
-                values,
-                key_scales,
-                value_scales,
-                write,
-                self.heads,
-            )
-            a = k.decode_attention(q, keys, values, key_scales, value_scales, lengths, self.spec.attn_scale)
-            x = x + self.all_reduce(layer.o(a.view(x.shape[0], -1)))
-            x = x + self.all_reduce(layer.down(k.silu_mul(layer.gate_up(k.rms_norm(x, layer.mlp_norm, self.eps)))))
-        return None if self.head is None else self.head(k.rms_norm(x, self.norm, self.eps))
+        x = self.fused.forward(
+            self._embed(batch.ids[:, 0]),
+            cos,
+            sin,
+            batch.write[:, 0],
+            batch.lengths(),
+            cache.keys,
+            cache.values,
+            cache.key_scales,
+            cache.value_scales,
+        )
+        return head(k.rms_norm(x, self.norm, self.eps))
 
 
 def fused_decoder(kernels, layers: list[Layer], heads: int, eps: float) -> tuple[Any, float]:

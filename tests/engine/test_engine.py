@@ -372,7 +372,7 @@ def test_seeded_choices_are_reproducible_and_differ():
         engine, _ = make_engine(rows=4)
         engine.add(GenerateRequest("s", tuple(b"seeded"), SamplingParams(seed=11, max_tokens=2, n=n)))
         run(engine)
-        return engine.params.seed[:n].tolist()
+        return engine.sampler.params.seed[:n].tolist()
 
     assert seeds(3) == [choice_seed(11, i) for i in range(3)] and seeds(1) == [11]
 

@@ -31,8 +31,9 @@ struct QuantLinear {
 using LayerParts = std::tuple<at::Tensor, std::vector<LinearParts>, std::vector<LinearParts>, at::Tensor,
                               std::vector<LinearParts>, std::vector<LinearParts>>;
 
-// The decoder layers of a llama-family decode step in one call (compact.py's CompactLM._decode, same kernels,
-// same order): no Python between the dozen calls of each layer. The weights are held; the cache and the
+// The decoder layers of a llama-family decode step in one call (the mirror of model/compact.py's one layer loop,
+// CompactLM.forward: same kernels, same order, equal to it bit for bit, tests/test_quality.py): no Python between
+// the dozen calls of each layer. The weights are held; the cache and the
 // step's positions are passed in.
 class Decoder {
  public:

@@ -23,7 +23,7 @@ __all__ = list(_OFFLINE)
 def __getattr__(name: str):
     """Imported on first use, so the server and the proxy do not load the offline API (or torch) for nothing."""
     if name in _OFFLINE:
-        from .offline import llm
+        from . import offline
 
-        return getattr(llm, name)
+        return getattr(offline, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,8 @@
 Pure Python (no Flask, no torch), so the proxy can import it without the server's dependencies. Each
 client raises its own exception type from these shapes: ``openai`` reads ``error.type``/status,
 ``text-generation`` reads ``error_type``, llama-stack-client reads the status and ``detail``, shortfin's
-clients read ``error`` and ``code``, and the original API's clients read ``status_code``/``message``.
+clients read ``error`` and ``code``, ``anthropic`` reads the status and ``error.type``, and the original API's
+clients read ``status_code``/``message``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 OPENAI, TGI, NATIVE, LLAMA_STACK, SHORTFIN, OTHER = "openai", "tgi", "native", "llama_stack", "shortfin", "other"
-FAMILIES = (OPENAI, TGI, NATIVE, LLAMA_STACK, SHORTFIN, OTHER)
+ANTHROPIC = "anthropic"
+FAMILIES = (OPENAI, ANTHROPIC, TGI, NATIVE, LLAMA_STACK, SHORTFIN, OTHER)
 
 _OPENAI_TYPES = {
     400: "invalid_request_error",
@@ -22,6 +24,19 @@ _OPENAI_TYPES = {
     422: "invalid_request_error",
     429: "rate_limit_error",
 }
+# Anthropic's error types by status (its SDK raises by status; the type names the kind)
+_ANTHROPIC_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    413: "request_too_large",
+    422: "invalid_request_error",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
 _TGI_PATHS = frozenset({"/", "/generate", "/generate_stream", "/info"})
 # paths whose family depends on the body: TGI sends ``inputs``; shortfin ``text``/``input_ids``; vLLM ``prompt``
 _BY_BODY = frozenset({"/generate", "/tokenize"})
@@ -29,6 +44,8 @@ _BY_BODY = frozenset({"/generate", "/tokenize"})
 
 def api_of(path: str, body: object = None) -> str:
     """The API family a request belongs to, from its path (and, for shared paths, its JSON body)."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return ANTHROPIC
     if path.startswith("/v1/") or path == "/detokenize":
         return OPENAI
     if path in ("/inference/completion", "/inference/chat_completion"):
@@ -76,6 +93,9 @@ def error_body(
     if api == OPENAI:
         kind = _OPENAI_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
         return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    if api == ANTHROPIC:
+        kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+        return {"type": "error", "error": {"type": kind, "message": message}}
     if api == TGI:
         error_type = tgi_error_type(status)
         return {"error": message, "error_type": error_type} if error_type else {"error": message}

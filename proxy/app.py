@@ -17,7 +17,7 @@ from lifecycle.deadlines import BodyTimeout, Watchdog, close_when_asked, read_ca
 from lifecycle.drain import RETRY_AFTER, Drain
 from lifecycle.quota import Store, TeamLimits
 
-from .auth import Identity, TokenVerifier, bearer_token
+from .auth import Identity, TokenVerifier, request_token
 from .config import ProxyConfig
 from .errors import ProxyError, register_error_handlers
 from .playground import register_playground
@@ -79,8 +79,9 @@ def create_app(config: ProxyConfig, access_log: AccessLog | None = None) -> Flas
         public = (request.method, request.path) in PUBLIC
         if public and _declares_body(request.environ):  # refused unread: a public route holds no one's bytes
             raise ProxyError(413, f"{request.method} {request.path} takes no request body", CLOSE)
-        if not public or request.headers.get("Authorization"):  # a public path with a token: verified all the same
-            identity = verifier.verify(bearer_token(request.headers.get("Authorization")))
+        authorization, api_key = request.headers.get("Authorization"), request.headers.get("x-api-key")
+        if not public or authorization or api_key:  # a public path with a token: verified all the same
+            identity = verifier.verify(request_token(authorization, api_key))
         g.identity = identity
         if _normalized(request.path) in OPERATOR_PATHS and not (identity is not None and identity.admin):
             raise ProxyError(403, f"{request.path} is for operators: it needs a token with the admin claim", CLOSE)

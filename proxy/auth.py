@@ -40,10 +40,20 @@ class Identity:
     admin: bool = False  # the token's admin claim is JSON true (anything else: a team's token, never an operator's)
 
 
+def request_token(authorization: str | None, api_key: str | None) -> str:
+    """The token a request carries: ``Authorization: Bearer <token>``, or Anthropic's ``x-api-key: <token>`` (what
+    its SDK sends), checked alike; both given must agree."""
+    if api_key is not None and api_key.strip():
+        if authorization and authorization.strip() and bearer_token(authorization) != api_key.strip():
+            raise AuthError("Authorization and x-api-key carry different tokens")
+        return api_key.strip()
+    return bearer_token(authorization)
+
+
 def bearer_token(authorization: str | None) -> str:
     """The token of an ``Authorization: Bearer <token>`` header."""
     if not authorization or not authorization.strip():
-        raise AuthError("missing Authorization header (expected 'Bearer <token>')")
+        raise AuthError("missing Authorization header (expected 'Bearer <token>', or x-api-key: <token>)")
     scheme, _, token = authorization.strip().partition(" ")
     if scheme.lower() != "bearer":
         raise AuthError(f"unsupported Authorization scheme {scheme[:20]!r} (expected 'Bearer <token>')")

@@ -42,6 +42,7 @@ _REPLACED_REQUEST = frozenset(
     {
         "host",
         "authorization",
+        "x-api-key",  # Anthropic's clients' form of the token: checked here, never passed on
         "content-length",
         "expect",
         "x-team-id",

@@ -20,7 +20,7 @@ from text_generation.errors import (
     parse_error,
 )
 
-from lifecycle.error_shapes import LLAMA_STACK, OPENAI, SHORTFIN, TGI, error_body, status_for
+from lifecycle.error_shapes import ANTHROPIC, LLAMA_STACK, OPENAI, SHORTFIN, TGI, api_of, error_body, status_for
 
 STATUSES = (400, 401, 404, 413, 429, 500, 502, 503, 504)
 
@@ -42,6 +42,30 @@ def test_text_generation_client_exception_types(status):
 
 def _response(status: int, body: dict) -> httpx.Response:
     return httpx.Response(status, json=body, request=httpx.Request("POST", "http://127.0.0.1/x"))
+
+
+@pytest.mark.parametrize("status", STATUSES)
+def test_anthropic_client_reads_type_and_message(status):
+    import anthropic
+
+    client = anthropic.Anthropic(api_key="unused", base_url="http://127.0.0.1")
+    body = error_body(ANTHROPIC, status, "why")
+    err = client._make_status_error_from_response(_response(status, body))
+    expected = {
+        400: anthropic.BadRequestError,
+        401: anthropic.AuthenticationError,
+        404: anthropic.NotFoundError,
+        413: anthropic.RequestTooLargeError,
+        429: anthropic.RateLimitError,
+        503: anthropic.ServiceUnavailableError,
+    }
+    assert isinstance(
+        err, expected.get(status, anthropic.InternalServerError if status >= 500 else anthropic.APIStatusError)
+    )
+    assert err.status_code == status and err.body == body and "why" in err.message
+    assert body["type"] == "error" and body["error"]["type"] != "api_error" or status >= 500
+    assert api_of("/v1/messages") == api_of("/v1/messages/count_tokens") == ANTHROPIC
+    assert api_of("/v1/chat/completions") == OPENAI
 
 
 @pytest.mark.parametrize("status", STATUSES)

@@ -19,6 +19,7 @@ from lifecycle.quota import Reservation, Store, TeamLimits
 from ..config import ServerConfig
 from ..engine.client import EngineClient, Session
 from ..engine.preflight import Estimate
+from .dialects.anthropic.routes import anthropic_blueprint
 from .dialects.llama_stack.routes import llama_stack_blueprint
 from .dialects.native.routes import health_blueprint, native_blueprint
 from .dialects.openai.routes import openai_blueprint
@@ -132,6 +133,7 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
         llama_stack_blueprint,
         native_blueprint,
         health_blueprint,
+        anthropic_blueprint,  # /v1/messages before the OpenAI blueprint's /v1/... (none of its paths overlap)
         openai_blueprint,
         tgi_blueprint,
         shared_blueprint,

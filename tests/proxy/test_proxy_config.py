@@ -6,7 +6,7 @@ import pytest
 from proxy_helpers import SECRET, make_token
 
 from lifecycle.quota import Store, TeamLimits
-from proxy.auth import AuthError, Identity, TokenVerifier, bearer_token
+from proxy.auth import AuthError, Identity, TokenVerifier, bearer_token, request_token
 from proxy.config import ConfigError, ProxyConfig
 from proxy.upstream import client_response_headers, upstream_request_headers
 
@@ -104,6 +104,14 @@ def test_bearer_and_verifier():
     with pytest.raises(AuthError, match="scheme"):
         bearer_token("Basic abc")
     assert bearer_token("bearer  abc ") == "abc"
+    # Anthropic's SDK sends the token in x-api-key; both headers given must agree
+    assert (
+        request_token(None, " abc ") == request_token("Bearer abc", "abc") == request_token("Bearer abc", None) == "abc"
+    )
+    with pytest.raises(AuthError, match="different"):
+        request_token("Bearer abc", "xyz")
+    with pytest.raises(AuthError, match="x-api-key"):
+        request_token(None, None)
     verifier = TokenVerifier(ProxyConfig.from_args([], {"JWT_SECRET": SECRET}))
     assert verifier.verify(make_token()) == Identity("team-a", "token-1")
     assert verifier.verify(make_token({"team_id": 7, "token_id": "k"})) == Identity("7", "k")

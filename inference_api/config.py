@@ -58,6 +58,9 @@ class ServerConfig:
     # rows and queue places one team's open sessions may take in this server (a request with n choices takes n); 0: off
     max_places_per_team: int = 16
     redis_url: str | None = None  # Redis shared by every server replica for the token quota (None: in-process)
+    # the Responses API's stored responses (store: true): at most this many, each kept this many seconds
+    responses_store_max: int = 1000
+    responses_store_seconds: float = 3600.0
     test_fault_text: str | None = None  # TESTS ONLY: fail post-processing of requests whose prompt contains this
     # INTERNAL_SECRET (environment only, never a flag): every request but GET/HEAD /health must carry it in
     # X-Internal-Secret, which the proxy adds; None (the one-process dev stack): no check
@@ -149,6 +152,12 @@ _ENV = {
         "Redis shared by every server replica for the team token quota (none: counted in "
         "this process; while Redis is unreachable each replica counts alone)",
     ),
+    "responses_store_max": (
+        "RESPONSES_STORE_MAX",
+        "stored responses of the Responses API (store: true) kept at most, each private to its team; the oldest "
+        "goes first (0: none stored)",
+    ),
+    "responses_store_seconds": ("RESPONSES_STORE_SECONDS", "seconds a stored response is kept"),
     "test_fault_text": ("TEST_FAULT_TEXT", "for tests only: fail post-processing of prompts containing this text"),
 }
 

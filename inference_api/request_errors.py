@@ -22,10 +22,15 @@ class RequestError(Exception):
         self.retry_after = retry_after  # seconds after which the same request may succeed
 
 
-class ModelNotFound(RequestError):
-    """The request names a model this server does not serve."""
+class NotFound(RequestError):
+    """The request names something this server does not hold (or not for its team): a model, a stored response."""
 
     kind = "not_found"
+
+
+class ModelNotFound(NotFound):
+    """The request names a model this server does not serve."""
+
     code = "model_not_found"
 
 

@@ -23,6 +23,7 @@ from .dialects.anthropic.routes import anthropic_blueprint
 from .dialects.llama_stack.routes import llama_stack_blueprint
 from .dialects.native.routes import health_blueprint, native_blueprint
 from .dialects.openai.routes import openai_blueprint
+from .dialects.responses.routes import responses_blueprint
 from .dialects.shared import shared_blueprint
 from .dialects.tgi.routes import tgi_blueprint
 from .errors import ApiError, error_response, register_error_handlers, request_api
@@ -133,7 +134,8 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
         llama_stack_blueprint,
         native_blueprint,
         health_blueprint,
-        anthropic_blueprint,  # /v1/messages before the OpenAI blueprint's /v1/... (none of its paths overlap)
+        anthropic_blueprint,  # /v1/messages and /v1/responses beside the OpenAI blueprint's /v1/... (no path overlaps)
+        responses_blueprint,
         openai_blueprint,
         tgi_blueprint,
         shared_blueprint,

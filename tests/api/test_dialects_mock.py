@@ -325,11 +325,64 @@ def test_shortfin_stream(hub):
             400,
             lambda b: b["error"]["param"] == "stop_token_ids" and "at most 1024" in b["error"]["message"],
         ),
+        # the Responses API: OpenAI's shape
+        (
+            "/v1/responses",
+            {"model": HUB, "input": "x", "tools": [{"type": "file_search"}]},
+            400,
+            lambda b: b["error"]["param"] == "tools[0]" and "built-in" in b["error"]["message"],
+        ),
+        ("/v1/responses", {"model": HUB}, 400, lambda b: b["error"]["param"] == "input"),
+        (
+            "/v1/responses",
+            {"model": HUB, "input": "x", "previous_response_id": "resp_unknown"},
+            404,
+            lambda b: b["error"]["type"] == "not_found_error" and b["error"]["param"] == "previous_response_id",
+        ),
+        ("/v1/responses", {"model": "nope", "input": "x"}, 404, lambda b: b["error"]["code"] == "model_not_found"),
+        # Anthropic's Messages: its own shape
+        (
+            "/v1/messages",
+            {"model": HUB, "messages": [{"role": "user", "content": "x"}]},
+            400,
+            lambda b: (
+                b["type"] == "error"
+                and b["error"]["type"] == "invalid_request_error"
+                and "max_tokens" in b["error"]["message"]
+            ),
+        ),
+        (
+            "/v1/messages",
+            {"model": HUB, "max_tokens": 4, "messages": [{"role": "assistant", "content": [{"type": "tool_result"}]}]},
+            400,
+            lambda b: b["error"]["type"] == "invalid_request_error" and "tool_use" in b["error"]["message"],
+        ),
+        (
+            "/v1/messages",
+            {"model": "nope", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
+            404,
+            lambda b: b == {"type": "error", "error": {"type": "not_found_error", "message": b["error"]["message"]}},
+        ),
+        ("/v1/messages/count_tokens", {"model": HUB}, 400, lambda b: b["error"]["type"] == "invalid_request_error"),
     ],
 )
 def test_errors_in_each_dialects_shape(hub, path, body, status, shape):
     r = requests.post(hub.url + path, json=body, timeout=10)
     assert r.status_code == status and shape(r.json()), r.text
+
+
+def test_the_agent_apis_on_the_mock(hub):
+    """The Responses and Messages routes through the same serving as every dialect (the mock's echo)."""
+    r = requests.post(
+        hub.url + "/v1/responses", json={"model": HUB, "input": "abc", "max_output_tokens": 9}, timeout=30
+    )
+    assert r.status_code == 200 and r.json()["output"][0]["content"][0]["text"].startswith("Echo: ")  # the chat prompt
+    assert r.json()["status"] == "incomplete" and r.json()["usage"]["output_tokens"] == 9
+    body = {"model": HUB, "max_tokens": 9, "messages": [{"role": "user", "content": "abc"}]}
+    r = requests.post(hub.url + "/v1/messages", json=body, timeout=30)
+    assert r.status_code == 200 and [b["type"] for b in r.json()["content"]] == ["text"]
+    assert r.json()["content"][0]["text"].startswith("Echo: ")
+    assert r.json()["stop_reason"] == "max_tokens" and r.json()["usage"]["output_tokens"] == 9
 
 
 def test_tokenize_counts_equal_usage(hub):

@@ -1,21 +1,16 @@
-"""The official clients through the JWT proxy (``python -m proxy``): openai with the JWT as its api_key, and
-text-generation with it in an Authorization header."""
+"""The official clients through the JWT proxy (``python -m proxy``): openai with the JWT as its api_key (chat,
+completions and the Responses API, whose stored responses are the token's team's), anthropic with it as its
+api_key (sent as ``x-api-key``), and text-generation with it in an Authorization header."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 
 import openai
 import pytest
-import requests
-from servers import ROOT, free_port
+from servers import ROOT, Process, free_port
 from text_generation import AsyncClient, Client
 from text_generation.errors import UnknownError
 
@@ -27,32 +22,9 @@ pytestmark = pytest.mark.skipif(not (ROOT / "proxy" / "__main__.py").exists(), r
 @pytest.fixture(scope="module")
 def proxy_url(real_server):
     port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = tempfile.NamedTemporaryFile(prefix="proxy-", suffix=".log", delete=False)  # noqa: SIM115 (the proxy writes it)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(port), "--upstream", real_server.url],
-        cwd=ROOT,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "JWT_SECRET": SECRET},
-        start_new_session=True,
-    )
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("proxy did not start:\n" + Path(log.name).read_text(errors="replace")[-3000:])
-            try:
-                if requests.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except requests.RequestException:
-                pass
-            time.sleep(0.2)
-        yield url
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(20)
+    argv = [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(port), "--upstream", real_server.url]
+    with Process(argv, port, env={"JWT_SECRET": SECRET}, ready_status=200) as proxy:
+        yield proxy.url
 
 
 def token(**claims) -> str:
@@ -85,6 +57,42 @@ def test_bad_jwt_is_an_authentication_error(proxy_url, model_name):
         openai.OpenAI(base_url=proxy_url + "/v1", api_key="unused", max_retries=0).completions.create(
             model=model_name, prompt="hi", max_tokens=2
         )
+
+
+def test_responses_through_the_proxy_are_the_tokens_teams(proxy_url, model_name):
+    client = openai.OpenAI(base_url=proxy_url + "/v1", api_key=token(), max_retries=0, timeout=60)
+    first = client.responses.create(model=model_name, input="My name is Ada.", max_output_tokens=6, temperature=0)
+    # (a stream cut at max_output_tokens ends with response.incomplete, as OpenAI's: read the last event's response)
+    events = list(
+        client.responses.create(
+            model=model_name, input="And yours?", previous_response_id=first.id, max_output_tokens=6, stream=True
+        )
+    )
+    assert events[-1].type in ("response.completed", "response.incomplete")
+    second = events[-1].response
+    assert second.previous_response_id == first.id and second.usage.input_tokens > first.usage.input_tokens
+    other = openai.OpenAI(base_url=proxy_url + "/v1", api_key=token(team_id="team-b"), max_retries=0, timeout=60)
+    with pytest.raises(openai.NotFoundError):
+        other.responses.retrieve(first.id)
+    assert client.responses.retrieve(first.id).output_text == first.output_text
+
+
+def test_anthropic_client_through_the_proxy(proxy_url, real_server, model_name):
+    import anthropic
+
+    kwargs = dict(model=model_name, max_tokens=6, messages=[{"role": "user", "content": "Name a planet."}])
+    greedy = {"extra_body": {"temperature": 0}}
+    direct = anthropic.Anthropic(base_url=real_server.url, api_key="unused", max_retries=0)
+    client = anthropic.Anthropic(base_url=proxy_url, api_key=token(), max_retries=0, timeout=60)  # x-api-key
+    text = client.messages.create(**kwargs, **greedy).content[0].text
+    assert text == direct.messages.create(**kwargs, **greedy).content[0].text
+    with client.messages.stream(**kwargs, **greedy) as stream:
+        assert stream.get_final_message().content[0].text == text
+    assert client.messages.count_tokens(model=model_name, messages=kwargs["messages"]).input_tokens > 0
+    forged = anthropic.Anthropic(base_url=proxy_url, api_key=token()[:-4] + "AAAA", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        forged.messages.create(**kwargs)
+    assert info.value.body["type"] == "error" and info.value.body["error"]["type"] == "authentication_error"
 
 
 def test_async_openai_client_streams_through_the_proxy(proxy_url, oai, model_name):

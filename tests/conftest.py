@@ -5,22 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from servers import MODEL_CACHE, MODEL_NAME, ServerProcess
-
-
-def _real_model_server(*precision: str):
-    """The embedded model with the tests' context and queue, and these precision flags."""
-    server = ServerProcess(
-        "--model-cache-dir", MODEL_CACHE, "--context-length", "1024", "--max-waiting", "64", *precision
-    )
-    yield server
-    server.stop()
+from servers import MODEL_CACHE, MODEL_NAME, ServerProcess, model_server
 
 
 @pytest.fixture(scope="session")
 def real_server():
     """The exact mode: the embedded model's weights dequantized to float32, a float32 KV cache."""
-    yield from _real_model_server("--quantize", "none", "--dtype", "float32")
+    yield from model_server("--quantize", "none", "--dtype", "float32")
 
 
 @pytest.fixture(scope="session")
@@ -28,20 +19,19 @@ def quantized_server():
     """The default 4-bit weights, with a float32 KV cache and float32 matmuls for several rows (the default
     is an int8 cache and, on CPUs that multiply bfloat16, bfloat16 batches), so outputs compare with
     generate exactly."""
-    yield from _real_model_server("--kv-dtype", "float32", "--dtype", "float32")
+    yield from model_server("--kv-dtype", "float32", "--dtype", "float32")
 
 
 @pytest.fixture(scope="session")
 def default_server():
     """The defaults users get: the GGUF's 4-bit blocks, an int8 KV cache, int8 inputs for every row count."""
-    yield from _real_model_server()
+    yield from model_server()
 
 
 @pytest.fixture(scope="session")
 def mock_server():
-    server = ServerProcess("--mock", "--mock-tokens-per-second", "50", "--rows", "4", "--max-waiting", "4")
-    yield server
-    server.stop()
+    with ServerProcess("--mock", "--mock-tokens-per-second", "50", "--rows", "4", "--max-waiting", "4") as server:
+        yield server
 
 
 @pytest.fixture(scope="session")

@@ -4,8 +4,10 @@ session fixture ``reference`` in conftest.py), and the comparison that accepts o
 from __future__ import annotations
 
 import functools
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
+from servers import native
 
 MAX_TOKENS = 20
 SUBJECTS = [
@@ -33,6 +35,24 @@ SUBJECTS = [
 PROMPTS = [f"Write one sentence about {s}." for s in SUBJECTS] + [
     f"Here is a short story about {s}:" for s in SUBJECTS
 ]  # 40 prompts
+JOBS = [(p, i % 5 == 4) for i, p in enumerate(PROMPTS)]  # (prompt, chat): every fifth through the chat template
+
+
+def served_answers(
+    server, model_name: str, jobs: list[tuple[str, bool]], workers: int | None = None, stream: bool = False
+) -> list[str]:
+    """Each (prompt, chat) job's greedy answer of MAX_TOKENS from the server's native route, ``workers`` requests
+    at once (all of them unless told); streamed and joined when ``stream``."""
+
+    def one(job: tuple[str, bool]) -> str:
+        prompt, chat = job
+        body = {"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": stream}
+        r = native(server, model_name, body, chat=chat, timeout=300, stream=stream)
+        assert r.status_code == 200, r.text
+        return b"".join(r.iter_content(chunk_size=None)).decode("utf-8") if stream else r.json()["text"]
+
+    with ThreadPoolExecutor(workers or len(jobs)) as pool:
+        return list(pool.map(one, jobs))
 
 
 def greedy_reference(model_dir):

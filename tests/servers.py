@@ -9,14 +9,61 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Self, TypeVar
 
 import requests
+
+T = TypeVar("T")
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL_NAME = "SmolLM2-135M-Instruct"
 # the converted default model is kept between runs (the same folder the serve command uses)
 MODEL_CACHE = os.environ.get("MODEL_CACHE_DIR", str(ROOT / "model_cache"))
+
+
+def wait_for(predicate: Callable[[], T], timeout: float = 30.0, interval: float = 0.05) -> T:
+    """Call ``predicate`` every ``interval`` seconds until it returns something truthy or ``timeout`` seconds have
+    passed: its last value, truthy on success (``assert wait_for(...)``). The one polling helper of the tests; the
+    timeout only bounds the wait, it is never what a test asserts."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() >= deadline:
+            return value
+        time.sleep(interval)
+
+
+def native(server, model_name: str, body: dict, chat: bool = False, timeout: float = 30, **kwargs) -> requests.Response:
+    """POST ``body`` to the native route of ``model_name``: /inference/..., or /predictions/... (through the chat
+    template) when ``chat``; ``kwargs`` go to requests (stream=True, headers, ...)."""
+    route = "predictions" if chat else "inference"
+    return requests.post(f"{server.url}/{route}/{model_name}", json=body, timeout=timeout, **kwargs)
+
+
+def read_text(response: requests.Response) -> str:
+    """A streamed answer's body, read to its end."""
+    return b"".join(response.iter_content(chunk_size=None)).decode()
+
+
+def stream_into(out: dict, key: str, url: str, body: dict, read=read_text, **kwargs) -> None:
+    """One streamed POST to its end (a thread's target): ``out[key]`` is what ``read`` makes of the answer, or the
+    exception that cut it; ``kwargs`` go to requests (headers, ...)."""
+    try:
+        with requests.post(url, json=body, stream=True, timeout=120, **kwargs) as r:
+            out[key] = read(r)
+    except requests.RequestException as exc:
+        out[key] = exc
+
+
+def alive(pid: int) -> bool:
+    """The process runs (a zombie waiting to be reaped counts as ended)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return state not in ("Z", "X")
 
 
 def free_port() -> int:
@@ -25,7 +72,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Process:
+class Stopped:
+    """Stopped when its ``with`` block ends (a fixture: ``with ... as server: yield server``)."""
+
+    def stop(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+
+class Process(Stopped):
     """A server subprocess on a free loopback port; ready once GET /health answers (any status unless told)."""
 
     def __init__(
@@ -54,18 +114,18 @@ class Process:
             raise
 
     def _wait_ready(self, timeout: float, status: int | None) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def ready() -> bool:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"{self.proc.args} exited early ({self.proc.returncode}):\n{self.output()[-5000:]}")
             try:
                 code = requests.get(self.url + "/health", timeout=2).status_code
-                if status is None or code == status:
-                    return
             except requests.RequestException:
-                pass
-            time.sleep(0.05)  # a test starts a server some 150 times: every tenth of a second adds up
-        raise RuntimeError(f"{self.proc.args} not ready after {timeout} s:\n{self.output()[-5000:]}")
+                return False
+            return status is None or code == status
+
+        # every 0.05 s: a test starts a server some 150 times, and every tenth of a second adds up
+        if not wait_for(ready, timeout):
+            raise RuntimeError(f"{self.proc.args} not ready after {timeout} s:\n{self.output()[-5000:]}")
 
     def output(self) -> str:
         return Path(self.log.name).read_text(errors="replace")
@@ -103,27 +163,28 @@ class ServerProcess(Process):
         return wait_idle(self, timeout)
 
 
+def model_server(*flags: str):
+    """A server fixture's body: the embedded model with the tests' context and queue, and these flags; stopped when
+    the fixture ends (``yield from model_server(...)``)."""
+    with ServerProcess(
+        "--model-cache-dir", MODEL_CACHE, "--context-length", "1024", "--max-waiting", "64", *flags
+    ) as server:
+        yield server
+
+
 def wait_idle(server: Process, timeout: float = 30) -> dict:
     """Wait until the inference server holds no session and no row; return its last /health body."""
-    deadline = time.monotonic() + timeout
-    while True:
-        body = requests.get(server.url + "/health", timeout=10).json()
-        if (body["open_sessions"] == 0 and body["rows_in_use"] == 0) or time.monotonic() > deadline:
-            return body
-        time.sleep(0.1)
+    bodies: list[dict] = []
+
+    def idle() -> bool:
+        bodies.append(requests.get(server.url + "/health", timeout=10).json())
+        return bodies[-1]["open_sessions"] == 0 and bodies[-1]["rows_in_use"] == 0
+
+    wait_for(idle, timeout, 0.1)
+    return bodies[-1]
 
 
-def wait_for(predicate, timeout: float) -> bool:
-    """Poll until predicate() is true or the time is up; its last value."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
-
-
-class RedisProcess:
+class RedisProcess(Stopped):
     """A real redis-server (Debian's package) on a free loopback port, nothing saved to disk."""
 
     def __init__(self, port: int | None = None):
@@ -150,16 +211,16 @@ class RedisProcess:
         import redis
 
         client = redis.Redis.from_url(self.url, socket_timeout=1)
-        deadline = time.monotonic() + 20
-        while True:
+
+        def ready() -> bool:
             try:
-                client.ping()
-                break
+                return bool(client.ping())
             except redis.RedisError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
-                    self.stop()
-                    raise RuntimeError("redis-server did not start") from None
-                time.sleep(0.05)
+                return self.proc.poll() is not None  # ended: no use waiting
+
+        if not wait_for(ready, 20) or self.proc.poll() is not None:
+            self.stop()
+            raise RuntimeError("redis-server did not start")
         self.client = client
 
     def stop(self) -> None:

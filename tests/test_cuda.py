@@ -6,14 +6,11 @@ Skipped where torch sees no CUDA device (CI has none); run on a GPU machine with
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 import pytest
-import requests
 import torch
 import torch.nn.functional as F
-from greedy import MAX_TOKENS, PROMPTS, assert_greedy_equivalent
-from servers import MODEL_CACHE, ServerProcess
+from greedy import JOBS, assert_greedy_equivalent, served_answers
+from servers import model_server
 from test_quality import exact_plan, perplexity, plan_for, text_ids  # noqa: F401 (fixture)
 
 from inference_api.engine.cuda_graphs import DecodeGraphs
@@ -25,56 +22,20 @@ from inference_api.model.loader import load_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
 
-def cuda_server(*precision: str) -> ServerProcess:
-    return ServerProcess(
-        "--model-cache-dir",
-        MODEL_CACHE,
-        "--device",
-        "cuda",
-        "--context-length",
-        "1024",
-        "--max-waiting",
-        "64",
-        *precision,
-    )
-
-
 @pytest.fixture(scope="module")
 def exact_cuda_server():
-    server = cuda_server("--quantize", "none", "--dtype", "float32")
-    yield server
-    server.stop()
+    yield from model_server("--device", "cuda", "--quantize", "none", "--dtype", "float32")
 
 
 @pytest.fixture(scope="module")
 def default_cuda_server():
-    server = cuda_server()
-    yield server
-    server.stop()
+    yield from model_server("--device", "cuda")
 
 
 @pytest.fixture(scope="module")
 def eager_cuda_server():
     """The defaults with the decode step run eagerly (no CUDA graphs)."""
-    server = cuda_server("--no-cuda-graphs")
-    yield server
-    server.stop()
-
-
-def answers(server, prompts: list[str], chat: list[bool], model_name: str, workers: int) -> list[str]:
-    def one(job):
-        prompt, templated = job
-        route = "predictions" if templated else "inference"
-        r = requests.post(
-            f"{server.url}/{route}/{model_name}",
-            timeout=300,
-            json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": False},
-        )
-        assert r.status_code == 200, r.text
-        return r.json()["text"]
-
-    with ThreadPoolExecutor(workers) as pool:
-        return list(pool.map(one, zip(prompts, chat)))
+    yield from model_server("--device", "cuda", "--no-cuda-graphs")
 
 
 def assert_few_part_late(first: list[str], second: list[str], names: tuple[str, str]) -> None:
@@ -127,10 +88,9 @@ def test_forty_concurrent_greedy_requests_on_cuda_float32_match_generate(exact_c
     health = exact_cuda_server.health()
     assert health["device"] == "cuda" and health["quantize"] == "none"
     assert health["cuda_graphs"] == [1, 2, 4, 8, 16, 24, 32]  # the decode step replayed from CUDA graphs
-    chat = [i % 5 == 4 for i in range(len(PROMPTS))]
-    texts = answers(exact_cuda_server, PROMPTS, chat, model_name, len(PROMPTS))
+    texts = served_answers(exact_cuda_server, model_name, JOBS)
     assert len(set(texts)) > 30
-    for prompt, templated, text in zip(PROMPTS, chat, texts):
+    for (prompt, templated), text in zip(JOBS, texts):
         assert_greedy_equivalent(text, prompt, templated, reference)
 
 
@@ -140,9 +100,8 @@ def test_default_cuda_streams_under_load_equal_each_prompt_alone(default_cuda_se
     a mixed or lost stream would part most of them."""
     health = default_cuda_server.health()
     assert health["device"] == "cuda" and health["quantize"] == "int4" and health["dtype"] == "bfloat16"
-    chat = [i % 5 == 4 for i in range(len(PROMPTS))]
-    together = answers(default_cuda_server, PROMPTS, chat, model_name, len(PROMPTS))
-    alone = answers(default_cuda_server, PROMPTS, chat, model_name, 1)
+    together = served_answers(default_cuda_server, model_name, JOBS)
+    alone = served_answers(default_cuda_server, model_name, JOBS, workers=1)
     assert_few_part_late(alone, together, ("alone", "together"))
 
 
@@ -174,7 +133,6 @@ def test_cuda_graphs_answer_as_the_eager_decode_step(default_cuda_server, eager_
     near-ties a different summation order (static attention over a fixed span) can part."""
     assert default_cuda_server.health()["cuda_graphs"] == [1, 2, 4, 8, 16, 24, 32]
     assert eager_cuda_server.health()["cuda_graphs"] == []
-    chat = [i % 5 == 4 for i in range(len(PROMPTS))]
-    graphs = answers(default_cuda_server, PROMPTS, chat, model_name, len(PROMPTS))
-    eager = answers(eager_cuda_server, PROMPTS, chat, model_name, len(PROMPTS))
+    graphs = served_answers(default_cuda_server, model_name, JOBS)
+    eager = served_answers(eager_cuda_server, model_name, JOBS)
     assert_few_part_late(eager, graphs, ("eager", "graphs"))

@@ -3,10 +3,9 @@ KV cache gauges."""
 
 from __future__ import annotations
 
-import time
-
 import requests
 from prometheus_client.parser import text_string_to_metric_families
+from servers import native
 
 from inference_api.engine.messages import EngineStats, FinishReason, step_rows_bucket, step_rows_label
 from inference_api.engine.metrics import Metrics
@@ -39,28 +38,48 @@ def test_api_labels_never_carry_the_raw_path():
     assert api_of("/tokenize", {"prompt": "x"}) == "openai" and api_of("/tokenize", {"inputs": "x"}) == "tgi"
 
 
+class FakeClock:
+    """A monotonic clock the test moves by hand (by steps that binary floats hold exactly)."""
+
+    def __init__(self) -> None:
+        self.now = 1024.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_counters_histograms_and_gauges():
     stats = EngineStats(rows_in_use=3, rows_total=32, waiting=5, kv_tokens_in_use=512, kv_tokens_total=32 * 2048)
-    metrics = Metrics(lambda: stats, lambda: 8)
-    started = time.monotonic() - 0.2
+    clock = FakeClock()
+    metrics = Metrics(lambda: stats, lambda: 8, clock=clock)
+    started = clock.now
     metrics.submitted(12)
-    first = metrics.tokens(1, started)
-    metrics.tokens(4, previous_at=first - 0.02)  # 4 tokens in one event, 20 ms after the first: 5 ms each
+    clock.now += 0.1875
+    first = metrics.tokens(1, started)  # the first token 187.5 ms after submission
+    assert first == clock.now
+    clock.now += 0.015625
+    metrics.tokens(4, previous_at=first)  # 4 tokens in one event, 15.6 ms after the first: 3.9 ms each
     metrics.tokens(2)  # an abandoned session's: counted, never timed
-    metrics.ended(FinishReason.LENGTH, started)
+    clock.now += 0.796875
+    metrics.ended(FinishReason.LENGTH, started)  # a second after submission
     metrics.answered("openai", 200)
     metrics.answered("native", 400)
     got = samples(metrics.exposition().decode())
     assert got[("inference_prompt_tokens_total", ())] == 12
     assert got[("inference_generated_tokens_total", ())] == 7
     assert got[("inference_time_per_output_token_seconds_count", ())] == 4
+    assert got[("inference_time_per_output_token_seconds_sum", ())] == 0.015625
     assert got[("inference_time_per_output_token_seconds_bucket", (("le", "0.0025"),))] == 0
-    assert got[("inference_time_per_output_token_seconds_bucket", (("le", "0.05"),))] == 4  # slack for a busy machine
+    assert got[("inference_time_per_output_token_seconds_bucket", (("le", "0.005"),))] == 4
     assert got[("inference_generations_finished_total", (("reason", "length"),))] == 1
     assert got[("inference_time_to_first_token_seconds_count", ())] == 1
+    assert got[("inference_time_to_first_token_seconds_sum", ())] == 0.1875
     assert got[("inference_time_to_first_token_seconds_bucket", (("le", "0.1"),))] == 0
     assert got[("inference_time_to_first_token_seconds_bucket", (("le", "0.25"),))] == 1
     assert got[("inference_request_duration_seconds_count", ())] == 1
+    assert got[("inference_request_duration_seconds_sum", ())] == 1.0
+    assert got[("inference_request_duration_seconds_bucket", (("le", "0.5"),))] == 0
+    assert got[("inference_request_duration_seconds_bucket", (("le", "1.0"),))] == 1
     assert got[("inference_http_requests_total", (("api", "openai"), ("status", "200")))] == 1
     assert got[("inference_http_requests_total", (("api", "native"), ("status", "400")))] == 1
     assert (
@@ -150,10 +169,9 @@ def never_decrease(earlier: dict[tuple, float], later: dict[tuple, float]) -> No
 def test_server_metrics_follow_finished_bad_and_abandoned_requests(mock_server, model_name):
     mock_server.wait_idle()
     before = scrape(mock_server)
-    url = f"{mock_server.url}/inference/{model_name}"
-    assert requests.post(url, json={"text": "abc", "max_tokens": 7, "stream": False}, timeout=30).status_code == 200
-    assert requests.post(url, json={"text": "abc", "top_k": 0}, timeout=30).status_code == 400
-    r = requests.post(url, json={"text": "abandon me", "max_tokens": 500}, stream=True, timeout=30)
+    assert native(mock_server, model_name, {"text": "abc", "max_tokens": 7, "stream": False}).status_code == 200
+    assert native(mock_server, model_name, {"text": "abc", "top_k": 0}).status_code == 400
+    r = native(mock_server, model_name, {"text": "abandon me", "max_tokens": 500}, stream=True)
     next(r.iter_content(chunk_size=None))
     r.close()
     mock_server.wait_idle(timeout=10)
@@ -175,7 +193,6 @@ def test_server_metrics_follow_finished_bad_and_abandoned_requests(mock_server, 
 
 
 def test_server_times_each_token_and_reports_kv_cache_and_prefix_cache_use(mock_server, model_name):
-    url = f"{mock_server.url}/inference/{model_name}"
     mock_server.wait_idle()
     scrapes = [scrape(mock_server)]
 
@@ -183,7 +200,7 @@ def test_server_times_each_token_and_reports_kv_cache_and_prefix_cache_use(mock_
         return scrapes[-1].get((name, ()), 0) - scrapes[-2].get((name, ()), 0)
 
     # streamed: "Echo: abc — " is 14 tokens, one event each but the dash's 3 bytes, which arrive together
-    r = requests.post(url, json={"text": "abc", "max_tokens": 14}, stream=True, timeout=30)
+    r = native(mock_server, model_name, {"text": "abc", "max_tokens": 14}, stream=True)
     assert r.status_code == 200 and r.text == "Echo: abc — "
     scrapes.append(scrape(mock_server))
     assert grown("inference_generated_tokens_total") == 14 and grown("inference_prompt_tokens_total") == 3
@@ -199,7 +216,7 @@ def test_server_times_each_token_and_reports_kv_cache_and_prefix_cache_use(mock_
     assert steps == 13 and scrapes[-1][("inference_engine_decode_step_seconds_sum", one_row)] > 0
 
     # the same prompt again: all of it but its last token (always computed, for the first token's logits) reused
-    r = requests.post(url, json={"text": "abc", "max_tokens": 4, "stream": False}, timeout=30)
+    r = native(mock_server, model_name, {"text": "abc", "max_tokens": 4, "stream": False})
     assert r.status_code == 200
     scrapes.append(scrape(mock_server))
     assert grown("inference_prefix_cache_queries_total") == 3 and grown("inference_prefix_cache_hits_total") == 2
@@ -207,7 +224,7 @@ def test_server_times_each_token_and_reports_kv_cache_and_prefix_cache_use(mock_
 
     # while a request runs its row holds at least its prompt's positions
     prompt = "how full is the cache?"
-    r = requests.post(url, json={"text": prompt, "max_tokens": 1000}, stream=True, timeout=30)
+    r = native(mock_server, model_name, {"text": prompt, "max_tokens": 1000}, stream=True)
     next(r.iter_content(chunk_size=None))
     scrapes.append(scrape(mock_server))
     r.close()

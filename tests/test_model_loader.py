@@ -8,73 +8,37 @@ import sys
 from pathlib import Path
 
 import pytest
-import requests
 import torch
 import transformers as T
-from servers import ServerProcess
+from servers import ServerProcess, native
+from tiny import PROMPTS, engine_greedy, save_tiny_model, tiny_config, tiny_engine
 
 from inference_api.config import ServerConfig
-from inference_api.engine.messages import GenerateRequest, SamplingParams
 from inference_api.engine.process import build_engine
 from inference_api.model.loader import embedded_gguf, model_name, resolve_model_dir
 
-VOCAB = 49152  # the SmolLM2 tokenizer's, shared by every tiny model here
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, initializer_range=0.2)
-ARCHITECTURES = {
-    "llama": lambda: T.LlamaConfig(intermediate_size=128, num_key_value_heads=2, **_COMMON),
-    "qwen2": lambda: T.Qwen2Config(intermediate_size=128, num_key_value_heads=2, **_COMMON),  # biased q, k, v
-    "mistral": lambda: T.MistralConfig(intermediate_size=128, num_key_value_heads=1, sliding_window=None, **_COMMON),
-    "phi3": lambda: T.Phi3Config(intermediate_size=128, num_key_value_heads=2, pad_token_id=0, **_COMMON),
-    "gemma": lambda: T.GemmaConfig(intermediate_size=128, num_key_value_heads=1, head_dim=16, **_COMMON),
-    "qwen3": lambda: T.Qwen3Config(intermediate_size=128, num_key_value_heads=2, head_dim=16, **_COMMON),  # q/k norms
+# each family's tiny model: tiny.py's sizes (64 wide, 2 layers, 4 heads), these keys beside them
+ARCHITECTURES: dict[str, dict] = {
+    "llama": dict(num_key_value_heads=2),
+    "qwen2": dict(num_key_value_heads=2),  # biased q, k, v
+    "mistral": dict(num_key_value_heads=1, sliding_window=None),
+    "phi3": dict(num_key_value_heads=2, pad_token_id=0),
+    "gemma": dict(num_key_value_heads=1, head_dim=16),
+    "qwen3": dict(num_key_value_heads=2, head_dim=16),  # q/k norms
     # sandwich norms, soft-capping (transformers' eager attention: its sdpa skips the cap), a window of 4
-    "gemma2": lambda: T.Gemma2Config(
-        intermediate_size=128,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=4,
-        attn_implementation="eager",
-        **_COMMON,
+    "gemma2": dict(num_key_value_heads=1, head_dim=16, sliding_window=4, attn_implementation="eager"),
+    "gemma3_text": dict(
+        num_key_value_heads=1, head_dim=16, sliding_window=4, layer_types=["sliding_attention", "full_attention"]
     ),
-    "gemma3_text": lambda: T.Gemma3TextConfig(
-        intermediate_size=128,
-        num_key_value_heads=1,
-        head_dim=16,
-        sliding_window=4,
-        layer_types=["sliding_attention", "full_attention"],
-        **_COMMON,
-    ),
-    "gpt2": lambda: T.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, initializer_range=0.2),
-    "gpt_neox": lambda: T.GPTNeoXConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        initializer_range=0.2,
-    ),
-    "opt": lambda: T.OPTConfig(
-        vocab_size=VOCAB,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        ffn_dim=128,
-        word_embed_proj_dim=64,
-        init_std=0.2,
-    ),
+    "gpt2": dict(intermediate_size=None),  # its default: 4 times the width
+    "gpt_neox": {},
+    "opt": {},
 }
-PROMPTS = ["Hello there, how are", "The quick brown fox jumps over the lazy dog and then it", "One"]
 
 
-def save_tiny_model(arch: str, folder: Path, tokenizer_dir: Path) -> Path:
+def save_arch(arch: str, folder: Path, tokenizer_dir: Path) -> Path:
     """A small random model of the given architecture with the real tokenizer, saved as a local folder."""
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(ARCHITECTURES[arch]())
-    tokenizer = T.AutoTokenizer.from_pretrained(tokenizer_dir)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    return folder
+    return save_tiny_model(tiny_config(arch, **ARCHITECTURES[arch]), folder, tokenizer_dir)
 
 
 def reference_greedy(folder: Path, n: int, ignore_eos: bool = True):
@@ -160,7 +124,7 @@ def test_hub_id_loads_from_the_local_hub_cache_and_never_downloads(tmp_path, mon
     import huggingface_hub.constants
 
     snapshot = tmp_path / "hub" / "models--tiny-org--tiny-llama" / "snapshots" / "0123abcd"
-    save_tiny_model("llama", snapshot, model_dir)
+    save_arch("llama", snapshot, model_dir)
     (snapshot.parent.parent / "refs").mkdir()
     (snapshot.parent.parent / "refs" / "main").write_text("0123abcd")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
@@ -174,24 +138,18 @@ def test_hub_id_loads_from_the_local_hub_cache_and_never_downloads(tmp_path, mon
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_any_causal_lm_in_the_row_cache_matches_generate(arch, tmp_path, model_dir):
     """Three prompts decoded together, the long one prefilled in chunks: each equals generate alone."""
-    folder = save_tiny_model(arch, tmp_path / arch, model_dir)
-    engine, ready = build_engine(ServerConfig(model=str(folder), rows=4, context_length=256, prefill_chunk=8))
+    folder = save_arch(arch, tmp_path / arch, model_dir)
+    engine, ready = tiny_engine(folder)
     assert ready.quantize == "none"  # a folder is served as it is unless --quantize says otherwise
     prompt_ids, out = _greedy_rows(engine, T.AutoTokenizer.from_pretrained(folder), 12)
     reference = reference_greedy(folder, 12)
     for i, ids in enumerate(prompt_ids):
-        assert out[str(i)] == reference(ids), f"{arch}: prompt {i}"
+        assert out[i] == reference(ids), f"{arch}: prompt {i}"
 
 
-def _greedy_rows(engine, tokenizer, n: int) -> tuple[list[list[int]], dict[str, list[int]]]:
+def _greedy_rows(engine, tokenizer, n: int) -> tuple[list[list[int]], list[list[int]]]:
     prompt_ids = [tokenizer.encode(p) for p in PROMPTS]
-    for i, ids in enumerate(prompt_ids):
-        engine.add(GenerateRequest(str(i), tuple(ids), SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)))
-    out: dict[str, list[int]] = {str(i): [] for i in range(len(PROMPTS))}
-    while engine.has_work:
-        for event in engine.step():
-            out[event.session_id].extend(event.token_ids)
-    return prompt_ids, out
+    return prompt_ids, engine_greedy(engine, prompt_ids, n)
 
 
 @pytest.mark.parametrize("arch,mode", [("llama", "int4"), ("qwen2", "int8"), ("gpt2", "int8")])
@@ -201,18 +159,8 @@ def test_quantized_rows_match_generate_on_the_dequantized_weights(arch, mode, tm
     from inference_api.model.families import supported
     from inference_api.model.linear import quantize
 
-    folder = save_tiny_model(arch, tmp_path / arch, model_dir)
-    engine, ready = build_engine(
-        ServerConfig(
-            model=str(folder),
-            rows=4,
-            context_length=256,
-            prefill_chunk=8,
-            quantize=mode,
-            kv_dtype="float32",
-            dtype="float32",
-        )
-    )
+    folder = save_arch(arch, tmp_path / arch, model_dir)
+    engine, ready = tiny_engine(folder, quantize=mode, kv_dtype="float32", dtype="float32")
     assert (ready.quantize, ready.kv_dtype, ready.matmul_dtype, ready.int8_inputs) == (
         mode,
         "float32",
@@ -233,31 +181,22 @@ def test_quantized_rows_match_generate_on_the_dequantized_weights(arch, mode, tm
         expected = model.generate(
             torch.tensor([ids]), max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0
         )[0, len(ids) :].tolist()
-        assert out[str(i)] == expected, f"{arch} {mode}: prompt {i}"
+        assert out[i] == expected, f"{arch} {mode}: prompt {i}"
 
 
 def test_server_serves_a_local_model_folder(tmp_path, model_dir):
-    folder = save_tiny_model("qwen2", tmp_path / "tiny-qwen", model_dir)
-    server = ServerProcess("--model", str(folder), "--rows", "4", "--context-length", "256")
-    try:
+    folder = save_arch("qwen2", tmp_path / "tiny-qwen", model_dir)
+    with ServerProcess("--model", str(folder), "--rows", "4", "--context-length", "256") as server:
         health = server.health()
         assert health["model"] == "tiny-qwen" and health["model_dir"] == str(folder)
-        r = requests.post(
-            f"{server.url}/inference/tiny-qwen",
-            timeout=60,
-            json={"text": PROMPTS[1], "temperature": 0, "max_tokens": 8, "stream": False},
-        )
+        body = {"text": PROMPTS[1], "temperature": 0, "max_tokens": 8, "stream": False}
+        r = native(server, "tiny-qwen", body, timeout=60)
         assert r.status_code == 200, r.text
         tokenizer = T.AutoTokenizer.from_pretrained(folder)
         ids = tokenizer.encode(PROMPTS[1])
         expected = reference_greedy(folder, 8, ignore_eos=False)(ids)
         assert r.json()["text"] == tokenizer.decode(expected, skip_special_tokens=True)
-        assert (
-            requests.post(f"{server.url}/inference/SmolLM2-135M-Instruct", json={"text": "x"}, timeout=10).status_code
-            == 404
-        )
-    finally:
-        server.stop()
+        assert native(server, "SmolLM2-135M-Instruct", {"text": "x"}).status_code == 404
 
 
 @pytest.mark.parametrize(

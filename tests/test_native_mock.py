@@ -6,20 +6,15 @@ import json
 import os
 import signal
 import socket
-import time
 
 import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
-from servers import ServerProcess
-
-
-def post(server, model_name, body, stream=False, **kw):
-    return requests.post(f"{server.url}/inference/{model_name}", json=body, stream=stream, timeout=30, **kw)
+from servers import ServerProcess, alive, native, wait_for
 
 
 def test_streams_the_echo_with_utf8_intact(mock_server, model_name):
-    r = post(mock_server, model_name, {"text": "héllo 日本", "max_tokens": 30}, stream=True)
+    r = native(mock_server, model_name, {"text": "héllo 日本", "max_tokens": 30}, stream=True)
     assert r.status_code == 200
     assert r.headers["Content-Type"] == "text/plain; charset=utf-8"
     assert r.headers["Transfer-Encoding"] == "chunked"
@@ -30,11 +25,11 @@ def test_streams_the_echo_with_utf8_intact(mock_server, model_name):
 
 
 def test_max_tokens_and_stop_sequence(mock_server, model_name):
-    r = post(mock_server, model_name, {"text": "abc", "max_tokens": 9, "stream": False})
+    r = native(mock_server, model_name, {"text": "abc", "max_tokens": 9, "stream": False})
     assert r.json() == {"text": "Echo: abc", "finish_reason": "length", "prompt_tokens": 3, "completion_tokens": 9}
-    r = post(mock_server, model_name, {"text": "abc", "stop_sequence": ["bc", "zz"], "stream": False})
+    r = native(mock_server, model_name, {"text": "abc", "stop_sequence": ["bc", "zz"], "stream": False})
     assert r.json()["text"] == "Echo: a" and r.json()["finish_reason"] == "stop"
-    r = post(mock_server, model_name, {"text": "abc", "stop_sequence": " a", "return_prompt": True})
+    r = native(mock_server, model_name, {"text": "abc", "stop_sequence": " a", "return_prompt": True})
     assert r.text == "abcEcho:"
 
 
@@ -68,7 +63,7 @@ def test_bad_requests_get_json_errors(mock_server, model_name, kwargs, status, f
 
 
 def test_unknown_model_path_and_method(mock_server, model_name):
-    r = post(mock_server, "falcon40b", {"text": "hi"})
+    r = native(mock_server, "falcon40b", {"text": "hi"})
     assert r.status_code == 404 and "falcon40b" in r.json()["message"]
     r = requests.get(f"{mock_server.url}/inference/{model_name}", timeout=10)
     assert r.status_code == 405 and r.json()["status_code"] == 405
@@ -76,8 +71,8 @@ def test_unknown_model_path_and_method(mock_server, model_name):
     assert r.status_code == 404 and r.json() == {"status_code": 404, "message": "not found"}
 
 
-def open_stream(server, model_name, text, max_tokens=2000):
-    """A raw socket streaming request, so the test controls exactly when the client goes away."""
+def send_request(server, model_name, text, max_tokens) -> socket.socket:
+    """A streaming request on a raw socket, nothing of the answer read: the test controls when the client goes."""
     sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
     body = json.dumps({"text": text, "max_tokens": max_tokens}).encode()
     sock.sendall(
@@ -85,48 +80,46 @@ def open_stream(server, model_name, text, max_tokens=2000):
         f"Content-Length: {len(body)}\r\n\r\n".encode()
         + body
     )
+    return sock
+
+
+def open_stream(server, model_name, text, max_tokens=2000):
+    """A raw socket streaming request, its answer under way (its headers read)."""
+    sock = send_request(server, model_name, text, max_tokens)
     assert b"200 OK" in sock.recv(4096)
     return sock
 
 
 def test_queue_full_is_answered_at_once_and_disconnects_free_everything(mock_server, model_name):
-    # 4 rows + 4 queue places: fill them all with long streams
+    # 4 rows + 4 queue places: fill them all, the rows with streams of 40 s (2000 tokens at 50 a second)
     socks = [open_stream(mock_server, model_name, f"user {i}") for i in range(4)]
-    waiting = []
-    for i in range(4):
-        sock = socket.create_connection(("127.0.0.1", mock_server.port), timeout=10)
-        body = json.dumps({"text": f"waiter {i}", "max_tokens": 10}).encode()
-        sock.sendall(
-            f"POST /inference/{model_name} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n".encode()
-            + body
-        )
-        waiting.append(sock)
-    deadline = time.monotonic() + 10
-    while mock_server.health()["open_sessions"] < 8 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    health = mock_server.health()
-    assert health["rows_in_use"] == 4 and health["open_sessions"] == 8
-    started = time.monotonic()
-    r = post(mock_server, model_name, {"text": "one too many"})
-    assert time.monotonic() - started < 1.0
-    assert r.status_code == 503 and r.headers["Retry-After"] == "1"
-    assert r.json()["status_code"] == 503 and "busy" in r.json()["message"]
-    # every client leaves: rows and sessions are freed within a step or two
-    for sock in socks + waiting:
-        sock.close()
+    socks += [send_request(mock_server, model_name, f"waiter {i}", 10) for i in range(4)]
+    try:
+        assert wait_for(lambda: mock_server.health()["open_sessions"] == 8, 10), mock_server.health()
+        health = mock_server.health()
+        assert health["rows_in_use"] == 4 and health["open_sessions"] == 8
+        r = native(mock_server, model_name, {"text": "one too many"})
+        assert r.status_code == 503 and r.headers["Retry-After"] == "1"
+        assert r.json()["status_code"] == 503 and "busy" in r.json()["message"]
+        # answered at once, without waiting for a place: every request that held one still holds it (the streams
+        # have most of their 40 s to go, no waiter has got a row), so no place had been freed when it came
+        health = mock_server.health()
+        assert (health["rows_in_use"], health["open_sessions"]) == (4, 8), health
+    finally:  # every client leaves: rows and sessions are freed within a step or two
+        for sock in socks:
+            sock.close()
     health = mock_server.wait_idle(timeout=10)
     assert health["rows_in_use"] == 0 and health["open_sessions"] == 0 and health["queue_length"] == 0
-    assert post(mock_server, model_name, {"text": "after", "max_tokens": 4}).text == "Echo"
+    assert native(mock_server, model_name, {"text": "after", "max_tokens": 4}).text == "Echo"
 
 
 def test_mixed_finished_failed_and_abandoned_leave_no_state(mock_server, model_name):
-    post(mock_server, model_name, {"text": "done", "max_tokens": 3})
-    post(mock_server, model_name, {"text": "bad", "top_p": 7})
-    r = post(mock_server, model_name, {"text": "abandon", "max_tokens": 500}, stream=True)
+    native(mock_server, model_name, {"text": "done", "max_tokens": 3})
+    native(mock_server, model_name, {"text": "bad", "top_p": 7})
+    r = native(mock_server, model_name, {"text": "abandon", "max_tokens": 500}, stream=True)
     next(r.iter_content(chunk_size=None))
     r.close()
-    r = post(mock_server, model_name, {"text": "half read", "max_tokens": 500}, stream=True)
+    r = native(mock_server, model_name, {"text": "half read", "max_tokens": 500}, stream=True)
     r.raw.read(3)
     r.close()
     health = mock_server.wait_idle(timeout=10)
@@ -134,9 +127,8 @@ def test_mixed_finished_failed_and_abandoned_leave_no_state(mock_server, model_n
 
 
 def test_engine_death_ends_streams_with_an_error_and_a_new_engine_takes_over(model_name):
-    server = ServerProcess("--mock", "--mock-tokens-per-second", "20")
-    try:
-        r = post(server, model_name, {"text": "doomed", "max_tokens": 1000}, stream=True)
+    with ServerProcess("--mock", "--mock-tokens-per-second", "20") as server:
+        r = native(server, model_name, {"text": "doomed", "max_tokens": 1000}, stream=True)
         chunks = r.iter_content(chunk_size=None)
         assert next(chunks)
         before = counters(server)
@@ -146,26 +138,25 @@ def test_engine_death_ends_streams_with_an_error_and_a_new_engine_takes_over(mod
             for _ in chunks:  # the stream is cut, not ended as if complete
                 pass
         states = set()
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
+
+        def ready() -> requests.Response | None:
             health = requests.get(server.url + "/health", timeout=5)
             states.add((health.status_code, health.json()["status"]))
-            if health.status_code == 200:
-                break
-            time.sleep(0.05)
+            return health if health.status_code == 200 else None
+
+        health = wait_for(ready, 60)
+        assert health, states
         assert (503, "restarting") in states, states
         body = health.json()
         assert health.status_code == 200 and body["status"] == "ready"
         assert body["backend_pid"] != old_pid and body["engine_restarts"] == 1
-        assert post(server, model_name, {"text": "after", "max_tokens": 4}).text == "Echo"
+        assert native(server, model_name, {"text": "after", "max_tokens": 4}).text == "Echo"
         metrics = requests.get(server.url + "/metrics", timeout=5).text
         assert "inference_engine_restarts_total 1.0" in metrics
         after = counters(server)  # the new engine counts from zero: what it counted adds to what the old one did
         assert all(after[name] >= value for name, value in before.items()), (before, after)
         assert after["inference_prefix_cache_queries_total"] == before["inference_prefix_cache_queries_total"] + 5
         assert server.wait_idle()["open_sessions"] == 0
-    finally:
-        server.stop()
 
 
 def counters(server) -> dict[str, float]:
@@ -185,14 +176,7 @@ def test_stopping_the_server_stops_the_engine_process(model_name):
     server.proc.send_signal(signal.SIGTERM)  # to gunicorn's master only, as a process manager would
     server.proc.wait(30)
     server.stop()
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        try:
-            os.kill(engine_pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.2)
-    pytest.fail("the engine process outlived the server")
+    assert wait_for(lambda: not alive(engine_pid), 15, 0.2), "the engine process outlived the server"
 
 
 def test_gunicorns_own_errors_are_json(mock_server):

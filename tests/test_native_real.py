@@ -7,7 +7,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
-from greedy import MAX_TOKENS, PROMPTS, SUBJECTS, assert_greedy_equivalent
+from greedy import JOBS, MAX_TOKENS, SUBJECTS, assert_greedy_equivalent, served_answers
+from servers import native, wait_for
 
 
 @pytest.mark.parametrize("mode", ["exact", "quantized"])
@@ -17,93 +18,65 @@ def test_forty_concurrent_greedy_requests_match_generate_alone(mode, request, mo
     real_server = request.getfixturevalue("real_server" if mode == "exact" else "quantized_server")
     health = real_server.health()
     assert health["quantize"] == ("none" if mode == "exact" else "int4")
-    jobs = [(p, i % 5 == 4) for i, p in enumerate(PROMPTS)]  # every fifth through the chat template
-
-    def run(job):
-        prompt, chat = job
-        route = "predictions" if chat else "inference"
-        r = requests.post(
-            f"{real_server.url}/{route}/{model_name}",
-            timeout=300,
-            json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS},
-            stream=True,
-        )
-        assert r.status_code == 200, r.text
-        return b"".join(r.iter_content(chunk_size=None)).decode("utf-8")
-
-    with ThreadPoolExecutor(len(jobs)) as pool:
-        texts = list(pool.map(run, jobs))
+    texts = served_answers(real_server, model_name, JOBS, stream=True)
     assert len(set(texts)) > 30  # distinct prompts, distinct answers: nothing mixed or duplicated
-    for (prompt, chat), text in zip(jobs, texts):
+    for (prompt, chat), text in zip(JOBS, texts):
         assert_greedy_equivalent(text, prompt, chat, reference)
     assert real_server.wait_idle()["open_sessions"] == 0
 
 
-def native(server, model_name, **body):
-    r = requests.post(f"{server.url}/inference/{model_name}", json={"stream": False, **body}, timeout=120)
+def answer(server, model_name, chat: bool = False, **body) -> dict:
+    """The native route's non-streaming answer (through the chat template when ``chat``)."""
+    r = native(server, model_name, {"stream": False, **body}, chat=chat, timeout=120)
     assert r.status_code == 200, r.text
     return r.json()
 
 
 def test_stop_sequence_spanning_tokens_cuts_exactly(real_server, model_name, reference):
     prompt = "Here is a short story about the sea:"
-    full = native(real_server, model_name, text=prompt, temperature=0, max_tokens=MAX_TOKENS)["text"]
+    full = answer(real_server, model_name, text=prompt, temperature=0, max_tokens=MAX_TOKENS)["text"]
     ref_ids, _, _ = reference(prompt, False)
     pieces = [reference.tokenizer.decode(ref_ids[:i], skip_special_tokens=True) for i in range(len(ref_ids) + 1)]
     # a stop string that starts inside one token and ends inside a later one
     start = len(pieces[2]) - 2
     stop = full[start : len(pieces[4]) - 1]
     assert len(stop) >= 3
-    r = requests.post(
-        f"{real_server.url}/inference/{model_name}",
-        stream=True,
-        timeout=120,
-        json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stop_sequence": [stop]},
-    )
+    body = {"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stop_sequence": [stop]}
+    r = native(real_server, model_name, body, stream=True, timeout=120)
     streamed = b"".join(r.raw.read_chunked(decode_content=False)).decode("utf-8")
     assert streamed == full[: full.index(stop)]
-    result = native(real_server, model_name, text=prompt, temperature=0, max_tokens=MAX_TOKENS, stop_sequence=stop)
+    result = answer(real_server, model_name, text=prompt, temperature=0, max_tokens=MAX_TOKENS, stop_sequence=stop)
     assert result["text"] == streamed and result["finish_reason"] == "stop"
 
 
 def test_seed_reproduces_sampled_output(real_server, model_name):
     body = dict(text="Tell me something surprising.", temperature=1.0, top_k=50, top_p=0.95, max_tokens=16)
-    a = native(real_server, model_name, seed=1234, **body)["text"]
-    b = native(real_server, model_name, seed=1234, **body)["text"]
-    others = {native(real_server, model_name, seed=s, **body)["text"] for s in (1, 2, 3)}
+    a = answer(real_server, model_name, seed=1234, **body)["text"]
+    b = answer(real_server, model_name, seed=1234, **body)["text"]
+    others = {answer(real_server, model_name, seed=s, **body)["text"] for s in (1, 2, 3)}
     assert a == b
     assert len(others | {a}) > 1
 
 
 def test_non_streaming_reports_counts_and_reason(real_server, model_name, hf_tokenizer):
     prompt = "Count: one, two, three,"
-    result = native(real_server, model_name, text=prompt, temperature=0, max_tokens=5)
+    result = answer(real_server, model_name, text=prompt, temperature=0, max_tokens=5)
     assert result["finish_reason"] == "length" and result["completion_tokens"] == 5
     assert result["prompt_tokens"] == len(hf_tokenizer.encode(prompt))
-    chat = requests.post(
-        f"{real_server.url}/predictions/{model_name}",
-        timeout=120,
-        json={"text": "What is the capital of France?", "temperature": 0, "stream": False},
-    ).json()
+    chat = answer(real_server, model_name, chat=True, text="What is the capital of France?", temperature=0)
     assert "Paris" in chat["text"] and chat["finish_reason"] == "eos"
 
 
 def test_prompt_plus_max_tokens_must_fit_the_context(real_server, model_name):
-    r = requests.post(
-        f"{real_server.url}/inference/{model_name}", timeout=30, json={"text": "word " * 600, "max_tokens": 600}
-    )
+    r = native(real_server, model_name, {"text": "word " * 600, "max_tokens": 600})
     assert r.status_code == 400 and "context" in r.json()["message"]
 
 
 def test_disconnect_frees_the_row(real_server, model_name):
     real_server.wait_idle()
     # greedy through the chat template: hundreds of tokens, never an early end token (sampling could end it at once)
-    r = requests.post(
-        f"{real_server.url}/predictions/{model_name}",
-        stream=True,
-        timeout=60,
-        json={"text": "Write a very long essay about rivers.", "max_tokens": 900, "temperature": 0},
-    )
+    essay = {"text": "Write a very long essay about rivers.", "max_tokens": 900, "temperature": 0}
+    r = native(real_server, model_name, essay, chat=True, stream=True, timeout=60)
     next(r.iter_content(chunk_size=None))
     assert real_server.health()["rows_in_use"] == 1
     r.close()
@@ -129,9 +102,7 @@ def test_a_prompt_sent_again_beside_a_running_stream_leaves_both_answers_intact(
     essay, story = "Write a long essay about rivers and the sea.", "Here is a short story about a lighthouse:"
     with ThreadPoolExecutor(1) as pool:
         running = pool.submit(complete, essay, 400)  # row 0, 400 steps
-        deadline = time.monotonic() + 60
-        while server.health()["rows_in_use"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        assert wait_for(lambda: server.health()["rows_in_use"], 60, 0.02)
         first = complete(story, MAX_TOKENS)  # row 1
         again = complete(story, MAX_TOKENS)  # row 1 again, one token left to compute
         assert not running.done()  # 42 steps against 400: the essay was decoding all along

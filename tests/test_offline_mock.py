@@ -3,10 +3,9 @@ handles, generate order, and one validation with the HTTP API."""
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import requests
+from servers import wait_for
 
 from inference_api import LLM, EngineError, ParameterError, RequestStatus, SamplingParams
 
@@ -20,14 +19,7 @@ def llm():
         yield llm
 
 
-def wait_for(predicate, timeout: float = 30.0, interval: float = 0.002):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError("condition not reached in time")
+FAST = 0.002  # the poll of a state the engine passes through in a few (mock) steps, not to miss it
 
 
 def read_all(handle, timeout: float = 30.0) -> str:
@@ -47,17 +39,19 @@ def idle(llm) -> bool:
 
 
 def test_every_status_stop_sync_and_release(llm):
-    wait_for(lambda: idle(llm))
+    assert wait_for(lambda: idle(llm))
     params = SamplingParams(max_tokens=2000, temperature=0)
     first = llm.start_request("a", params)
     assert first.status in (RequestStatus.WAITING, RequestStatus.PREFILLING, RequestStatus.GENERATING)
-    wait_for(lambda: first.status is RequestStatus.GENERATING)
-    long_prompt = llm.start_request("x" * 800, SamplingParams(max_tokens=30, temperature=0))  # 100 prefill steps
+    assert wait_for(lambda: first.status is RequestStatus.GENERATING, interval=FAST)
+    # 100 prefill steps, then 1,000 tokens: still generating when it is synced and released below, however slow
+    # the machine (it is released long before it could end)
+    long_prompt = llm.start_request("x" * 800, SamplingParams(max_tokens=1000, temperature=0))
     queued = llm.start_request("q", SamplingParams(max_tokens=12, temperature=0))
-    wait_for(lambda: long_prompt.status is RequestStatus.PREFILLING)
+    assert wait_for(lambda: long_prompt.status is RequestStatus.PREFILLING, interval=FAST)
     assert queued.status is RequestStatus.WAITING  # both rows are taken
     assert queued.queue.get(timeout=0.2) is None and queued.queue.get_nowait() is None  # nothing yet: timeouts
-    wait_for(lambda: long_prompt.status is RequestStatus.GENERATING)
+    assert wait_for(lambda: long_prompt.status is RequestStatus.GENERATING, interval=FAST)
 
     # stop: the output so far stays readable, then the queue ends; the row goes to the waiting request
     got = first.queue.get(timeout=5)
@@ -67,7 +61,7 @@ def test_every_status_stop_sync_and_release(llm):
     rest = read_all(first)
     assert (got.text + rest).startswith("Echo: a")
     assert first.queue.get(timeout=0.1) is None  # ended: never blocks
-    wait_for(lambda: queued.status in (RequestStatus.PREFILLING, RequestStatus.GENERATING))
+    assert wait_for(lambda: queued.status in (RequestStatus.PREFILLING, RequestStatus.GENERATING), interval=FAST)
 
     # sync: a timeout returns the current status; without one it waits for the end, keeping the output queued
     assert llm.sync_request(long_prompt, timeout=0.05) is RequestStatus.GENERATING
@@ -79,7 +73,7 @@ def test_every_status_stop_sync_and_release(llm):
     assert long_prompt.status is RequestStatus.GENERATING
     llm.release_request(long_prompt)
     assert long_prompt.status is RequestStatus.INTERRUPTED and long_prompt.queue.get(timeout=0.1) is None
-    wait_for(lambda: idle(llm))
+    assert wait_for(lambda: idle(llm))
 
 
 def test_outputs_carry_tokens_text_counts_and_logprobs(llm):
@@ -100,31 +94,35 @@ def test_outputs_carry_tokens_text_counts_and_logprobs(llm):
 
 
 def test_many_handles_beyond_the_rows_each_get_their_own_text(llm):
-    wait_for(lambda: idle(llm))
+    assert wait_for(lambda: idle(llm))
+    holders = [llm.start_request("hold", SamplingParams(max_tokens=2000)) for _ in range(ROWS)]
+    assert wait_for(lambda: all(h.status is RequestStatus.GENERATING for h in holders), interval=FAST)
     handles = [
         llm.start_request(f"p{i:02d}", SamplingParams(max_tokens=9 + i % 3, temperature=0)) for i in range(24)
-    ]  # 12 times the rows; most wait
-    assert sum(h.status is RequestStatus.WAITING for h in handles) >= 24 - ROWS - 1
+    ]  # 12 times the rows, every row held: all wait
+    assert all(h.status is RequestStatus.WAITING for h in handles)
+    for holder in holders:
+        llm.release_request(holder)
     for i, h in enumerate(reversed(handles)):  # read in another order than they run
         i = 23 - i
         assert read_all(h) == echo(f"p{i:02d}", 9 + i % 3) and h.status is RequestStatus.FINISHED
-    wait_for(lambda: idle(llm))
+    assert wait_for(lambda: idle(llm))
 
 
 def test_queue_bound_is_a_clear_error(llm):
-    wait_for(lambda: idle(llm))
+    assert wait_for(lambda: idle(llm))
     limit = llm.config.max_open_sessions
     handles = [llm.start_request("b", SamplingParams(max_tokens=500)) for _ in range(limit)]
     with pytest.raises(EngineError, match="busy"):
         llm.start_request("one too many")
     for h in handles:
         llm.release_request(h)
-    wait_for(lambda: idle(llm))
+    assert wait_for(lambda: idle(llm))
     assert llm.generate(["after"], SamplingParams(max_tokens=5), use_tqdm=False)[0].text == "Echo:"
 
 
 def test_generate_keeps_input_order_over_an_iterable(llm, capsys):
-    wait_for(lambda: idle(llm))
+    assert wait_for(lambda: idle(llm))
     lengths = [30, 3, 17, 6, 25, 9, 12, 4, 20, 7]  # finish out of order
     prompts = (f"n{i}" for i in range(len(lengths)))  # a generator: read lazily
     results = llm.generate(prompts, [SamplingParams(max_tokens=n, temperature=0) for n in lengths], use_tqdm=False)
@@ -218,14 +216,14 @@ def test_bad_prompts_and_options_name_the_field(llm):
     assert [(r.text, r.finish_reason) for r in results] == [("Echo", "length"), ("", "error"), ("Echo", "length")]
     with pytest.raises(ParameterError, match="unknown option 'max_users'"):
         LLM(mock=True, max_users=4)
-    wait_for(lambda: idle(llm))
+    assert wait_for(lambda: idle(llm))
 
 
 def test_close_interrupts_open_requests_and_stops_the_engine():
     llm = LLM(mock=True, rows=1, mock_tokens_per_second=50)
     running = llm.start_request("r", SamplingParams(max_tokens=1000))
     waiting = llm.start_request("w", SamplingParams(max_tokens=1000))
-    wait_for(lambda: running.status is RequestStatus.GENERATING)
+    assert wait_for(lambda: running.status is RequestStatus.GENERATING, interval=FAST)
     process = llm._client.process
     with llm:
         pass  # the context manager closes it
@@ -243,7 +241,7 @@ def test_engine_death_interrupts_open_requests_with_the_error():
     with LLM(mock=True, rows=1, mock_tokens_per_second=50) as llm:
         running = llm.start_request("r", SamplingParams(max_tokens=1000))
         waiting = llm.start_request("w", SamplingParams(max_tokens=1000))
-        wait_for(lambda: running.status is RequestStatus.GENERATING)
+        assert wait_for(lambda: running.status is RequestStatus.GENERATING, interval=FAST)
         os.kill(llm._client.process.pid, signal.SIGKILL)
         for handle in (running, waiting):
             assert llm.sync_request(handle, timeout=30) is RequestStatus.INTERRUPTED
@@ -257,7 +255,7 @@ def test_past_the_restart_bound_the_llm_fails_and_the_program_lives_on():
     # the server's worker exits past the bound (gunicorn replaces it); a user's program must not be signalled
     with LLM(mock=True, rows=1, engine_max_restarts=0) as llm:
         os.kill(llm._client.process.pid, signal.SIGKILL)
-        wait_for(lambda: llm._client.failure is not None)
+        assert wait_for(lambda: llm._client.failure is not None, interval=FAST)
         assert "crashed" in llm._client.failure
         with pytest.raises(EngineError, match="crashed"):
             llm.start_request("after")

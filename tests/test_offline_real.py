@@ -4,11 +4,9 @@ list give the server's greedy answers for the same prompts."""
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
-import requests
-from greedy import MAX_TOKENS, PROMPTS, assert_greedy_equivalent
+from greedy import MAX_TOKENS, PROMPTS, assert_greedy_equivalent, served_answers
 from servers import MODEL_CACHE
 
 from inference_api import LLM, ParameterError, SamplingParams
@@ -21,22 +19,6 @@ def llm():
         yield llm
 
 
-def server_answers(server, model_name: str, prompts: list[str], chat: bool) -> list[str]:
-    route = "predictions" if chat else "inference"
-
-    def one(prompt: str) -> str:
-        r = requests.post(
-            f"{server.url}/{route}/{model_name}",
-            timeout=300,
-            json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": False},
-        )
-        assert r.status_code == 200, r.text
-        return r.json()["text"]
-
-    with ThreadPoolExecutor(len(prompts)) as pool:
-        return list(pool.map(one, prompts))
-
-
 @pytest.mark.parametrize("chat", [False, True], ids=["generate", "chat"])
 def test_greedy_offline_answers_equal_the_servers(llm, real_server, model_name, chat, request):
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
@@ -47,7 +29,7 @@ def test_greedy_offline_answers_equal_the_servers(llm, real_server, model_name, 
     else:
         results = llm.generate(prompts, params, use_tqdm=False)
     offline_s = time.monotonic() - started
-    served = server_answers(real_server, model_name, prompts, chat)
+    served = served_answers(real_server, model_name, [(p, chat) for p in prompts])
     server_s = time.monotonic() - started - offline_s
     print(f"offline {offline_s:.1f} s, server {server_s:.1f} s for {len(prompts)} prompts")
     assert [r.index for r in results] == list(range(len(prompts)))

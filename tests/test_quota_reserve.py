@@ -26,9 +26,8 @@ class Clock:
 
 @pytest.fixture(scope="module")
 def redis_server():
-    server = RedisProcess()
-    yield server
-    server.stop()
+    with RedisProcess() as server:
+        yield server
 
 
 @pytest.fixture(params=["memory", "redis"])

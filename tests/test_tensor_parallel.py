@@ -16,39 +16,24 @@ from pathlib import Path
 
 import pytest
 import requests
-import torch
 import transformers as T
-from greedy import MAX_TOKENS, PROMPTS, assert_greedy_equivalent
-from servers import MODEL_CACHE, ServerProcess, wait_for
-from test_model_loader import VOCAB
-from tiny import tiny_llama_config
+from greedy import JOBS, assert_greedy_equivalent, served_answers
+from servers import MODEL_CACHE, ServerProcess, native, wait_for
+from tiny import PROMPTS, engine_greedy, save_tiny_model, tiny_config, tiny_engine, tiny_llama_config
 
 from inference_api.config import ServerConfig
-from inference_api.engine.messages import GenerateRequest, SamplingParams
 from inference_api.engine.plan import Machine, ModelFacts, PlanError, make_plan
 from inference_api.engine.preflight import PreflightError, estimate, preflight
-from inference_api.engine.process import build_engine
+
+ESSAY = {"text": "Write a very long essay about rivers.", "max_tokens": 400, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
 def tp3_server():
     """The embedded model in the exact mode (float32 weights and KV cache) split over 3 ranks."""
-    server = ServerProcess(
-        "--model-cache-dir",
-        MODEL_CACHE,
-        "--context-length",
-        "512",
-        "--rows",
-        "41",
-        "--quantize",
-        "none",
-        "--dtype",
-        "float32",
-        "--tensor-parallel-size",
-        "3",
-    )
-    yield server
-    server.stop()
+    flags = ("--context-length", "512", "--rows", "41", "--quantize", "none", "--dtype", "float32")
+    with ServerProcess("--model-cache-dir", MODEL_CACHE, *flags, "--tensor-parallel-size", "3") as server:
+        yield server
 
 
 def test_three_ranks_answer_as_generate_and_report_every_rank(tp3_server, model_name, reference):
@@ -59,36 +44,19 @@ def test_three_ranks_answer_as_generate_and_report_every_rank(tp3_server, model_
     assert health["tensor_parallel_size"] == 3 and health["quantize"] == "none"
     assert [r["rank"] for r in health["ranks"]] == [0, 1, 2] and all(r["alive"] for r in health["ranks"])
     assert health["ranks"][0]["pid"] == health["backend_pid"]
-    jobs = [(p, i % 5 == 4) for i, p in enumerate(PROMPTS)]  # every fifth through the chat template
-
-    def run(job):
-        prompt, chat = job
-        route = "predictions" if chat else "inference"
-        r = requests.post(
-            f"{tp3_server.url}/{route}/{model_name}",
-            timeout=300,
-            json={"text": prompt, "temperature": 0, "max_tokens": MAX_TOKENS, "stream": False},
-        )
-        assert r.status_code == 200, r.text
-        return r.json()["text"]
 
     def cancelled() -> None:
         """A client that goes away mid-stream, among the others: its row is freed on every rank's step."""
-        r = requests.post(
-            f"{tp3_server.url}/predictions/{model_name}",
-            stream=True,
-            timeout=300,
-            json={"text": "Write a very long essay about rivers.", "max_tokens": 400, "temperature": 0},
-        )
+        r = native(tp3_server, model_name, ESSAY, chat=True, stream=True, timeout=300)
         assert next(r.iter_content(chunk_size=None))
         r.close()
 
-    with ThreadPoolExecutor(len(jobs) + 1) as pool:
+    with ThreadPoolExecutor(1) as pool:
         gone = pool.submit(cancelled)
-        texts = list(pool.map(run, jobs))
+        texts = served_answers(tp3_server, model_name, JOBS)
         gone.result()
     assert len(set(texts)) > 30  # distinct prompts, distinct answers: nothing mixed or duplicated
-    for (prompt, chat), text in zip(jobs, texts):
+    for (prompt, chat), text in zip(JOBS, texts):
         assert_greedy_equivalent(text, prompt, chat, reference)
     metrics = requests.get(tp3_server.url + "/metrics", timeout=5).text
     assert all(f'inference_engine_rank_up{{rank="{r}"}} 1.0' in metrics for r in range(3)), metrics
@@ -103,12 +71,7 @@ def test_a_rank_killed_while_streaming_ends_the_request_and_the_group_restarts(t
     tp3_server.wait_idle()
     old = tp3_server.health()
     old_pids = [r["pid"] for r in old["ranks"]]
-    r = requests.post(
-        f"{tp3_server.url}/predictions/{model_name}",
-        stream=True,
-        timeout=120,
-        json={"text": "Write a very long essay about rivers.", "max_tokens": 400, "temperature": 0},
-    )
+    r = native(tp3_server, model_name, ESSAY, chat=True, stream=True, timeout=120)
     chunks = r.iter_content(chunk_size=None)
     assert next(chunks)
     os.kill(old_pids[1], signal.SIGKILL)
@@ -121,10 +84,8 @@ def test_a_rank_killed_while_streaming_ends_the_request_and_the_group_restarts(t
     assert len(health["ranks"]) == 3 and all(r["alive"] for r in health["ranks"])
     assert not {r["pid"] for r in health["ranks"]} & set(old_pids)
     assert wait_for(lambda: not any(_running(pid) for pid in old_pids), 20), "a rank of the old group survived"
-    answer = requests.post(
-        f"{tp3_server.url}/inference/{model_name}",
-        timeout=120,
-        json={"text": "One, two,", "temperature": 0, "max_tokens": 4, "stream": False},
+    answer = native(
+        tp3_server, model_name, {"text": "One, two,", "temperature": 0, "max_tokens": 4, "stream": False}, timeout=120
     )
     assert answer.status_code == 200 and answer.json()["completion_tokens"] == 4
     # SIGTERM, as a process manager sends it, with a stream in flight: the server drains (the stream ends whole),
@@ -173,51 +134,23 @@ def _running(pid: int) -> bool:
 
 
 # tiny random models, in-process
-TINY_PROMPTS = ["Hello there, how are", "The quick brown fox jumps over the lazy dog and then it", "One"]
-
-
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory, model_dir):
     """A random llama with 8 attention heads and 4 KV heads (divisible by 2 and 4) of 16 dims, the real tokenizer."""
-    folder = tmp_path_factory.mktemp("tiny-tp")
-    torch.manual_seed(0)
-    model = T.AutoModelForCausalLM.from_config(tiny_llama_config(VOCAB))
-    model.save_pretrained(folder)
-    T.AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
-    return folder
+    return save_tiny_model(tiny_llama_config(), tmp_path_factory.mktemp("tiny-tp"), model_dir)
 
 
 @functools.cache  # one rank's tokens serve every size's comparison
 def _greedy(folder, size: int, quantize: str) -> list[list[int]]:
     """Each prompt's 10 greedy tokens from an engine split over ``size`` ranks, the prompts decoded together and
     the long one prefilled in chunks of 8."""
-    engine, ready = build_engine(
-        ServerConfig(
-            model=str(folder),
-            rows=4,
-            context_length=128,
-            prefill_chunk=8,
-            quantize=quantize,
-            dtype="float32",
-            kv_dtype="float32",
-            tensor_parallel_size=size,
-        )
+    engine, ready = tiny_engine(
+        folder, 128, quantize=quantize, dtype="float32", kv_dtype="float32", tensor_parallel_size=size
     )
     try:
         assert ready.tensor_parallel_size == size and len(ready.rank_pids) == size - 1
         tok = T.AutoTokenizer.from_pretrained(folder)
-        for i, p in enumerate(TINY_PROMPTS):
-            engine.add(
-                GenerateRequest(
-                    str(i), tuple(tok.encode(p)), SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
-                )
-            )
-        out: dict[str, list[int]] = {str(i): [] for i in range(len(TINY_PROMPTS))}
-        while engine.has_work:
-            for event in engine.step():
-                assert event.error is None, event.error
-                out[event.session_id].extend(event.token_ids)
-        return [out[str(i)] for i in range(len(TINY_PROMPTS))]
+        return engine_greedy(engine, [tok.encode(p) for p in PROMPTS], 10)
     finally:
         close = getattr(engine.runner, "close", None)
         if close is not None:
@@ -238,16 +171,8 @@ def test_an_input_split_that_breaks_quantized_blocks_is_refused():
     from inference_api.model.families import describe
     from inference_api.model.linear import quantize as quantize_weight
 
-    model = T.AutoModelForCausalLM.from_config(
-        T.LlamaConfig(
-            vocab_size=256,
-            hidden_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=4,
-            num_key_value_heads=4,
-            intermediate_size=128,
-        )
-    )
+    config = tiny_config("llama", 256, layers=1, initializer_range=None, num_key_value_heads=4)
+    model = T.AutoModelForCausalLM.from_config(config)
     spec = describe(model.config)
     layer = HFWeights(model, spec.family).layer(0)
     blocks = {**layer, "o": quantize_weight(layer["o"], "int4")}

@@ -48,7 +48,10 @@ class Metrics:
         stats: Callable[[], EngineStats],
         open_sessions: Callable[[], int],
         ranks_alive: Callable[[], list[bool]] = list,
+        clock: Callable[[], float] = time.monotonic,
     ):
+        """``clock``: the monotonic time the latencies are measured on (the same clock as the times passed in)."""
+        self.clock = clock
         self.registry = r = CollectorRegistry()
         self.requests = Counter(
             "inference_http_requests",
@@ -125,7 +128,7 @@ class Metrics:
         submission time, when these are the request's first (time to first token); else ``previous_at``: when
         its previous tokens arrived (time per output token: each of these tokens is observed as an equal share of
         the gap). Tokens that come in the same event as the first have no gap of their own and are not observed."""
-        now = time.monotonic()
+        now = self.clock()
         self.generated_tokens.inc(count)
         if count and first_since is not None:
             self.ttft.observe(now - first_since)
@@ -155,7 +158,7 @@ class Metrics:
     def ended(self, reason: FinishReason, started: float) -> None:
         """A request left the server: finished, failed, or abandoned by its client (cancelled)."""
         self.finished.labels(reason.value).inc()
-        self.duration.observe(time.monotonic() - started)
+        self.duration.observe(self.clock() - started)
 
     def answered(self, api: str, status: int) -> None:
         """An HTTP answer of an API family (``error_shapes``), never labelled with the raw path."""

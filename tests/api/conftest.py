@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import requests
+import servers
 
 
 @pytest.fixture(scope="session")
@@ -18,9 +19,8 @@ def native(real_server, model_name):
     """The native API's non-streaming answer: greedy unless told otherwise; chat goes through /predictions."""
 
     def call(text: str, max_tokens: int, chat: bool = False, **fields) -> dict:
-        route = "predictions" if chat else "inference"
         body = {"text": text, "max_tokens": max_tokens, "temperature": 0, "stream": False, **fields}
-        response = requests.post(f"{real_server.url}/{route}/{model_name}", json=body, timeout=60)
+        response = servers.native(real_server, model_name, body, chat=chat, timeout=60)
         response.raise_for_status()
         return response.json()
 

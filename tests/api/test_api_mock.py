@@ -6,13 +6,12 @@ import json
 import os
 import signal
 import socket
-import time
 
 import openai
 import pytest
 import requests
 import text_generation
-from servers import ServerProcess
+from servers import ServerProcess, wait_for
 
 
 def open_chat_stream(server, model_name: str, text: str) -> socket.socket:
@@ -33,9 +32,7 @@ def test_queue_full_gives_503_with_retry_after_in_each_api_format(mock_server, m
     mock_server.wait_idle()
     socks = [open_chat_stream(mock_server, model_name, f"user {i}") for i in range(8)]  # 4 rows + 4 places
     try:
-        deadline = time.monotonic() + 10
-        while mock_server.health()["open_sessions"] < 8 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        assert wait_for(lambda: mock_server.health()["open_sessions"] == 8, 10), mock_server.health()
         r = requests.post(
             mock_server.url + "/v1/chat/completions",
             timeout=10,
@@ -66,8 +63,7 @@ def test_each_stream_gets_its_own_echo(mock_server, model_name):
 
 
 def test_engine_failure_mid_stream_is_an_error_event(model_name):
-    server = ServerProcess("--mock", "--mock-tokens-per-second", "20")
-    try:
+    with ServerProcess("--mock", "--mock-tokens-per-second", "20") as server:
         client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
         chat = client.chat.completions.create(
             model=model_name, messages=[{"role": "user", "content": "doomed"}], max_tokens=1000, stream=True
@@ -82,5 +78,3 @@ def test_engine_failure_mid_stream_is_an_error_event(model_name):
         with pytest.raises(text_generation.errors.GenerationError):
             for _ in tgi:
                 pass
-    finally:
-        server.stop()

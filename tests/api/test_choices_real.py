@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import re
 import threading
-import time
 from collections import defaultdict
 
 import requests
-from servers import wait_idle
+from servers import wait_for, wait_idle
 
 PROMPT = "The three most useful kitchen tools are"
 
@@ -96,12 +95,13 @@ def test_echo_and_prompt_logprobs_agree_with_the_generated_tokens(oai, model_nam
 
 
 def test_cancelling_a_streamed_n4_request_frees_every_row_and_others_are_unchanged(oai, model_name, real_server):
+    wait_idle(real_server)
     question = [{"role": "user", "content": "What is the capital of France?"}]
     alone = oai.chat.completions.create(model=model_name, messages=question, max_tokens=16, temperature=0)
     beside = {}
 
-    def other():
-        time.sleep(0.3)
+    def other():  # beside the n=4 stream, once it runs
+        assert wait_for(lambda: real_server.health()["rows_in_use"] > 0, 60), "the n=4 stream never took a row"
         beside["answer"] = oai.chat.completions.create(
             model=model_name, messages=question, max_tokens=16, temperature=0
         )

@@ -237,13 +237,7 @@ def test_llama_stack_tools(llama_stack, model_name):
         "required": ["city"],
         "additionalProperties": False,
     }
-    fields = {
-        "model": model_name,
-        "messages": ASK,
-        "tools": tools,
-        "tool_choice": "required",
-        "sampling_params": {"strategy": "greedy", "max_tokens": 60},
-    }
+    fields = forced_call(model_name, tools, 60)
     message = llama_stack.inference.chat_completion(**fields).completion_message
     assert message.stop_reason == "end_of_message" and len(message.tool_calls) == 1
     call = message.tool_calls[0]
@@ -289,17 +283,22 @@ def test_openai_legacy_functions_point_to_tools(client, model_name):
         assert info.value.body["param"] == next(iter(fields)) and "tools" in info.value.body["message"]
 
 
-def test_llama_stack_forced_call_cut_short_is_failed_text(llama_stack, model_name):
-    """A required call cut off by max_tokens does not parse into a ToolCall: as llama-stack's server gives it,
-    text (the answer's content; in a stream, a tool-call delta with parse_status failure) and out_of_tokens."""
-    tools = [{"tool_name": "get_weather", "parameters": {"city": {"param_type": "str"}}}]
-    fields = {
+def forced_call(model_name: str, tools: list[dict], max_tokens: int) -> dict:
+    """A llama-stack chat completion of ASK that must call one of the tools, greedy."""
+    return {
         "model": model_name,
         "messages": ASK,
         "tools": tools,
         "tool_choice": "required",
-        "sampling_params": {"strategy": "greedy", "max_tokens": 8},
+        "sampling_params": {"strategy": "greedy", "max_tokens": max_tokens},
     }
+
+
+def test_llama_stack_forced_call_cut_short_is_failed_text(llama_stack, model_name):
+    """A required call cut off by max_tokens does not parse into a ToolCall: as llama-stack's server gives it,
+    text (the answer's content; in a stream, a tool-call delta with parse_status failure) and out_of_tokens."""
+    tools = [{"tool_name": "get_weather", "parameters": {"city": {"param_type": "str"}}}]
+    fields = forced_call(model_name, tools, 8)
     message = llama_stack.inference.chat_completion(**fields).completion_message
     assert message.stop_reason == "out_of_tokens" and not message.tool_calls
     assert message.content.startswith("<tool_call>")

@@ -14,7 +14,7 @@ import jwt
 import pytest
 import requests
 from image_spec import exec_form, healthcheck, local_argv, local_env, stages
-from servers import ROOT, Process, free_port
+from servers import ROOT, Process, free_port, wait_for
 
 SECRET = "image-test-secret-" + "0123456789abcdef" * 3
 
@@ -41,17 +41,16 @@ def stack():
     ports = {"PORT": str(free_port()), "PROXY_PORT": str(free_port())}
     # the test's only changes: its ports, the proxy on loopback, the mock backend, a secret
     env = local_env(server, **ports, PROXY_HOST="127.0.0.1", MOCK_MODEL="1", MAX_USERS="4", JWT_SECRET=SECRET)
-    process = Process(
+    with Process(
         local_argv(exec_form(server.last("CMD"))),
         int(ports["PROXY_PORT"]),
         env=env,
         ready_timeout=180,
         ready_status=200,
-    )
-    process.env = env
-    process.server_port = int(ports["PORT"])
-    yield process
-    process.stop()
+    ) as process:
+        process.env = env
+        process.server_port = int(ports["PORT"])
+        yield process
 
 
 @pytest.mark.timeout(240)
@@ -77,10 +76,8 @@ def test_with_jwt_secret_both_come_up_and_a_token_streams_an_answer(stack):
     assert (
         requests.post(f"{stack.url}/predictions/{health['model']}", json={"text": "x"}, timeout=10).status_code == 401
     )
-    wait_for_line = time.monotonic() + 30
-    while "Ready:" not in stack.output() and time.monotonic() < wait_for_line:
-        time.sleep(0.2)
-    assert "Ready:" in stack.output() and token not in stack.output() and SECRET not in stack.output()
+    assert wait_for(lambda: "Ready:" in stack.output(), 30, 0.2), stack.output()[-3000:]
+    assert token not in stack.output() and SECRET not in stack.output()
 
 
 def test_the_server_listens_on_loopback_only(stack):
@@ -105,8 +102,7 @@ def test_the_proxy_image_command_fronts_the_server(stack):
         JWT_SECRET=SECRET,
         UPSTREAM_URL=f"http://127.0.0.1:{stack.server_port}",
     )
-    process = Process(local_argv(exec_form(proxy.last("CMD"))), port, env=env, ready_status=200)
-    try:
+    with Process(local_argv(exec_form(proxy.last("CMD"))), port, env=env, ready_status=200) as process:
         check = subprocess.run(local_argv(healthcheck(proxy)), cwd=ROOT, env=env, capture_output=True, timeout=30)
         assert check.returncode == 0, check.stderr
         model = requests.get(f"http://127.0.0.1:{stack.server_port}/health", timeout=10).json()["model"]
@@ -120,8 +116,6 @@ def test_the_proxy_image_command_fronts_the_server(stack):
             timeout=60,
         )
         assert answer.status_code == 200 and answer.content.startswith(b"Echo: slim")
-    finally:
-        process.stop()
 
 
 @pytest.mark.timeout(120)

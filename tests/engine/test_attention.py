@@ -1,5 +1,6 @@
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from tiny import small_llama_config
+from transformers import LlamaForCausalLM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from inference_api.model.attention import NAME, row_sdpa, use_row_attention
@@ -24,16 +25,7 @@ def test_row_sdpa_equals_transformers_sdpa_on_grouped_heads_with_a_mask():
 
 def _tiny_model(attn: str) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=64,
-        hidden_size=48,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=6,
-        num_key_value_heads=2,
-        attn_implementation=attn,
-    )
-    return LlamaForCausalLM(config).eval()
+    return LlamaForCausalLM(small_llama_config(attn_implementation=attn)).eval()
 
 
 def test_cpu_sdpa_model_switches_and_gives_the_same_logits():

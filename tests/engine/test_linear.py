@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 from servers import MODEL_CACHE
+from tiny import small_llama_config, tiny_config
 from torch import nn
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+from transformers import GPT2LMHeadModel, LlamaForCausalLM
 
 from inference_api.kernels import load_kernels
 from inference_api.kernels.quant import QuantLinear, quantize_int4
@@ -100,18 +101,10 @@ def test_with_a_bfloat16_copy_one_row_takes_the_kernel_and_several_rows_onednn(m
 def test_every_linear_of_a_transformers_model_is_replaced_and_logits_stay_the_same(model):
     torch.manual_seed(0)
     if model == "llama":
-        m = LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=64,
-                hidden_size=48,
-                intermediate_size=96,
-                num_hidden_layers=2,
-                num_attention_heads=6,
-                num_key_value_heads=2,
-            )
-        ).eval()
+        m = LlamaForCausalLM(small_llama_config()).eval()
     else:  # gpt2's projections are Conv1D, not nn.Linear: only its head is replaced
-        m = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=48, n_layer=2, n_head=4)).eval()
+        config = tiny_config("gpt2", 64, hidden_size=48, intermediate_size=None, initializer_range=None)
+        m = GPT2LMHeadModel(config).eval()
     ids = torch.tensor([[5, 9, 13, 2, 7]])
     with torch.inference_mode():
         before = m(input_ids=ids).logits

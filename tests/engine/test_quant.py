@@ -33,6 +33,16 @@ def _weight(n: int, k: int) -> torch.Tensor:
     return torch.randn(n, k) * 0.05
 
 
+def _packed(form: str, n: int, k: int):
+    """The seeded n x k weight in one of the kernels' forms."""
+    w = _weight(n, k)
+    return {
+        "int8-channel": lambda: quantize_int8(w),
+        "int8-group32": lambda: quantize_int8(w, 32),
+        "int4": lambda: quantize_int4(w),
+    }[form]()
+
+
 # 70 x 96: not a multiple of the one-row kernel's 4-row passes nor of the tiles' 12 or 6 weight rows;
 # 200 x 416: several chunks of weight rows and three passes over the inputs (192, 192, 32) in the tiles
 @pytest.mark.parametrize("shape", [(70, 96), (200, 416)])
@@ -41,12 +51,7 @@ def _weight(n: int, k: int) -> torch.Tensor:
 @pytest.mark.parametrize("bias", [False, True])
 def test_quantized_linear_is_float32_linear_on_the_dequantized_weight(kernels, shape, rows, form, bias):
     n, k = shape
-    w = _weight(n, k)
-    packed = {
-        "int8-channel": lambda: quantize_int8(w),
-        "int8-group32": lambda: quantize_int8(w, 32),
-        "int4": lambda: quantize_int4(w),
-    }[form]()
+    packed = _packed(form, n, k)
     b = torch.randn(n) if bias else None
     x = torch.randn(rows, k)
     if isinstance(packed, Int4Weight):
@@ -67,13 +72,7 @@ AVX2 = "avx2" in Path("/proc/cpuinfo").read_text()
 
 
 def _int8_input_case(form: str, n: int, k: int, rows: int):
-    w = _weight(n, k)
-    packed = {
-        "int8-channel": lambda: quantize_int8(w),
-        "int8-group32": lambda: quantize_int8(w, 32),
-        "int4": lambda: quantize_int4(w),
-    }[form]()
-    return packed, torch.randn(n), torch.randn(rows, k)
+    return _packed(form, n, k), torch.randn(n), torch.randn(rows, k)
 
 
 def _rounded_linear(packed, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

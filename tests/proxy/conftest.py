@@ -9,17 +9,15 @@ from stub_upstream import StubUpstream
 
 @pytest.fixture(scope="session")
 def stub():
-    server = StubUpstream()
-    yield server
-    server.stop()
+    with StubUpstream() as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
 def proxy(stub):
     """The proxy in front of the stand-in upstream, default settings apart from the listen port."""
-    process = start_proxy(stub.url)
-    yield process
-    process.stop()
+    with start_proxy(stub.url) as process:
+        yield process
 
 
 @pytest.fixture
@@ -44,13 +42,11 @@ def inference_server():
         import inference_api.__main__  # noqa: F401
     except ImportError as exc:
         pytest.skip(f"inference_api not importable: {exc}")
-    server = start_mock_inference_server(tokens_per_second=50)
-    yield server
-    server.stop()
+    with start_mock_inference_server(tokens_per_second=50) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
 def inference_proxy(inference_server):
-    process = start_proxy(inference_server.url)
-    yield process
-    process.stop()
+    with start_proxy(inference_server.url) as process:
+        yield process

@@ -2,13 +2,14 @@
 
 Paths (any method):
   GET /health              JSON like the inference server's health (open_sessions = streams in progress)
-  /stream?id=&chunks=&delay=&text=[&type=]
-                           chunked body "<text> <i>\\n" per chunk, `delay` seconds apart; progress and whether the
-                           reader went away are recorded in `StubUpstream.streams[id]`
-  /sized?id=&chunks=&delay=  the same with a Content-Length instead of chunking
+  /stream?id=&chunks=&delay=&text=[&type=][&gate=]
+                           chunked body "<text> <i>\\n" per chunk, `delay` seconds apart (with `gate`, the chunks
+                           after the first wait until the test opens that gate); progress and whether the reader
+                           went away are recorded in `StubUpstream.streams[id]`
+  /sized?id=&chunks=&delay=[&gate=]  the same with a Content-Length instead of chunking
   /utf8                    chunked body whose chunk boundaries split multi-byte characters
   /gzip                    a gzip-encoded body with Content-Encoding: gzip
-  /slow-headers?delay=     waits before sending any response
+  /slow-headers?gate=      sends no response until the test opens the gate (then `streams[gate].sent` counts it)
   /status/<code>           that status with a JSON body and a Retry-After header
   (everything)             503 with Retry-After: 2 while `overloaded` is set
   anything else            JSON echo of the method, raw target, headers and body (base64)
@@ -25,9 +26,10 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from servers import wait_for
+from servers import Stopped
 
 UTF8_TEXT = "héllo 日本 ✓ — done"
+GATE_TIMEOUT = 60  # a gate never opened: the stub goes on after this long (the tests' own timeouts are shorter)
 GZIP_TEXT = b"compressed " * 200
 
 
@@ -50,11 +52,12 @@ class _Server(ThreadingHTTPServer):
     request_queue_size = 256  # the load test opens many connections at once
 
 
-class StubUpstream:
+class StubUpstream(Stopped):
     def __init__(self):
         self.streams: dict[str, StreamRecord] = {}
         self.seen: list[str] = []  # every request target received, in order
         self.overloaded = False  # when set, every request is answered 503 with Retry-After (a full queue)
+        self.gates: dict[str, threading.Event] = {}
         self.lock = threading.Lock()
         self.server = _Server(("127.0.0.1", 0), _make_handler(self))
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
@@ -76,10 +79,14 @@ class StubUpstream:
         with self.lock:
             return sum(1 for r in self.streams.values() if r.sent and not r.done and not r.reader_gone)
 
-    def wait_for(self, predicate, timeout: float) -> bool:
-        return wait_for(predicate, timeout)
+    def gate(self, name: str) -> threading.Event:
+        """A gate the stub waits at (``gate=name`` in a target) until the test opens it (``.set()``)."""
+        with self.lock:
+            return self.gates.setdefault(name, threading.Event())
 
     def stop(self) -> None:
+        for gate in list(self.gates.values()):
+            gate.set()
         self.server.shutdown()
         self.server.server_close()
 
@@ -131,8 +138,10 @@ def _make_handler(stub: StubUpstream):
                     )
                     self.wfile.write(data)
                 elif url.path == "/slow-headers":
-                    time.sleep(float(query.get("delay", "3")))
+                    stub.gate(query["gate"]).wait(GATE_TIMEOUT)
                     self._json(200, {"slow": True})
+                    with stub.lock:
+                        stub.streams.setdefault(query["gate"], StreamRecord()).sent += 1
                 elif url.path.startswith("/status/"):
                     code = int(url.path.rsplit("/", 1)[1])
                     self._json(code, {"status": code}, {"Retry-After": "7"})
@@ -192,9 +201,12 @@ def _make_handler(stub: StubUpstream):
             else:
                 headers["Content-Length"] = str(sum(map(len, pieces)))
             self._start(200, headers)
+            gate = stub.gate(query["gate"]) if "gate" in query else None
             try:
                 for i, piece in enumerate(pieces):
-                    if i:
+                    if i and gate is not None:
+                        gate.wait(GATE_TIMEOUT)
+                    elif i:
                         time.sleep(delay)
                     if chunked:
                         self._chunk(piece)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import resource
+import select
 import signal
 import socket
 import threading
@@ -12,6 +13,7 @@ import time
 
 import requests
 from proxy_helpers import bearer, make_token, start_mock_inference_server, start_proxy
+from servers import stream_into, wait_for
 
 SLOW_CONNECTIONS = 1000
 
@@ -35,6 +37,14 @@ def read_until_closed(sock: socket.socket, timeout: float) -> bytes:
         if not piece:
             return data
         data += piece
+
+
+def all_still_open(socks: list[socket.socket]) -> bool:
+    """Nothing came from the other side of any of them, not even the end of the connection."""
+    poller = select.poll()
+    for sock in socks:
+        poller.register(sock, select.POLLIN)
+    return not poller.poll(0)
 
 
 def test_a_thousand_slow_clients_do_not_delay_a_legitimate_request(stub, make_proxy):
@@ -67,13 +77,15 @@ def test_a_thousand_slow_clients_do_not_delay_a_legitimate_request(stub, make_pr
         timings = []
         for _ in range(3):
             started = time.monotonic()
+            # answered while every slow client still holds its connection: none of them has reached its 60 s
+            # deadline, so a proxy that served them one at a time, or a thread each, would still be waiting
             r = requests.get(proxy.url + "/anything", headers=good, timeout=30)
             timings.append(time.monotonic() - started)
             assert r.status_code == 200
             for sock in trickling[:100]:
                 sock.sendall(b"x")
         print(f"legitimate request with {SLOW_CONNECTIONS} slow connections open: {timings}")
-        assert min(timings) < 1.0, timings
+        assert all_still_open(trickling + idle), "a slow client's connection ended first"
         assert requests.get(proxy.url + "/health", timeout=30).status_code == 200
         # every bad-token client got its 401 at once, its body unread, and its connection closed
         for sock in bad_token[:50]:
@@ -95,11 +107,9 @@ def test_header_and_body_deadlines(stub, make_proxy):
         + b"\r\nContent-Length: 100\r\n\r\n0123456789"
     )
     try:
-        started = time.monotonic()
         assert read_until_closed(headers, 20) == b""  # closed, unanswered
-        answer = read_until_closed(body, 20)
+        answer = read_until_closed(body, 20)  # the deadline it names is the one set
         assert answer.startswith(b"HTTP/1.1 408 ") and b"not received within 1 s" in answer
-        assert time.monotonic() - started < 15
         assert requests.get(proxy.url + "/health", timeout=10).status_code == 200
     finally:
         headers.close()
@@ -107,42 +117,25 @@ def test_header_and_body_deadlines(stub, make_proxy):
 
 
 def test_sigterm_to_server_and_proxy_lets_streams_through_the_proxy_finish():
-    server = start_mock_inference_server(tokens_per_second=10)
-    proxy = start_proxy(server.url)
-    model = requests.get(server.url + "/health", timeout=10).json()["model"]
-    token = bearer(make_token())
     expected = "Echo: ab — " * 9  # 117 tokens: about 11.7 s at 10 tokens/s
     out: dict = {}
-
-    def stream(key: str) -> None:
-        try:
-            with requests.post(
-                f"{proxy.url}/inference/{model}",
-                headers=token,
-                stream=True,
-                timeout=120,
-                json={"text": "ab", "max_tokens": len(expected.encode())},
-            ) as r:
-                out[key] = b"".join(r.iter_content(chunk_size=None)).decode()
-        except requests.RequestException as exc:
-            out[key] = exc
-
-    threads = [threading.Thread(target=stream, args=(f"s{i}",)) for i in range(4)]
-    try:
+    with start_mock_inference_server(tokens_per_second=10) as server, start_proxy(server.url) as proxy:
+        model = requests.get(server.url + "/health", timeout=10).json()["model"]
+        token = bearer(make_token())
+        url, body = f"{proxy.url}/inference/{model}", {"text": "ab", "max_tokens": len(expected.encode())}
+        threads = [
+            threading.Thread(target=stream_into, args=(out, f"s{i}", url, body), kwargs={"headers": token})
+            for i in range(4)
+        ]
         for t in threads:
             t.start()
-        deadline = time.monotonic() + 20
-        while requests.get(server.url + "/health", timeout=5).json()["rows_in_use"] < 4:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        assert wait_for(lambda: requests.get(server.url + "/health", timeout=5).json()["rows_in_use"] == 4, 20)
         started = time.monotonic()
         os.kill(server.proc.pid, signal.SIGTERM)
         os.kill(proxy.proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10  # the masters pass the signal on to their workers
-        while (health := requests.get(proxy.url + "/health", timeout=5)).status_code != 503:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert health.json()["status"] == "draining"
+        # the masters pass the signal on to their workers
+        assert wait_for(lambda: requests.get(proxy.url + "/health", timeout=5).status_code == 503, 10)
+        assert requests.get(proxy.url + "/health", timeout=5).json()["status"] == "draining"
         refused = requests.post(
             f"{proxy.url}/v1/completions", headers=token, json={"model": model, "prompt": "x"}, timeout=5
         )
@@ -150,10 +143,10 @@ def test_sigterm_to_server_and_proxy_lets_streams_through_the_proxy_finish():
         assert refused.json()["error"]["type"] == "server_error"
         for t in threads:
             t.join(120)
+        # they ran past gunicorn's old fixed 10 s, which would have cut them. A lower bound, which load only raises:
+        # the mock waits a whole step between tokens (it never catches up), and the streams, admitted just before
+        # SIGTERM, had nearly all of their 11.7 s to go
         assert time.monotonic() - started > 10
         assert out == {f"s{i}": expected for i in range(4)}
         server.proc.wait(30)
         proxy.proc.wait(30)
-    finally:
-        proxy.stop()
-        server.stop()

@@ -6,13 +6,13 @@ import gzip
 import http.client
 import socket
 import threading
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
 from proxy_helpers import bearer, free_port, make_token
+from servers import wait_for
 from stub_upstream import GZIP_TEXT, UTF8_TEXT
 
 
@@ -27,12 +27,16 @@ def expected_body(chunks: int, text: str = "tok") -> bytes:
     return b"".join(f"{text} {i}\n".encode() for i in range(chunks))
 
 
+def echo_status(proxy, token: str) -> int:
+    return requests.post(proxy.url + "/echo", headers=bearer(token), timeout=10).status_code
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("content_type", ["text/plain; charset=utf-8", "text/event-stream"])
 def test_first_chunk_arrives_while_upstream_still_generating(proxy, stub, content_type):
     stream_id = f"first-{uuid.uuid4().hex}"
     response = requests.post(
-        stream_url(proxy, stream_id, chunks=3, delay=1.5, type=content_type),
+        stream_url(proxy, stream_id, chunks=3, delay=0, type=content_type, gate=stream_id),
         headers=bearer(make_token()),
         stream=True,
         timeout=30,
@@ -40,12 +44,13 @@ def test_first_chunk_arrives_while_upstream_still_generating(proxy, stub, conten
     assert response.status_code == 200
     assert response.headers["Content-Type"] == content_type
     pieces = response.iter_content(chunk_size=None)
-    first = next(pieces)
+    first = next(pieces)  # the stub holds the rest until the gate opens: a proxy that buffered would never send it
     record = stub.record(stream_id)
     assert first == b"tok 0\n"
-    assert record.sent < 3 and not record.done, "the proxy buffered the stream"
+    assert record.sent == 1 and not record.done, "the proxy buffered the stream"
+    stub.gate(stream_id).set()
     assert first + b"".join(pieces) == expected_body(3)
-    assert stub.wait_for(lambda: record.done, timeout=10)  # the stub marks it done just after its last write
+    assert wait_for(lambda: record.done, 10)  # the stub marks it done just after its last write
 
 
 @pytest.mark.timeout(60)
@@ -53,13 +58,15 @@ def test_content_length_body_is_not_buffered_either(proxy, stub):
     stream_id = f"sized-{uuid.uuid4().hex}"
     conn = http.client.HTTPConnection("127.0.0.1", proxy.port, timeout=30)
     try:
-        conn.request("GET", f"/sized?id={stream_id}&chunks=3&delay=1.5&text=sz", headers=bearer(make_token()))
+        target = f"/sized?id={stream_id}&chunks=3&delay=0&text=sz&gate={stream_id}"
+        conn.request("GET", target, headers=bearer(make_token()))
         response = conn.getresponse()
         assert response.status == 200
         assert response.getheader("Content-Length") == str(len(expected_body(3, "sz")))
-        first = response.read1(1 << 16)
-        assert first.startswith(b"sz 0\n")
-        assert not stub.record(stream_id).done, "the proxy waited for the whole body"
+        first = response.read1(1 << 16)  # the stub holds the rest until the gate opens
+        assert first == b"sz 0\n"
+        assert stub.record(stream_id).sent == 1, "the proxy waited for the whole body"
+        stub.gate(stream_id).set()
         assert first + response.read() == expected_body(3, "sz")
     finally:
         conn.close()
@@ -108,12 +115,9 @@ def test_client_disconnect_closes_the_upstream_connection_and_frees_the_slot(stu
     assert busy.status_code == 429
     sock.close()
     record = stub.record(stream_id)
-    assert stub.wait_for(lambda: record.reader_gone, timeout=20), "upstream never saw the disconnect"
+    assert wait_for(lambda: record.reader_gone, 20), "upstream never saw the disconnect"
     assert not record.done
-    deadline = time.monotonic() + 20
-    while requests.get(proxy.url + "/echo", headers=bearer(token), timeout=10).status_code == 429:
-        assert time.monotonic() < deadline, "the team slot was not released after the disconnect"
-        time.sleep(0.1)
+    assert wait_for(lambda: echo_status(proxy, token) != 429, 20, 0.1), "the team slot was not released"
 
 
 def test_upstream_down_is_502(make_proxy):
@@ -128,11 +132,13 @@ def test_upstream_down_is_502(make_proxy):
 @pytest.mark.timeout(90)
 def test_slow_upstream_is_504_but_a_flowing_stream_is_never_cut(stub, make_proxy):
     proxy = make_proxy(stub.url, "--first-byte-timeout", "1")
-    started = time.monotonic()
-    response = requests.get(proxy.url + "/slow-headers?delay=4", headers=bearer(make_token()), timeout=30)
+    gate = f"slow-{uuid.uuid4().hex}"
+    response = requests.get(f"{proxy.url}/slow-headers?gate={gate}", headers=bearer(make_token()), timeout=30)
     assert response.status_code == 504
     assert response.json()["status_code"] == 504 and "1 s" in response.json()["message"]
-    assert time.monotonic() - started < 3.5
+    # the upstream holds its headers until the gate opens: the 504 came first, the proxy did not wait for them
+    assert stub.record(gate).sent == 0
+    stub.gate(gate).set()
     # pauses between chunks longer than the first-byte timeout do not cut a stream that has started
     response = requests.post(
         stream_url(proxy, f"pause-{uuid.uuid4().hex}", chunks=3, delay=2.0), headers=bearer(make_token()), timeout=30
@@ -167,10 +173,7 @@ def test_per_team_limit_is_429_with_retry_after(stub, make_proxy):
     assert other.status_code == 200
     for s in streams:
         assert s.content == expected_body(4)  # read to the end: the slots are released
-    deadline = time.monotonic() + 10
-    while requests.post(proxy.url + "/echo", headers=bearer(team_x), timeout=10).status_code == 429:
-        assert time.monotonic() < deadline, "slots not released after the streams ended"
-        time.sleep(0.1)
+    assert wait_for(lambda: echo_status(proxy, team_x) != 429, 10, 0.1), "slots not released after the streams ended"
 
 
 @pytest.mark.timeout(180)
@@ -198,8 +201,9 @@ def test_64_concurrent_streams_lose_nothing_and_never_mix(proxy, stub):
 def test_stream_idle_timeout_cuts_visibly(stub, make_proxy):
     """A stream silent for longer than --stream-idle-timeout is cut, and the client sees an incomplete response."""
     proxy = make_proxy(stub.url, "--stream-idle-timeout", "1")
+    stream_id = f"idle-{uuid.uuid4().hex}"
     response = requests.post(
-        stream_url(proxy, f"idle-{uuid.uuid4().hex}", chunks=3, delay=3.0),
+        stream_url(proxy, stream_id, chunks=3, delay=0, gate=stream_id),  # silent after its first chunk, until cut
         headers=bearer(make_token()),
         stream=True,
         timeout=30,
@@ -209,7 +213,6 @@ def test_stream_idle_timeout_cuts_visibly(stub, make_proxy):
     assert next(pieces) == b"tok 0\n"
     with pytest.raises(requests.exceptions.ChunkedEncodingError):
         b"".join(pieces)
-    deadline = time.monotonic() + 10
-    while '"error":"upstream stream broken' not in proxy.output():
-        assert time.monotonic() < deadline, proxy.output()
-        time.sleep(0.1)
+    assert stub.record(stream_id).sent == 1  # cut while the upstream was silent
+    stub.gate(stream_id).set()
+    assert wait_for(lambda: '"error":"upstream stream broken' in proxy.output(), 10, 0.1), proxy.output()

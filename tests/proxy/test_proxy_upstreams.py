@@ -40,9 +40,8 @@ def servers():
 
 @pytest.fixture(scope="module")
 def proxy(servers):
-    process = start_proxy([s.url for s in servers], "--upstream-cooldown", "1")
-    yield process
-    process.stop()
+    with start_proxy([s.url for s in servers], "--upstream-cooldown", "1") as process:
+        yield process
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +57,8 @@ def counts(servers) -> list[int]:
     return [open_sessions(s) for s in servers]
 
 
-def wait_idle(servers) -> None:
-    assert wait_for(lambda: counts(servers) == [0, 0, 0], 30), counts(servers)
+def all_idle(servers) -> None:
+    assert wait_for(lambda: counts(servers) == [0, 0, 0]), counts(servers)
 
 
 def open_stream(proxy, model, max_tokens=2000, team="team-a") -> requests.Response:
@@ -78,7 +77,7 @@ def open_stream(proxy, model, max_tokens=2000, team="team-a") -> requests.Respon
 
 @pytest.mark.timeout(180)
 def test_each_request_goes_to_the_upstream_with_the_fewest_open_requests(servers, proxy, model):
-    wait_idle(servers)
+    all_idle(servers)
     streams = []
     try:
         for _ in range(6):  # held open one after the other: 2, 2, 2
@@ -98,12 +97,12 @@ def test_each_request_goes_to_the_upstream_with_the_fewest_open_requests(servers
     finally:
         for stream in streams:
             stream.close()
-    wait_idle(servers)
+    all_idle(servers)
 
 
 @pytest.mark.timeout(180)
 def test_the_team_limit_counts_across_all_upstreams(servers, make_proxy, model):
-    wait_idle(servers)
+    all_idle(servers)
     limited = make_proxy([s.url for s in servers], "--max-concurrent-per-team", "2")
     streams = [open_stream(limited, model), open_stream(limited, model)]
     try:
@@ -120,7 +119,7 @@ def test_the_team_limit_counts_across_all_upstreams(servers, make_proxy, model):
     finally:
         for stream in streams:
             stream.close()
-    wait_idle(servers)
+    all_idle(servers)
 
 
 class Client:
@@ -159,7 +158,7 @@ class Client:
 
 @pytest.mark.timeout(300)
 def test_a_killed_server_loses_no_request_that_had_not_started_and_is_used_again_once_back(servers, proxy, model):
-    wait_idle(servers)
+    all_idle(servers)
     url = f"{proxy.url}/inference/{model}"
     # 12 requests of 3 s each over 3 servers of 2 rows: on each server 2 stream and 2 wait for a row
     clients = [Client(url, max_tokens=3 * TOKENS_PER_SECOND) for _ in range(12)]
@@ -189,14 +188,13 @@ def test_a_killed_server_loses_no_request_that_had_not_started_and_is_used_again
     port = victim.port
     servers[1] = start_mock_inference_server(TOKENS_PER_SECOND, *SERVER_FLAGS, port=port)
     seen = len(proxy.output())
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
+    used = rf'"upstream": ?"http://127\.0\.0\.1:{port}"'
+
+    def used_again() -> bool:
         requests.post(url, json={"text": "back", "max_tokens": 3}, headers=bearer(make_token()), timeout=30)
-        if re.search(rf'"upstream": ?"http://127\.0\.0\.1:{port}"', proxy.output()[seen:]):
-            break
-        time.sleep(0.2)
-    else:
-        pytest.fail("the restarted server never got a request again:\n" + proxy.output()[-3000:])
+        return bool(re.search(used, proxy.output()[seen:]))
+
+    assert wait_for(used_again, 90, 0.2), "the restarted server never got a request again:\n" + proxy.output()[-3000:]
 
 
 @pytest.fixture

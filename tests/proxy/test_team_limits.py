@@ -20,9 +20,8 @@ from proxy.config import ProxyConfig
 
 @pytest.fixture(scope="module")
 def redis_server():
-    server = RedisProcess()
-    yield server
-    server.stop()
+    with RedisProcess() as server:
+        yield server
 
 
 class Clock:

@@ -12,16 +12,17 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import requests
+from prometheus_client.parser import text_string_to_metric_families
 from proxy_helpers import bearer, make_token, start_proxy
+from servers import wait_for
 
 SECRET_PROMPT = "My SSN is 987-65-4321, keep it secret. Reply with one short sentence that does not repeat it."
 
 
 @pytest.fixture(scope="module")
 def tenants(default_server):
-    proxy = start_proxy(default_server.url)
-    yield proxy.url, default_server
-    proxy.stop()
+    with start_proxy(default_server.url) as proxy:
+        yield proxy.url, default_server
 
 
 def team(name: str, **claims) -> dict[str, str]:
@@ -55,12 +56,13 @@ def test_no_team_finds_another_teams_prompt_in_the_prefix_cache(tenants, model_n
     tries): no guess, the right one included, finds a cached token, while team A's row still holds its prompt and
     after it is freed; the same prompt sent again by team A reuses its own cache, with another cache_salt it
     does not."""
-    url, _ = tenants
+    url, server = tenants
     a, b = team("team-a"), team("team-b")
     known = "My SSN is 987-65-"
+    server.wait_idle()
     with ThreadPoolExecutor(1) as pool:
         holding = pool.submit(complete, url, a, model_name, SECRET_PROMPT, max_tokens=200, ignore_eos=True)
-        time.sleep(0.5)  # team A's request is in its row
+        assert wait_for(lambda: server.health()["rows_in_use"] > 0, 60)  # team A's request is in its row
         for guess in ["4321", "1234", "0000"]:  # each in a namespace of its own: only A's rows could answer
             probe = f"{known}{guess}, keep it secret. filler"
             assert cached(complete(url, b, model_name, probe, cache_salt=f"probe-{guess}")) == 0
@@ -71,16 +73,35 @@ def test_no_team_finds_another_teams_prompt_in_the_prefix_cache(tenants, model_n
     assert cached(complete(url, team("team-c"), model_name, SECRET_PROMPT)) == 0  # A's rows are free now
 
 
+def prefix_hits(server) -> float:
+    """The engine's count of prompt tokens found in the prefix cache and reused, not computed again."""
+    text = requests.get(server.url + "/metrics", timeout=10).text
+    return next(
+        s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "inference_prefix_cache_hits_total"
+    )
+
+
 def test_the_time_to_first_token_tells_no_team_what_another_cached(tenants, model_name):
     """A long prompt of team A, sent again by A, comes back at once (its own cache); sent by other teams, each
-    computes it in full: their fastest first token is several times A's slowest."""
-    url, _ = tenants
+    computes it in full. The time to first token is the prompt tokens computed, so the engine's own count of the
+    tokens it reused tells it, whatever the load: A's repeats reuse all of the prompt but its last token, the
+    other teams' reuse none."""
+    url, server = tenants
     a = team("team-ttft-a")
     prompt = "Confidential memo. " + " ".join(f"item {i} is {i * 7 % 13}." for i in range(120))
-    first_token_seconds(url, a, model_name, prompt)
+    first = complete(url, a, model_name, prompt)  # computed in full: A's rows hold it now
+    assert first.status_code == 200, first.text
+    length = first.json()["usage"]["prompt_tokens"]
+    before = prefix_hits(server)
     own = [first_token_seconds(url, a, model_name, prompt) for _ in range(3)]
+    reused_by_a = prefix_hits(server) - before
     others = [first_token_seconds(url, team(f"team-ttft-{i}"), model_name, prompt) for i in range(3)]
-    assert min(others) > 3 * min(own), (own, others)
+    reused_by_others = prefix_hits(server) - before - reused_by_a
+    print(f"first token after (s): team A {own}, other teams {others}")
+    assert reused_by_a == 3 * (length - 1) and reused_by_others == 0, (length, reused_by_a, reused_by_others)
 
 
 def test_a_short_request_is_not_starved_by_another_teams_long_prompts(tenants, model_name):
@@ -99,9 +120,7 @@ def test_a_short_request_is_not_starved_by_another_teams_long_prompts(tenants, m
     threads = [threading.Thread(target=flood, args=(i,)) for i in range(6)]
     for t in threads:
         t.start()
-    deadline = time.monotonic() + 60
-    while server.health()["rows_in_use"] < 6 and time.monotonic() < deadline:
-        time.sleep(0.02)
+    assert wait_for(lambda: server.health()["rows_in_use"] >= 6, 60, 0.02), server.health()
     r = complete(url, a, model_name, "Name a color.", max_tokens=2)
     ended["short"] = time.perf_counter()
     for t in threads:
@@ -119,9 +138,8 @@ def test_n_counts_toward_the_teams_open_rows(tenants, model_name):
     body = {"n": 8, "max_tokens": 300, "ignore_eos": True, "temperature": 0.8, "seed": 1}
     with ThreadPoolExecutor(2) as pool:
         holding = [pool.submit(complete, url, c, model_name, "Tell a story.", **body) for _ in range(2)]
-        deadline = time.monotonic() + 60
-        while server.health()["rows_in_use"] < 16 and time.monotonic() < deadline:  # both hold their 8 rows
-            time.sleep(0.02)
+        # both hold their 8 rows
+        assert wait_for(lambda: server.health()["rows_in_use"] >= 16, 60, 0.02), server.health()
         refused = complete(url, c, model_name, "Tell a story.", n=2)
         assert refused.status_code == 429, refused.text
         assert refused.headers.get("Retry-After")

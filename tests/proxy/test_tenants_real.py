@@ -178,7 +178,8 @@ def test_operator_data_needs_an_operators_token(tenants):
 def test_a_victims_answer_is_the_same_beside_every_other_teams_attack(tenants, model_name):
     """The isolation test through the proxy: team A's greedy answer alone equals its answer while other teams
     probe its prompt in the prefix cache, fork n choices, salt their cache, flood long prompts, send grammars,
-    oversized prompts and sample hot."""
+    oversized prompts, sample hot, and speak the Responses and Messages APIs; and team A's stored response stays
+    its own while another team tries to read, continue and delete it."""
     url, _ = tenants
     a = team("team-victim")
     victim = {"max_tokens": 30, "ignore_eos": True, "logprobs": 0}
@@ -200,13 +201,37 @@ def test_a_victims_answer_is_the_same_beside_every_other_teams_attack(tenants, m
         (team("team-z"), "word " * 40_000, {}),  # refused before tokenizing
     ]
 
+    stored = requests.post(
+        f"{url}/v1/responses",
+        json={"model": model_name, "input": prompt, "max_output_tokens": 4, "temperature": 0},
+        headers=a,
+        timeout=120,
+    ).json()
+    at = f"/v1/responses/{stored['id']}"
+    x = team("team-x")
+    other_apis = [  # (headers, path, body): the agent APIs beside the victim, and a probe of its stored response
+        (x, "/v1/responses", {"model": model_name, "input": prompt, "max_output_tokens": 8, "temperature": 1.5}),
+        (x, "/v1/messages", {"model": model_name, "max_tokens": 8, "messages": [{"role": "user", "content": prompt}]}),
+        (x, "/v1/responses", {"model": model_name, "input": "?", "previous_response_id": stored["id"]}),
+    ]
+
     def attack(args) -> None:
         headers, text, body = args
         complete(url, headers, model_name, text, **body)
 
-    with ThreadPoolExecutor(1 + len(attacks)) as pool:
+    def call(args) -> int:
+        headers, path, body = args
+        return requests.post(url + path, json=body, headers=headers, timeout=300).status_code
+
+    with ThreadPoolExecutor(1 + len(attacks) + len(other_apis)) as pool:
         others = [pool.submit(attack, x) for x in attacks]
+        apis = [pool.submit(call, x) for x in other_apis]
         beside = pool.submit(tokens, a, prompt, **victim)
         assert beside.result() == alone
         for o in others:
             o.result()
+        assert [f.result() for f in apis] == [200, 200, 404]  # another team's stored response: not found
+    for method in ("GET", "DELETE"):
+        assert requests.request(method, url + at, headers=x, timeout=60).status_code == 404
+    kept = requests.get(url + at, headers=a, timeout=60)
+    assert kept.status_code == 200 and kept.json()["output"] == stored["output"]

@@ -29,7 +29,7 @@ from ..engine.client import EngineClient
 from ..engine.messages import SamplingParams as EngineParams
 from ..model.tokenizer import Tokenizer
 from ..request.prepare import Prompt, prepare
-from ..request.tools import Tools, parse_tools, split_calls
+from ..request.tools import Tools, offered, parse_tools, split_calls
 from ..request_errors import RateLimited, RequestError, Unavailable
 from ..web.dialects.openai.protocol import COMPLETION_SAMPLING_FIELDS as SAMPLING_FIELDS
 from ..web.dialects.openai.protocol import completion_sampling, parse_messages, parse_prompt
@@ -202,10 +202,7 @@ class LLM:
         try:
             tools = prompt.tools if isinstance(prompt, Conversation) else None
             if isinstance(prompt, Conversation):
-                parsed = Prompt(
-                    messages=parse_messages(prompt.messages),
-                    tools=tools.tools if tools is not None and tools.offered else None,
-                )
+                parsed = Prompt.chat(parse_messages(prompt.messages), tools)
             else:
                 text, ids = parse_prompt(list(prompt) if isinstance(prompt, tuple) else prompt, self.vocab_size)
                 parsed = Prompt(text=text, ids=ids)
@@ -399,7 +396,7 @@ def _result(index: int, prompt: Any, handle: RequestHandle) -> RequestOutput:
     while (out := q.get_nowait()) is not None:
         parts[out.index].append(out)
     choices = []
-    tools = handle.tools if handle.tools is not None and handle.tools.offered else None
+    tools = offered(handle.tools)
     for i in range(q._session.n):
         outs = parts.get(i, [])
         lps = tuple(lp for o in outs for lp in o.logprobs or ()) if outs and outs[0].logprobs is not None else None

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ..engine.messages import SamplingParams
 from ..model.tokenizer import Tokenizer
 from ..request_errors import ModelNotFound, RequestError
-from .tools import plain_messages
+from .tools import Tools, offered, plain_messages
 
 # max_tokens when the request has none (OpenAI, llama-stack, the offline API): as many as fit, at most this many
 DEFAULT_MAX_TOKENS = 1024
@@ -66,6 +66,12 @@ class Prompt:
     messages: Sequence[dict] | None = None
     field: str = "messages"  # the request field a chat template's refusal names
     tools: Sequence[dict] | None = None  # function tools shown to the model (tools.Tools.tools), with messages
+
+    @classmethod
+    def chat(cls, messages: Sequence[dict], tools: Tools | None = None) -> Prompt:
+        """A conversation, with the tools it offers shown to the model (none with tool_choice none)."""
+        shown = offered(tools)
+        return cls(messages=messages, tools=shown.tools if shown is not None else None)
 
 
 # model names that clients made for TGI send whatever the server serves: TGI's documented "tgi", and "dummy",

@@ -88,6 +88,12 @@ class Tools:
         return checked(Grammar("grammar", text), "tools")
 
 
+def offered(tools: Tools | None) -> Tools | None:
+    """The tools the model is shown and whose calls its text is parsed for: None without tools or with
+    tool_choice none."""
+    return tools if tools is not None and tools.offered else None
+
+
 def parse_tools(tools, tool_choice, parallel_tool_calls) -> Tools | None:
     """OpenAI's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` (None: no tools; a tool choice with no
     tools is a 400, as OpenAI's)."""
@@ -322,6 +328,11 @@ class CallSplitter:
             self._content(self.buf[: len(self.buf) - keep], out)
             self.buf = self.buf[len(self.buf) - keep :]
             return out
+
+    def take(self, text: str, finished: bool) -> list[Piece]:
+        """``feed`` the text (if any), and at the answer's end ``finish`` too: one event's pieces."""
+        pieces = self.feed(text) if text else []
+        return pieces + self.finish() if finished else pieces
 
     def finish(self) -> list[Piece]:
         out: list[Piece] = []

@@ -13,7 +13,7 @@ from lifecycle.error_shapes import ANTHROPIC, error_body
 
 from ....engine.messages import FinishReason, TokenEvent
 from ....request.generation import Generation
-from ....request.tools import CallSplitter, ToolCall, Tools, split_calls
+from ....request.tools import CallSplitter, ToolCall, Tools, offered, split_calls
 from ...sse import sse
 
 STOP_REASON: dict[FinishReason | None, str] = {
@@ -36,7 +36,7 @@ class MessageFormat:
     def __init__(self, model: str, tools: Tools | None, stop_sequences: tuple[str, ...]):
         self.id = f"msg_{uuid.uuid4().hex}"
         self.model = model
-        self.tools = tools if tools is not None and tools.offered else None
+        self.tools = offered(tools)
         self.stop_sequences = stop_sequences
 
     def stop(self, reason: FinishReason | None, calls: bool, text: str = "") -> tuple[str, str | None]:
@@ -122,10 +122,7 @@ def stream_events(fmt: MessageFormat, events: Iterator[TokenEvent], prompt_token
         if splitter is None:
             yield from text_delta(text)
             return
-        found = splitter.feed(text) if text else []
-        if finished:
-            found += splitter.finish()
-        for piece in found:
+        for piece in splitter.take(text, finished):
             match piece:
                 case ("content", str() as content):
                     yield from text_delta(content)

@@ -22,8 +22,7 @@ def anthropic_blueprint(serving: Serving) -> Blueprint:
     def messages():
         req = parse_messages_request(json_body(request), max_stop)
         serving.check_model(req.model, placeholders=True)
-        offered = req.tools is not None and req.tools.offered
-        prompt = Prompt(messages=req.messages, tools=req.tools.tools if offered and req.tools else None)
+        prompt = Prompt.chat(req.messages, req.tools)
         fmt = MessageFormat(serving.model_name, req.tools, req.stop_sequences)
         run = serving.start(prompt, req.params)
         if req.stream:
@@ -34,8 +33,7 @@ def anthropic_blueprint(serving: Serving) -> Blueprint:
     def count_tokens():
         model, msgs, tools = parse_count_tokens(json_body(request))
         serving.check_model(model, placeholders=True)
-        offered = tools is not None and tools.offered
-        ids = serving.encode(Prompt(messages=msgs, tools=tools.tools if offered and tools else None))
+        ids = serving.encode(Prompt.chat(msgs, tools))
         return jsonify(input_tokens=len(ids))
 
     return api

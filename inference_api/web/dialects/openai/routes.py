@@ -62,10 +62,10 @@ def openai_blueprint(serving: Serving) -> Blueprint:
     def chat_completions():
         req, ready = parsed(parse_chat)
         want_logprobs = req.params.logprobs is not None
-        if req.tools is not None and req.tools.offered:
-            prompt = Prompt(messages=req.messages, tools=req.tools.tools)
+        prompt = Prompt.chat(req.messages or (), req.tools)
+        if prompt.tools is not None and req.tools is not None:
             return respond(req, prompt, ToolChatFormat(ready, want_logprobs, req.tools))
-        return respond(req, Prompt(messages=req.messages), ChatFormat(ready, want_logprobs))
+        return respond(req, prompt, ChatFormat(ready, want_logprobs))
 
     def respond(req: OpenAIRequest, prompt: Prompt, fmt):
         run: Run = serving.start(prompt, req.params, field=req.max_tokens_field)

@@ -31,9 +31,7 @@ class ToolChatFormat(ChatFormat):
         return body
 
     def chunks(self, text: str, logprobs: tuple[TokenLogprob, ...], finish: str | None) -> list[dict]:
-        pieces = self.splitter.feed(text) if text else []
-        if finish is not None:
-            pieces += self.splitter.finish()
+        pieces = self.splitter.take(text, finish is not None)
         lps, out = self.held + tuple(logprobs), []
         for piece in pieces:
             match piece:

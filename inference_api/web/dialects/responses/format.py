@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 
 from ....engine.messages import FinishReason, TokenEvent
 from ....request.generation import Generation
-from ....request.tools import CallSplitter, ToolCall, Tools, split_calls
+from ....request.tools import CallSplitter, ToolCall, Tools, offered, split_calls
 from ...sse import sse
 
 
@@ -27,7 +27,7 @@ class ResponseFormat:
         self.created = int(time.time())
         self.model = model
         self.echo = echo
-        self.tools = tools if tools is not None and tools.offered else None
+        self.tools = offered(tools)
         self.previous_response_id = previous_response_id
         self.store = store
 
@@ -155,10 +155,7 @@ class ResponseFormat:
             if splitter is None:
                 yield from text_delta(text)
                 return
-            found = splitter.feed(text) if text else []
-            if finished:
-                found += splitter.finish()
-            for piece in found:
+            for piece in splitter.take(text, finished):
                 match piece:
                     case ("content", str() as content):
                         yield from text_delta(content)

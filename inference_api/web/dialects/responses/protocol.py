@@ -61,6 +61,7 @@ ROLES = {"user", "assistant", "system", "developer"}
 @dataclass(frozen=True)
 class ResponsesRequest:
     model: str
+    instructions: str | None  # the system message (not carried into a later turn, as OpenAI's)
     input_messages: tuple[dict, ...]  # this request's turn (the chat form), after any earlier response's
     tools: Tools | None
     params: SamplingParams
@@ -87,13 +88,11 @@ def _text(content, where: str) -> str:
 
 
 def input_messages(body: dict) -> list[dict]:
-    """``instructions`` and ``input`` in the chat form (OpenAI's chat messages, validated by ``parse_messages``)."""
+    """``input`` in the chat form (OpenAI's chat messages, validated by ``parse_messages``)."""
     out: list[dict] = []
-    if body.get("instructions") is not None:
-        out.append({"role": "system", "content": string(body, "instructions")})
     items = body.get("input")
     if isinstance(items, str):
-        return [*out, {"role": "user", "content": items}]
+        return [{"role": "user", "content": items}]
     if not isinstance(items, list) or not items:
         raise RequestError("input is required: a string or a non-empty list of items", "input")
     for i, item in enumerate(items):
@@ -221,6 +220,7 @@ def parse_responses(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> R
     previous = string(body, "previous_response_id")
     return ResponsesRequest(
         model=model,
+        instructions=string(body, "instructions"),
         input_messages=tuple(messages),
         tools=tools,
         params=params,

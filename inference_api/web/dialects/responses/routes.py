@@ -39,11 +39,9 @@ def responses_blueprint(serving: Serving) -> Blueprint:
         history: tuple[dict, ...] = ()
         if req.previous_response_id is not None:
             history = stored(req.previous_response_id, "previous_response_id").conversation
-        system = [m for m in req.input_messages if m["role"] == "system"][:1] if req.echo["instructions"] else []
-        turn = list(req.input_messages[len(system) :])
-        messages = parse_messages([*system, *history, *turn])
-        offered = req.tools is not None and req.tools.offered
-        prompt = Prompt(messages=messages, tools=req.tools.tools if offered and req.tools else None)
+        system = [{"role": "system", "content": req.instructions}] if req.instructions is not None else []
+        turn = req.input_messages
+        prompt = Prompt.chat(parse_messages([*system, *history, *turn]), req.tools)
         fmt = ResponseFormat(serving.model_name, req.echo, req.tools, req.previous_response_id, req.store)
         run = serving.start(prompt, req.params, field="max_output_tokens")
         owner = team()

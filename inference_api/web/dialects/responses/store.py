@@ -38,18 +38,17 @@ class ResponseStore:
     def get(self, team: str | None, response_id: str) -> Stored | None:
         """The team's stored response, or None (unknown, expired, or another team's: alike)."""
         with self._lock:
-            self._expire()
-            stored = self._items.get(response_id)
-            return stored if stored is not None and stored.team == team else None
+            return self._find(team, response_id)
 
     def delete(self, team: str | None, response_id: str) -> bool:
         with self._lock:
-            if self.get_unlocked(team, response_id) is None:
+            if self._find(team, response_id) is None:
                 return False
             del self._items[response_id]
             return True
 
-    def get_unlocked(self, team: str | None, response_id: str) -> Stored | None:
+    def _find(self, team: str | None, response_id: str) -> Stored | None:
+        self._expire()
         stored = self._items.get(response_id)
         return stored if stored is not None and stored.team == team else None
 

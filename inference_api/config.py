@@ -61,6 +61,12 @@ class ServerConfig:
     # the Responses API's stored responses (store: true): at most this many, each kept this many seconds
     responses_store_max: int = 1000
     responses_store_seconds: float = 3600.0
+    # a reasoning model's thought (request/reasoning.py): how it is marked (auto: as the chat template shows it),
+    # whether the chat APIs return it apart (auto) or in the text as written (none), and its token budget
+    reasoning_parser: str = "auto"
+    reasoning_format: str = "auto"
+    reasoning_budget: int = -1  # -1: no cap; 0: the thought is closed at once; N: closed after N tokens
+    reasoning_budget_message: str = ""  # written before the end tag when the budget closes a thought
     test_fault_text: str | None = None  # TESTS ONLY: fail post-processing of requests whose prompt contains this
     # INTERNAL_SECRET (environment only, never a flag): every request but GET/HEAD /health must carry it in
     # X-Internal-Secret, which the proxy adds; None (the one-process dev stack): no check
@@ -158,6 +164,26 @@ _ENV = {
         "goes first (0: none stored)",
     ),
     "responses_store_seconds": ("RESPONSES_STORE_SECONDS", "seconds a stored response is kept"),
+    "reasoning_parser": (
+        "REASONING_PARSER",
+        "how a reasoning model's thought is marked: auto (as the chat template shows it: none without think tags), "
+        "deepseek_r1 (<think>...</think>, the model always thinks), qwen3 (<think>...</think> when the model or the "
+        "template opens it) or none",
+    ),
+    "reasoning_format": (
+        "REASONING_FORMAT",
+        "auto: the chat APIs return the thought apart (reasoning_content, reasoning items, thinking blocks); "
+        "none: in the answer's text, tags and all",
+    ),
+    "reasoning_budget": (
+        "REASONING_BUDGET",
+        "thought tokens before the model is made to close its thought (-1: no cap, 0: at once); a request's own "
+        "budget takes its place",
+    ),
+    "reasoning_budget_message": (
+        "REASONING_BUDGET_MESSAGE",
+        "text written before the end tag when the budget closes a thought",
+    ),
     "test_fault_text": ("TEST_FAULT_TEXT", "for tests only: fail post-processing of prompts containing this text"),
 }
 
@@ -166,6 +192,8 @@ _CHOICES = {
     "quantize": ("auto", "none", "int8", "int4"),
     "kv_dtype": ("auto", "float32", "float16", "bfloat16", "int8"),
     "cpu_level": ("auto", "avx2", "avx512vnni"),
+    "reasoning_parser": ("auto", "deepseek_r1", "qwen3", "none"),
+    "reasoning_format": ("auto", "none"),
 }
 
 

@@ -236,10 +236,30 @@ ARCHS: dict[str, dict] = {
         quants=["Q4_K_M"],
         emb_scale=4.0,
     ),
+    # a reasoning model: qwen3's model and vocabulary with <think> and </think> added (as Qwen3's and DeepSeek-R1's
+    # vocabularies have them: added, not special, so they show in the text) and a chat template that opens a thought
+    # at the assistant's turn (THINK_TEMPLATE): the suite's reasoning tests serve it
+    "qwen3think": dict(
+        quants=["Q4_K_M"], base="qwen3", qk_scale=1.6, added=["<think>", "</think>"], chat_template="think"
+    ),
     # sentencepiece (SPM) vocabularies: the model of "base", but with tokenizer.ggml.model "llama" (SPM_FLAVORS)
     "llama-spm": dict(quants=["Q4_K_M"], base="llama", spm="llama"),
     "gemma-spm": dict(quants=["Q4_K_M"], base="gemma", spm="gemma", emb_scale=0.5),
 }
+
+# the chat template of the entries with chat_template "think": ChatML turns, past thoughts dropped from assistant
+# turns, and the assistant's turn opened inside a thought (as Qwen3's thinking templates and DeepSeek-R1's do)
+THINK_TEMPLATE = (
+    "{%- for message in messages -%}"
+    "{%- set content = message['content'] -%}"
+    "{%- if message['role'] == 'assistant' and '</think>' in content -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip() -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + content + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n<think>\\n' -}}{%- endif -%}"
+)
+CHAT_TEMPLATES = {"think": THINK_TEMPLATE}
 
 # sentencepiece BPE vocabularies for the *-spm entries, trained on tests/data/english.txt (train_spm_tokenizer).
 # llama: Llama 2 style (unk/bos/eos = 0/1/2, dummy prefix "▁", identity normalization, no whitespace folding,
@@ -351,6 +371,24 @@ def train_tokenizer(out: Path) -> int:
     cfg["add_eos_token"] = False
     cfg_path.write_text(json.dumps(cfg, indent=2))
     return tok.get_vocab_size()
+
+
+def add_tokens(src: Path, out: Path, tokens: list[str], chat_template: str | None) -> int:
+    """The tokenizer in ``src`` with ``tokens`` added (not special: they show in decoded text) and, if given, a
+    chat template, saved in ``out``; returns the vocabulary size."""
+    from tokenizers import AddedToken
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast.from_pretrained(src)
+    fast.add_tokens([AddedToken(t, special=False, normalized=False) for t in tokens])
+    if chat_template is not None:
+        fast.chat_template = chat_template
+    fast.save_pretrained(out)
+    cfg_path = out / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["add_bos_token"], cfg["add_eos_token"] = True, False
+    cfg_path.write_text(json.dumps(cfg, indent=2))
+    return len(fast)
 
 
 def train_spm_tokenizer(out: Path, flavor: str) -> int:
@@ -1237,6 +1275,9 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
                 m_vocab = spm_vocab_size(m_tok_dir)
                 spm_pkgs = args.spm_pkgs
                 tok_extra = dict(tokenizer=spm_tokenizer_info(m_tok_dir, spec["spm"], m_vocab))
+            if "added" in spec:  # the vocabulary with these tokens added after its own
+                m_tok_dir = tmp / f"tok-{name}"
+                m_vocab = add_tokens(tok_dir, m_tok_dir, spec["added"], CHAT_TEMPLATES.get(spec.get("chat_template")))
             model = build_model(name, m_vocab)
             if "spm" in spec:
                 for k, v in spm_token_ids(spec["spm"]).items():

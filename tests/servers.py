@@ -231,3 +231,21 @@ class RedisProcess(Stopped):
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
+
+
+PROXY_SECRET = "test-secret-" + "x" * 40  # at least 32 bytes, or the proxy warns
+
+
+def jwt_proxy(upstream: str, secret: str = PROXY_SECRET) -> Process:
+    """The JWT proxy (``python -m proxy``) in front of one server, on a free loopback port."""
+    port = free_port()
+    argv = [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(port), "--upstream", upstream]
+    return Process(argv, port, env={"JWT_SECRET": secret}, ready_status=200)
+
+
+def team_token(secret: str = PROXY_SECRET, **claims) -> str:
+    """A token the proxy takes: team-a's key-1 for an hour unless the claims say otherwise."""
+    import jwt
+
+    payload = {"team_id": "team-a", "token_id": "key-1", "exp": int(time.time()) + 3600, **claims}
+    return jwt.encode(payload, secret, algorithm="HS256")

@@ -314,16 +314,18 @@ class Engine:
             seq.status = Status.DECODE
             if seq.forks:
                 self._fork(seq)
-        if seq.matcher is not None and not seq.matcher.consume_token(token):
-            raise RuntimeError(f"the grammar refused token {token}: {seq.matcher.get_error()}")
+        matcher = seq.matcher if seq.grammar_active else None  # (a thought is not constrained)
+        if matcher is not None and not matcher.consume_token(token):
+            raise RuntimeError(f"the grammar refused token {token}: {matcher.get_error()}")
         text = seq.append(token, self.eos_ids, self.context_length)
-        if seq.matcher is not None and not seq.is_finished and seq.matcher.is_stopped():
+        if matcher is not None and not seq.is_finished and matcher.is_stopped():
             text += seq.finish(FinishReason.STOP)  # the grammar is complete: nothing more may follow
         if logprob is not None:
             seq.pending_logprobs.append(logprob)
         seq.pending_ids.append(token)
         # the prompt's log-probs go out with the prefill's event, text or not (before any other choice's)
-        events = [self._event(seq, text)] if text or seq.is_finished or seq.prompt_logprobs is not None else []
+        report = text or seq.pending_reasoning or seq.is_finished or seq.prompt_logprobs is not None
+        events = [self._event(seq, text)] if report else []
         if seq.is_finished:
             self._forget(seq)
             self.scheduler.release(seq)
@@ -343,7 +345,10 @@ class Engine:
             cached_tokens=seq.num_reused,
             index=seq.index,
             prompt_logprobs=None if seq.prompt_logprobs is None else tuple(seq.prompt_logprobs),
+            reasoning=seq.pending_reasoning,
+            reasoning_tokens=seq.reasoning_tokens,
         )
+        seq.pending_reasoning = ""
         seq.prompt_logprobs = None  # sent once, with the first event
         seq.pending_ids.clear()
         seq.pending_logprobs.clear()

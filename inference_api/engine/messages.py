@@ -25,6 +25,19 @@ class ErrorKind(str, enum.Enum):
 
 
 @dataclass(frozen=True)
+class Reasoning:
+    """How a reasoning model's thought is found in a request's output (engine/reasoning.py; made by
+    request/reasoning.py from the server's parser and the request)."""
+
+    start: str = "<think>"  # the tag that opens the thought
+    end: str = "</think>"  # the tag that closes it
+    inside: bool = False  # the output starts inside a thought (the prompt opened it, or the model always thinks)
+    budget: int | None = None  # the thought's tokens before its close is forced (None: no cap; 0: closed at once)
+    close_ids: tuple[int, ...] = ()  # the tokens forced at the budget: the end tag (after a message, if any)
+    split: bool = True  # the thought goes out apart (TokenEvent.reasoning); False: in the text, tags and all
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 disables top-k
@@ -47,6 +60,7 @@ class SamplingParams:
     # the prefix cache's namespace within the request's team (vLLM's cache_salt): a prompt reuses only the cache
     # of requests with the same team and salt; None: the team's (or, without a team, the server's) shared one
     cache_salt: str | None = None
+    reasoning: Reasoning | None = None  # a reasoning model's thought (None: the output is all answer)
 
 
 @dataclass(frozen=True)
@@ -96,6 +110,8 @@ class TokenEvent:
     index: int = 0  # the choice (of SamplingParams.n) this output belongs to
     # with SamplingParams.prompt_logprobs, on choice 0's first event: one per prompt token (the first None)
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    reasoning: str = ""  # with SamplingParams.reasoning split: the thought's text (``text`` is the answer's)
+    reasoning_tokens: int = 0  # the output's tokens that belong to its thought so far (tags included)
 
     @property
     def finished(self) -> bool:

@@ -1,8 +1,9 @@
 """The sampler: every row's logits pipeline, from the runner's logits to the next tokens and their log-probs.
 
 In order, per step: repetition, presence and frequency penalties (rows that ask), the ``min_tokens`` mask (no end or
-stop token before it: ``Sequence.early``), a grammar's mask (rows with a matcher), then one vectorised draw with
-each row's temperature, top-k, top-p, min-p and seed (``sampling.sample``); the log-probs of the chosen tokens and
+stop token before it: ``Sequence.early``), a grammar's mask (rows with a matcher, outside a thought), then one
+vectorised draw with each row's temperature, top-k, top-p, min-p and seed (``sampling.sample``), and a thought's
+forced close in place of the draw (past its budget: ``reasoning.Thought``); the log-probs of the chosen tokens and
 of a prompt's tokens are read from the same logits. Each row's parameters live in ``RowParams`` on the device,
 set once when the row is admitted; a request's ``n`` choices draw from seeds derived from its one seed
 (``choice_seed``). No row's mask or penalty touches another row's logits.
@@ -65,7 +66,7 @@ class Sampler:
             unmasked = logits
             logits = mask_tokens(logits, torch.tensor(cells, dtype=torch.long, device=logits.device).view(-1, 2))
         # a grammar's row: only the tokens its matcher allows (the other rows pay nothing)
-        constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None]
+        constrained = [(i, s.matcher) for i, s in enumerate(seqs) if s.matcher is not None and s.grammar_active]
         if constrained:
             if self.constraints is None:  # (it alone builds matchers)
                 raise RuntimeError("rows with a grammar in an engine without grammar support")
@@ -73,6 +74,10 @@ class Sampler:
         steps = torch.tensor([s.num_output for s in seqs], device=logits.device)
         min_p = p.min_p[rows] if any(s.params.min_p for s in seqs) else None
         tokens = sample(logits, p.temperature[rows], p.top_k[rows], p.top_p[rows], p.seed[rows], steps, min_p)
+        forced = [(i, s.forced) for i, s in enumerate(seqs) if s.forced is not None]
+        if forced:  # a thought past its budget: its close, in place of the draw (on the device, for a launch ahead)
+            at, ids = zip(*forced)
+            tokens[torch.tensor(at, device=tokens.device)] = torch.tensor(ids, dtype=tokens.dtype, device=tokens.device)
         if penalised:  # the counts only penalties read; a row's counts start afresh with its request
             p.record(rows, tokens)
         return tokens

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from .detokenize import IncrementalDetokenizer
 from .messages import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
+from .reasoning import Thought
 from .stopping import check_stop
 
 if TYPE_CHECKING:
@@ -45,6 +46,10 @@ class Sequence:
         self._checked = 0  # characters of _text already searched for stop sequences
         self.pending_ids: list[int] = []  # tokens not yet reported in an event
         self.pending_logprobs: list[TokenLogprob] = []
+        # a reasoning model's thought (SamplingParams.reasoning): found in the text, its budget, its forced close
+        reasoning = request.params.reasoning
+        self.thought = Thought(reasoning, constrained=request.params.grammar is not None) if reasoning else None
+        self.pending_reasoning = ""  # the thought's text not yet reported in an event (split from the answer's)
         self.matcher: LLMatcher | None = None  # llguidance's matcher for a request with a grammar (engine/constrain.py)
         self.forks: list[Sequence] = []  # choice 0 of n: the other choices, held until its prompt is cached
         self.future: Future[LLMatcher] | None = None  # a held choice's matcher being built (a request with a grammar)
@@ -99,6 +104,20 @@ class Sequence:
     def last_token(self) -> int:
         return self.output_ids[-1]
 
+    @property
+    def grammar_active(self) -> bool:
+        """Whether a grammar (if the row has one) constrains its next token: not inside a thought."""
+        return self.thought is None or self.thought.grammar_active
+
+    @property
+    def forced(self) -> int | None:
+        """The token the row must take next (a thought's close, past its budget), or None: the sampler's draw."""
+        return self.thought.forced[0] if self.thought is not None and self.thought.forced else None
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self.thought.tokens if self.thought is not None else 0
+
     def early(self, ahead: int = 0) -> bool:
         """The min_tokens rule: whether output token number ``num_output + ahead`` (from 1) comes before
         min_tokens, where no end token, stop token or stop string ends the output (the engine masks the tokens
@@ -120,6 +139,8 @@ class Sequence:
         if token_id in self.params.stop_token_ids and not early:
             return self.finish(FinishReason.STOP)
         self._text += self._detok.add(token_id)
+        if self.thought is not None:
+            self.thought.update(self._text, token_id)
         stop = check_stop(self._text, self.params.stop if not early else (), self._checked)  # as vLLM: none early
         self._checked = len(self._text)
         if stop.stopped:
@@ -133,11 +154,17 @@ class Sequence:
         """End the sequence; return whatever held-back text may still be sent."""
         self.status = Status.FINISHED
         self.finish_reason = reason
-        return (
-            self._take(len(self._text)) if reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.EOS) else ""
-        )
+        if reason in (FinishReason.STOP, FinishReason.LENGTH, FinishReason.EOS):
+            return self._take(len(self._text), finished=True)
+        return ""
 
-    def _take(self, upto: int) -> str:
-        piece = self._text[self._sent : upto]
+    def _take(self, upto: int, finished: bool = False) -> str:
+        """The answer's text up to ``upto`` not yet sent; a thought's text goes to ``pending_reasoning``."""
+        if self.thought is None:
+            piece = self._text[self._sent : upto]
+        else:
+            upto = max(self._sent, self.thought.safe(self._text, upto, finished))
+            thought, piece = self.thought.split(self._text, self._sent, upto, finished)
+            self.pending_reasoning += thought
         self._sent = max(self._sent, upto)
         return piece

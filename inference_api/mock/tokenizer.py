@@ -9,6 +9,8 @@ VOCAB = 257
 
 
 class ByteTokenizer:
+    chat_template = None  # (its turns are written by encode_chat; no think tags)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 

@@ -180,6 +180,38 @@ def bpe_backend(source, arch: str):
         if f is not None:
             spec[name] = f.contents()
     backend, _ = convert_gguf_tokenizer(_BPE_CONVERTERS.get(arch, "gpt2"), spec)
+    return _file_tokens_only(backend, spec["tokens"], spec.get("token_type") or [])
+
+
+def _file_tokens_only(backend, pieces: list[str], types: list[int]):
+    """The converted backend with only the file's tokens: without the added tokens a converter writes in whether
+    the file has them or not (Qwen's adds <|im_start|> and <|im_end|>, new ids past a vocabulary that lacks them:
+    ids the model has no row for), and with the file's control and user-defined tokens matched whole, as
+    llama.cpp matches them (a reasoning model's <think>, which its file types user-defined)."""
+    import json
+
+    from tokenizers import AddedToken, Tokenizer
+
+    n = len(pieces)
+    if backend.get_vocab_size(with_added_tokens=True) > n:
+        state = json.loads(backend.to_str())
+        state["added_tokens"] = [t for t in state.get("added_tokens", []) if t["id"] < n]
+        backend = Tokenizer.from_str(json.dumps(state))
+    known = {t.content for t in backend.get_added_tokens_decoder().values()}
+    backend.add_special_tokens(
+        [
+            AddedToken(p, special=True, normalized=False)
+            for p, t in zip(pieces, types)
+            if t == CONTROL and p not in known
+        ]
+    )
+    backend.add_tokens(
+        [
+            AddedToken(p, special=False, normalized=False)
+            for p, t in zip(pieces, types)
+            if t == USER_DEFINED and p not in known
+        ]
+    )
     return backend
 
 

@@ -16,6 +16,9 @@ class Tokenizer(Protocol):
 
     def offsets(self, text: str) -> list[tuple[int, int, int]]: ...
 
+    @property
+    def chat_template(self) -> str | None: ...
+
 
 class HFTokenizer:
     def __init__(self, model_dir: str | Path):
@@ -30,6 +33,11 @@ class HFTokenizer:
         """(token id, start, stop) for each token of ``text``, character offsets (TGI's /tokenize)."""
         enc = self.tok(text, return_offsets_mapping=True)
         return [(t, a, b) for t, (a, b) in zip(enc["input_ids"], enc["offset_mapping"])]
+
+    @property
+    def chat_template(self) -> str | None:
+        """The chat template's source (None: a base model without one)."""
+        return self.tok.chat_template or None
 
     @property
     def handles_tools(self) -> bool:

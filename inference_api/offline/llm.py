@@ -29,6 +29,7 @@ from ..engine.client import EngineClient
 from ..engine.messages import SamplingParams as EngineParams
 from ..model.tokenizer import Tokenizer
 from ..request.prepare import Prompt, prepare
+from ..request.reasoning import with_reasoning
 from ..request.tools import Tools, offered, parse_tools, split_calls
 from ..request_errors import RateLimited, RequestError, Unavailable
 from ..web.dialects.openai.protocol import COMPLETION_SAMPLING_FIELDS as SAMPLING_FIELDS
@@ -209,7 +210,12 @@ class LLM:
             engine_params = params.resolve(self.vocab_size)
             if tools is not None:  # required or a named function: a grammar forces the calls
                 engine_params = tools.constrain(engine_params)
-            return prepare(self.tokenizer, self.context_length, parsed, engine_params, prompt_field="prompt")
+            prompt_ids, engine_params = prepare(
+                self.tokenizer, self.context_length, parsed, engine_params, prompt_field="prompt"
+            )
+            if parsed.messages is not None:  # a reasoning model's thought: in the text, its budget the server's
+                engine_params = with_reasoning(engine_params, self.config, self.tokenizer, prompt_ids)
+            return prompt_ids, engine_params
         except RequestError as err:
             raise _translate(err) from None
 

@@ -19,6 +19,8 @@ class Generation:
     completion_tokens: int = 0
     cached_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # one per prompt token (the first None), if asked for
+    reasoning: str = ""  # a reasoning model's thought, when it goes out apart (``text`` is the answer)
+    reasoning_tokens: int = 0  # the output's tokens that were its thought
 
 
 def is_error(event: TokenEvent) -> bool:
@@ -39,11 +41,14 @@ def collect_choices(first: TokenEvent | None, events: Iterator[TokenEvent], n: i
     asked for, land on choice 0."""
     gens = [Generation() for _ in range(n)]
     parts: list[list[str]] = [[] for _ in range(n)]
+    thoughts: list[list[str]] = [[] for _ in range(n)]
     for event in all_events(first, events):
         if event.finish_reason is FinishReason.ERROR:
             raise Unavailable(event.error or "generation failed", retry_after=5)
         gen = gens[event.index]
         parts[event.index].append(event.text)
+        thoughts[event.index].append(event.reasoning)
+        gen.reasoning_tokens = event.reasoning_tokens
         gen.token_ids.extend(event.token_ids)
         gen.logprobs.extend(event.logprobs)
         gen.finish_reason = event.finish_reason
@@ -51,6 +56,6 @@ def collect_choices(first: TokenEvent | None, events: Iterator[TokenEvent], n: i
         gen.cached_tokens = event.cached_tokens
         if event.prompt_logprobs is not None:
             gen.prompt_logprobs = list(event.prompt_logprobs)
-    for gen, texts in zip(gens, parts):
-        gen.text = "".join(texts)
+    for gen, texts, thought in zip(gens, parts, thoughts):
+        gen.text, gen.reasoning = "".join(texts), "".join(thought)
     return gens

@@ -31,6 +31,7 @@ from ..request.prepare import (
     encode,
     engine_params,
 )
+from ..request.reasoning import Thinking, with_reasoning
 from ..request_errors import RateLimited, Unavailable
 from .streaming import first_event, session_events
 
@@ -133,16 +134,20 @@ class Serving:
         params: SamplingParams,
         default_max: int = DEFAULT_MAX_TOKENS,
         field: str = "max_tokens",
+        thinking: Thinking | None = None,
     ) -> Run:
         """Encode the prompt, refuse while draining, prepare the engine's parameters (``prepare.engine_params``:
-        max_tokens filled in, the context fit), reserve its cost in the team's quota, submit (refused past the
-        server's or the team's places), and wait for the first event."""
+        max_tokens filled in, the context fit; a chat's thought: ``reasoning.with_reasoning``, with the request's
+        ``thinking``), reserve its cost in the team's quota, submit (refused past the server's or the team's
+        places), and wait for the first event."""
         prompt_ids = self.encode(prompt)
         if self.draining:
             raise Unavailable(
                 "server is shutting down; retry shortly (another instance takes over)", retry_after=RETRY_AFTER
             )
         params = engine_params(prompt_ids, params, self.ready().context_length, default_max=default_max, field=field)
+        if prompt.messages is not None:
+            params = with_reasoning(params, self.config, self.tokenizer, prompt_ids, thinking)
         team = request.headers.get("X-Team-Id")  # the proxy's; None (not counted) straight to the server
         self.check_quota(team, len(prompt_ids), params)  # settled when the response closes (app.py), 0 if refused
         session = self.client.submit(prompt_ids, params, team=team)

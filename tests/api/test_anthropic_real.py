@@ -146,6 +146,16 @@ def test_count_tokens_is_the_prompt_a_message_computes(client, model_name):
         (
             {"max_tokens": 5, "messages": ASK, "thinking": {"type": "enabled", "budget_tokens": 1024}},
             anthropic.BadRequestError,
+            "thinking.budget_tokens must be less than max_tokens",
+        ),
+        (
+            {"max_tokens": 5, "messages": ASK, "extra_body": {"thinking": {"type": "enabled"}}},
+            anthropic.BadRequestError,
+            "thinking.budget_tokens is required",
+        ),
+        (
+            {"max_tokens": 5, "messages": ASK, "extra_body": {"thinking": {"type": "sometimes"}}},
+            anthropic.BadRequestError,
             "thinking",
         ),
         (

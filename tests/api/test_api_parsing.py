@@ -72,7 +72,10 @@ def test_chat_maps_parameters():
         ({"messages": [{"role": "user"}]}, "messages[0].content"),
         ({"messages": [{"role": "bot", "content": "x"}]}, "messages[0].role"),
         ({"model": 5}, "model"),
-        ({"reasoning_effort": "high"}, "reasoning_effort"),
+        ({"reasoning_effort": "extreme"}, "reasoning_effort"),
+        ({"reasoning_format": "html"}, "reasoning_format"),
+        ({"thinking_budget_tokens": -1}, "thinking_budget_tokens"),
+        ({"thinking_budget_tokens": 2.5}, "thinking_budget_tokens"),
         ({"frobnicate": 1}, "frobnicate"),
     ],
 )
@@ -165,3 +168,26 @@ def test_n_choices_stream_tagged_with_their_index_and_usage_sums_them():
         (0, {}, "length"),
     ]
     assert chunks[-1]["usage"]["completion_tokens"] == 4 and chunks[-1]["usage"]["prompt_tokens"] == 3
+
+
+def test_chat_thinking_fields():
+    from inference_api.request.reasoning import Thinking
+
+    assert parse_chat(dict(CHAT), 100).thinking == Thinking(split=True, budget=None)
+    assert parse_chat({**CHAT, "thinking_budget_tokens": 5}, 100).thinking.budget == 5
+    assert parse_chat({**CHAT, "reasoning_effort": "none"}, 100).thinking.budget == 0
+    assert parse_chat({**CHAT, "reasoning_effort": "high"}, 100).thinking.budget is None  # the server's
+    assert parse_chat({**CHAT, "reasoning_format": "none"}, 100).thinking.split is False
+
+
+def test_reasoning_parser_follows_the_chat_template():
+    from inference_api.request.reasoning import PARSERS, choose_parser
+
+    chatml = "{% for m in messages %}<|im_start|>{{ m.content }}<|im_end|>{% endfor %}"
+    qwen3 = chatml + "{% if '</think>' in x %}{% endif %}<|im_start|>assistant\n<think>\n"
+    r1 = "{{'<｜Assistant｜>'}}{% set c = content.split('</think>')[-1] %}"
+    assert choose_parser("auto", chatml) is None and choose_parser("auto", None) is None
+    assert choose_parser("auto", qwen3) is PARSERS["qwen3"]
+    assert choose_parser("auto", r1) is PARSERS["deepseek_r1"]
+    assert choose_parser("qwen3", chatml) is PARSERS["qwen3"]  # the flag wins
+    assert choose_parser("none", qwen3) is None

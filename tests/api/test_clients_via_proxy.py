@@ -5,34 +5,24 @@ api_key (sent as ``x-api-key``), and text-generation with it in an Authorization
 from __future__ import annotations
 
 import asyncio
-import sys
-import time
 
 import openai
 import pytest
-from servers import ROOT, Process, free_port
+from servers import ROOT, jwt_proxy, team_token
 from text_generation import AsyncClient, Client
 from text_generation.errors import UnknownError
-
-SECRET = "test-secret-" + "x" * 40  # at least 32 bytes, or the proxy warns
 
 pytestmark = pytest.mark.skipif(not (ROOT / "proxy" / "__main__.py").exists(), reason="proxy not present")
 
 
 @pytest.fixture(scope="module")
 def proxy_url(real_server):
-    port = free_port()
-    argv = [sys.executable, "-m", "proxy", "--host", "127.0.0.1", "--port", str(port), "--upstream", real_server.url]
-    with Process(argv, port, env={"JWT_SECRET": SECRET}, ready_status=200) as proxy:
+    with jwt_proxy(real_server.url) as proxy:
         yield proxy.url
 
 
 def token(**claims) -> str:
-    import jwt
-
-    return jwt.encode(
-        {"team_id": "team-a", "token_id": "key-1", "exp": int(time.time()) + 3600, **claims}, SECRET, algorithm="HS256"
-    )
+    return team_token(**claims)
 
 
 def test_openai_client_through_the_proxy(proxy_url, oai, model_name):

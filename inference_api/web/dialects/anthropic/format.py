@@ -1,7 +1,8 @@
-"""Anthropic's Messages objects, field for field: the message (text and ``tool_use`` blocks, stop_reason, usage)
-and its stream of typed events: message_start, then per block content_block_start, its deltas (``text_delta``,
-a call's ``input_json_delta``) and content_block_stop, then message_delta (stop_reason, usage) and message_stop.
-An engine failure after the stream has started becomes an ``error`` event and ends it."""
+"""Anthropic's Messages objects, field for field: the message (a reasoning model's ``thinking`` block, text and
+``tool_use`` blocks, stop_reason, usage) and its stream of typed events: message_start, then per block
+content_block_start, its deltas (``thinking_delta``, ``text_delta``, a call's ``input_json_delta``) and
+content_block_stop, then message_delta (stop_reason, usage) and message_stop. An engine failure after the stream has
+started becomes an ``error`` event and ends it."""
 
 from __future__ import annotations
 
@@ -65,11 +66,17 @@ class MessageFormat:
         calls: list[ToolCall] = []
         if self.tools is not None:
             text, calls = split_calls(gen.text, self.tools.names, self.tools.forced)
-        content = ([{"type": "text", "text": text}] if text else []) + [tool_use(c) for c in calls]
+        content = [thinking_block(gen.reasoning)] if gen.reasoning else []
+        content += ([{"type": "text", "text": text}] if text else []) + [tool_use(c) for c in calls]
         stop_reason, sequence = self.stop(gen.finish_reason, bool(calls))
         return self.message(
             content, stop_reason, sequence, usage(prompt_tokens, gen.completion_tokens, gen.cached_tokens)
         )
+
+
+def thinking_block(text: str) -> dict:
+    """A reasoning model's thought (its signature empty: the thought is the model's own text, not Anthropic's)."""
+    return {"type": "thinking", "thinking": text, "signature": ""}
 
 
 def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
@@ -112,6 +119,11 @@ def stream_events(fmt: MessageFormat, events: Iterator[TokenEvent], prompt_token
             yield from start({"type": "text", "text": ""})
         yield event("content_block_delta", {"index": index, "delta": {"type": "text_delta", "text": text}})
 
+    def thought_delta(text: str) -> Iterator[bytes]:
+        if open_kind != "thinking":
+            yield from start(thinking_block(""))
+        yield event("content_block_delta", {"index": index, "delta": {"type": "thinking_delta", "thinking": text}})
+
     def arguments(text: str) -> bytes:
         return event(
             "content_block_delta", {"index": index, "delta": {"type": "input_json_delta", "partial_json": text}}
@@ -144,6 +156,8 @@ def stream_events(fmt: MessageFormat, events: Iterator[TokenEvent], prompt_token
             yield sse(error_body(ANTHROPIC, 500, ev.error or "generation failed"), event="error")
             return
         output_tokens, cached = ev.completion_tokens, ev.cached_tokens or cached
+        if ev.reasoning:
+            yield from thought_delta(ev.reasoning)
         yield from pieces(ev.text, ev.finished)
         if ev.finished:
             if ev.finish_reason not in STOP_REASON:

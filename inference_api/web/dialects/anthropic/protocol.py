@@ -10,7 +10,10 @@ messages (before the rest of that user turn); ``system`` (a string or text block
 dialect's. The sampling fields (``temperature``, ``top_p``, ``top_k``) are taken where a client sends them (the
 current SDK sends them only in ``extra_body``). Fields about Anthropic's service (``cache_control``: the prefix
 cache needs no hint; ``service_tier``, ``speed``, ``inference_geo``, ``metadata``, ``output_config.effort``...)
-are accepted with no effect; ``thinking`` other than disabled, built-in tools and images are refused by name.
+are accepted with no effect; built-in tools and images are refused by name. ``thinking`` sets a reasoning
+model's thought: ``enabled`` with ``budget_tokens`` (its budget; Anthropic's floor of 1,024 is not imposed),
+``adaptive`` (the server's budget) or ``disabled`` (closed at once); the thought comes back as a ``thinking`` block
+(with an empty signature), and thinking blocks sent back in the history are not shown to the model again.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from ....config import DEFAULT_MAX_STOP_SEQUENCES
 from ....engine.grammar import Grammar, json_schema
 from ....engine.messages import SamplingParams
+from ....request.reasoning import Thinking, budget_field
 from ....request.tools import Tools, assistant_calls, parse_tools
 from ....request.validation import boolean, number, reject_unknown, stop_list, string
 from ....request_errors import RequestError
@@ -31,12 +35,11 @@ _SERVICE = {"cache_control", "metadata", "service_tier", "speed", "inference_geo
 COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"} | _SERVICE
 MESSAGES_FIELDS = COUNT_FIELDS | {"max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream"}
 _UNSUPPORTED = {  # fields of Anthropic's API this server refuses by name rather than ignore
-    "thinking": "extended thinking is not supported by this server",
     "mcp_servers": "MCP servers are not supported by this server",
     "container": "code-execution containers are not supported by this server",
     "workspace_id": "workspaces are not supported by this server",
 }
-BLOCKS = {"user": {"text", "tool_result"}, "assistant": {"text", "tool_use"}}
+BLOCKS = {"user": {"text", "tool_result"}, "assistant": {"text", "tool_use", "thinking", "redacted_thinking"}}
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class MessagesRequest:
     params: SamplingParams  # max_tokens required by the API
     stream: bool
     stop_sequences: tuple[str, ...]
+    thinking: Thinking = Thinking(split=True)  # a reasoning model's thought: a thinking block, and its budget
 
 
 def _text(blocks, where: str) -> str:
@@ -93,6 +97,8 @@ def _messages(body: dict) -> list[dict]:
             if kind not in BLOCKS[role]:
                 allowed = " or ".join(sorted(BLOCKS[role]))
                 raise RequestError(f"{at}: a {role} message's blocks are {allowed}, got type {kind!r}", at)
+            if kind in ("thinking", "redacted_thinking"):
+                continue  # a past thought sent back: not shown to the model again
             if kind == "text":
                 texts.append(_text([block], at))
             elif kind == "tool_use":
@@ -177,11 +183,31 @@ def _output_format(config) -> Grammar | None:
 
 def _refuse_unsupported(body: dict) -> None:
     for name, why in _UNSUPPORTED.items():
-        value = body.get(name)
-        if value is not None and not (
-            name == "thinking" and isinstance(value, dict) and value.get("type") == "disabled"
-        ):
+        if body.get(name) is not None:
             raise RequestError(why, name)
+
+
+THINKING_TYPES = ("enabled", "adaptive", "disabled")
+
+
+def _thinking(body: dict) -> Thinking:
+    """``thinking``: enabled (``budget_tokens``), adaptive (the server's budget) or disabled (a budget of 0)."""
+    value = body.get("thinking")
+    if value is None:
+        return Thinking(split=True)
+    if not isinstance(value, dict) or value.get("type") not in THINKING_TYPES:
+        raise RequestError(f"thinking must be an object whose type is {', '.join(THINKING_TYPES)}", "thinking.type")
+    reject_unknown(value, {"type", "budget_tokens", "display"})
+    if value["type"] == "disabled":
+        return Thinking(split=True, budget=0)
+    if value["type"] == "adaptive":
+        return Thinking(split=True)
+    if value.get("budget_tokens") is None:
+        raise RequestError("thinking.budget_tokens is required when thinking is enabled", "thinking.budget_tokens")
+    budget = budget_field(value["budget_tokens"], "thinking.budget_tokens", minimum=1)
+    if isinstance(body.get("max_tokens"), int) and budget is not None and budget >= body["max_tokens"]:
+        raise RequestError("thinking.budget_tokens must be less than max_tokens", "thinking.budget_tokens")
+    return Thinking(split=True, budget=budget)
 
 
 def parse_messages_request(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> MessagesRequest:
@@ -211,6 +237,7 @@ def parse_messages_request(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCE
         params=params,
         stream=boolean(body, "stream", False),
         stop_sequences=stops,
+        thinking=_thinking(body),
     )
 
 
@@ -218,4 +245,5 @@ def parse_count_tokens(body: dict) -> tuple[str, tuple[dict, ...], Tools | None]
     """``/v1/messages/count_tokens``: (model, messages, tools)."""
     reject_unknown(body, COUNT_FIELDS | set(_UNSUPPORTED))
     _refuse_unsupported(body)
+    _thinking(body)
     return string(body, "model", required=True), parse_messages(_messages(body)), parse_tools_field(body)

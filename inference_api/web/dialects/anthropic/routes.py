@@ -24,7 +24,7 @@ def anthropic_blueprint(serving: Serving) -> Blueprint:
         serving.check_model(req.model, placeholders=True)
         prompt = Prompt.chat(req.messages, req.tools)
         fmt = MessageFormat(serving.model_name, req.tools, req.stop_sequences)
-        run = serving.start(prompt, req.params)
+        run = serving.start(prompt, req.params, thinking=req.thinking)
         if req.stream:
             return sse_response(stream_events(fmt, run.events(), run.prompt_tokens))
         return jsonify(fmt.response(run.collect(), run.prompt_tokens))

@@ -28,14 +28,18 @@ def fingerprint(ready: EngineReady) -> str:
     return "fp_" + hashlib.sha1(key.encode()).hexdigest()[:10]
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache held (not computed again)."""
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict:
+    """OpenAI's usage object; cached_tokens: prompt tokens the prefix cache held (not computed again);
+    reasoning_tokens: completion tokens that were a thought (completion_tokens_details, when there was one)."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if reasoning_tokens:
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return body
 
 
 def visible(logprobs, finish_reason: FinishReason | None) -> tuple[TokenLogprob, ...]:
@@ -67,8 +71,11 @@ class _Format:
 
     def response(self, gen: Generation, prompt_tokens: int) -> dict:
         lps = self.logprobs(visible(gen.logprobs, gen.finish_reason)) if self.want_logprobs else None
-        body = self.envelope(self.object_name, [self.choice(gen.text, lps, FINISH.get(gen.finish_reason))])
-        body["usage"] = usage(prompt_tokens, gen.completion_tokens, gen.cached_tokens)
+        choice = self.choice(gen.text, lps, FINISH.get(gen.finish_reason))
+        if gen.reasoning:
+            choice["message"]["reasoning_content"] = gen.reasoning
+        body = self.envelope(self.object_name, [choice])
+        body["usage"] = usage(prompt_tokens, gen.completion_tokens, gen.cached_tokens, gen.reasoning_tokens)
         return body
 
     def opening(self) -> list[dict]:
@@ -82,6 +89,12 @@ class _Format:
     def chunk(self, text: str, logprobs: tuple[TokenLogprob, ...], finish: str | None) -> dict:
         lps = self.logprobs(logprobs) if self.want_logprobs and (logprobs or finish is None) else None
         return self.envelope(self.chunk_object, [self.chunk_choice(text, lps, finish)])
+
+    def thought_chunk(self, text: str, logprobs: tuple[TokenLogprob, ...]) -> dict:
+        """A piece of a reasoning model's thought: a chat delta of ``reasoning_content`` (only chat has one)."""
+        lps = self.logprobs(logprobs) if self.want_logprobs else None
+        delta = {"reasoning_content": text}
+        return self.envelope(self.chunk_object, [{"index": 0, "delta": delta, "logprobs": lps, "finish_reason": None}])
 
     def chunks(self, text: str, logprobs: tuple[TokenLogprob, ...], finish: str | None) -> list[dict]:
         """The chunks for a piece of text (or the finish): one, unless the format holds text back or splits it
@@ -242,7 +255,8 @@ def response_body(fmt: _Format, gens: list[Generation], prompt_tokens: int) -> d
     body = bodies[0]
     if len(gens) > 1:
         body["choices"] = [dict(b["choices"][0], index=i) for i, b in enumerate(bodies)]
-        body["usage"] = usage(prompt_tokens, sum(g.completion_tokens for g in gens), gens[0].cached_tokens)
+        completion, thought = sum(g.completion_tokens for g in gens), sum(g.reasoning_tokens for g in gens)
+        body["usage"] = usage(prompt_tokens, completion, gens[0].cached_tokens, thought)
     return body
 
 
@@ -263,15 +277,19 @@ def stream_chunks(
     and every choice's tokens.
     """
     choice_tokens: dict[int, int] = {}
+    thought_tokens: dict[int, int] = {}
     cached_tokens = 0
     fmts = fmt.for_choices(n)
     held: dict[int, tuple] = {}  # log-probs of an event without text (choice 0's first: the prompt's log-probs)
+
+    def totals() -> dict:
+        return usage(prompt_tokens, sum(choice_tokens.values()), cached_tokens, sum(thought_tokens.values()))
 
     def send(chunk: dict, index: int) -> bytes:
         for choice in chunk["choices"]:
             choice["index"] = index
         if continuous_usage:
-            chunk["usage"] = usage(prompt_tokens, sum(choice_tokens.values()), cached_tokens)
+            chunk["usage"] = totals()
         elif include_usage:
             chunk["usage"] = None
         return sse(chunk)
@@ -284,10 +302,13 @@ def stream_chunks(
             yield sse(error_body(OPENAI, 500, event.error or "generation failed"))
             return
         i, fmt = event.index, fmts[event.index]
-        choice_tokens[i] = event.completion_tokens
+        choice_tokens[i], thought_tokens[i] = event.completion_tokens, event.reasoning_tokens
         if i == 0:
             cached_tokens = event.cached_tokens
         lps = held.pop(i, ()) + visible(event.logprobs, event.finish_reason)
+        if event.reasoning:  # the thought comes before the answer, in an event as in the output
+            yield send(fmt.thought_chunk(event.reasoning, lps), i)
+            lps = ()
         if not event.text and not event.finished:
             held[i] = lps
             continue
@@ -301,8 +322,5 @@ def stream_chunks(
             for chunk in fmt.chunks("", lps, FINISH[event.finish_reason]):
                 yield send(chunk, i)
     if include_usage:
-        yield sse(
-            fmt.envelope(fmt.chunk_object, [])
-            | {"usage": usage(prompt_tokens, sum(choice_tokens.values()), cached_tokens)}
-        )
+        yield sse(fmt.envelope(fmt.chunk_object, []) | {"usage": totals()})
     yield sse("[DONE]")

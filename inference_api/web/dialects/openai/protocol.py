@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from ....config import DEFAULT_MAX_STOP_SEQUENCES, MAX_CHOICES
 from ....engine.grammar import ANY_JSON_OBJECT, Grammar, choice, json_schema, maybe_json, one_of, text_grammar
 from ....engine.messages import SamplingParams
+from ....request.reasoning import Thinking, budget_field, effort_budget
 from ....request.tools import Tools, assistant_calls, parse_tools
 from ....request.validation import (
     SEED_RANGE,
@@ -83,7 +84,6 @@ COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "best_of", "suffix",
 _ONLY_ABSENT = (
     "audio",
     "prediction",
-    "reasoning_effort",
     "verbosity",
     "web_search_options",
     "moderation",
@@ -99,6 +99,9 @@ CHAT_FIELDS = (
         "tools",
         "tool_choice",
         "tool_prompt",
+        "reasoning_effort",
+        "reasoning_format",
+        "thinking_budget_tokens",
         "functions",
         "function_call",
         "modalities",
@@ -106,7 +109,20 @@ CHAT_FIELDS = (
     | set(_ONLY_ABSENT)
 )
 ROLES = {"system", "developer", "user", "assistant", "tool"}
-_MESSAGE_FIELDS = {"role", "content", "name", "refusal", "tool_calls", "tool_call_id", "function_call", "audio"}
+# (an assistant turn's reasoning_content, which clients send back as they got it, is accepted and not shown to the
+# model again, as reasoning models' templates drop past thoughts)
+_MESSAGE_FIELDS = {
+    "role",
+    "content",
+    "name",
+    "refusal",
+    "tool_calls",
+    "tool_call_id",
+    "function_call",
+    "audio",
+    "reasoning_content",
+    "reasoning",
+}
 
 
 @dataclass(frozen=True)
@@ -123,6 +139,7 @@ class OpenAIRequest:
     echo: bool = False  # completions: the prompt before each choice's text (and its log-probs with logprobs)
     prompt_logprobs: int | None = None  # completions, vLLM's prompt_logprobs: the prompt tokens' log-probs + top N
     tools: Tools | None = None  # chat: the request's tools and tool_choice (tools.py)
+    thinking: Thinking = Thinking(split=True)  # chat: a reasoning model's thought, apart or not, and its budget
 
 
 def parse_completion(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> OpenAIRequest:
@@ -175,7 +192,22 @@ def parse_chat(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQ
     tools = parse_tools(body.get("tools"), body.get("tool_choice"), body.get("parallel_tool_calls"))
     if tools is not None:
         params = tools.constrain(params)
-    return _request(body, params, field, messages=messages, tools=tools)
+    return _request(body, params, field, messages=messages, tools=tools, thinking=_thinking(body))
+
+
+REASONING_FORMATS = ("auto", "deepseek", "none")  # llama-server's per-request reasoning_format
+
+
+def _thinking(body: dict) -> Thinking:
+    """A chat request's thought: apart (``reasoning_content``) unless llama-server's ``reasoning_format`` is none;
+    its budget from llama-server's ``thinking_budget_tokens``, or 0 for OpenAI's ``reasoning_effort: none``."""
+    fmt = body.get("reasoning_format")
+    if fmt is not None and fmt not in REASONING_FORMATS:
+        raise RequestError(f"reasoning_format must be one of {', '.join(REASONING_FORMATS)}", "reasoning_format")
+    budget = budget_field(body.get("thinking_budget_tokens"), "thinking_budget_tokens")
+    if budget is None:
+        budget = effort_budget(body.get("reasoning_effort"), "reasoning_effort")
+    return Thinking(split=fmt != "none", budget=budget)
 
 
 def _request(body: dict, params: SamplingParams, max_field: str, **prompt) -> OpenAIRequest:

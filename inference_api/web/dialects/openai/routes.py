@@ -68,7 +68,7 @@ def openai_blueprint(serving: Serving) -> Blueprint:
         return respond(req, prompt, ChatFormat(ready, want_logprobs))
 
     def respond(req: OpenAIRequest, prompt: Prompt, fmt):
-        run: Run = serving.start(prompt, req.params, field=req.max_tokens_field)
+        run: Run = serving.start(prompt, req.params, field=req.max_tokens_field, thinking=req.thinking)
         if req.echo or req.prompt_logprobs is not None:  # the prompt's log-probs came with the first event
             text = req.prompt if req.prompt is not None else serving.tokenizer.decode(list(run.prompt_ids))
             fmt.scoring(

@@ -1,5 +1,7 @@
 """Response objects of the Responses API, field for field, and their stream of typed events: response.created,
-response.in_progress, then per output item response.output_item.added, (a message) response.content_part.added,
+response.in_progress, then per output item response.output_item.added, (a reasoning model's thought: a reasoning
+item) response.content_part.added, response.reasoning_text.delta..., response.reasoning_text.done,
+response.content_part.done, (a message) response.content_part.added,
 response.output_text.delta..., response.output_text.done, response.content_part.done, (a function call)
 response.function_call_arguments.delta..., response.function_call_arguments.done, and response.output_item.done;
 last response.completed (or response.incomplete at max_output_tokens). Every event has a ``sequence_number``.
@@ -45,14 +47,13 @@ class ResponseFormat:
             "incomplete_details": incomplete,
             "previous_response_id": self.previous_response_id,
             "store": self.store,
-            "reasoning": {"effort": None, "summary": None},
             **self.echo,
         }
 
-    def items(self, text: str | None, calls: list[ToolCall], item_id: str | None = None) -> list[dict]:
-        out = []
+    def items(self, text: str | None, calls: list[ToolCall], thought: str = "") -> list[dict]:
+        out = [reasoning_item(_id("rs"), thought, "completed")] if thought else []
         if text:
-            out.append(message_item(item_id or _id("msg"), text, "completed"))
+            out.append(message_item(_id("msg"), text, "completed"))
         out += [call_item(c, "completed") for c in calls]
         return out
 
@@ -62,8 +63,8 @@ class ResponseFormat:
         if self.tools is not None:
             text, calls = split_calls(gen.text, self.tools.names, self.tools.forced)
         status = "incomplete" if gen.finish_reason is FinishReason.LENGTH else "completed"
-        usage_ = usage(prompt_tokens, gen.completion_tokens, gen.cached_tokens)
-        return self.envelope(status, self.items(text, calls), usage_, gen.finish_reason)
+        usage_ = usage(prompt_tokens, gen.completion_tokens, gen.cached_tokens, gen.reasoning_tokens)
+        return self.envelope(status, self.items(text, calls, gen.reasoning), usage_, gen.finish_reason)
 
     def stream(self, events: Iterator[TokenEvent], prompt_tokens: int, done: Callable[[dict], None]) -> Iterator[bytes]:
         """The SSE body; ``done`` gets the final response object (to store it)."""
@@ -84,21 +85,19 @@ class ResponseFormat:
             if current is None:
                 return
             index = len(output)
-            if current["type"] == "message":
+            if current["type"] in ("reasoning", "message"):
                 text = "".join(text_parts)
-                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-                yield emit(
-                    "response.output_text.done",
-                    item_id=current["id"],
-                    output_index=index,
-                    content_index=0,
-                    text=text,
-                    logprobs=[],
-                )
-                yield emit(
-                    "response.content_part.done", item_id=current["id"], output_index=index, content_index=0, part=part
-                )
-                current = message_item(current["id"], text, "completed")
+                where = {"item_id": current["id"], "output_index": index, "content_index": 0}
+                part: dict
+                if current["type"] == "reasoning":
+                    part = {"type": "reasoning_text", "text": text}
+                    yield emit("response.reasoning_text.done", **where, text=text)
+                    current = reasoning_item(current["id"], text, "completed")
+                else:
+                    part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                    yield emit("response.output_text.done", **where, text=text, logprobs=[])
+                    current = message_item(current["id"], text, "completed")
+                yield emit("response.content_part.done", **where, part=part)
             else:
                 current = {**current, "status": "completed"}
                 yield emit(
@@ -117,9 +116,13 @@ class ResponseFormat:
             yield from close()
             current = item
             yield emit("response.output_item.added", output_index=len(output), item=item)
-            if item["type"] == "message":
+            if item["type"] in ("message", "reasoning"):
                 text_parts.clear()
-                part = {"type": "output_text", "text": "", "annotations": []}
+                part = (
+                    {"type": "output_text", "text": "", "annotations": []}
+                    if item["type"] == "message"
+                    else {"type": "reasoning_text", "text": ""}
+                )
                 yield emit(
                     "response.content_part.added",
                     item_id=item["id"],
@@ -128,21 +131,20 @@ class ResponseFormat:
                     part=part,
                 )
 
-        def text_delta(text: str) -> Iterator[bytes]:
+        def delta(kind: str, text: str) -> Iterator[bytes]:
+            """More of the answer's text (``message``) or of the thought's (``reasoning``), in an item of its kind."""
             if not text:
                 return
-            if current is None or current["type"] != "message":
-                yield from open_item(message_item(_id("msg"), "", "in_progress", content=False))
+            if current is None or current["type"] != kind:
+                opened = message_item(_id("msg"), "", "in_progress", content=False) if kind == "message" else None
+                yield from open_item(opened or reasoning_item(_id("rs"), "", "in_progress"))
             assert current is not None
             text_parts.append(text)
-            yield emit(
-                "response.output_text.delta",
-                item_id=current["id"],
-                output_index=len(output),
-                content_index=0,
-                delta=text,
-                logprobs=[],
-            )
+            where = {"item_id": current["id"], "output_index": len(output), "content_index": 0}
+            if kind == "message":
+                yield emit("response.output_text.delta", **where, delta=text, logprobs=[])
+            else:
+                yield emit("response.reasoning_text.delta", **where, delta=text)
 
         def arguments(text: str) -> Iterator[bytes]:
             assert current is not None
@@ -153,12 +155,12 @@ class ResponseFormat:
 
         def pieces(text: str, finished: bool) -> Iterator[bytes]:
             if splitter is None:
-                yield from text_delta(text)
+                yield from delta("message", text)
                 return
             for piece in splitter.take(text, finished):
                 match piece:
                     case ("content", str() as content):
-                        yield from text_delta(content)
+                        yield from delta("message", content)
                     case ("call", ToolCall() as call):
                         yield from open_item(call_item(ToolCall(call.id, call.name, ""), "in_progress"))
                         yield from arguments(call.arguments)
@@ -171,21 +173,27 @@ class ResponseFormat:
 
         yield emit("response.created", response=self.envelope("in_progress", [], None))
         yield emit("response.in_progress", response=self.envelope("in_progress", [], None))
-        output_tokens = cached = 0
+        output_tokens = cached = thought_tokens = 0
         for ev in events:
             if ev.finish_reason is FinishReason.ERROR:
                 failed = self.envelope("failed", output, None)
                 failed["error"] = {"code": "server_error", "message": ev.error or "generation failed"}
                 yield emit("response.failed", response=failed)
                 return
-            output_tokens, cached = ev.completion_tokens, ev.cached_tokens or cached
+            output_tokens, cached, thought_tokens = (
+                ev.completion_tokens,
+                ev.cached_tokens or cached,
+                ev.reasoning_tokens,
+            )
+            yield from delta("reasoning", ev.reasoning)
             yield from pieces(ev.text, ev.finished)
             if ev.finished:
                 if ev.finish_reason not in (FinishReason.EOS, FinishReason.STOP, FinishReason.LENGTH):
                     return  # cancelled: nobody is listening
                 yield from close()
                 status = "incomplete" if ev.finish_reason is FinishReason.LENGTH else "completed"
-                final = self.envelope(status, output, usage(prompt_tokens, output_tokens, cached), ev.finish_reason)
+                totals = usage(prompt_tokens, output_tokens, cached, thought_tokens)
+                final = self.envelope(status, output, totals, ev.finish_reason)
                 done(final)
                 yield emit(f"response.{status}", response=final)
                 return
@@ -194,6 +202,13 @@ class ResponseFormat:
 def message_item(item_id: str, text: str, status: str, content: bool = True) -> dict:
     parts = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if content else []
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": parts}
+
+
+def reasoning_item(item_id: str, text: str, status: str) -> dict:
+    """A reasoning model's thought, as the Responses API returns open models' reasoning: its text as
+    ``reasoning_text`` content (no summary)."""
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def call_item(call: ToolCall, status: str) -> dict:
@@ -207,12 +222,12 @@ def call_item(call: ToolCall, status: str) -> dict:
     }
 
 
-def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0) -> dict:
+def usage(prompt_tokens: int, output_tokens: int, cached_tokens: int = 0, reasoning_tokens: int = 0) -> dict:
     return {
         "input_tokens": prompt_tokens,
         "input_tokens_details": {"cached_tokens": cached_tokens},
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
         "total_tokens": prompt_tokens + output_tokens,
     }
 

@@ -6,7 +6,8 @@ developer; ``content`` a string or ``input_text`` / ``output_text`` parts), ``fu
 assistant's calls) and ``function_call_output`` items (their results); ``instructions`` is the system message.
 Function tools, ``tool_choice`` and ``parallel_tool_calls`` go through the same grammar-forced calls as chat;
 ``text.format`` (``json_schema`` with its schema, ``json_object``) through the same structured output.
-Built-in tools, background mode, images and files are refused by name.
+Built-in tools, background mode, images and files are refused by name. A reasoning model's thought comes back as a
+reasoning item; ``reasoning.effort`` none closes it at once, the other efforts leave the server's budget.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass
 from ....config import DEFAULT_MAX_STOP_SEQUENCES
 from ....engine.grammar import ANY_JSON_OBJECT, Grammar, json_schema
 from ....engine.messages import SamplingParams
+from ....request.reasoning import Thinking, effort_budget
 from ....request.tools import Tools, parse_tools
 from ....request.validation import boolean, number, reject_unknown, string
 from ....request_errors import RequestError
@@ -32,7 +34,6 @@ _SERVICE = {
     "truncation",
     "include",
     "stream_options",
-    "reasoning",
 }
 FIELDS = {
     "model",
@@ -53,6 +54,7 @@ FIELDS = {
     "top_logprobs",
     "conversation",
     "prompt",
+    "reasoning",
 } | _SERVICE
 _BUILT_IN = {"web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview", "mcp"}
 ROLES = {"user", "assistant", "system", "developer"}
@@ -69,6 +71,7 @@ class ResponsesRequest:
     store: bool
     previous_response_id: str | None
     echo: dict  # the request's fields a response object repeats (instructions, tools, text, ...)
+    thinking: Thinking = Thinking(split=True)  # a reasoning model's thought: a reasoning item, and its budget
 
 
 def _text(content, where: str) -> str:
@@ -182,6 +185,16 @@ def _text_format(body: dict) -> Grammar | None:
     raise RequestError("text.format.type must be text, json_object or json_schema", "text.format.type")
 
 
+def _thinking(body: dict) -> Thinking:
+    reasoning = body.get("reasoning")
+    if reasoning is None:
+        return Thinking(split=True)
+    if not isinstance(reasoning, dict):
+        raise RequestError("reasoning must be an object {effort, summary}", "reasoning")
+    reject_unknown(reasoning, {"effort", "summary", "generate_summary"})
+    return Thinking(split=True, budget=effort_budget(reasoning.get("effort"), "reasoning.effort"))
+
+
 def parse_responses(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> ResponsesRequest:
     reject_unknown(body, FIELDS)
     for name, why in (
@@ -216,6 +229,7 @@ def parse_responses(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> R
         "metadata": body.get("metadata") or {},
         "truncation": body.get("truncation") or "disabled",
         "user": body.get("user"),
+        "reasoning": {"effort": None, "summary": None, **(body.get("reasoning") or {})},
     }
     previous = string(body, "previous_response_id")
     return ResponsesRequest(
@@ -228,4 +242,5 @@ def parse_responses(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> R
         store=boolean(body, "store", True),
         previous_response_id=previous,
         echo=echo,
+        thinking=_thinking(body),
     )

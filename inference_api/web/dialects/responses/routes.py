@@ -43,7 +43,7 @@ def responses_blueprint(serving: Serving) -> Blueprint:
         turn = req.input_messages
         prompt = Prompt.chat(parse_messages([*system, *history, *turn]), req.tools)
         fmt = ResponseFormat(serving.model_name, req.echo, req.tools, req.previous_response_id, req.store)
-        run = serving.start(prompt, req.params, field="max_output_tokens")
+        run = serving.start(prompt, req.params, field="max_output_tokens", thinking=req.thinking)
         owner = team()
 
         def keep(response: dict) -> None:

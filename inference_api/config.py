@@ -67,6 +67,18 @@ class ServerConfig:
     reasoning_format: str = "auto"
     reasoning_budget: int = -1  # -1: no cap; 0: the thought is closed at once; N: closed after N tokens
     reasoning_budget_message: str = ""  # written before the end tag when the budget closes a thought
+    # the prompt cache beyond the rows (engine/prompt_cache.py): MiB of host memory for the caches of conversations
+    # whose rows were taken (-1: auto, 4096 or a quarter of the machine's memory if less; 0: off), and a folder
+    # that keeps them across restarts (None: memory only)
+    cache_ram: int = -1
+    prompt_cache_dir: Path | None = None
+    # speculative decoding (engine/speculative.py): drafts from each row's own prompt and output, checked by the
+    # model in one forward; off: every token its own step
+    spec_type: str = "ngram"
+    spec_draft_max: int = 8  # tokens a row drafts per step at most
+    spec_ngram_min: int = 2  # the shortest n-gram looked up
+    spec_ngram_max: int = 4  # the longest
+    spec_max_rows: int = 8  # no row drafts in a step that decodes more rows than this
     test_fault_text: str | None = None  # TESTS ONLY: fail post-processing of requests whose prompt contains this
     # INTERNAL_SECRET (environment only, never a flag): every request but GET/HEAD /health must carry it in
     # X-Internal-Secret, which the proxy adds; None (the one-process dev stack): no check
@@ -184,6 +196,28 @@ _ENV = {
         "REASONING_BUDGET_MESSAGE",
         "text written before the end tag when the budget closes a thought",
     ),
+    "cache_ram": (
+        "CACHE_RAM",
+        "MiB of host memory for the prompt cache beyond the rows: the keys and values of conversations whose rows "
+        "were taken, restored instead of computed again (-1: 4096 or a quarter of the machine's memory if less; "
+        "0: off)",
+    ),
+    "prompt_cache_dir": (
+        "PROMPT_CACHE_DIR",
+        "a folder that keeps the prompt cache across restarts (checked on load; up to four times --cache-ram)",
+    ),
+    "spec_type": (
+        "SPEC_TYPE",
+        "speculative decoding: ngram (drafts from each row's own prompt and output, checked in one forward; the "
+        "same tokens as off) or off",
+    ),
+    "spec_draft_max": ("SPEC_DRAFT_MAX", "tokens a row drafts per step at most"),
+    "spec_ngram_min": ("SPEC_NGRAM_MIN", "the shortest n-gram of a row's last tokens looked up for a draft"),
+    "spec_ngram_max": ("SPEC_NGRAM_MAX", "the longest n-gram looked up"),
+    "spec_max_rows": (
+        "SPEC_MAX_ROWS",
+        "no row drafts in a step that decodes more rows than this (the batch is compute-bound there)",
+    ),
     "test_fault_text": ("TEST_FAULT_TEXT", "for tests only: fail post-processing of prompts containing this text"),
 }
 
@@ -194,6 +228,7 @@ _CHOICES = {
     "cpu_level": ("auto", "avx2", "avx512vnni"),
     "reasoning_parser": ("auto", "deepseek_r1", "qwen3", "none"),
     "reasoning_format": ("auto", "none"),
+    "spec_type": ("ngram", "off"),
 }
 
 

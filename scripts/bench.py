@@ -29,6 +29,14 @@ from the GGUF being served (--gguf; default: the embedded model's file when the 
 that makes at the measured tokens/s, a read-bandwidth probe taken in this process at the start and the end
 of the run, and the resulting ceiling in tokens/s and the fraction of it reached, for our server and the peer.
 
+Speculative decoding: --grounded runs the input-grounded tasks (rewrite a given code file with one change,
+extract fields from a given text, summarize quoting the source: GROUNDED) one stream at a time through
+/v1/chat/completions, greedy, on the server with speculation (its default), on the server with the request's
+``speculative: false`` (speculation off, the same tokens), and on the peer (start llama-server with its best
+``--spec-type`` for the file), interleaved; it prints each side's decode tokens/s (from the first token to the
+last), the ratios, and the server's draft acceptance from its /metrics. --spec-plain times the plain essay
+prompts with and without speculation (never slower is the goal).
+
     python scripts/bench.py --url http://127.0.0.1:8000 --baseline --offline --repeat 3
 """
 
@@ -70,6 +78,239 @@ SUBJECTS = [
     "a rooftop garden",
     "desert life",
 ]
+
+
+ROOT = Path(__file__).resolve().parent.parent
+
+EXTRACT_SOURCE = """\
+From: Dana Whitfield <dana.whitfield@harbor-freight-lines.example>
+Date: 14 March 2026
+Subject: Delayed container HFLU 4471938
+
+Dear Mr. Okafor,
+
+Container HFLU 4471938, booked under order 88-20417 for 1,240 cartons of ceramic tiles, left Valencia on the
+MV Northern Lark on 2 March and was due in Rotterdam on 9 March. A crane failure at the Valencia terminal held
+the vessel for five days, so the new arrival date is 14 March, and the container will be released to your
+haulier, Van Dijk Transport, on 16 March. The demurrage of EUR 1,350 for the delay will not be charged to you.
+Please quote reference CLM-5521 in any correspondence about this shipment.
+
+Kind regards,
+Dana Whitfield, Customer Operations
+"""
+
+SUMMARY_SOURCE = """\
+The lighthouse at Skerry Point was built in 1874 after three ships were lost on the reef in a single winter.
+Its first keeper, Thomas Baird, kept a log of every vessel that passed; the log survives and records 11,402
+ships over 31 years. The tower is 38 metres tall and its light, originally a paraffin lamp behind a Fresnel lens,
+could be seen 22 nautical miles away. In 1951 the lamp was replaced by an electric light, and in 1988 the station
+was automated and the last keeper left. Today the keeper's cottage is a small museum, open from April to
+October, which displays the original lens and a copy of Baird's log.
+"""
+
+
+def grounded_tasks() -> list[tuple[str, list[dict]]]:
+    """The input-grounded tasks: the answer copies much of the input, which prompt lookup drafts."""
+    code = (ROOT / "inference_api" / "engine" / "stopping.py").read_text()
+    return [
+        (
+            "rewrite code",
+            [
+                {
+                    "role": "user",
+                    "content": "Rewrite this Python file with the function held_back renamed to held_suffix "
+                    "everywhere. Reply with the whole file and nothing else.\n\n" + code,
+                }
+            ],
+        ),
+        (
+            "extract fields",
+            [
+                {
+                    "role": "user",
+                    "content": "From this email, list the container number, the order number, the vessel, the "
+                    "new arrival date, the haulier, the demurrage and the reference, one per line as "
+                    "'field: value', quoting the email's words.\n\n" + EXTRACT_SOURCE,
+                }
+            ],
+        ),
+        (
+            "summarize quoting",
+            [
+                {
+                    "role": "user",
+                    "content": "Summarize this text in three sentences, quoting its own words where you can.\n\n"
+                    + SUMMARY_SOURCE,
+                }
+            ],
+        ),
+    ]
+
+
+def chat_timed(url: str, model: str, messages: list[dict], max_tokens: int, extra: dict | None = None) -> dict:
+    """One streamed greedy chat answer: its tokens (the usage), time to the first token, decode tokens/s from
+    the first token to the last, and the text."""
+    import json
+
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    } | (extra or {})
+    started = time.perf_counter()
+    first = last = None
+    pieces, tokens = [], 0
+    with requests.post(f"{url}/v1/chat/completions", json=body, stream=True, timeout=600) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices") or ():
+                text = (choice.get("delta") or {}).get("content") or ""
+                if text:
+                    last = time.perf_counter()
+                    first = first or last
+                    pieces.append(text)
+    if first is None or last is None:
+        return dict(tokens=0, ttft=float("nan"), tps=float("nan"), text="")
+    span = last - first
+    return dict(
+        tokens=tokens, ttft=first - started, tps=(tokens - 1) / span if span > 0 else float("nan"), text="".join(pieces)
+    )
+
+
+def spec_counts(url: str) -> tuple[float, float]:
+    """The server's drafted and accepted tokens so far (its /metrics)."""
+    text = requests.get(url + "/metrics", timeout=10).text
+    found = dict(re.findall(r"^inference_spec_(drafted|accepted)_tokens_total (\S+)$", text, re.M))
+    return float(found.get("drafted", 0)), float(found.get("accepted", 0))
+
+
+def grounded(url: str, peer_url: str | None, model: str, max_tokens: int, repeat: int) -> None:
+    """--grounded: each task on the server (speculation on, then off) and the peer, interleaved; medians."""
+    print(
+        f"\ninput-grounded tasks, one stream, greedy, max_tokens {max_tokens} (decode tokens/s, first to last token):"
+    )
+    sides = [("spec on", url, None), ("spec off", url, {"speculative": False})]
+    if peer_url:
+        sides.append(("peer", peer_url, None))
+    for name, messages in grounded_tasks():
+        runs: dict[str, list[dict]] = defaultdict(list)
+        drafted = accepted = 0.0
+        for _ in range(max(1, repeat)):
+            for label, u, extra in sides:
+                before = spec_counts(url) if label == "spec on" else None
+                runs[label].append(chat_timed(u, model, messages, max_tokens, extra))
+                if before is not None:
+                    after = spec_counts(url)
+                    drafted += after[0] - before[0]
+                    accepted += after[1] - before[1]
+        tps = {label: statistics.median(r["tps"] for r in rs) for label, rs in runs.items()}
+        same = runs["spec on"][-1]["text"] == runs["spec off"][-1]["text"]
+        line = ", ".join(f"{label} {v:.1f}" for label, v in tps.items())
+        print(f"  {name:<18} tokens {runs['spec on'][-1]['tokens']:>4}: {line}")
+        ratios = f"on/off {tps['spec on'] / tps['spec off']:.2f}x"
+        if "peer" in tps:
+            ratios += f", on/peer {tps['spec on'] / tps['peer']:.2f}x"
+        rate = accepted / drafted if drafted else float("nan")
+        print(f"  {'':<18} {ratios}; acceptance {rate:.2f} ({accepted:.0f}/{drafted:.0f}); same text as off: {same}")
+
+
+def spec_plain(url: str, model: str, concurrency: list[int], max_tokens: int, count, repeat: int) -> None:
+    """--spec-plain: the essay prompts with speculation on and off (the request's switch), interleaved."""
+    print("\nplain prompts, speculation on against off:")
+    for c in concurrency:
+        on, off = [], []
+        for _ in range(max(1, repeat)):
+            on.append(run_load(url, model, c, max_tokens, count, api="openai")["tps"])
+            off.append(run_load(url, model, c, max_tokens, count, api="openai", extra={"speculative": False})["tps"])
+        a, b = statistics.median(on), statistics.median(off)
+        print(f"  c={c:<3} on {a:.1f}, off {b:.1f} tokens/s: {a / b:.3f}x")
+
+
+def returning(model: str | None, length: int, others: int, rows: int) -> None:
+    """--returning: a conversation of about ``length`` tokens comes back after ``others`` other conversations have
+    passed through every row; its next turn's first token, cold (a conversation never seen), from the prompt cache
+    in memory, and after a restart from the prompt cache on disk. On servers this starts itself on loopback (the
+    default model, or ``model``), with ``--prompt-cache-dir`` in a temporary folder."""
+    import signal
+    import socket
+    import subprocess
+    import tempfile
+
+    def start(folder: str) -> tuple[subprocess.Popen, str]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        argv = [sys.executable, "-m", "inference_api", "--port", str(port), "--prompt-cache-dir", folder]
+        argv += ["--rows", str(rows), "--context-length", "4096"] + (["--model", model] if model else [])
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        url = f"http://127.0.0.1:{port}"
+        for _ in range(600):
+            try:
+                if requests.get(url + "/health", timeout=2).status_code == 200:
+                    return proc, url
+            except requests.RequestException:
+                pass
+            time.sleep(0.5)
+        proc.kill()
+        sys.exit("--returning: the server did not start")
+
+    def stop(proc: subprocess.Popen) -> None:
+        proc.send_signal(signal.SIGTERM)  # a drain: the engine saves its rows' caches to the folder
+        proc.wait(120)
+
+    def turn(url: str, name: str, messages: list[dict], max_tokens: int) -> tuple[float, str]:
+        started = time.perf_counter()
+        r = requests.post(
+            f"{url}/v1/chat/completions",
+            json={"model": name, "messages": messages, "max_tokens": max_tokens, "temperature": 0},
+            timeout=600,
+        )
+        r.raise_for_status()
+        return time.perf_counter() - started, r.json()["choices"][0]["message"]["content"]
+
+    def conversation(tag: str, text: str) -> list[dict]:
+        return [{"role": "user", "content": f"[{tag}] {text}\nSummarize the text above in one sentence."}]
+
+    with tempfile.TemporaryDirectory() as folder:
+        proc, url = start(folder)
+        try:
+            health = requests.get(url + "/health", timeout=10).json()
+            name, text = health["model"], long_prompt(health["model_dir"], length)
+            firsts = {}
+            for tag in ("A", "B", "C"):
+                _, answer = turn(url, name, conversation(tag, text), 16)
+                firsts[tag] = conversation(tag, text) + [
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": "Now name its subject in two words."},
+                ]
+            short = prompts(others, run=7)
+            for i in range(0, others, rows):  # every row taken by others, several times over
+                batch = short[i : i + rows]
+                run_load(url, name, len(batch), 8, lambda t: 1, api="openai", texts=[p * 6 for p in batch])
+            cold, _ = turn(url, name, conversation("fresh", text) + firsts["A"][1:], 1)
+            ram, _ = turn(url, name, firsts["A"], 1)
+        finally:
+            stop(proc)
+        proc, url = start(folder)
+        try:
+            disk, _ = turn(url, name, firsts["B"], 1)
+            cold_after, _ = turn(url, name, conversation("fresh2", text) + firsts["C"][1:], 1)
+        finally:
+            stop(proc)
+    print(f"\nreturning conversation of about {length} tokens after {others} others ({rows} rows), first token:")
+    print(f"  cold {cold:.3f} s; from the prompt cache in memory {ram:.3f} s: {cold / ram:.1f}x")
+    print(
+        f"  after a restart: cold {cold_after:.3f} s; from the prompt cache on disk {disk:.3f} s: "
+        f"{cold_after / disk:.1f}x"
+    )
 
 
 def prompts(n: int, run: int | None = None) -> list[str]:
@@ -516,6 +757,22 @@ def main() -> None:
         "--repeat, on the server and the peer, interleaved; prints the medians and their ratio",
     )
     ap.add_argument(
+        "--grounded",
+        action="store_true",
+        help="finally time the input-grounded tasks one stream at a time: speculation on, off, and the peer",
+    )
+    ap.add_argument(
+        "--returning",
+        action="store_true",
+        help="finally time a 2,000-token conversation's next turn after 64 others, cold, from the prompt cache in "
+        "memory and, after a restart, on disk (on servers of its own: the default model or --gguf)",
+    )
+    ap.add_argument(
+        "--spec-plain",
+        action="store_true",
+        help="finally time the plain prompts at each concurrency with speculation on and off",
+    )
+    ap.add_argument(
         "--api",
         choices=["native", "openai"],
         help="native: /predictions; openai: /v1/completions (default: openai with --peer-url, else native)",
@@ -648,6 +905,12 @@ def main() -> None:
         compile_stall(args.url, model, max(args.concurrency), args.max_tokens, count)
     if args.flood:
         flood_ttft(args.url, model, health)
+    if args.grounded:
+        grounded(args.url, args.peer_url, model, max(args.max_tokens, 256), args.repeat)
+    if args.returning:
+        returning(args.gguf, 2000, 64, health["rows_total"])
+    if args.spec_plain:
+        spec_plain(args.url, model, args.concurrency, args.max_tokens, count, args.repeat)
     if args.prefill and not health.get("mock"):
         prefill_ratio(args.url, args.peer_url, model, health, args.prefill, max(3, args.repeat))
     if args.fill_context and not health.get("mock"):

@@ -202,7 +202,9 @@ def test_a_context_length_beyond_memory_exits_at_once_with_the_numbers():
 
 def test_health_reports_the_preflight_numbers(real_server):
     memory = real_server.health()["memory"]
-    assert memory["needed_bytes"] == memory["weights_bytes"] + memory["kv_cache_bytes"] + memory["overhead_bytes"]
+    parts = ("weights_bytes", "kv_cache_bytes", "overhead_bytes", "prompt_cache_bytes")
+    assert memory["needed_bytes"] == sum(memory[p] for p in parts)
+    assert 0 < memory["prompt_cache_bytes"] <= 4 << 30  # the prompt cache's budget (--cache-ram auto), host memory
     assert 0 < memory["needed_bytes"] < memory["free_bytes"] + memory["needed_bytes"]
     assert "pre-flight:" in Path(real_server.log.name).read_text()  # the start-up line with the numbers
 

@@ -1,5 +1,6 @@
-"""The engine: each step the scheduler plans, the runner computes the logits, the sampler draws every row's next
-token, and the engine emits it as text (``Engine.step``: schedule, run, sample, emit)."""
+"""The engine: each step the scheduler plans, the rows draft what they can (speculative.py), the runner computes
+the logits, the sampler draws every row's next token (a drafting row's at each drafted position), and the engine
+emits them as text (``Engine.step``: schedule, draft, run, sample, emit)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ from .messages import (
     TokenLogprob,
     step_rows_bucket,
 )
+from .prompt_cache import PromptCache
 from .sampler import Sampler
 from .scheduler import Scheduler, Step
 from .sequence import Sequence, Status
+from .speculative import RowDrafts, SpecConfig, kept
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -48,6 +51,12 @@ class Runner(Protocol):
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor: ...
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None: ...
+
+    def verify(self, rows: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor: ...
+
+    def snapshot(self, row: int, length: int) -> list[torch.Tensor]: ...  # a row's cache, for the prompt cache
+
+    def restore(self, row: int, tensors: list[torch.Tensor]) -> None: ...
 
     def score(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor: ...  # every position's logits
 
@@ -94,10 +103,13 @@ class Engine:
         eos_ids: frozenset[int],
         prefix_cache: bool = True,
         constraints: Constraints | None = None,
+        spec: SpecConfig | None = None,
+        prompt_cache: PromptCache | None = None,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
-        self.scheduler = Scheduler(rows, prefill_chunk, prefix_cache, context_length, runner.holds)
+        self.scheduler = Scheduler(rows, prefill_chunk, prefix_cache, context_length, runner.holds, prompt_cache)
+        self.prompt_cache = self.scheduler.prompt_cache  # the caches beyond the rows (None: off)
         self.sampler = Sampler(rows, runner.vocab_size, runner.device, eos_ids, tokenizer.decode, constraints)
         self.context_length = context_length
         self.eos_ids = eos_ids
@@ -110,6 +122,8 @@ class Engine:
         buckets = step_rows_bucket(rows) + 1
         self.decode_steps, self.decode_seconds = [0] * buckets, [0.0] * buckets
         self.launch_ahead = runner.decode_ahead
+        self.spec = spec  # speculative decoding (None: off; the runner must verify drafts)
+        self.spec_drafted = self.spec_accepted = self.spec_steps = 0
 
     @property
     def has_work(self) -> bool:
@@ -117,7 +131,13 @@ class Engine:
 
     @property
     def stats(self) -> EngineStats:
-        return self.scheduler.stats(decode_steps=tuple(self.decode_steps), decode_seconds=tuple(self.decode_seconds))
+        return self.scheduler.stats(
+            decode_steps=tuple(self.decode_steps),
+            decode_seconds=tuple(self.decode_seconds),
+            spec_drafted_tokens=self.spec_drafted,
+            spec_accepted_tokens=self.spec_accepted,
+            spec_steps=self.spec_steps,
+        )
 
     def add(self, request: GenerateRequest) -> None:
         """Queue a request. With n choices, choice 0 goes first; the others are held until its prompt is cached
@@ -170,23 +190,27 @@ class Engine:
                 del self.sessions[seq.session_id]
 
     def step(self) -> list[TokenEvent]:
-        """Schedule, run, sample, emit: one step of every row that has work (and the requests that ended before
-        they ran: refused, or their grammar failed)."""
+        """Schedule, draft, run, sample, emit: one step of every row that has work (and the requests that ended
+        before they ran: refused, or their grammar failed)."""
         failed, self.refused = self.refused + self._compiled(), []
         self._admit()
         started = time.perf_counter()
         step = self.scheduler.schedule()
         if not step:
             return failed
+        drafts = self._draft(step)
         try:
-            seqs, logits = self._run(step)
+            if drafts:
+                seqs, logits, offsets = self._verify(step, drafts)
+            else:
+                (seqs, logits), offsets = self._run(step), None
             if not seqs:
                 return failed  # only prompt chunks that did not finish: nothing to sample
-            tokens = self._sample(seqs, logits, ahead=not step.prefill)
+            tokens = self._sample(seqs, logits, offsets, ahead=not step.prefill and not drafts)
         except Exception:  # a failed forward must not take the process (and every stream) down
             log.exception("engine step failed")
             return failed + self._fail_running(ENGINE_ERROR)
-        events = self._emit(seqs, tokens, logits)
+        events = self._emit(seqs, tokens, logits, drafts)
         if not step.prefill:  # a decode step alone: its time by the rows it decoded
             bucket = step_rows_bucket(len(step.decode))
             self.decode_steps[bucket] += 1
@@ -218,15 +242,43 @@ class Engine:
         return events
 
     def _admit(self) -> None:
+        """Admitted requests take their rows: what a row held is kept in the prompt cache before it is written
+        over, and a reused prefix is copied from another row or restored from the prompt cache."""
         for admission in self.scheduler.admit():
             seq = admission.seq
             self.sampler.admit(seq)
-            if admission.copy_from is not None:
+            if admission.evict is not None and self.prompt_cache is not None:
+                owner, tokens = admission.evict
                 try:
+                    self.prompt_cache.save(owner, tokens, self.runner.snapshot(seq.held_row, len(tokens)))
+                except Exception:  # (only a cache: the row is written over all the same)
+                    log.exception("keeping a row's cache in the prompt cache failed")
+            try:
+                if admission.restore is not None and self.prompt_cache is not None:
+                    tensors = self.prompt_cache.load(admission.restore)
+                    if tensors is None:
+                        raise ValueError("the prompt cache's entry could not be read")
+                    self.runner.restore(seq.held_row, tensors)
+                elif admission.copy_from is not None:
                     self.runner.copy_prefix(admission.copy_from, seq.held_row, admission.length)
-                except Exception:  # the prompt is then computed in full
-                    log.exception("copying a cached prefix failed")
-                    self.scheduler.forget_prefix(seq)
+            except Exception:  # the prompt is then computed in full
+                log.exception("copying a cached prefix failed")
+                self.scheduler.forget_prefix(seq)
+
+    def close(self) -> None:
+        """At shutdown, with the prompt cache on disk: every row's cache saved there too, so a restart finds it."""
+        cache = self.prompt_cache
+        if cache is None or cache.folder is None or self.scheduler.prefixes is None:
+            return
+        held = {row: self.scheduler.prefixes.held(row) for row in range(self.scheduler.rows.num_rows)}
+        held.update({row: (s.namespace, s.all_ids[: s.num_cached]) for row, s in self.scheduler.running.items()})
+        for row, (owner, tokens) in held.items():
+            if cache.needs(owner, tokens):
+                try:
+                    cache.save(owner, tokens, self.runner.snapshot(row, len(tokens)))
+                except Exception:
+                    log.exception("saving row %d's cache at shutdown failed", row)
+        cache.flush()
 
     def _run(self, step: Step) -> tuple[list[Sequence], torch.Tensor]:
         """Up to one chunk of prompt tokens and every decoding row: one runner call each."""
@@ -243,6 +295,39 @@ class Engine:
         seqs = [step.prefill[i][0] for i in done] + step.decode
         parts = ([prefill[done]] if prefill is not None else []) + ([decode] if decode is not None else [])
         return seqs, parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _draft(self, step: Step) -> dict[int, list[int]]:
+        """Each decoding row's draft (by row) where speculation may pay: a step of decoding rows alone, no more
+        of them than ``SpecConfig.max_rows``, at most ``SpecConfig.max_tokens`` drafted in all (none: a plain
+        step)."""
+        spec = self.spec
+        if spec is None or step.prefill or not step.decode or len(step.decode) > spec.max_rows:
+            return {}
+        drafts, budget = {}, spec.max_tokens
+        for seq in step.decode:
+            limit = min(spec.draft_max, budget, self.context_length - seq.num_tokens - 1)
+            if seq.params.max_tokens is not None:
+                limit = min(limit, seq.params.max_tokens - seq.num_output - 1)
+            if limit < 1 or not seq.may_draft:
+                continue
+            if seq.drafts is None:
+                seq.drafts = RowDrafts(spec)
+            draft = seq.drafts.propose(seq.all_ids, limit)
+            if draft:
+                drafts[seq.held_row] = draft
+                budget -= len(draft)
+        return drafts
+
+    def _verify(self, step: Step, drafts: dict[int, list[int]]) -> tuple[list[Sequence], torch.Tensor, list[int]]:
+        """Every decoding row's last token and its draft (none for some) in one forward: the logits after each of
+        them, a sequence once per position (``offsets``: which of its next tokens each position draws)."""
+        rows = [s.held_row for s in step.decode]
+        chunks = [[s.last_token, *drafts.get(s.held_row, ())] for s in step.decode]
+        logits = self.runner.verify(rows, chunks, [s.num_tokens - 1 for s in step.decode])
+        self.scheduler.computed(step)  # (each row's last token; the drafts' positions count once kept: _emit)
+        self.spec_steps += 1
+        seqs = [s for s, chunk in zip(step.decode, chunks) for _ in chunk]
+        return seqs, logits, [j for chunk in chunks for j in range(len(chunk))]
 
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Each chunk's last logits [len(chunks), V]: one runner call for them all, except a request that wants
@@ -268,10 +353,13 @@ class Engine:
                 rows.append(next(plain_rows))
         return torch.stack(rows)
 
-    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, ahead: bool = False) -> list[int]:
-        """Each row's next token (the sampler's); ahead (a step of decoding rows alone): the next step may be
-        launched from them before they are read back (_launch_ahead)."""
-        tokens = self.sampler.sample(seqs, logits)
+    def _sample(
+        self, seqs: list[Sequence], logits: torch.Tensor, offsets: list[int] | None = None, ahead: bool = False
+    ) -> list[int]:
+        """Each row's next token (the sampler's; a drafting row's at each of its positions, ``offsets``); ahead
+        (a step of decoding rows alone): the next step may be launched from them before they are read back
+        (_launch_ahead)."""
+        tokens = self.sampler.sample(seqs, logits, offsets)
         read = self._launch_ahead(seqs, tokens) if ahead else None
         return read() if read is not None else tokens.tolist()
 
@@ -289,8 +377,12 @@ class Engine:
             return None
         return launch([s.held_row for s in seqs], tokens, positions)
 
-    def _emit(self, seqs: list[Sequence], tokens: list[int], logits: torch.Tensor) -> list[TokenEvent]:
-        """Detokenize, match stops and gather log-probs per row. An exception here fails only the rows involved."""
+    def _emit(
+        self, seqs: list[Sequence], tokens: list[int], logits: torch.Tensor, drafts: dict[int, list[int]]
+    ) -> list[TokenEvent]:
+        """Detokenize, match stops and gather log-probs per row; a drafting row's samples up to and including the
+        first that is not its draft's token (``speculative.kept``). An exception here fails only the rows
+        involved."""
         events = []
         logprobs: dict[int, TokenLogprob] = {}
         logprob_error = None
@@ -299,14 +391,29 @@ class Engine:
         except Exception as exc:
             log.exception("log-probs failed")
             logprob_error = exc
-        for i, (seq, token) in enumerate(zip(seqs, tokens)):
+        i = 0
+        while i < len(seqs):
+            seq = seqs[i]
+            draft = drafts.get(seq.held_row, []) if drafts and seq.row is not None else []
+            sampled = tokens[i : i + len(draft) + 1]
+            n = kept(draft, sampled)
             try:
                 if logprob_error is not None and seq.params.logprobs is not None:
                     raise logprob_error
-                events.extend(self._advance(seq, token, logprobs.get(i)))
+                for j, token in enumerate(sampled[: n + 1]):
+                    if seq.is_finished:
+                        break
+                    if j:  # the drafted token before it is kept: its position's keys and values hold
+                        seq.num_cached += 1
+                    events.extend(self._advance(seq, token, logprobs.get(i + j)))
+                if draft and seq.drafts is not None:
+                    seq.drafts.record(len(draft), n)
+                    self.spec_drafted += len(draft)
+                    self.spec_accepted += n
             except Exception:
                 log.exception("post-processing failed for request %s", seq.session_id)
                 events.append(self._fail(seq, ENGINE_ERROR))
+            i += len(draft) + 1
         return events
 
     def _advance(self, seq: Sequence, token: int, logprob: TokenLogprob | None) -> list[TokenEvent]:

@@ -111,6 +111,21 @@ class RowKVCache:
             n = min(length, self.layer_slots[i % layers])
             store[dst, :, :n] = store[src, :, :n]
 
+    def snapshot(self, row: int, length: int) -> list[torch.Tensor]:
+        """A copy of a row's first ``length`` positions (a ring: its slots, as they are), every layer: keys, values
+        and scales, for the prompt cache beyond the rows (prompt_cache.py)."""
+        layers = len(self.layer_slots)
+        stores = self.keys + self.values + self.key_scales + self.value_scales
+        return [store[row, :, : min(length, self.layer_slots[i % layers])].clone() for i, store in enumerate(stores)]
+
+    def restore(self, row: int, tensors: list[torch.Tensor]) -> None:
+        """Write a snapshot back into a row (its positions from 0)."""
+        stores = self.keys + self.values + self.key_scales + self.value_scales
+        if len(tensors) != len(stores):
+            raise ValueError("a snapshot of another cache layout")
+        for store, saved in zip(stores, tensors):
+            store[row, :, : saved.shape[1]] = saved.to(store.device)
+
     def flat_index(self, rows: torch.Tensor, write: torch.Tensor, slots: int | None = None) -> torch.Tensor:
         """For tokens [N] of cache rows ``rows`` written at slots ``write`` of layers with ``slots`` slots (None:
         the full layers): each head's row [N * kv_heads] in a [-1, head_dim] view of such a layer's store."""

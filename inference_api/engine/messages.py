@@ -61,6 +61,7 @@ class SamplingParams:
     # of requests with the same team and salt; None: the team's (or, without a team, the server's) shared one
     cache_salt: str | None = None
     reasoning: Reasoning | None = None  # a reasoning model's thought (None: the output is all answer)
+    speculate: bool = True  # its rows may draft tokens for the model to check (where the server speculates)
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,9 @@ class EngineStats:
     # (step_rows_bucket), and the seconds those steps took, from planning to the tokens' events
     decode_steps: tuple[int, ...] = ()
     decode_seconds: tuple[float, ...] = ()
+    spec_drafted_tokens: int = 0  # tokens drafted for the model to check (speculative decoding)
+    spec_accepted_tokens: int = 0  # of them, the tokens it confirmed
+    spec_steps: int = 0  # steps that checked drafts
 
 
 def step_rows_bucket(rows: int) -> int:

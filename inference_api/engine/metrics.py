@@ -92,6 +92,13 @@ class Metrics:
             "inference_prefix_cache_hits", "prompt tokens found in the prefix cache and reused", registry=r
         )
         self._prefix_totals = [0, 0]  # the two counters' values: queried, hit (for the hit rate)
+        self.spec_drafted = Counter(
+            "inference_spec_drafted_tokens", "tokens drafted for the model to check (speculative decoding)", registry=r
+        )
+        self.spec_accepted = Counter(
+            "inference_spec_accepted_tokens", "drafted tokens the model confirmed (kept without a step)", registry=r
+        )
+        self._spec_totals = [0, 0]  # drafted, accepted (for the acceptance rate)
         gauges = {
             "inference_rows_in_use": ("user rows decoding or prefilling", lambda: stats().rows_in_use),
             "inference_rows_total": ("user rows", lambda: stats().rows_total),
@@ -112,6 +119,10 @@ class Metrics:
             "inference_prefix_cache_hit_rate": (
                 "prompt tokens reused / looked up in the prefix cache, since the worker started",
                 lambda: _ratio(self._prefix_totals[1], self._prefix_totals[0]),
+            ),
+            "inference_spec_acceptance_rate": (
+                "drafted tokens confirmed / drafted (speculative decoding), since the worker started",
+                lambda: _ratio(self._spec_totals[1], self._spec_totals[0]),
             ),
         }
         for name, (help_text, read) in gauges.items():
@@ -147,13 +158,21 @@ class Metrics:
             previous = EngineStats()
         self.decode_steps.fold(previous, current)
         pairs = (
-            (self.prefix_queries, previous.prefix_queried_tokens, current.prefix_queried_tokens),
-            (self.prefix_hits, previous.prefix_hit_tokens, current.prefix_hit_tokens),
+            (
+                self.prefix_queries,
+                previous.prefix_queried_tokens,
+                current.prefix_queried_tokens,
+                self._prefix_totals,
+                0,
+            ),
+            (self.prefix_hits, previous.prefix_hit_tokens, current.prefix_hit_tokens, self._prefix_totals, 1),
+            (self.spec_drafted, previous.spec_drafted_tokens, current.spec_drafted_tokens, self._spec_totals, 0),
+            (self.spec_accepted, previous.spec_accepted_tokens, current.spec_accepted_tokens, self._spec_totals, 1),
         )
-        for i, (counter, before, now) in enumerate(pairs):
+        for counter, before, now, totals, i in pairs:
             if now > before:
                 counter.inc(now - before)
-                self._prefix_totals[i] += now - before
+                totals[i] += now - before
 
     def ended(self, reason: FinishReason, started: float) -> None:
         """A request left the server: finished, failed, or abandoned by its client (cancelled)."""

@@ -191,6 +191,25 @@ class ModelRunner:
         ]
         return None if parts[0] is None else torch.cat([p[0] for p in parts])
 
+    @property
+    def verifies(self) -> bool:
+        """Whether a draft's forward (``verify``) gives each token the numbers of its own decode step, bit for
+        bit: the compact decoder on the CPU kernels with int8 inputs (batch-invariant), no CUDA graphs."""
+        return (
+            isinstance(self.model, CompactLM)
+            and self.model.kernels is not None
+            and self.plan.int8_inputs
+            and self.graphs is None
+        )
+
+    @torch.inference_mode()
+    def verify(self, rows: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Each chunk (a decoding row's last token and its draft) written at positions start.. of its row, all
+        rows in one forward: the logits after every token, the rows' one after another [sum of lengths, V]."""
+        batch = self._batch(rows, chunks, starts, False)
+        logits = self.model.forward(batch, self.cache)
+        return logits.reshape(-1, logits.shape[-1])[batch.tokens]
+
     @torch.inference_mode()
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token for each given row at its position; returns logits [len(rows), V] in that order. The batch
@@ -230,6 +249,15 @@ class ModelRunner:
     def holds(self, cached: int, length: int) -> bool:
         """Whether a row that wrote cached positions still holds a reuse of its first length (its rings)."""
         return self.cache.holds(cached, length)
+
+    @torch.inference_mode()
+    def snapshot(self, row: int, length: int) -> list[torch.Tensor]:
+        """A copy of a row's first length cached positions (its rings as they are), for the prompt cache."""
+        return self.cache.snapshot(row, length)
+
+    @torch.inference_mode()
+    def restore(self, row: int, tensors: list[torch.Tensor]) -> None:
+        self.cache.restore(row, tensors)
 
     @torch.inference_mode()
     def copy_prefix(self, src: int, dst: int, length: int) -> None:

@@ -38,6 +38,10 @@ class PrefixIndex:
         """Record what a row's cache holds as the row is freed ([] if it cannot be trusted), and for whom."""
         self._held[row] = (namespace, tokens)
 
+    def held(self, row: int) -> Held:
+        """What a free row's cache holds, and for whom."""
+        return self._held[row]
+
     def longest(
         self,
         prompt: Seq[int],

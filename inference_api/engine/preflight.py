@@ -23,6 +23,7 @@ from ..config import ServerConfig
 from ..model.gguf_meta import read_header
 from ..model.loader import folder_spec, gguf_source, gguf_target, read_stamp
 from .plan import ExecutionPlan, PlanError, kv_slots, make_plan, model_facts, probe_machine
+from .prompt_cache import cache_bytes
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +36,7 @@ DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
 QUANT_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 4 / 32}
 VNNI_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 8 / 32}  # the weights packed for the VNNI tiles
 HEAD_BYTES = 1.0 + 4 / 32  # a quantized model's output head: int8 groups of 32 (llama family)
-SHRINK_FLAGS = "--rows, --context-length, --dtype, --kv-dtype or --quantize"
+SHRINK_FLAGS = "--rows, --context-length, --dtype, --kv-dtype, --quantize or --cache-ram"
 TOKENIZER_DISK = 64 * 2**20  # a GGUF's tokenizer and config files in the model cache, at most
 
 
@@ -65,13 +66,16 @@ class Estimate:
     disk_needed_bytes: int  # for a first conversion into the model cache; 0 when already converted
     disk_free_bytes: int | None
     ranks: int = 1  # tensor-parallel ranks: weights_bytes and kv_cache_bytes are each rank's share
+    prompt_cache_bytes: int = 0  # the prompt cache beyond the rows, in host memory, at its budget (--cache-ram)
 
     @property
     def needed_bytes(self) -> int:
         """What must fit in the free memory: one rank's share on its own GPU; on CPU the ranks share the RAM, so
-        every rank's share and runtime together."""
+        every rank's share and runtime together, and the prompt cache (host memory)."""
         per_rank = self.weights_bytes + self.kv_cache_bytes + self.overhead_bytes
-        return per_rank if self.device.startswith("cuda") else per_rank * self.ranks
+        if self.device.startswith("cuda"):
+            return per_rank
+        return per_rank * self.ranks + self.prompt_cache_bytes
 
     @property
     def memory_kind(self) -> str:
@@ -94,7 +98,9 @@ class Estimate:
         text = (
             f"needs {_gib(self.needed_bytes)} of {self.memory_kind} on {self.device} ({share}weights "
             f"{_gib(self.weights_bytes)}, KV cache {_gib(self.kv_cache_bytes)} if every row fills its context, runtime "
-            f"{_gib(self.overhead_bytes)}), {free}"
+            f"{_gib(self.overhead_bytes)}"
+            + (f", prompt cache {_gib(self.prompt_cache_bytes)} at most" if self.prompt_cache_bytes else "")
+            + f"), {free}"
         )
         if self.disk_needed_bytes:
             text += f"; conversion needs {_gib(self.disk_needed_bytes)} of disk, {_gib(self.disk_free_bytes or 0)} free"
@@ -342,6 +348,7 @@ def estimate(config: ServerConfig) -> Estimate:
         disk_needed,
         free_disk(config.model_cache_dir) if disk_needed else None,
         plan.tp,
+        cache_bytes(config.cache_ram) if config.prefix_cache and plan.tp == 1 else 0,
     )
 
 

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import logging
 import queue
+from pathlib import Path
 
 from ..config import ServerConfig
 from .engine import Engine
 from .lifeline import die_with_parent, release_free_memory
 from .messages import CancelRequest, EngineFailed, EngineReady, GenerateRequest, Shutdown, StepOutput
+from .prompt_cache import PromptCache, cache_bytes, fingerprint
+from .speculative import spec_config
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +54,8 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
             config.context_length,
             config.prefill_chunk,
             frozenset([EOS]),
-            prefix_cache=config.prefix_cache,
+            prefix_cache=config.prefix_cache,  # (no speculation: the mock's one token a step is its stated rate)
+            prompt_cache=make_prompt_cache(config, mock, ""),
         )
         return engine, EngineReady("", model_name(config), config.context_length, mock.vocab_size, "cpu", "none")
 
@@ -116,6 +120,9 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
         eos,
         prefix_cache=config.prefix_cache,
         constraints=for_hf_tokenizer(tokenizer.tok, runner.vocab_size, eos),
+        # speculation where a draft's forward gives each token the numbers of its own step (runner.verifies)
+        spec=spec_config(config) if getattr(runner, "verifies", False) else None,
+        prompt_cache=make_prompt_cache(config, runner, gguf or model_dir, plan.tp),
     )
     ready = EngineReady(
         str(model_dir),
@@ -134,6 +141,32 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
         cuda_graphs=decode_graphs(runner),
     )
     return engine, ready
+
+
+def make_prompt_cache(config: ServerConfig, runner, model, ranks: int = 1) -> PromptCache | None:
+    """The prompt cache beyond the rows (None: --cache-ram 0, no prefix cache, or a runner that cannot snapshot
+    its rows: a tensor-parallel group's)."""
+    budget = cache_bytes(config.cache_ram)
+    if budget <= 0 or not config.prefix_cache or ranks > 1 or not hasattr(runner, "snapshot"):
+        return None
+    folder = Path(config.prompt_cache_dir) if config.prompt_cache_dir else None
+    cache = getattr(runner, "cache", None)
+    if cache is None:  # the mock: its rows hold tokens
+        return PromptCache(budget, folder, fingerprint("mock", [config.context_length]))
+    layout = [cache.dtype, cache.length, cache.layer_slots, cache.keys[0].shape[1:], bool(cache.key_scales)]
+    return PromptCache(budget, folder, fingerprint(_model_identity(config, model), layout))
+
+
+def _model_identity(config: ServerConfig, model) -> str:
+    """The served model's identity for the prompt cache's files: a GGUF's content digest, a folder's path and
+    config."""
+    from ..model.loader import content_digest
+
+    path = Path(model)
+    if path.is_file():
+        return content_digest(path, Path(config.model_cache_dir))
+    config_file = path / "config.json"
+    return f"{path.resolve()}:{config_file.read_text() if config_file.exists() else ''}"
 
 
 def decode_graphs(runner) -> tuple[int, ...]:
@@ -176,6 +209,7 @@ def run_engine(config: ServerConfig, inbox, outbox) -> None:
             elif isinstance(msg, CancelRequest):
                 engine.cancel(msg.session_id)
             elif isinstance(msg, Shutdown):
+                engine.close()  # (the prompt cache's folder gets the rows' caches)
                 close = getattr(engine.runner, "close", None)  # a tensor-parallel group's other ranks
                 if close is not None:
                     close()

@@ -50,16 +50,19 @@ class Sampler:
         seed = choice_seed(params.seed, seq.index) if params.seed is not None else self._rng.getrandbits(63)
         self.params.set_row(seq.held_row, params, seed, seq.prompt_ids)
 
-    def sample(self, seqs: list[Sequence], logits: torch.Tensor) -> torch.Tensor:
-        """Each row's next token (on the logits' device: a launch ahead may read it there)."""
+    def sample(self, seqs: list[Sequence], logits: torch.Tensor, offsets: list[int] | None = None) -> torch.Tensor:
+        """Each row's next token (on the logits' device: a launch ahead may read it there). ``offsets``: a
+        checked draft's positions, a sequence once per position (logits row i is its token number
+        num_output + offsets[i], drawn with that step's seed and masks)."""
         p = self.params
+        offsets = offsets or [0] * len(seqs)
         rows = torch.tensor([s.held_row for s in seqs], device=logits.device)
         penalised = any(
             s.params.presence_penalty or s.params.frequency_penalty or s.params.repetition_penalty != 1.0 for s in seqs
         )
         if penalised:
             logits = apply_penalties(logits, rows, p)
-        early = [(i, s) for i, s in enumerate(seqs) if s.early(ahead=1)]
+        early = [(i, s) for i, (s, j) in enumerate(zip(seqs, offsets)) if s.early(ahead=1 + j)]
         unmasked = None
         if early:  # no end or stop token before min_tokens: each row its own (never another request's) tokens
             cells = [(i, t) for i, s in early for t in self.eos_ids.union(s.params.stop_token_ids)]
@@ -71,7 +74,7 @@ class Sampler:
             if self.constraints is None:  # (it alone builds matchers)
                 raise RuntimeError("rows with a grammar in an engine without grammar support")
             logits = self.constraints.mask(logits, constrained, unmasked)
-        steps = torch.tensor([s.num_output for s in seqs], device=logits.device)
+        steps = torch.tensor([s.num_output + j for s, j in zip(seqs, offsets)], device=logits.device)
         min_p = p.min_p[rows] if any(s.params.min_p for s in seqs) else None
         tokens = sample(logits, p.temperature[rows], p.top_k[rows], p.top_p[rows], p.seed[rows], steps, min_p)
         forced = [(i, s.forced) for i, s in enumerate(seqs) if s.forced is not None]

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import itertools
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 from .messages import EngineStats
 from .prefix import PrefixIndex
+from .prompt_cache import MIN_TOKENS, PromptCache
 from .rows import RowTable
 from .sequence import Sequence, Status
 
@@ -48,6 +49,8 @@ class Admission:
     seq: Sequence
     copy_from: int | None = None  # the row whose cache holds the reused prefix, when it is not seq's own
     length: int = 0  # prompt tokens reused from the prefix cache
+    restore: str | None = None  # the prompt cache's entry holding the reused prefix (instead of a row)
+    evict: tuple[Hashable, list[int]] | None = None  # what the row held, to keep before it is written over
 
 
 @dataclass
@@ -67,8 +70,10 @@ class Scheduler:
         prefix_cache: bool = True,
         context_length: int = 0,
         holds: Callable[[int, int], bool] | None = None,
+        prompt_cache: PromptCache | None = None,
     ):
         self.rows = RowTable(rows)
+        self.prompt_cache = prompt_cache if prefix_cache else None  # the caches beyond the rows (prompt_cache.py)
         self.prefill_chunk = prefill_chunk
         self.context_length = context_length  # KV positions per row (for the stats' cache occupancy)
         self.waiting: deque[Sequence] = deque()
@@ -125,20 +130,48 @@ class Scheduler:
                 src, length = self.prefixes.longest(seq.prompt_ids, seq.namespace, held, seq.num_prompt - 1, self.holds)
                 self.prefix_queried += seq.num_prompt
                 self.prefix_hits += length
+            restore, stored = self._stored(seq, length)
             # a free row that holds the prefix is taken as it is; else the lowest free row (copied into)
-            row = self.rows.allocate(src if length else None)
+            row = self.rows.allocate(src if length and restore is None else None)
             if row is None:  # (num_free said there is one)
                 break
             self.waiting.popleft()
             seq.row = row
             seq.status = Status.PREFILL
-            admission = Admission(seq)
+            admission = Admission(seq, evict=self._evicted(row, length if src == row and restore is None else 0))
+            if restore is not None:
+                self.prefix_hits += stored - length
+                length = stored
+                admission.restore = restore
+            elif length and src != row:
+                admission.copy_from = src
             if length:
-                seq.num_cached = seq.num_reused = length
-                admission = Admission(seq, None if src == row else src, length)
+                seq.num_cached = seq.num_reused = admission.length = length
             self.running[row] = seq
             admitted.append(admission)
         return admitted
+
+    def _stored(self, seq: Sequence, length: int) -> tuple[str | None, int]:
+        """The prompt cache's entry with a longer prefix of the prompt than any row holds (worth restoring: at
+        least MIN_TOKENS more), and its length; (None, 0) if none."""
+        if self.prompt_cache is None or seq.scores_prompt:
+            return None, 0
+        key, n = self.prompt_cache.longest(seq.prompt_ids, seq.namespace, seq.num_prompt - 1)
+        if key is None or n < length + MIN_TOKENS:
+            return None, 0
+        if self.holds is not None and not self.holds(len(self.prompt_cache.tokens_of(key)), n):
+            return None, 0
+        return key, n
+
+    def _evicted(self, row: int, kept: int) -> tuple[Hashable, list[int]] | None:
+        """What a free row taken for another prompt held beyond the ``kept`` tokens that prompt reuses: kept in the
+        prompt cache (by the engine) before it is written over, when it is worth it."""
+        if self.prompt_cache is None or self.prefixes is None:
+            return None
+        owner, tokens = self.prefixes.held(row)
+        if len(tokens) - kept < MIN_TOKENS or not self.prompt_cache.needs(owner, tokens):
+            return None
+        return owner, list(tokens)
 
     def forget_prefix(self, seq: Sequence) -> None:
         """The prefix could not be copied: the prompt is computed in full (and the hit is taken back, in the same

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 from .detokenize import IncrementalDetokenizer
 from .messages import FinishReason, GenerateRequest, SamplingParams, TokenLogprob
 from .reasoning import Thought
+from .speculative import RowDrafts
 from .stopping import check_stop
 
 if TYPE_CHECKING:
@@ -50,6 +51,7 @@ class Sequence:
         reasoning = request.params.reasoning
         self.thought = Thought(reasoning, constrained=request.params.grammar is not None) if reasoning else None
         self.pending_reasoning = ""  # the thought's text not yet reported in an event (split from the answer's)
+        self.drafts: RowDrafts | None = None  # its prompt lookup and back-off, once it drafts (speculative.py)
         self.matcher: LLMatcher | None = None  # llguidance's matcher for a request with a grammar (engine/constrain.py)
         self.forks: list[Sequence] = []  # choice 0 of n: the other choices, held until its prompt is cached
         self.future: Future[LLMatcher] | None = None  # a held choice's matcher being built (a request with a grammar)
@@ -113,6 +115,16 @@ class Sequence:
     def forced(self) -> int | None:
         """The token the row must take next (a thought's close, past its budget), or None: the sampler's draw."""
         return self.thought.forced[0] if self.thought is not None and self.thought.forced else None
+
+    @property
+    def may_draft(self) -> bool:
+        """Whether its next tokens may be drafted and checked in one forward: not where a token's mask or
+        penalty depends on the ones before it in the same forward (a grammar, penalties, a forced close, a thought
+        whose budget may force one)."""
+        p = self.params
+        penalised = p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1.0
+        budgeted = self.thought is not None and self.thought.open and self.thought.spec.budget is not None
+        return p.speculate and p.grammar is None and not penalised and self.forced is None and not budgeted
 
     @property
     def reasoning_tokens(self) -> int:

@@ -33,9 +33,31 @@ class MockRunner:
             self._cached[row][pos:] = [token]
         return self._logits(rows, [p + 1 for p in positions])
 
+    verifies = True  # its logits depend on the position alone: a draft's forward gives each token its own step's
+
+    def verify(self, rows: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
+        """Each chunk (a row's last token and its draft) written at start.. of its row: the logits after every
+        token, the rows' one after another [sum of the chunks' lengths, V] (one decode step's time)."""
+        wait = self._last_step + self.step_seconds - time.monotonic()
+        if wait > 0:
+            time.sleep(wait)
+        self._last_step = time.monotonic()
+        out = []
+        for row, chunk, start in zip(rows, chunks, starts):
+            self._cached[row][start:] = chunk
+            out.append(self._logits([row] * len(chunk), [start + 1 + j for j in range(len(chunk))]))
+        return torch.cat(out)
+
     def score(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor:
         """A prefill's logits after every one of ids (the mock's: its last position's, repeated)."""
         return self.prefill([row], [ids], [start]).expand(len(ids), -1)
+
+    def snapshot(self, row: int, length: int) -> list[torch.Tensor]:
+        """A row's first length positions (the mock's cache: its tokens), as a prompt cache keeps them."""
+        return [torch.tensor(self._cached[row][:length], dtype=torch.int64)]
+
+    def restore(self, row: int, tensors: list[torch.Tensor]) -> None:
+        self._cached[row] = tensors[0].tolist()
 
     def copy_prefix(self, src: int, dst: int, length: int) -> None:
         self._cached[dst] = self._cached[src][:length]

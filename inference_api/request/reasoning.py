@@ -93,7 +93,7 @@ def engine_reasoning(
         return None
     tail = tokenizer.decode(list(prompt_ids[-PROMPT_TAIL:])).rstrip()
     budget = thinking.budget if thinking.budget is not None else (server_budget if server_budget >= 0 else None)
-    close = tokenizer.encode(f"{budget_message}\n{parser.end}", add_special_tokens=False)
+    close = tokenizer.encode(budget_message + parser.end, add_special_tokens=False)  # as llama-server writes it
     return Reasoning(
         start=parser.start,
         end=parser.end,

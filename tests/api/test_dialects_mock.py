@@ -364,6 +364,30 @@ def test_shortfin_stream(hub):
             lambda b: b == {"type": "error", "error": {"type": "not_found_error", "message": b["error"]["message"]}},
         ),
         ("/v1/messages/count_tokens", {"model": HUB}, 400, lambda b: b["error"]["type"] == "invalid_request_error"),
+        # a reasoning model's thought: each API's own fields for it, in its own shape
+        (
+            "/v1/chat/completions",
+            {"model": HUB, "messages": [{"role": "user", "content": "x"}], "thinking_budget_tokens": "many"},
+            400,
+            lambda b: b["error"]["param"] == "thinking_budget_tokens",
+        ),
+        (
+            "/v1/responses",
+            {"model": HUB, "input": "x", "reasoning": "high"},
+            400,
+            lambda b: b["error"]["param"] == "reasoning",
+        ),
+        (
+            "/v1/messages",
+            {
+                "model": HUB,
+                "max_tokens": 8,
+                "messages": [{"role": "user", "content": "x"}],
+                "thinking": {"type": "enabled", "budget_tokens": 8},
+            },
+            400,
+            lambda b: b["error"]["type"] == "invalid_request_error" and "less than max_tokens" in b["error"]["message"],
+        ),
     ],
 )
 def test_errors_in_each_dialects_shape(hub, path, body, status, shape):

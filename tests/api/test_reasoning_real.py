@@ -6,7 +6,7 @@ request and per server (the engine forces the close); ``reasoning_format: none``
 tool calls constrain only the answer; and one row's thought never changes another row's answer.
 
 A random model never closes its thought by itself, so a budget is what ends every thought here: the thought is the
-budget's tokens, then the forced close (a newline and </think>), then the answer."""
+budget's tokens, then the forced close (</think>, as llama-server writes it), then the answer."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from servers import MODEL_CACHE, ServerProcess, jwt_proxy, team_token
 
 MODEL = "qwen3think-q4_k_m"
 SERVER_BUDGET = 10
-CLOSE = 2  # the forced close's tokens: "\n" and "</think>"
+CLOSE = 1  # the forced close: "</think>", one token
 ASK = [{"role": "user", "content": "Hi"}]
 
 

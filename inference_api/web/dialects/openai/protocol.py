@@ -57,6 +57,7 @@ VLLM_EXTRAS = {
     "spaces_between_special_tokens",
     "include_stop_str_in_output",
     "cache_salt",
+    "speculative",  # this server's: false keeps the request's rows from drafting (speculative decoding)
 }
 MAX_CACHE_SALT = 256  # characters of cache_salt
 # what parse_sampling reads
@@ -250,6 +251,7 @@ def parse_sampling(body: dict, logprobs: int | None, max_field: str, vocab_size:
         grammar=one_of(response_format(body.get("response_format")), vllm_guided(body), field="response_format"),
         n=number(body, "n", 1, 1, MAX_CHOICES, integer=True),
         cache_salt=_cache_salt(body),
+        speculate=boolean(body, "speculative", True),
         **penalties(body),
     )
     max_tokens = number(body, max_field, None, 1, 1 << 31, integer=True)

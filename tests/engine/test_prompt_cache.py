@@ -1,0 +1,139 @@
+"""The prompt cache beyond the rows (engine/prompt_cache.py) over the mock runner, whose "cache" is a row's tokens
+and whose answer echoes the prompt it holds (a wrong restore shows in the text): a returning conversation whose
+row was taken is restored instead of computed, only for its own team; least recently used first out within the
+budget; on disk across a restart, and a file of another model, or a damaged one, never served."""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+
+from inference_api.engine.engine import Engine
+from inference_api.engine.messages import GenerateRequest, SamplingParams
+from inference_api.engine.prompt_cache import MIN_TOKENS, PromptCache, cache_bytes
+from inference_api.mock.runner import MockRunner
+from inference_api.mock.tokenizer import EOS, ByteTokenizer
+
+
+class SpyRunner(MockRunner):
+    def __init__(self, rows: int):
+        super().__init__(rows, tokens_per_second=0)
+        self.prefilled = 0  # prompt tokens computed
+
+    def prefill(self, rows, chunks, starts):
+        self.prefilled += sum(len(c) for c in chunks)
+        return super().prefill(rows, chunks, starts)
+
+
+def engine(cache: PromptCache | None, rows: int = 2) -> tuple[Engine, SpyRunner]:
+    runner = SpyRunner(rows)
+    eng = Engine(runner, ByteTokenizer(), rows, 8192, 256, frozenset([EOS]), prompt_cache=cache)
+    return eng, runner
+
+
+def run(eng: Engine, *requests: GenerateRequest) -> dict[str, str]:
+    for r in requests:
+        eng.add(r)
+    out = defaultdict(str)
+    for _ in range(5000):
+        if not eng.has_work:
+            return out
+        for event in eng.step():
+            out[event.session_id] += event.text
+    raise AssertionError("engine did not finish")
+
+
+def ask(sid: str, prompt: str, team: str = "a", max_tokens: int = 6) -> GenerateRequest:
+    return GenerateRequest(sid, tuple(prompt.encode()), SamplingParams(temperature=0, max_tokens=max_tokens), team)
+
+
+STORY = "Once upon a time " * 20  # 340 tokens: its cache is worth keeping
+OTHERS = [f"A different conversation number {i}, long enough to be kept as well. " * 3 for i in range(4)]
+
+
+def test_a_returning_conversation_is_restored_not_computed():
+    cache = PromptCache(64 << 20)
+    eng, runner = engine(cache)
+    first = run(eng, ask("s1", STORY))["s1"]
+    run(eng, *(ask(f"o{i}", p) for i, p in enumerate(OTHERS)))  # every row taken by others since
+    assert cache.saved >= 1
+    before = runner.prefilled
+    again = run(eng, ask("s2", STORY + first + " And then?"))["s2"]
+    computed = runner.prefilled - before
+    assert computed < len(" And then?") + 12  # the conversation so far came from the prompt cache
+    assert cache.restored == 1
+    # the answer is the one a cold engine gives (the mock echoes what its cache holds)
+    cold, _ = engine(None)
+    assert again == run(cold, ask("c", STORY + first + " And then?"))["c"]
+
+
+def test_another_team_never_finds_it():
+    cache = PromptCache(64 << 20)
+    eng, runner = engine(cache)
+    run(eng, ask("s1", STORY, team="a"))
+    run(eng, *(ask(f"o{i}", p, team="a") for i, p in enumerate(OTHERS)))
+    before = runner.prefilled
+    run(eng, ask("x", STORY + "?", team="b"))
+    assert runner.prefilled - before == len(STORY) + 1 and cache.restored == 0
+
+
+def test_the_least_recently_used_go_first_within_the_budget():
+    one = 8 * len(OTHERS[0])  # (a snapshot of the mock: 8 bytes a token)
+    cache = PromptCache(2 * one + one // 2)
+    for text in OTHERS:
+        cache.save("a", tuple(text.encode()), [torch.tensor(list(text.encode()), dtype=torch.int64)])
+    kept = [cache.longest(tuple(t.encode()), "a", 10_000)[1] for t in OTHERS]
+    # the first two went (what is found of them is the others' shared opening), the last two stay whole
+    assert all(k < MIN_TOKENS for k in kept[:2]) and kept[2:] == [len(t) for t in OTHERS[2:]]
+    assert cache.nbytes <= cache.budget
+
+
+def test_the_budget_by_default():
+    assert cache_bytes(0) == 0 and cache_bytes(100) == 100 << 20
+    assert cache_bytes(-1, total_memory=64 << 30) == 4 << 30 and cache_bytes(-1, total_memory=8 << 30) == 2 << 30
+
+
+def test_on_disk_it_survives_a_restart(tmp_path: Path):
+    cache = PromptCache(64 << 20, tmp_path, fingerprint="model-1")
+    eng, _ = engine(cache)
+    first = run(eng, ask("s1", STORY))["s1"]
+    eng.close()  # at shutdown every row's cache goes to the folder
+    assert list(tmp_path.glob("*.kvc"))
+    restarted = PromptCache(64 << 20, tmp_path, fingerprint="model-1")
+    eng2, runner2 = engine(restarted)
+    again = run(eng2, ask("s2", STORY + first + " Next."))["s2"]
+    assert runner2.prefilled < 20 and restarted.restored == 1
+    cold, _ = engine(None)
+    assert again == run(cold, ask("c", STORY + first + " Next."))["c"]
+
+
+def test_another_models_files_and_damaged_ones_are_never_served(tmp_path: Path, caplog):
+    cache = PromptCache(64 << 20, tmp_path, fingerprint="model-1")
+    cache.save("a", tuple(STORY.encode()), [torch.tensor(list(STORY.encode()), dtype=torch.int64)])
+    cache.flush()
+    with caplog.at_level(logging.WARNING):
+        other = PromptCache(64 << 20, tmp_path, fingerprint="model-2")
+    assert not other.entries and "another version or model" in caplog.text
+    (path,) = tmp_path.glob("*.kvc")
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF  # one byte of the tensors
+    path.write_bytes(bytes(data))
+    damaged = PromptCache(64 << 20, tmp_path, fingerprint="model-1")
+    key, n = damaged.longest(tuple((STORY + "x").encode()), "a", 10_000)
+    assert key is not None and n == len(STORY)  # its header reads, so it is found...
+    with caplog.at_level(logging.WARNING):
+        assert damaged.load(key) is None  # ...but its contents fail their checksum: not served, and forgotten
+    assert "checksum" in caplog.text and not damaged.entries and not list(tmp_path.glob("*.kvc"))
+    eng, runner = engine(damaged)
+    run(eng, ask("s", STORY + "x"))
+    assert runner.prefilled == len(STORY) + 1
+
+
+@pytest.mark.parametrize("junk", [b"", b"IAPC", b"not a cache file at all"])
+def test_unreadable_files_are_ignored(tmp_path: Path, junk: bytes):
+    (tmp_path / "junk.kvc").write_bytes(junk)
+    assert not PromptCache(64 << 20, tmp_path, fingerprint="m").entries

@@ -1,0 +1,187 @@
+"""Speculative decoding (engine/speculative.py) over mock runners: prompt-lookup drafts checked in one forward give
+the same tokens as speculation off, greedy and seeded, and the target's distribution unseeded (a chi-square
+test); stops, max_tokens, min_tokens, log-probs, n and the prefix cache keep their meaning; rows back off."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, defaultdict
+
+import pytest
+import torch
+
+from inference_api.engine.engine import Engine
+from inference_api.engine.messages import FinishReason, GenerateRequest, SamplingParams
+from inference_api.engine.speculative import RowDrafts, SpecConfig, kept
+from inference_api.mock.runner import MockRunner
+from inference_api.mock.tokenizer import EOS, VOCAB, ByteTokenizer
+
+SPEC = SpecConfig(draft_max=6, ngram_min=2, ngram_max=4, max_rows=8)
+
+
+class CountingRunner(MockRunner):
+    """The mock ("Echo: <prompt> — " over and over), counting its forwards."""
+
+    def __init__(self, rows: int):
+        super().__init__(rows, tokens_per_second=0)
+        self.forwards = 0
+
+    def decode(self, rows, tokens, positions):
+        self.forwards += 1
+        return super().decode(rows, tokens, positions)
+
+    def verify(self, rows, chunks, starts):
+        self.forwards += 1
+        return super().verify(rows, chunks, starts)
+
+
+LETTERS = list(range(ord("a"), ord("a") + 6))
+
+
+class NoisyRunner(CountingRunner):
+    """Logits that depend on the position alone: at each position a fixed distribution over six letters (so
+    sampled text repeats its n-grams often and drafts are made), the same whatever the batch."""
+
+    def _logits(self, rows, next_positions):
+        out = torch.full((len(rows), VOCAB), -1e9)
+        for i, pos in enumerate(next_positions):
+            g = torch.Generator().manual_seed(1000 + pos % 7)
+            out[i, LETTERS] = torch.randn(len(LETTERS), generator=g) * 1.2
+        return out
+
+
+def engine(runner_cls=CountingRunner, spec: SpecConfig | None = SPEC, rows: int = 4) -> tuple[Engine, MockRunner]:
+    runner = runner_cls(rows)
+    return Engine(runner, ByteTokenizer(), rows, 4096, 64, frozenset([EOS]), spec=spec), runner
+
+
+def run(eng: Engine, requests: list[GenerateRequest]) -> dict[str, list]:
+    for r in requests:
+        eng.add(r)
+    events = defaultdict(list)
+    for _ in range(5000):
+        if not eng.has_work:
+            return events
+        for event in eng.step():
+            events[event.session_id].append(event)
+    raise AssertionError("engine did not finish")
+
+
+def ask(sid: str, prompt: str = "abcabc", **params) -> GenerateRequest:
+    return GenerateRequest(
+        sid, tuple(prompt.encode()), SamplingParams(**{"temperature": 0, "max_tokens": 60, **params})
+    )
+
+
+def tokens(events) -> list[int]:
+    return [t for e in events for t in e.token_ids]
+
+
+def test_prompt_lookup_drafts_what_followed_the_latest_occurrence():
+    drafts = RowDrafts(SPEC)
+    assert drafts.propose([1, 2, 3, 4, 5, 9, 2, 3], 3) == [4, 5, 9]  # "2 3" was followed by 4 5 9
+    assert drafts.propose([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 2, 3, 4], 2) == [7, 2]  # the latest "2 3 4"
+    assert drafts.propose([1, 2, 3, 8], 3) == []  # (a new index: no earlier "3 8")
+    assert kept([4, 5, 9], [4, 5, 1, 0]) == 2 and kept([4], [1, 4]) == 0 and kept([], [3]) == 0
+
+
+def test_a_row_whose_drafts_fail_cools_down_then_tries_again():
+    drafts = RowDrafts(SPEC)
+    ids = [1, 2, 3, 1, 2]
+    assert drafts.propose(ids, 2)
+    drafts.record(4, 0)
+    drafts.record(4, 0)
+    assert drafts.cooldown > 0
+    skipped = 0
+    while not drafts.propose(ids, 2):
+        skipped += 1
+    assert skipped >= 4
+
+
+def test_greedy_output_is_the_same_with_fewer_forwards():
+    plain, plain_runner = engine(spec=None)
+    spec, spec_runner = engine()
+    prompts = ["abcabc", "hello hello", "xyz"]
+    reqs = lambda: [ask(f"r{i}", p) for i, p in enumerate(prompts)]  # noqa: E731
+    off, on = run(plain, reqs()), run(spec, reqs())
+    assert {k: tokens(v) for k, v in on.items()} == {k: tokens(v) for k, v in off.items()}
+    assert all(len(tokens(v)) == 60 for v in on.values())
+    stats = spec.stats
+    assert stats.spec_accepted_tokens > 60 and stats.spec_drafted_tokens >= stats.spec_accepted_tokens
+    assert spec_runner.forwards < plain_runner.forwards * 0.6
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_seeded_sampling_is_the_same_tokens_with_and_without_speculation(seed):
+    params = dict(temperature=1.0, seed=seed, max_tokens=40)
+    off = run(engine(NoisyRunner, spec=None)[0], [ask("s", **params)])
+    eng, _ = engine(NoisyRunner)
+    on = run(eng, [ask("s", **params)])
+    assert tokens(on["s"]) == tokens(off["s"])
+    assert eng.stats.spec_drafted_tokens > 0
+
+
+def test_unseeded_samples_follow_the_models_distribution():
+    """Each position's letter, over many unseeded requests with speculation on, against the model's own
+    probabilities there (chi-square, 5 degrees of freedom per position; the drafts were checked and kept)."""
+    eng, _ = engine(NoisyRunner, rows=8)
+    runs, length = 240, 24
+    out = run(eng, [ask(f"u{i}", prompt="ab", temperature=1.0, max_tokens=length) for i in range(runs)])
+    assert eng.stats.spec_accepted_tokens > 60  # the test checks kept drafts, not plain steps alone
+    prompt_len = 2
+    runner = NoisyRunner(1)
+    for j in range(length):
+        counts = Counter(tokens(out[f"u{i}"])[j] for i in range(runs))
+        probs = torch.softmax(runner._logits([0], [prompt_len + j])[0, LETTERS], dim=-1).tolist()
+        chi2 = sum((counts.get(t, 0) - runs * p) ** 2 / (runs * p) for t, p in zip(LETTERS, probs))
+        assert chi2 < 25.7, (j, counts, probs)  # p = 0.0001 at 5 degrees of freedom: 24 positions never flake
+
+
+def test_stops_max_tokens_and_logprobs_keep_their_meaning():
+    for params in (
+        dict(stop=("o: ab",), max_tokens=60),
+        dict(max_tokens=17),
+        dict(max_tokens=30, logprobs=2),
+        dict(max_tokens=30, min_tokens=25, stop_token_ids=(ord("E"),)),
+    ):
+        off = run(engine(spec=None)[0], [ask("a", **params)])["a"]
+        on = run(engine()[0], [ask("a", **params)])["a"]
+        assert tokens(on) == tokens(off) and "".join(e.text for e in on) == "".join(e.text for e in off), params
+        assert on[-1].finish_reason == off[-1].finish_reason
+        if params.get("logprobs"):
+            assert [lp.token for e in on for lp in e.logprobs] == [lp.token for e in off for lp in e.logprobs]
+
+
+def test_the_prefix_cache_holds_only_the_kept_tokens():
+    eng, runner = engine()
+    first = run(eng, [ask("one", max_tokens=40)])["one"]
+    assert eng.stats.spec_accepted_tokens > 0
+    held = eng.scheduler.prefixes._held
+    row = next(i for i, (_, toks) in enumerate(held) if toks)
+    ids = held[row][1]
+    assert ids == list(b"abcabc") + tokens(first)[: len(ids) - 6]
+    assert runner._cached[row][: len(ids)] == ids  # what the row's cache holds at those positions
+    again = run(eng, [ask("two", max_tokens=40)])["two"]
+    assert tokens(again) == tokens(first)
+
+
+def test_the_per_request_switch_and_the_rows_limit():
+    eng, _ = engine()
+    run(eng, [ask("off", speculate=False)])
+    assert eng.stats.spec_drafted_tokens == 0
+    eng, _ = engine(spec=SpecConfig(draft_max=6, max_rows=1), rows=4)
+    run(eng, [ask(f"r{i}") for i in range(3)])
+    busy = eng.stats.spec_drafted_tokens
+    eng2, _ = engine(spec=SpecConfig(draft_max=6, max_rows=1), rows=4)
+    run(eng2, [ask("alone")])
+    assert busy <= eng2.stats.spec_drafted_tokens  # three rows at once drafted only once the others ended
+
+
+def test_n_choices_each_draft_on_their_own():
+    params = dict(temperature=1.0, seed=5, max_tokens=30, n=3)
+    off = run(engine(NoisyRunner, spec=None)[0], [ask("n", **params)])["n"]
+    on = run(engine(NoisyRunner)[0], [ask("n", **params)])["n"]
+    by = lambda events: {i: [t for e in events if e.index == i for t in e.token_ids] for i in range(3)}  # noqa: E731
+    assert by(on) == by(off) and all(len(v) == 30 for v in by(on).values())
+    assert all(e.finish_reason is FinishReason.LENGTH for e in on if e.finished)
+    assert math.isfinite(float(len(on)))

@@ -75,10 +75,10 @@ class ServerConfig:
     # speculative decoding (engine/speculative.py): drafts from each row's own prompt and output, checked by the
     # model in one forward; off: every token its own step
     spec_type: str = "ngram"
-    spec_draft_max: int = 8  # tokens a row drafts per step at most
+    spec_draft_max: int = 16  # tokens a row drafts per step at most
     spec_ngram_min: int = 2  # the shortest n-gram looked up
     spec_ngram_max: int = 4  # the longest
-    spec_max_rows: int = 8  # no row drafts in a step that decodes more rows than this
+    spec_max_rows: int = 32  # no row drafts in a step that decodes more rows than this
     test_fault_text: str | None = None  # TESTS ONLY: fail post-processing of requests whose prompt contains this
     # INTERNAL_SECRET (environment only, never a flag): every request but GET/HEAD /health must carry it in
     # X-Internal-Secret, which the proxy adds; None (the one-process dev stack): no check
@@ -216,7 +216,8 @@ _ENV = {
     "spec_ngram_max": ("SPEC_NGRAM_MAX", "the longest n-gram looked up"),
     "spec_max_rows": (
         "SPEC_MAX_ROWS",
-        "no row drafts in a step that decodes more rows than this (the batch is compute-bound there)",
+        "no row drafts in a step that decodes more rows than this (below it, drafts are taken where the measured "
+        "costs say they pay)",
     ),
     "test_fault_text": ("TEST_FAULT_TEXT", "for tests only: fail post-processing of prompts containing this text"),
 }

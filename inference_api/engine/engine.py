@@ -27,7 +27,7 @@ from .prompt_cache import PromptCache
 from .sampler import Sampler
 from .scheduler import Scheduler, Step
 from .sequence import Sequence, Status
-from .speculative import RowDrafts, SpecConfig, kept
+from .speculative import RowDrafts, SpecConfig, StepCosts, kept
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -123,6 +123,7 @@ class Engine:
         self.decode_steps, self.decode_seconds = [0] * buckets, [0.0] * buckets
         self.launch_ahead = runner.decode_ahead
         self.spec = spec  # speculative decoding (None: off; the runner must verify drafts)
+        self.costs = StepCosts()  # what plain steps and drafted tokens cost, measured (how much to draft)
         self.spec_drafted = self.spec_accepted = self.spec_steps = 0
 
     @property
@@ -212,9 +213,10 @@ class Engine:
             return failed + self._fail_running(ENGINE_ERROR)
         events = self._emit(seqs, tokens, logits, drafts)
         if not step.prefill:  # a decode step alone: its time by the rows it decoded
-            bucket = step_rows_bucket(len(step.decode))
+            bucket, seconds = step_rows_bucket(len(step.decode)), time.perf_counter() - started
             self.decode_steps[bucket] += 1
-            self.decode_seconds[bucket] += time.perf_counter() - started
+            self.decode_seconds[bucket] += seconds
+            self.costs.record(len(step.decode), sum(map(len, drafts.values())), seconds)
         return failed + events
 
     def _compiled(self) -> list[TokenEvent]:
@@ -297,15 +299,15 @@ class Engine:
         return seqs, parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _draft(self, step: Step) -> dict[int, list[int]]:
-        """Each decoding row's draft (by row) where speculation may pay: a step of decoding rows alone, no more
-        of them than ``SpecConfig.max_rows``, at most ``SpecConfig.max_tokens`` drafted in all (none: a plain
-        step)."""
+        """Each decoding row's draft (by row) where speculation pays: in a step of decoding rows alone, no more of
+        them than ``SpecConfig.max_rows``, each row's prompt-lookup candidates cut to what the measured costs say
+        raises the step's tokens per second (``StepCosts.choose``; none: a plain step)."""
         spec = self.spec
         if spec is None or step.prefill or not step.decode or len(step.decode) > spec.max_rows:
             return {}
-        drafts, budget = {}, spec.max_tokens
+        candidates = {}
         for seq in step.decode:
-            limit = min(spec.draft_max, budget, self.context_length - seq.num_tokens - 1)
+            limit = min(spec.draft_max, self.context_length - seq.num_tokens - 1)
             if seq.params.max_tokens is not None:
                 limit = min(limit, seq.params.max_tokens - seq.num_output - 1)
             if limit < 1 or not seq.may_draft:
@@ -314,8 +316,11 @@ class Engine:
                 seq.drafts = RowDrafts(spec)
             draft = seq.drafts.propose(seq.all_ids, limit)
             if draft:
-                drafts[seq.held_row] = draft
-                budget -= len(draft)
+                candidates[seq.held_row] = (draft, seq.drafts.acceptance)
+        drafts = self.costs.choose(len(step.decode), candidates, spec.max_tokens)
+        for seq in step.decode:
+            if seq.drafts is not None and seq.held_row not in drafts:
+                seq.drafts.idle()
         return drafts
 
     def _verify(self, step: Step, drafts: dict[int, list[int]]) -> tuple[list[Sequence], torch.Tensor, list[int]]:

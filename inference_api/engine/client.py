@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 RESTART_WINDOW = 600.0  # seconds: engine_max_restarts counts the restarts within this window
 RESTART_BACKOFF = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # seconds before the 1st, 2nd, ... restart in the window
+SAVE_TIMEOUT = 60.0  # seconds a stopping engine may take to save its rows' caches to --prompt-cache-dir
 
 
 @dataclass(eq=False)
@@ -97,11 +98,13 @@ class EngineClient:
         return self
 
     def shutdown(self, timeout: float = 5.0) -> None:
+        """Stop the engine: it ends at once, or, with the prompt cache on disk, once its rows' caches are saved
+        there (at most SAVE_TIMEOUT)."""
         self._stopping.set()
         process = self.process
         if process is not None and process.is_alive():
             self._send(Shutdown())
-            process.join(timeout)
+            process.join(max(timeout, SAVE_TIMEOUT) if self.config.prompt_cache_dir else timeout)
             if process.is_alive():
                 process.kill()
                 process.join(timeout)

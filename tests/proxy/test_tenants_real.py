@@ -178,7 +178,8 @@ def test_operator_data_needs_an_operators_token(tenants):
 def test_a_victims_answer_is_the_same_beside_every_other_teams_attack(tenants, model_name):
     """The isolation test through the proxy: team A's greedy answer alone equals its answer while other teams
     probe its prompt in the prefix cache, fork n choices, salt their cache, flood long prompts, send grammars,
-    oversized prompts, sample hot, and speak the Responses and Messages APIs; and team A's stored response stays
+    oversized prompts, sample hot, draft tokens for speculative decoding (and opt out of it), and speak the
+    Responses and Messages APIs; and team A's stored response stays
     its own while another team tries to read, continue and delete it."""
     url, _ = tenants
     a = team("team-victim")
@@ -199,6 +200,10 @@ def test_a_victims_answer_is_the_same_beside_every_other_teams_attack(tenants, m
         (team("team-z"), "word " * 700, {"max_tokens": 2}),
         (team("team-z"), "JSON please:", {"max_tokens": 12, "response_format": {"type": "json_object"}}),
         (team("team-z"), "word " * 40_000, {}),  # refused before tokenizing
+        # rows that draft and have their drafts checked in the victim's steps (speculative decoding), and one that
+        # opts out
+        (team("team-s"), "Repeat exactly: " + "the violin has four strings; " * 12, {"max_tokens": 40}),
+        (team("team-s"), "Copy: " + "a b c d e f g " * 10, {"max_tokens": 30, "speculative": False}),
     ]
 
     stored = requests.post(

@@ -79,6 +79,7 @@ class ServerConfig:
     spec_ngram_min: int = 2  # the shortest n-gram looked up
     spec_ngram_max: int = 4  # the longest
     spec_max_rows: int = 32  # no row drafts in a step that decodes more rows than this
+    draft_model: str | None = None  # a smaller GGUF of the same vocabulary that drafts instead of prompt lookup
     test_fault_text: str | None = None  # TESTS ONLY: fail post-processing of requests whose prompt contains this
     # INTERNAL_SECRET (environment only, never a flag): every request but GET/HEAD /health must carry it in
     # X-Internal-Secret, which the proxy adds; None (the one-process dev stack): no check
@@ -195,6 +196,11 @@ _ENV = {
     "reasoning_budget_message": (
         "REASONING_BUDGET_MESSAGE",
         "text written before the end tag when the budget closes a thought",
+    ),
+    "draft_model": (
+        "DRAFT_MODEL",
+        "a smaller GGUF of the same vocabulary whose greedy tokens are the drafts (instead of prompt lookup; as "
+        "llama-server's -md), with rows and a KV cache of its own",
     ),
     "cache_ram": (
         "CACHE_RAM",

@@ -27,7 +27,7 @@ from .prompt_cache import PromptCache
 from .sampler import Sampler
 from .scheduler import Scheduler, Step
 from .sequence import Sequence, Status
-from .speculative import RowDrafts, SpecConfig, StepCosts, kept
+from .speculative import ModelDrafter, RowDrafts, SpecConfig, StepCosts, kept
 
 if TYPE_CHECKING:
     from llguidance import LLMatcher
@@ -105,6 +105,7 @@ class Engine:
         constraints: Constraints | None = None,
         spec: SpecConfig | None = None,
         prompt_cache: PromptCache | None = None,
+        drafter: ModelDrafter | None = None,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -124,6 +125,7 @@ class Engine:
         self.launch_ahead = runner.decode_ahead
         self.spec = spec  # speculative decoding (None: off; the runner must verify drafts)
         self.costs = StepCosts()  # what plain steps and drafted tokens cost, measured (how much to draft)
+        self.drafter = drafter if spec is not None else None  # a draft model's (None: prompt lookup)
         self.spec_drafted = self.spec_accepted = self.spec_steps = 0
 
     @property
@@ -314,10 +316,13 @@ class Engine:
                 continue
             if seq.drafts is None:
                 seq.drafts = RowDrafts(spec)
-            draft = seq.drafts.propose(seq.all_ids, limit)
+            # a draft model's tokens are written once their number is chosen (placeholders until then)
+            draft = [0] * limit if self.drafter is not None else seq.drafts.propose(seq.all_ids, limit)
             if draft:
                 candidates[seq.held_row] = (draft, seq.drafts.acceptance)
         drafts = self.costs.choose(len(step.decode), candidates, spec.max_tokens)
+        if self.drafter is not None and drafts:
+            drafts = self.drafter.draft(step.decode, {row: len(d) for row, d in drafts.items()})
         for seq in step.decode:
             if seq.drafts is not None and seq.held_row not in drafts:
                 seq.drafts.idle()
@@ -413,6 +418,8 @@ class Engine:
                     events.extend(self._advance(seq, token, logprobs.get(i + j)))
                 if draft and seq.drafts is not None:
                     seq.drafts.record(len(draft), n)
+                    if self.drafter is not None:
+                        self.drafter.kept(seq, len(draft), n)
                     self.spec_drafted += len(draft)
                     self.spec_accepted += n
             except Exception:

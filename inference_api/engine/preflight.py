@@ -8,6 +8,7 @@ weights), the free memory of the chosen device and the free disk for a first GGU
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -339,6 +340,9 @@ def estimate(config: ServerConfig) -> Estimate:
         vocab_copies=1 if shape.tied else 2,
         ranks=plan.tp,
     )
+    if config.draft_model:  # its weights and its own rows' cache beside the model's
+        draft = estimate(dataclasses.replace(config, model=config.draft_model, draft_model=None, cache_ram=0))
+        weights, kv = weights + draft.weights_bytes, kv + draft.kv_cache_bytes
     return Estimate(
         plan.device,
         weights,

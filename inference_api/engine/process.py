@@ -11,7 +11,7 @@ from .engine import Engine
 from .lifeline import die_with_parent, release_free_memory
 from .messages import CancelRequest, EngineFailed, EngineReady, GenerateRequest, Shutdown, StepOutput
 from .prompt_cache import PromptCache, cache_bytes, fingerprint
-from .speculative import spec_config
+from .speculative import ModelDrafter, spec_config
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +122,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
         constraints=for_hf_tokenizer(tokenizer.tok, runner.vocab_size, eos),
         # speculation where a draft's forward gives each token the numbers of its own step (runner.verifies)
         spec=spec_config(config) if getattr(runner, "verifies", False) else None,
+        drafter=load_drafter(config, tokenizer, kernels) if config.draft_model else None,
         prompt_cache=make_prompt_cache(config, runner, gguf or model_dir, plan.tp),
     )
     ready = EngineReady(
@@ -141,6 +142,33 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
         cuda_graphs=decode_graphs(runner),
     )
     return engine, ready
+
+
+def load_drafter(config: ServerConfig, tokenizer, kernels) -> ModelDrafter:
+    """--draft-model: its runner (a GGUF the compact decoder runs, read straight from its file) beside the
+    model's, with the same rows and context; a file of another vocabulary stops the start."""
+    import dataclasses
+
+    from ..model.loader import gguf_source, gguf_target, resolve_model_dir
+    from ..model.tokenizer import HFTokenizer
+    from .model_runner import load_runner
+    from .plan import make_plan, model_facts, probe_machine
+
+    draft_config = dataclasses.replace(config, model=config.draft_model, tensor_parallel_size=1)
+    gguf = gguf_source(draft_config)
+    if gguf is None or not gguf.is_file():
+        raise RuntimeError(f"--draft-model {config.draft_model!r}: not a GGUF file")
+    plan = make_plan(draft_config, model_facts(gguf, gguf_target(draft_config, gguf)), probe_machine(config.device))
+    if plan.model != "compact":
+        raise RuntimeError(f"--draft-model {config.draft_model!r}: architecture {plan.arch!r} cannot draft")
+    folder = resolve_model_dir(draft_config, weights=False)
+    if HFTokenizer(folder).tok.get_vocab() != tokenizer.tok.get_vocab():
+        raise RuntimeError(
+            f"--draft-model {config.draft_model!r}: its vocabulary is not the model's (drafts are token ids)"
+        )
+    runner = load_runner(draft_config, plan, kernels if plan.cpu_kernels else None, gguf, folder)
+    log.info("draft model %s on %s", gguf, plan.describe())
+    return ModelDrafter(runner, config.prefill_chunk)
 
 
 def make_prompt_cache(config: ServerConfig, runner, model, ranks: int = 1) -> PromptCache | None:

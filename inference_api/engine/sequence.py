@@ -52,6 +52,8 @@ class Sequence:
         self.thought = Thought(reasoning, constrained=request.params.grammar is not None) if reasoning else None
         self.pending_reasoning = ""  # the thought's text not yet reported in an event (split from the answer's)
         self.drafts: RowDrafts | None = None  # its prompt lookup and back-off, once it drafts (speculative.py)
+        self.draft_cached = 0  # with a draft model: the positions of its row the draft model's cache holds
+        self.draft_base = 0  # (the tokens it had when it last drafted)
         self.matcher: LLMatcher | None = None  # llguidance's matcher for a request with a grammar (engine/constrain.py)
         self.forks: list[Sequence] = []  # choice 0 of n: the other choices, held until its prompt is cached
         self.future: Future[LLMatcher] | None = None  # a held choice's matcher being built (a request with a grammar)

@@ -132,6 +132,68 @@ class StepCosts:
         return {r: candidates[r][0][:n] for r, n in taken.items() if n}
 
 
+class ModelDrafter:
+    """Drafts from a second, smaller model of the same vocabulary (``--draft-model``, as llama-server's ``-md``):
+    its own runner, rows and KV cache beside the target's. Each sequence's draft cache is brought up to the
+    sequence's tokens when it drafts (its prompt the first time: one prefill of the small model, in chunks), then
+    the draft model writes k tokens greedily, one decode step of every drafting row per token. A greedy draft is
+    one token sequence, so the target checks it as it checks a prompt-lookup draft. Afterwards the draft cache
+    holds what the target kept: the tokens after the first refused one are written over next time."""
+
+    def __init__(self, runner, chunk: int):
+        self.runner = runner
+        self.chunk = chunk  # tokens a catch-up prefill writes into a row per forward at most
+
+    def draft(self, seqs: list, lengths: dict[int, int]) -> dict[int, list[int]]:
+        """Each sequence's draft (by row) of ``lengths[row]`` tokens."""
+        chosen = [s for s in seqs if lengths.get(s.held_row)]
+        if not chosen:
+            return {}
+        # catch up: every token the draft cache lacks, the last one's logits giving the first draft token
+        logits = self._catch_up(chosen)
+        drafts = {s.held_row: [int(t)] for s, t in zip(chosen, logits.argmax(-1).tolist())}
+        going = [s for s in chosen if lengths[s.held_row] > 1]
+        while going:
+            rows = [s.held_row for s in going]
+            positions = [s.num_tokens + len(drafts[r]) - 1 for s, r in zip(going, rows)]
+            out = self.runner.decode(rows, [drafts[r][-1] for r in rows], positions).argmax(-1).tolist()
+            for r, t in zip(rows, out):
+                drafts[r].append(int(t))
+            going = [s for s in going if len(drafts[s.held_row]) < lengths[s.held_row]]
+        for s in chosen:  # the draft cache now holds the sequence's tokens and the drafted ones but the last
+            s.draft_base = s.num_tokens
+            s.draft_cached = s.num_tokens + len(drafts[s.held_row]) - 1
+        return drafts
+
+    def _catch_up(self, seqs: list):
+        """The draft model over each sequence's tokens its cache lacks (in chunks): the logits after its last."""
+        import torch
+
+        last = {}
+        pending = {s.held_row: s for s in seqs}
+        while pending:
+            rows, chunks, starts = [], [], []
+            for row, s in pending.items():
+                start = min(s.draft_cached, s.num_tokens - 1)
+                ids = s.all_ids[start : start + self.chunk]
+                rows.append(row)
+                chunks.append(ids)
+                starts.append(start)
+                s.draft_cached = start + len(ids)
+            logits = self.runner.prefill(rows, chunks, starts)
+            for i, row in enumerate(rows):
+                if pending[row].draft_cached >= pending[row].num_tokens:
+                    last[row] = logits[i]
+            pending = {r: s for r, s in pending.items() if s.draft_cached < s.num_tokens}
+        return torch.stack([last[s.held_row] for s in seqs])
+
+    @staticmethod
+    def kept(seq, drafted: int, kept: int) -> None:
+        """After the check: the draft cache holds the sequence's tokens before the step and the kept drafts (all
+        but the last of a draft kept whole, which the draft model never read)."""
+        seq.draft_cached = min(seq.draft_cached, seq.draft_base + min(kept, drafted - 1))
+
+
 def spec_config(config) -> SpecConfig | None:
     """The speculation a ServerConfig asks for (None: off)."""
     if config.spec_type == "off" or config.spec_draft_max < 1:

@@ -7,9 +7,10 @@ conversation whose row another took is restored from the prompt cache (``cached_
 from __future__ import annotations
 
 import re
+import sys
 
 import requests
-from servers import ServerProcess
+from servers import Process, ServerProcess, free_port, wait_for
 
 CODE = '''def held_back(text: str, stops: tuple[str, ...]) -> int:
     """Length of the longest suffix of text that is a proper prefix of some stop sequence."""
@@ -69,3 +70,25 @@ def test_a_conversation_whose_row_was_taken_is_restored_and_survives_a_restart(t
         after = ask(server.url, model_name, STORY + "And then?")
         assert after["usage"]["prompt_tokens_details"]["cached_tokens"] >= len(STORY.encode()) - 1
         assert after["choices"][0]["text"] == again["choices"][0]["text"]
+
+
+def test_a_draft_model_of_the_same_vocabulary_drafts_and_the_answer_is_the_same():
+    """--draft-model: the tiny llama's Q8_0 file drafts for its Q4_K_M file (tests/data/gguf: one vocabulary);
+    a draft of another vocabulary (qwen3think's) stops the start with the reason."""
+    from gguf_reference import GGUF_DIR
+
+    target, draft = GGUF_DIR / "llama-q4_k_m.gguf", GGUF_DIR / "llama-q8_0.gguf"
+    with ServerProcess("--model", str(target), "--draft-model", str(draft), "--rows", "4") as server:
+        body = {"model": "llama-q4_k_m", "prompt": "The history of the town", "max_tokens": 60, "temperature": 0}
+        on = requests.post(server.url + "/v1/completions", json=body, timeout=120).json()
+        off = requests.post(server.url + "/v1/completions", json={**body, "speculative": False}, timeout=120).json()
+        assert on["choices"][0]["text"] == off["choices"][0]["text"]
+        # (a draft model as large as the model pays only while its costs are not yet measured: a few drafts;
+        # tests/engine/test_speculative.py drafts with it on fixed costs)
+        assert spec_counts(server.url)[0] >= 1
+    other = GGUF_DIR / "qwen3think-q4_k_m.gguf"
+    port = free_port()
+    argv = [sys.executable, "-m", "inference_api", "--port", str(port), "--model", str(target)]
+    with Process([*argv, "--draft-model", str(other)], port, env={"SKIP_PREFLIGHT": "1"}) as server:
+        assert wait_for(lambda: "its vocabulary is not the model's" in server.output(), 120)
+        assert requests.get(server.url + "/health", timeout=10).status_code == 503

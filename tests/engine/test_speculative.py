@@ -211,3 +211,28 @@ def test_n_choices_each_draft_on_their_own():
     assert by(on) == by(off) and all(len(v) == 30 for v in by(on).values())
     assert all(e.finish_reason is FinishReason.LENGTH for e in on if e.finished)
     assert math.isfinite(float(len(on)))
+
+
+def test_a_draft_model_drafts_and_the_tokens_are_the_same():
+    """--draft-model in the engine: the tiny llama's Q8_0 file drafts for its Q4_K_M file (one vocabulary), on
+    fixed costs that make every draft pay; greedy and seeded answers equal speculation off's."""
+    from gguf_reference import GGUF_DIR
+    from servers import MODEL_CACHE
+
+    from inference_api.config import ServerConfig
+    from inference_api.engine.process import build_engine
+
+    target, draft = str(GGUF_DIR / "llama-q4_k_m.gguf"), str(GGUF_DIR / "llama-q8_0.gguf")
+    common = ["--model", target, "--rows", "2", "--context-length", "512", "--model-cache-dir", MODEL_CACHE]
+    outputs = []
+    for flags in (["--draft-model", draft], ["--spec-type", "off"]):
+        eng, _ = build_engine(ServerConfig.from_args([*common, *flags], {}))
+        eng.costs = FixedCosts(per_token=0.0001)
+        reqs = [
+            GenerateRequest("g", (1, 5, 9, 13), SamplingParams(temperature=0, max_tokens=40)),
+            GenerateRequest("s", (1, 7, 7, 2), SamplingParams(temperature=1.0, seed=3, max_tokens=40)),
+        ]
+        outputs.append({k: tokens(v) for k, v in run(eng, reqs).items()})
+        if flags[0] == "--draft-model":
+            assert eng.drafter is not None and eng.stats.spec_accepted_tokens > 20
+    assert outputs[0] == outputs[1]

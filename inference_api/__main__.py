@@ -10,7 +10,7 @@ from gunicorn.app.base import BaseApplication
 from lifecycle.drain import DrainingArbiter, drain_on_signals, gunicorn_settings
 
 from .config import ServerConfig
-from .engine.preflight import Estimate, PreflightError, preflight
+from .engine.preflight import Estimate, PreflightError, check_servable, preflight
 
 
 class Server(BaseApplication):
@@ -48,6 +48,7 @@ class Server(BaseApplication):
 def main(argv: list[str] | None = None) -> None:
     config = ServerConfig.from_args(sys.argv[1:] if argv is None else argv, os.environ)
     try:
+        check_servable(config)  # (a file the server cannot serve stops the start, whatever --skip-preflight says)
         estimate = preflight(config)
     except PreflightError as exc:
         print(f"python -m inference_api: {exc}", file=sys.stderr, flush=True)

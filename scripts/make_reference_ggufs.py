@@ -1007,8 +1007,9 @@ def _post(port: int, path: str, body: dict, timeout=120) -> dict:
 
 
 @contextlib.contextmanager
-def llama_server(llama_dir: Path, model: Path, n_ctx: int):
-    """Runs llama-server on 127.0.0.1 (free port) with `model` until the block ends; yields the port."""
+def llama_server(llama_dir: Path, model: Path, n_ctx: int, extra: list[str] | None = None):
+    """Runs llama-server on 127.0.0.1 (free port) with `model` (and `extra` flags) until the block ends; yields the
+    port."""
     port = free_port()
     cmd = [
         str(llama_dir / "llama-server"),
@@ -1024,6 +1025,7 @@ def llama_server(llama_dir: Path, model: Path, n_ctx: int):
         "127.0.0.1",
         "--port",
         str(port),
+        *(extra or []),
     ]
     logf = tempfile.TemporaryFile()  # noqa: SIM115 (the server's log, read after it stops)
     proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT)

@@ -180,3 +180,34 @@ def test_a_cpu_level_plans_as_a_cpu_with_that_level_alone():
     with pytest.raises(PlanError, match="lacks avx512"):
         plan(Machine(LEVELS["avx2"][1]), cpu_level="avx512vnni")
     assert plan(CUDA, cpu_level="avx2").cpu_level is None  # no CPU kernels on CUDA
+
+
+@pytest.mark.parametrize(
+    ("arch", "tokenizer", "said"),
+    [("rwkv7", "gpt2", "architecture 'rwkv7' is not supported; supported: "), ("llama", "ugm", "tokenizer 'ugm'")],
+)
+def test_a_file_the_server_cannot_serve_stops_the_start(tmp_path, arch, tokenizer, said):
+    """An architecture or a tokenizer this server does not know: exit 2 at once with the reason and what is
+    supported (with --skip-preflight too), not an engine that fails while the server stays up."""
+    import subprocess
+    import sys
+
+    from gguf import GGUFWriter
+
+    path = tmp_path / "unknown.gguf"
+    writer = GGUFWriter(str(path), arch)
+    writer.add_tokenizer_model(tokenizer)
+    writer.add_tensor("token_embd.weight", __import__("numpy").zeros((4, 4), dtype="float32"))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    r = subprocess.run(
+        [sys.executable, "-m", "inference_api", "--model", str(path), "--skip-preflight", "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and said in r.stderr, r.stderr[-2000:]
+    if "architecture" in said:
+        assert "bert" in r.stderr and "llama" in r.stderr  # the supported ones, listed

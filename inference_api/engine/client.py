@@ -28,6 +28,7 @@ from ..model.tokenizer import Tokenizer
 from ..request_errors import RateLimited, Unavailable
 from .messages import (
     CancelRequest,
+    EmbedRequest,
     EngineFailed,
     EngineReady,
     EngineStats,
@@ -62,6 +63,12 @@ class Session:
     finished_choices: int = 0
     choice_tokens: dict[int, int] = field(default_factory=dict)  # tokens generated per choice
     team: str | None = None  # the proxy's X-Team-Id (None: not counted per team)
+    embeds: bool = False  # inputs to embed or score: one place, however many inputs (its n)
+
+    @property
+    def places(self) -> int:
+        """The row-and-queue places it takes: n choices, n; inputs to embed, one."""
+        return 1 if self.embeds else self.n
 
     @property
     def done(self) -> bool:
@@ -171,7 +178,7 @@ class EngineClient:
     @property
     def open_places(self) -> int:
         """Row-and-queue places the open sessions take (a request with n choices takes n)."""
-        return sum(s.n for s in list(self._sessions.values()))
+        return sum(s.places for s in list(self._sessions.values()))
 
     # requests
     def check_ready(self) -> EngineReady:
@@ -187,7 +194,7 @@ class EngineClient:
 
     def team_places(self, team: str) -> int:
         """Row-and-queue places the team's open sessions take."""
-        return sum(s.n for s in list(self._sessions.values()) if s.team == team)
+        return sum(s.places for s in list(self._sessions.values()) if s.team == team)
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, team: str | None = None) -> Session:
         """Open a session for the request (of ``team``, counted toward its places; None: not counted per team)."""
@@ -211,6 +218,24 @@ class EngineClient:
             self._sessions[session.id] = session
         self.metrics.submitted(len(prompt_ids))
         self._send(GenerateRequest(session.id, tuple(prompt_ids), params, team))
+        return session
+
+    def embed(self, inputs: list[list[int]], normalize: bool = True, team: str | None = None) -> Session:
+        """Open a session for inputs to embed or score (one event each; one place of the server's and the
+        team's)."""
+        self.check_ready()
+        session = Session(uuid.uuid4().hex, sum(len(i) for i in inputs), n=len(inputs), team=team, embeds=True)
+        with self._lock:
+            cap = self.config.max_places_per_team
+            held = self.team_places(team) if team is not None and cap > 0 else 0
+            if held and held + 1 > cap:
+                raise RateLimited(
+                    f"team {team!r} already holds {held} of this server's places (at most {cap}); retry shortly",
+                    retry_after=1,
+                )
+            self._sessions[session.id] = session
+        self.metrics.submitted(session.prompt_tokens)
+        self._send(EmbedRequest(session.id, tuple(tuple(i) for i in inputs), normalize, team))
         return session
 
     def release(self, session: Session) -> None:

@@ -15,6 +15,7 @@ import torch
 
 from .constrain import Constraints
 from .messages import (
+    EmbedRequest,
     EngineStats,
     ErrorKind,
     FinishReason,
@@ -157,6 +158,18 @@ class Engine:
             for fork in first.forks:  # built while the prompt is computed
                 fork.future = self.constraints.compile(request.params.grammar, request.team)
         self._enqueue(first)
+
+    def embed(self, request: EmbedRequest) -> None:
+        """A generating model does not embed: the request ends with a clear error."""
+        self.refused.append(
+            TokenEvent(
+                request.session_id,
+                "",
+                finish_reason=FinishReason.ERROR,
+                error="this server's model generates text; it does not embed (serve an embedding model's GGUF)",
+                error_kind=ErrorKind.INVALID,
+            )
+        )
 
     def _compiling_for(self, team: str | None) -> int:
         """The team's requests whose grammar is still being built."""

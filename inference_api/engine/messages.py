@@ -73,6 +73,17 @@ class GenerateRequest:
 
 
 @dataclass(frozen=True)
+class EmbedRequest:
+    """Inputs to embed (an embedding model) or score (a reranker: each input a query and document pair): one
+    TokenEvent each, its ``embedding`` the vector (L2-normalized when ``normalize``) or the score."""
+
+    session_id: str
+    inputs: tuple[tuple[int, ...], ...]
+    normalize: bool = True
+    team: str | None = None
+
+
+@dataclass(frozen=True)
 class CancelRequest:
     session_id: str
 
@@ -113,6 +124,7 @@ class TokenEvent:
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
     reasoning: str = ""  # with SamplingParams.reasoning split: the thought's text (``text`` is the answer's)
     reasoning_tokens: int = 0  # the output's tokens that belong to its thought so far (tags included)
+    embedding: tuple[float, ...] | None = None  # an EmbedRequest's input's vector or score (``index``: which input)
 
     @property
     def finished(self) -> bool:
@@ -178,6 +190,8 @@ class EngineReady:
     rank_pids: tuple[int, ...] = ()  # the process ids of ranks 1..N-1
     kernels: str = ""  # the CPU kernels' build ("native", "prebuilt avx512vnni", ...), "unavailable: why", or "" unused
     cuda_graphs: tuple[int, ...] = ()  # the batch sizes whose decode step was captured in CUDA graphs
+    task: str = "generate"  # generate | embed (an embedding model) | score (a reranker)
+    dims: int = 0  # an embedding model's vector size
 
 
 @dataclass(frozen=True)

@@ -356,6 +356,43 @@ def estimate(config: ServerConfig) -> Estimate:
     )
 
 
+def served_architectures() -> tuple[str, ...]:
+    """The GGUF architectures this server runs: the family table's (the compact decoder), the embedding models'
+    (model/encoder.py) and those transformers reads from a GGUF (its layers)."""
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+    from ..model.encoder import ENCODERS
+    from ..model.families import FAMILIES
+
+    known = {f.gguf for f in FAMILIES.values() if f.gguf} | set(ENCODERS)
+    known |= {a for a in GGUF_CONFIG_MAPPING if a not in ("general", "tokenizer")}
+    return tuple(sorted(known))
+
+
+def check_servable(config: ServerConfig) -> None:
+    """PreflightError, with the reason and what is supported, for a GGUF whose architecture or tokenizer this
+    server does not know: refused at once (not with --skip-preflight either), never an engine that fails while
+    the server stays up."""
+    from ..model.gguf_meta import GGUFIndex
+    from ..model.gguf_vocab import TOKENIZERS
+
+    gguf = gguf_source(config)
+    if gguf is None or not gguf.is_file():
+        return  # (the loader reports a missing file; a model folder is read by transformers)
+    try:
+        fields = GGUFIndex(gguf).fields
+    except Exception as exc:
+        raise PreflightError(f"{gguf} is not a GGUF file this server can read: {exc}") from None
+    arch, tokenizer = fields.get("general.architecture"), fields.get("tokenizer.ggml.model")
+    known = served_architectures()
+    if arch not in known:
+        raise PreflightError(f"{gguf}: architecture {arch!r} is not supported; supported: {', '.join(known)}")
+    if tokenizer is not None and tokenizer not in TOKENIZERS:
+        raise PreflightError(
+            f"{gguf}: tokenizer {tokenizer!r} is not supported; supported: {', '.join(TOKENIZERS)} (BPE, SPM, WPM)"
+        )
+
+
 def preflight(config: ServerConfig) -> Estimate | None:
     """The estimate (logged); PreflightError when it does not fit, unless --skip-preflight."""
     if config.mock:

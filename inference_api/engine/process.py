@@ -7,9 +7,18 @@ import queue
 from pathlib import Path
 
 from ..config import ServerConfig
+from .embedder import Embedder
 from .engine import Engine
 from .lifeline import die_with_parent, release_free_memory
-from .messages import CancelRequest, EngineFailed, EngineReady, GenerateRequest, Shutdown, StepOutput
+from .messages import (
+    CancelRequest,
+    EmbedRequest,
+    EngineFailed,
+    EngineReady,
+    GenerateRequest,
+    Shutdown,
+    StepOutput,
+)
 from .prompt_cache import PromptCache, cache_bytes, fingerprint
 from .speculative import ModelDrafter, spec_config
 
@@ -38,7 +47,7 @@ def release_freed_memory() -> None:
         pass
 
 
-def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
+def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
     from ..model.loader import model_name
 
     if config.mock:
@@ -62,14 +71,19 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
     import torch
 
     from ..kernels import WITHOUT_KERNELS, load_kernels
+    from ..model.encoder import ENCODERS
+    from ..model.gguf_meta import read_header
     from ..model.loader import eos_ids, gguf_source, gguf_target, resolve_model_dir
+
+    gguf = gguf_source(config)
+    if gguf is not None and gguf.is_file() and read_header(gguf)["arch"] in ENCODERS:
+        return build_embedder(config, gguf)
     from ..model.tokenizer import HFTokenizer
     from .constrain import for_hf_tokenizer
     from .model_runner import load_runner
     from .parallel import start_group, threads_per_rank
     from .plan import make_plan, model_facts, probe_machine
 
-    gguf = gguf_source(config)
     folder = gguf_target(config, gguf) if gguf is not None else resolve_model_dir(config)
     plan = make_plan(config, model_facts(gguf, folder), probe_machine(config.device))
     threads = threads_per_rank(config.torch_threads, plan.tp)
@@ -142,6 +156,31 @@ def build_engine(config: ServerConfig) -> tuple[Engine, EngineReady]:
         cuda_graphs=decode_graphs(runner),
     )
     return engine, ready
+
+
+def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineReady]:
+    """The engine of an embedding model or a reranker (a GGUF of an encoder architecture)."""
+    import torch
+
+    from ..model.encoder import BertEncoder
+    from ..model.loader import model_name, resolve_model_dir
+
+    if config.torch_threads:
+        torch.set_num_threads(config.torch_threads)
+    folder = resolve_model_dir(config, weights=False)  # its tokenizer, as llama.cpp reads the file's
+    model = BertEncoder(gguf)
+    log.info("embedding model %s: %d dims, pooling %s", gguf, model.dims, model.pooling)
+    ready = EngineReady(
+        str(folder),
+        model_name(config),
+        model.context_length,
+        model.token.shape[0],
+        "cpu",
+        "float32",
+        task="score" if model.scores else "embed",
+        dims=model.dims,
+    )
+    return Embedder(model, config.prefill_chunk), ready
 
 
 def load_drafter(config: ServerConfig, tokenizer, kernels) -> ModelDrafter:
@@ -234,6 +273,8 @@ def run_engine(config: ServerConfig, inbox, outbox) -> None:
         for msg in messages:
             if isinstance(msg, GenerateRequest):
                 engine.add(msg)
+            elif isinstance(msg, EmbedRequest):
+                engine.embed(msg)
             elif isinstance(msg, CancelRequest):
                 engine.cancel(msg.session_id)
             elif isinstance(msg, Shutdown):

@@ -26,5 +26,8 @@ class ByteTokenizer:
         turns = "".join(f"<|{m['role']}|>{m['content']}\n" for m in messages)
         return self.encode(turns + "<|assistant|>")
 
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        return self.encode(first + "\n" + second)
+
     def decode(self, ids: Sequence[int]) -> str:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")

@@ -64,6 +64,8 @@ def read_vocab(source) -> GGUFVocab:
     )
 
 
+TOKENIZERS = ("gpt2", "llama", "bert")  # the tokenizer.ggml.model values read here: BPE, SPM, WPM
+
 # gguf's token types
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
 
@@ -215,6 +217,32 @@ def _file_tokens_only(backend, pieces: list[str], types: list[int]):
     return backend
 
 
+def wpm_backend(source):
+    """A tokenizers Tokenizer that splits as llama.cpp's WPM tokenizer (the "bert" vocabulary type): BERT's
+    normalizer (lower-cased where the file says) and pre-tokenizer, then the longest piece first within each word.
+    llama.cpp's converter wrote a word's first piece with "▁" before it and its continuations bare; WordPiece wants
+    them the other way round ("##" before continuations), so the pieces are written back."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, normalizers, pre_tokenizers
+
+    fields = open_gguf(source).fields
+    tok_field, type_field = fields["tokenizer.ggml.tokens"], fields["tokenizer.ggml.token_type"]
+    pieces = [bytes(tok_field.parts[i]).decode("utf-8", "replace") for i in tok_field.data]
+    types = [int(type_field.parts[i][0]) for i in type_field.data]
+    vocab: dict[str, int] = {}
+    for i, (p, t) in enumerate(zip(pieces, types)):
+        word = p if t == CONTROL else p[1:] if p.startswith("\u2581") else "##" + p
+        vocab.setdefault(word, i)
+    unk_id = fields.get("tokenizer.ggml.unknown_token_id")
+    unk = pieces[int(unk_id.contents())] if unk_id is not None else "[UNK]"
+    lower = fields.get("tokenizer.ggml.normalizer.lowercase")
+    backend = Tokenizer(models.WordPiece(vocab=vocab, unk_token=unk, max_input_chars_per_word=100))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=bool(lower.contents()) if lower is not None else True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens([AddedToken(p, special=True) for p, t in zip(pieces, types) if t == CONTROL])
+    return backend
+
+
 def gguf_tokenizer(source, arch: str, chat_template: str | None = None):
     """The tokenizer llama.cpp would run for a GGUF, as a transformers tokenizer to save beside the model: an SPM
     vocabulary by its merges (spm_backend), a BPE one by transformers' conversion, BOS and EOS added as the file
@@ -223,7 +251,14 @@ def gguf_tokenizer(source, arch: str, chat_template: str | None = None):
 
     reader = open_gguf(source)
     vocab = read_vocab(reader)
-    backend = spm_backend(reader) if vocab.model == "llama" else bpe_backend(reader, arch)
+    if vocab.model == "llama":
+        backend = spm_backend(reader)
+    elif vocab.model == "bert":
+        backend = wpm_backend(reader)
+    elif vocab.model == "gpt2":
+        backend = bpe_backend(reader, arch)
+    else:
+        raise ValueError(f"tokenizer {vocab.model!r} is not supported (supported: {', '.join(TOKENIZERS)})")
     names = {i: backend.id_to_token(i) for i in (vocab.bos_id, vocab.eos_id) if i is not None}
     backend = with_bos_eos(backend, vocab, names)
     special = {

@@ -144,6 +144,7 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
     with ``weights`` the float32 checkpoint transformers' layers load."""
     if is_converted(gguf, target, weights):
         return target
+    from .encoder import ENCODERS
     from .gguf_meta import open_gguf, read_header
     from .gguf_vocab import gguf_tokenizer
 
@@ -165,6 +166,8 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
             model.generation_config.eos_token_id = eos
             model.save_pretrained(tmp)
             model_type = model.config.model_type
+        elif header["arch"] in ENCODERS:  # an embedding model: its tokenizer is all the folder holds
+            model_type = header["arch"]
         else:
             from transformers import GenerationConfig
 

@@ -12,6 +12,8 @@ class Tokenizer(Protocol):
 
     def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]: ...
 
+    def encode_pair(self, first: str, second: str) -> list[int]: ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
     def offsets(self, text: str) -> list[tuple[int, int, int]]: ...
@@ -53,6 +55,10 @@ class HFTokenizer:
             list(messages), tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True
         )
         return self.tok.encode(text, add_special_tokens=False)
+
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Two texts as one input, as the tokenizer joins a pair (a cross-encoder's query and document)."""
+        return self.tok.encode(first, second)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=True)

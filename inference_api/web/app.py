@@ -20,6 +20,7 @@ from ..config import ServerConfig
 from ..engine.client import EngineClient, Session
 from ..engine.preflight import Estimate
 from .dialects.anthropic.routes import anthropic_blueprint
+from .dialects.embeddings.routes import embeddings_blueprint
 from .dialects.llama_stack.routes import llama_stack_blueprint
 from .dialects.native.routes import health_blueprint, native_blueprint
 from .dialects.openai.routes import openai_blueprint
@@ -137,6 +138,7 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
         anthropic_blueprint,  # /v1/messages and /v1/responses beside the OpenAI blueprint's /v1/... (no path overlaps)
         responses_blueprint,
         openai_blueprint,
+        embeddings_blueprint,
         tgi_blueprint,
         shared_blueprint,
     ):

@@ -8,7 +8,7 @@ Each dialect (``dialects/``) is a parser (request body into the engine's ``Sampl
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from flask import request
@@ -18,7 +18,7 @@ from lifecycle.quota import TeamLimits
 
 from ..config import ServerConfig
 from ..engine.client import EngineClient
-from ..engine.messages import EngineReady, SamplingParams, TokenEvent
+from ..engine.messages import EngineReady, FinishReason, SamplingParams, TokenEvent
 from ..engine.preflight import Estimate
 from ..model.tokenizer import Tokenizer
 from ..request.generation import Generation, all_events, collect, collect_choices
@@ -32,7 +32,7 @@ from ..request.prepare import (
     engine_params,
 )
 from ..request.reasoning import Thinking, with_reasoning
-from ..request_errors import RateLimited, Unavailable
+from ..request_errors import RateLimited, RequestError, Unavailable
 from .streaming import first_event, session_events
 
 RESERVATION_KEY = "inference_api.reservation"  # environ key: the request's quota Reservation, settled by app.py
@@ -126,6 +126,74 @@ class Serving:
                 retry_after=reserved,
             )
         request.environ[RESERVATION_KEY] = reserved
+
+    # embeddings and scores (an embedding model's or a reranker's engine)
+    def embed(
+        self,
+        texts: Sequence[str] | None,
+        ids: Sequence[Sequence[int]] | None,
+        normalize: bool,
+        truncate: bool,
+        field: str,
+    ) -> tuple[list[list[float]], int]:
+        """Each input's vector, and the tokens they took: texts tokenized (or token ids as given), each within
+        the model's context (cut to it with ``truncate``, else a 400)."""
+        if self.ready().task != "embed":
+            raise RequestError(f"this server's model ({self.model_name}) does not embed: {self._task()}", field)
+        if texts is not None:
+            inputs = [self.tokenizer.encode(self.tokenizable(t, field)) for t in texts]
+        else:
+            inputs = [list(i) for i in ids or ()]
+        return self._submit_inputs(inputs, normalize, truncate, field)
+
+    def score(self, query: str, documents: Sequence[str], truncate: bool) -> tuple[list[float], int]:
+        """A reranker's score of each (query, document) pair, and the tokens they took."""
+        if self.ready().task != "score":
+            raise RequestError(f"this server's model ({self.model_name}) is not a reranker: {self._task()}", "query")
+        tok = self.tokenizer
+        pairs = [tok.encode_pair(self.tokenizable(query, "query"), self.tokenizable(d, "documents")) for d in documents]
+        scores, tokens = self._submit_inputs(pairs, False, truncate, "documents")
+        return [s[0] for s in scores], tokens
+
+    def _task(self) -> str:
+        return {
+            "generate": "it generates text (serve an embedding model's or a reranker's GGUF for these routes)",
+            "embed": "it is an embedding model (/v1/embeddings, /embed)",
+            "score": "it is a reranker (/rerank, /v1/rerank)",
+        }[self.ready().task]
+
+    def _submit_inputs(
+        self, inputs: list[list[int]], normalize: bool, truncate: bool, field: str
+    ) -> tuple[list[list[float]], int]:
+        context = self.ready().context_length
+        for i, ids in enumerate(inputs):
+            if len(ids) > context:
+                if not truncate:
+                    raise RequestError(
+                        f"{field}[{i}] is {len(ids)} tokens long; the model takes at most {context} (or ask to "
+                        f"truncate)",
+                        field,
+                    )
+                inputs[i] = ids[:context]
+        if self.draining:
+            raise Unavailable("server is shutting down; retry shortly", retry_after=RETRY_AFTER)
+        tokens = sum(len(i) for i in inputs)
+        team = request.headers.get("X-Team-Id")
+        if self.limits is not None:
+            reserved = self.limits.reserve(team, self.limits.cost(0, tokens))
+            if isinstance(reserved, int):
+                raise RateLimited(
+                    f"team {team!r} has used its token quota; retry in {reserved} s", retry_after=reserved
+                )
+            request.environ[RESERVATION_KEY] = reserved
+        session = self.client.embed(inputs, normalize, team)
+        events = session_events(self.client, session, request.environ)
+        vectors: list[list[float]] = [[] for _ in inputs]
+        for event in all_events(first_event(events), events):
+            if event.finish_reason is FinishReason.ERROR:
+                raise Unavailable(event.error or "embedding failed", retry_after=5)
+            vectors[event.index] = list(event.embedding or ())
+        return vectors, tokens
 
     # submission
     def start(

@@ -137,44 +137,46 @@ def test_a_forced_call_comes_after_the_thought(oai):
 
 
 def test_responses_return_a_reasoning_item(oai):
-    done = oai.responses.create(model=MODEL, input="Hi", max_output_tokens=30, temperature=1.0)
+    seeded = {"extra_body": {"seed": 7}}  # (this server's seed: the same random thought every run)
+    done = oai.responses.create(model=MODEL, input="Hi", max_output_tokens=30, temperature=1.0, **seeded)
     kinds = [item.type for item in done.output]
     assert kinds[0] == "reasoning" and set(kinds) <= {"reasoning", "message"}
     assert done.output[0].content[0].type == "reasoning_text" and done.output[0].content[0].text
     assert done.usage.output_tokens_details.reasoning_tokens == SERVER_BUDGET + CLOSE
-    events = list(oai.responses.create(model=MODEL, input="Hi", max_output_tokens=30, stream=True))
+    events = list(oai.responses.create(model=MODEL, input="Hi", max_output_tokens=30, stream=True, **seeded))
     types = [e.type for e in events]
     deltas = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
     final = events[-1].response
     assert final.output[0].type == "reasoning" and final.output[0].content[0].text == deltas
     assert types.index("response.reasoning_text.done") < types.index("response.output_text.delta")
     # reasoning effort none: no thought, no reasoning item
-    closed = oai.responses.create(model=MODEL, input="Hi", max_output_tokens=10, reasoning={"effort": "none"})
+    closed = oai.responses.create(model=MODEL, input="Hi", max_output_tokens=10, reasoning={"effort": "none"}, **seeded)
     assert [item.type for item in closed.output] == ["message"]
     # the reasoning item sent back with the next turn's input is accepted
     again = oai.responses.create(
-        model=MODEL, input=[*[i.model_dump() for i in done.output], {"role": "user", "content": "And?"}]
+        model=MODEL, input=[*[i.model_dump() for i in done.output], {"role": "user", "content": "And?"}], **seeded
     )
     assert again.status in ("completed", "incomplete")
 
 
 def test_messages_return_a_thinking_block(claude):
+    seeded = {"extra_body": {"seed": 7}}  # (this server's seed: the same random thought every run)
     done = claude.messages.create(
-        model=MODEL, max_tokens=30, messages=ASK, thinking={"type": "enabled", "budget_tokens": 4}
+        model=MODEL, max_tokens=30, messages=ASK, thinking={"type": "enabled", "budget_tokens": 4}, **seeded
     )
     assert done.content[0].type == "thinking" and done.content[0].thinking
     with claude.messages.stream(
-        model=MODEL, max_tokens=30, messages=ASK, thinking={"type": "enabled", "budget_tokens": 4}
+        model=MODEL, max_tokens=30, messages=ASK, thinking={"type": "enabled", "budget_tokens": 4}, **seeded
     ) as stream:
         thought = "".join(e.thinking for e in stream if e.type == "thinking")
         final = stream.get_final_message()
     assert final.content[0].type == "thinking" and final.content[0].thinking == thought
     assert [b.type for b in final.content[1:]] in ([], ["text"])
     # disabled: the thought is closed at once; a thinking block sent back in the history is accepted
-    plain = claude.messages.create(model=MODEL, max_tokens=10, messages=ASK, thinking={"type": "disabled"})
+    plain = claude.messages.create(model=MODEL, max_tokens=10, messages=ASK, thinking={"type": "disabled"}, **seeded)
     assert [b.type for b in plain.content] in ([], ["text"])
     history = [*ASK, {"role": "assistant", "content": [b.model_dump() for b in done.content]}, *ASK]
-    assert claude.messages.create(model=MODEL, max_tokens=5, messages=history).content is not None
+    assert claude.messages.create(model=MODEL, max_tokens=5, messages=history, **seeded).content is not None
 
 
 @pytest.mark.parametrize(

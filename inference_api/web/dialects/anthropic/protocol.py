@@ -26,14 +26,15 @@ from ....engine.grammar import Grammar, json_schema
 from ....engine.messages import SamplingParams
 from ....request.reasoning import Thinking, budget_field
 from ....request.tools import Tools, assistant_calls, parse_tools
-from ....request.validation import boolean, number, reject_unknown, stop_list, string
+from ....request.validation import SEED_RANGE, boolean, number, reject_unknown, stop_list, string
 from ....request_errors import RequestError
 from ..openai.protocol import parse_messages
 
 # accepted with no effect here: Anthropic's service options
 _SERVICE = {"cache_control", "metadata", "service_tier", "speed", "inference_geo", "diagnostics", "user_profile_id"}
 COUNT_FIELDS = {"model", "messages", "system", "tools", "tool_choice", "thinking", "output_config"} | _SERVICE
-MESSAGES_FIELDS = COUNT_FIELDS | {"max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream"}
+# (seed: this server's, as chat's: the same answer for the same seed)
+MESSAGES_FIELDS = COUNT_FIELDS | {"max_tokens", "stop_sequences", "temperature", "top_p", "top_k", "stream", "seed"}
 _UNSUPPORTED = {  # fields of Anthropic's API this server refuses by name rather than ignore
     "mcp_servers": "MCP servers are not supported by this server",
     "container": "code-execution containers are not supported by this server",
@@ -226,6 +227,7 @@ def parse_messages_request(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCE
         stop=stops,
         max_tokens=number(body, "max_tokens", None, 1, 1 << 31, integer=True),
         grammar=_output_format(body.get("output_config")),
+        seed=number(body, "seed", None, *SEED_RANGE, integer=True),
     )
     tools = parse_tools_field(body)
     if tools is not None:

@@ -19,7 +19,7 @@ from ....engine.grammar import ANY_JSON_OBJECT, Grammar, json_schema
 from ....engine.messages import SamplingParams
 from ....request.reasoning import Thinking, effort_budget
 from ....request.tools import Tools, parse_tools
-from ....request.validation import boolean, number, reject_unknown, string
+from ....request.validation import SEED_RANGE, boolean, number, reject_unknown, string
 from ....request_errors import RequestError
 
 # accepted with no effect here: OpenAI's service options
@@ -55,6 +55,7 @@ FIELDS = {
     "conversation",
     "prompt",
     "reasoning",
+    "seed",  # this server's (as chat's): the same answer for the same seed
 } | _SERVICE
 _BUILT_IN = {"web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use_preview", "mcp"}
 ROLES = {"user", "assistant", "system", "developer"}
@@ -207,12 +208,14 @@ def parse_responses(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> R
     if body.get("top_logprobs") not in (None, 0):
         raise RequestError("top_logprobs is not supported on /v1/responses; use /v1/chat/completions", "top_logprobs")
     model = string(body, "model", required=True)
+    thinking = _thinking(body)  # (checked before the response's echo of it is built)
     tools = _tools(body)
     params = SamplingParams(
         temperature=number(body, "temperature", 1.0, 0, 2),
         top_p=number(body, "top_p", 1.0, 0, 1, lo_open=True),
         max_tokens=number(body, "max_output_tokens", None, 1, 1 << 31, integer=True),
         grammar=_text_format(body),
+        seed=number(body, "seed", None, *SEED_RANGE, integer=True),
     )
     if tools is not None:
         params = tools.constrain(params)
@@ -242,5 +245,5 @@ def parse_responses(body: dict, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> R
         store=boolean(body, "store", True),
         previous_response_id=previous,
         echo=echo,
-        thinking=_thinking(body),
+        thinking=thinking,
     )

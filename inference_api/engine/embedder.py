@@ -1,0 +1,105 @@
+"""The engine of an embedding model or a reranker: every request's inputs, from every team, in shared forwards.
+
+Each step takes inputs round-robin over the open requests (one input of each in turn, so a request of a thousand
+inputs never holds another's one input back for more than a step) until the step holds ``batch_tokens`` tokens
+with their padding, runs one forward of the encoder (model/encoder.py) and sends each input's vector (or score)
+as its own event. An input's numbers do not depend on what shares its forward (its padding is masked out of
+attention and pooling). A generation request gets a clear error: this model does not generate.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict, deque
+
+import torch
+
+from .messages import EmbedRequest, EngineStats, ErrorKind, FinishReason, GenerateRequest, TokenEvent
+
+log = logging.getLogger(__name__)
+
+NOT_A_GENERATOR = "this server's model is an embedding model: use /v1/embeddings, /embed or /rerank"
+
+
+class Embedder:
+    def __init__(self, model, batch_tokens: int):
+        self.model = model
+        self.batch_tokens = max(batch_tokens, 1)
+        self.pending: OrderedDict[str, deque[tuple[int, tuple[int, ...], bool]]] = OrderedDict()
+        self.refused: list[TokenEvent] = []
+        self.runner = None  # (the process loop closes a runner's other ranks: none here)
+        self.embedded = 0
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.pending or self.refused)
+
+    @property
+    def stats(self) -> EngineStats:
+        return EngineStats(waiting=sum(len(q) for q in self.pending.values()))
+
+    def add(self, request: GenerateRequest) -> None:
+        self.refused.append(
+            TokenEvent(
+                request.session_id,
+                "",
+                finish_reason=FinishReason.ERROR,
+                error=NOT_A_GENERATOR,
+                error_kind=ErrorKind.INVALID,
+            )
+        )
+
+    def embed(self, request: EmbedRequest) -> None:
+        self.pending[request.session_id] = deque((i, ids, request.normalize) for i, ids in enumerate(request.inputs))
+
+    def cancel(self, session_id: str) -> None:
+        self.pending.pop(session_id, None)
+
+    def close(self) -> None:
+        pass
+
+    def step(self) -> list[TokenEvent]:
+        events, self.refused = self.refused, []
+        batch: list[tuple[str, int, tuple[int, ...], bool]] = []
+        width = 0
+        while self.pending:
+            took = False
+            for sid, queue in list(self.pending.items()):
+                i, ids, normalize = queue[0]
+                if batch and max(width, len(ids)) * (len(batch) + 1) > self.batch_tokens:
+                    continue
+                queue.popleft()
+                batch.append((sid, i, ids, normalize))
+                width, took = max(width, len(ids)), True
+                if not queue:
+                    del self.pending[sid]
+            if not took:
+                break
+        if not batch:
+            return events
+        try:
+            out = self.model.forward([list(ids) for _, _, ids, _ in batch])
+        except Exception:
+            log.exception("embedding forward failed")
+            failed = {sid for sid, _, _, _ in batch}
+            for sid in failed:
+                self.pending.pop(sid, None)
+            return events + [
+                TokenEvent(sid, "", finish_reason=FinishReason.ERROR, error="engine error: the forward failed")
+                for sid in failed
+            ]
+        for (sid, i, ids, normalize), vector in zip(batch, out):
+            if normalize and not self.model.scores:
+                vector = torch.nn.functional.normalize(vector, dim=-1)
+            events.append(
+                TokenEvent(
+                    sid,
+                    "",
+                    finish_reason=FinishReason.STOP,
+                    prompt_tokens=len(ids),
+                    index=i,
+                    embedding=tuple(vector.tolist()),
+                )
+            )
+        self.embedded += len(batch)
+        return events

@@ -1,0 +1,142 @@
+"""Embedding models from a GGUF: BERT as llama.cpp converts it (``general.architecture`` bert), its tokens,
+positions and token types embedded and normalized, then per layer bidirectional attention and a GELU MLP, each
+added to the residual and layer-normalized after (post-norm), and the token vectors pooled as the file says
+(``bert.pooling_type``: mean, cls, last; rank: a cross-encoder's classifier head gives one score).
+
+The weights are read from the file by llama.cpp's tensor names and dequantized to float32 (F32, F16, Q8_0 and the
+other types gguf-py reads); the forward is torch's, the attention SDPA with each input's padding masked out, so an
+input's vector does not depend on what else shares its batch in any way that shows at float32 precision.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+# llama.cpp's pooling types (LLAMA_POOLING_TYPE_*)
+POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
+ENCODERS = ("bert",)  # the GGUF architectures this module runs
+
+
+@dataclass
+class EncoderLayer:
+    qkv: torch.Tensor  # [3 * hidden, hidden]
+    qkv_b: torch.Tensor
+    o: torch.Tensor
+    o_b: torch.Tensor
+    attn_norm: tuple[torch.Tensor, torch.Tensor]  # (weight, bias) after attention
+    up: torch.Tensor
+    up_b: torch.Tensor
+    down: torch.Tensor
+    down_b: torch.Tensor
+    out_norm: tuple[torch.Tensor, torch.Tensor]  # after the MLP
+
+
+class BertEncoder:
+    def __init__(self, path: str | Path, threads: int = 0):
+        from .gguf_meta import GGUFIndex
+
+        index = GGUFIndex(path)
+        fields = index.fields
+        arch = fields["general.architecture"]
+        if arch not in ENCODERS:
+            raise ValueError(f"{path}: architecture {arch!r} is not an embedding model this server runs")
+
+        def key(name: str, default=None):
+            return fields.get(f"{arch}.{name}", default)
+
+        self.hidden = int(key("embedding_length"))
+        self.heads = int(key("attention.head_count"))
+        self.eps = float(key("attention.layer_norm_epsilon", 1e-12))
+        self.context_length = int(key("context_length", 512))
+        self.pooling = POOLING.get(int(key("pooling_type", 1)), "mean")
+        tensors = {t.name: t for t in index.tensors}
+
+        def get(name: str) -> torch.Tensor:
+            return _dequantize(tensors[name])
+
+        def maybe(name: str) -> torch.Tensor | None:
+            return get(name) if name in tensors else None
+
+        self.token = get("token_embd.weight")
+        self.position = get("position_embd.weight")
+        types = maybe("token_types.weight")
+        self.token_type = types[0] if types is not None else torch.zeros(self.hidden)
+        self.embed_norm = (get("token_embd_norm.weight"), get("token_embd_norm.bias"))
+        self.layers = []
+        for i in range(int(key("block_count"))):
+            p = f"blk.{i}."
+            self.layers.append(
+                EncoderLayer(
+                    qkv=torch.cat([get(p + f"attn_{x}.weight") for x in "qkv"]),
+                    qkv_b=torch.cat([get(p + f"attn_{x}.bias") for x in "qkv"]),
+                    o=get(p + "attn_output.weight"),
+                    o_b=get(p + "attn_output.bias"),
+                    attn_norm=(get(p + "attn_output_norm.weight"), get(p + "attn_output_norm.bias")),
+                    up=get(p + "ffn_up.weight"),
+                    up_b=get(p + "ffn_up.bias"),
+                    down=get(p + "ffn_down.weight"),
+                    down_b=get(p + "ffn_down.bias"),
+                    out_norm=(get(p + "layer_output_norm.weight"), get(p + "layer_output_norm.bias")),
+                )
+            )
+        # a cross-encoder (pooling rank): the first token through a dense layer and tanh, then the score
+        self.cls = (maybe("cls.weight"), maybe("cls.bias"))
+        self.cls_out = (maybe("cls.output.weight"), maybe("cls.output.bias"))
+        self.dims = self.hidden
+
+    @property
+    def scores(self) -> bool:
+        """Whether this is a reranker (one relevance score per input) rather than an embedding model."""
+        return self.pooling == "rank"
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[list[int]]) -> torch.Tensor:
+        """Each input's pooled vector [B, hidden] (a reranker: its scores [B, 1]), unnormalized."""
+        width = max(len(ids) for ids in inputs)
+        ids = torch.zeros(len(inputs), width, dtype=torch.long)
+        real = torch.zeros(len(inputs), width, dtype=torch.bool)
+        for i, row in enumerate(inputs):
+            ids[i, : len(row)] = torch.tensor(row)
+            real[i, : len(row)] = True
+        x = self.token[ids] + self.position[:width][None] + self.token_type
+        x = F.layer_norm(x, (self.hidden,), *self.embed_norm, self.eps)
+        b, t, d = x.shape
+        hd = d // self.heads
+        mask = torch.zeros(b, 1, 1, t).masked_fill_(~real[:, None, None, :], float("-inf"))
+        for layer in self.layers:
+            q, k, v = F.linear(x, layer.qkv, layer.qkv_b).split(d, dim=-1)
+            q, k, v = (z.view(b, t, self.heads, hd).transpose(1, 2) for z in (q, k, v))
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, d)
+            x = F.layer_norm(x + F.linear(a, layer.o, layer.o_b), (d,), *layer.attn_norm, self.eps)
+            h = F.gelu(F.linear(x, layer.up, layer.up_b))
+            x = F.layer_norm(x + F.linear(h, layer.down, layer.down_b), (d,), *layer.out_norm, self.eps)
+        lengths = real.sum(1)
+        if self.pooling == "cls" or self.pooling == "rank":
+            pooled = x[:, 0]
+        elif self.pooling == "last":
+            pooled = x[torch.arange(b), lengths - 1]
+        else:  # mean (and none: a vector for the input as a whole is what the routes return)
+            pooled = (x * real[..., None]).sum(1) / lengths[:, None]
+        if self.pooling != "rank":
+            return pooled
+        w, bias = self.cls
+        if w is not None:
+            pooled = torch.tanh(F.linear(pooled, w, bias))
+        w, bias = self.cls_out
+        if w is None:
+            raise ValueError("a reranker's file has no classifier (cls.output)")
+        return F.linear(pooled, w, bias)
+
+
+def _dequantize(tensor) -> torch.Tensor:
+    """A GGUF tensor as float32, in torch's [out, in] layout."""
+    import numpy as np
+    from gguf.quants import dequantize
+
+    data = dequantize(tensor.data, tensor.tensor_type)
+    shape = tuple(int(n) for n in reversed(tensor.shape))  # gguf's shapes are [in, out]
+    return torch.from_numpy(np.array(data, dtype=np.float32).reshape(shape))  # (a copy: the map is read-only)

@@ -1,0 +1,116 @@
+"""The embedding routes over a real server of the tiny BERT GGUF (tests/data/gguf/bert-q8_0.gguf), through the JWT
+proxy with the official openai client and plain HTTP for TEI's routes: vectors as llama-server gives them, every
+input shape and option, errors in each API's shape, concurrent clients each getting their own vectors; and a
+generating model's server refusing to embed."""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import openai
+import pytest
+import requests
+from gguf_reference import GGUF_DIR
+from servers import MODEL_CACHE, ServerProcess, jwt_proxy, team_token
+
+NAME = "bert-q8_0"
+REF = json.loads((GGUF_DIR / "bert-llamacpp.json").read_text())
+TEXTS = REF["texts"]
+VECTORS = np.array(REF["files"][f"{NAME}.gguf"]["vectors"])
+
+
+@pytest.fixture(scope="module")
+def bert():
+    with ServerProcess("--model", str(GGUF_DIR / f"{NAME}.gguf"), "--model-cache-dir", MODEL_CACHE) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(bert):
+    with jwt_proxy(bert.url) as proxy:
+        yield openai.OpenAI(base_url=proxy.url + "/v1", api_key=team_token(), max_retries=0, timeout=60)
+
+
+def test_the_openai_client_gets_llama_cpps_vectors(client):
+    r = client.embeddings.create(model=NAME, input=TEXTS)
+    ours = np.array([d.embedding for d in r.data])
+    assert (ours * VECTORS).sum(1).min() > 0.999 and [d.index for d in r.data] == list(range(len(TEXTS)))
+    assert r.usage.prompt_tokens == sum(len(t) for t in REF["files"][f"{NAME}.gguf"]["tokens"]) == r.usage.total_tokens
+    one = client.embeddings.create(model=NAME, input=TEXTS[0])
+    assert np.allclose(one.data[0].embedding, ours[0], atol=1e-5)
+    ids = client.embeddings.create(model=NAME, input=REF["files"][f"{NAME}.gguf"]["tokens"][1])  # token ids
+    assert np.allclose(ids.data[0].embedding, ours[1], atol=1e-5)
+
+
+def test_base64_and_dimensions(bert):
+    body = {"model": NAME, "input": TEXTS[:2], "encoding_format": "base64", "dimensions": 16}
+    data = requests.post(bert.url + "/v1/embeddings", json=body, timeout=30).json()["data"]
+    raw = base64.b64decode(data[0]["embedding"])
+    values = np.array(struct.unpack(f"<{len(raw) // 4}f", raw))
+    assert len(values) == 16 and abs(np.linalg.norm(values) - 1) < 1e-5  # the first 16, normalized again
+    expected = VECTORS[0][:16] / np.linalg.norm(VECTORS[0][:16])
+    assert np.allclose(values, expected, atol=2e-2)
+
+
+def test_tei_embed(bert):
+    r = requests.post(bert.url + "/embed", json={"inputs": TEXTS}, timeout=30)
+    assert r.status_code == 200 and (np.array(r.json()) * VECTORS).sum(1).min() > 0.999
+    raw = requests.post(bert.url + "/embed", json={"inputs": TEXTS[0], "normalize": False}, timeout=30).json()[0]
+    assert abs(np.linalg.norm(raw) - 1) > 1e-3  # not normalized
+    long = "word " * 400
+    refused = requests.post(bert.url + "/embed", json={"inputs": long}, timeout=30)
+    assert refused.status_code == 422 and "at most 128" in refused.json()["error"]
+    assert requests.post(bert.url + "/embed", json={"inputs": long, "truncate": True}, timeout=30).status_code == 200
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "status", "check"),
+    [
+        ("/v1/embeddings", {"model": NAME, "input": []}, 400, lambda b: b["error"]["param"] == "input"),
+        (
+            "/v1/embeddings",
+            {"model": NAME, "input": "x", "encoding_format": "hex"},
+            400,
+            lambda b: b["error"]["param"] == "encoding_format",
+        ),
+        ("/v1/embeddings", {"model": NAME, "input": [[5, 99999]]}, 400, lambda b: "token ids" in b["error"]["message"]),
+        ("/v1/embeddings", {"model": "other", "input": "x"}, 404, lambda b: b["error"]["code"] == "model_not_found"),
+        (
+            "/v1/embeddings",
+            {"model": NAME, "input": "word " * 400},
+            400,
+            lambda b: "at most 128" in b["error"]["message"],
+        ),
+        ("/embed", {"inputs": 5}, 422, lambda b: b["error_type"] == "validation"),
+        (
+            "/v1/chat/completions",
+            {"model": NAME, "messages": [{"role": "user", "content": "hi"}]},
+            400,
+            lambda b: "embedding model" in b["error"]["message"],
+        ),
+        ("/rerank", {"query": "a", "documents": ["b"]}, 400, lambda b: "not a reranker" in b["error"]["message"]),
+    ],
+)
+def test_bad_input_in_each_apis_shape(bert, path, body, status, check):
+    r = requests.post(bert.url + path, json=body, timeout=30)
+    assert r.status_code == status and check(r.json()), r.text
+
+
+def test_concurrent_clients_each_get_their_own_vectors(bert):
+    def one(i: int) -> list[float]:
+        r = requests.post(bert.url + "/embed", json={"inputs": TEXTS[i % len(TEXTS)]}, timeout=60)
+        return r.json()[0]
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(32)))
+    for i, v in enumerate(results):
+        assert np.dot(v, VECTORS[i % len(TEXTS)]) > 0.999
+
+
+def test_a_generating_model_does_not_embed(mock_server, model_name):
+    r = requests.post(mock_server.url + "/v1/embeddings", json={"model": model_name, "input": "x"}, timeout=30)
+    assert r.status_code == 400 and "does not embed" in r.json()["error"]["message"]

@@ -1,0 +1,57 @@
+"""BERT embedding models from a GGUF (model/encoder.py, gguf_vocab.wpm_backend) against llama.cpp: the tiny random
+BERT of tests/data/gguf at F32, F16 and Q8_0 (scripts/make_embedding_ggufs.py), each text tokenized as
+llama-server tokenizes it and each vector within cosine 0.999 of llama-server --embedding's."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from gguf_reference import GGUF_DIR
+
+from inference_api.engine.embedder import Embedder
+from inference_api.engine.messages import EmbedRequest, FinishReason, GenerateRequest, SamplingParams
+from inference_api.model.encoder import BertEncoder
+from inference_api.model.gguf_vocab import gguf_tokenizer
+
+REFERENCE = json.loads((GGUF_DIR / "bert-llamacpp.json").read_text())
+
+
+@pytest.mark.parametrize("name", sorted(REFERENCE["files"]))
+def test_tokens_and_vectors_are_llama_cpps(name):
+    ref = REFERENCE["files"][name]
+    tok, _ = gguf_tokenizer(GGUF_DIR / name, "bert")
+    ids = [tok.encode(t) for t in REFERENCE["texts"]]
+    assert ids == ref["tokens"]
+    model = BertEncoder(GGUF_DIR / name)
+    assert model.pooling == "mean" and model.dims == len(ref["vectors"][0])
+    ours = torch.nn.functional.normalize(model.forward(ids), dim=-1)
+    cosine = (ours * torch.tensor(ref["vectors"])).sum(-1)
+    assert bool((cosine > 0.999).all()), cosine
+
+
+def test_an_inputs_vector_is_the_same_whatever_shares_its_forward():
+    model = BertEncoder(GGUF_DIR / "bert-q8_0.gguf")
+    ids = REFERENCE["files"]["bert-q8_0.gguf"]["tokens"]
+    alone = [model.forward([i])[0] for i in ids]
+    together = model.forward(ids)
+    for a, b in zip(alone, together):
+        assert torch.allclose(a, b, atol=1e-5)
+
+
+def test_the_embedder_takes_requests_in_turn_and_refuses_generation():
+    model = BertEncoder(GGUF_DIR / "bert-q8_0.gguf")
+    ids = [tuple(i) for i in REFERENCE["files"]["bert-q8_0.gguf"]["tokens"]]
+    eng = Embedder(model, batch_tokens=64)
+    eng.embed(EmbedRequest("big", tuple(ids * 10)))
+    eng.embed(EmbedRequest("small", (ids[2],)))
+    first = eng.step()
+    assert any(e.session_id == "small" for e in first)  # not behind the 40 inputs of "big"
+    events = first
+    while eng.has_work:
+        events += eng.step()
+    assert sorted(e.index for e in events if e.session_id == "big") == list(range(40))
+    eng.add(GenerateRequest("gen", (1, 2), SamplingParams()))
+    (refused,) = eng.step()
+    assert refused.finish_reason is FinishReason.ERROR and "embedding model" in (refused.error or "")

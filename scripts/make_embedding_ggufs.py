@@ -8,7 +8,10 @@
    converts it with llama.cpp's own convert_hf_to_gguf.py to F32 and F16, and quantizes Q8_0 with llama-quantize;
 3. runs ``llama-server --embedding`` on 127.0.0.1 on each file and writes, for TEXTS, its tokenization
    (``/tokenize``) and its vectors (``/v1/embeddings``: mean pooling, L2-normalized) to
-   tests/data/gguf/bert-llamacpp.json.
+   tests/data/gguf/bert-llamacpp.json;
+4. builds a random cross-encoder (``BertForSequenceClassification`` with one output) on the same vocabulary,
+   converts it to bert-rerank-f32.gguf, and records ``llama-server --reranking``'s scores (``/v1/rerank``: the
+   classifier's output itself) of DOCUMENTS for QUERY.
 
 llama.cpp comes from the peer build (``bash ../shared/peers/build-llama-server.sh``), as for
 make_reference_ggufs.py, whose conversion wrapper and server helpers this reuses.
@@ -85,6 +88,40 @@ def build_bert(out: Path, vocab: int) -> None:
     (out / "1_Pooling" / "config.json").write_text(json.dumps({"pooling_mode_mean_tokens": True}))
 
 
+QUERY = "what does a library hold"
+DOCUMENTS = ["A library is a collection of books and other media.", "The fox jumps over the dog.", "books", "x"]
+
+
+def build_reranker(out: Path, vocab: int) -> None:
+    """A random cross-encoder: BERT with one classifier output (llama.cpp keeps the first token's vector and
+    the classifier; the converter drops BERT's pooler)."""
+    import torch
+    import transformers as T
+
+    torch.manual_seed(SEED + 1)
+    cfg = T.BertConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        max_position_embeddings=128,
+        type_vocab_size=2,
+        initializer_range=0.2,
+        num_labels=1,
+    )
+    T.BertForSequenceClassification(cfg).eval().save_pretrained(out, safe_serialization=True)
+
+
+def convert(src: Path, tmp: Path, model_dir: Path, dst: Path, outtype: str) -> None:
+    wrapper = tmp / "convert_wrapper.py"
+    wrapper.write_text(ref.CONVERT_WRAPPER)
+    cmd = [sys.executable, str(wrapper), str(src), str(model_dir), "--outtype", outtype, "--outfile", str(dst)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        sys.exit(f"convert failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-dir", default=str(Path.home() / ".cache" / "llama-server-peer"))
@@ -100,12 +137,7 @@ def main() -> None:
         files = {}
         for outtype in ("f32", "f16"):
             dst = OUT / f"bert-{outtype}.gguf"
-            wrapper = tmp / "convert_wrapper.py"
-            wrapper.write_text(ref.CONVERT_WRAPPER)
-            cmd = [sys.executable, str(wrapper), str(src), str(model_dir), "--outtype", outtype, "--outfile", str(dst)]
-            r = subprocess.run(cmd, capture_output=True, text=True)
-            if r.returncode != 0:
-                sys.exit(f"convert failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+            convert(src, tmp, model_dir, dst, outtype)
             files[dst.name] = dst
         q8 = OUT / "bert-q8_0.gguf"
         subprocess.run(
@@ -123,6 +155,26 @@ def main() -> None:
                 vectors = [d["embedding"] for d in sorted(data, key=lambda d: d["index"])]
             reference["files"][name] = {"tokens": tokens, "vectors": vectors}
             print(f"{name}: {path.stat().st_size} bytes, {len(vectors[0])} dims", flush=True)
+        rerank_dir = tmp / "reranker"
+        shutil.copytree(
+            model_dir,
+            rerank_dir,
+            ignore=shutil.ignore_patterns("*.safetensors", "config.json", "modules.json", "1_Pooling"),
+        )
+        build_reranker(rerank_dir, vocab)
+        reranker = OUT / "bert-rerank-f32.gguf"
+        convert(src, tmp, rerank_dir, reranker, "f32")
+        with ref.llama_server(llama_dir, reranker, 512, extra=["--reranking"]) as port:
+            results = ref._post(port, "/v1/rerank", {"query": QUERY, "documents": DOCUMENTS})["results"]
+            pairs = [ref._post(port, "/tokenize", {"content": QUERY})["tokens"] for _ in (0,)]
+        reference["rerank"] = {
+            "file": reranker.name,
+            "query": QUERY,
+            "documents": DOCUMENTS,
+            "scores": [r["relevance_score"] for r in sorted(results, key=lambda r: r["index"])],
+            "query_tokens": pairs[0],
+        }
+        print(f"{reranker.name}: scores {reference['rerank']['scores']}", flush=True)
         (OUT / "bert-llamacpp.json").write_text(json.dumps(reference, indent=1) + "\n")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

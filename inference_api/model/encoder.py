@@ -52,8 +52,10 @@ class BertEncoder:
         self.heads = int(key("attention.head_count"))
         self.eps = float(key("attention.layer_norm_epsilon", 1e-12))
         self.context_length = int(key("context_length", 512))
-        self.pooling = POOLING.get(int(key("pooling_type", 1)), "mean")
         tensors = {t.name: t for t in index.tensors}
+        # a classifier's file is a reranker whatever its key says (llama.cpp's --reranking pools it so)
+        rank = "cls.output.weight" in tensors
+        self.pooling = "rank" if rank else POOLING.get(int(key("pooling_type", 1)), "mean")
 
         def get(name: str) -> torch.Tensor:
             return _dequantize(tensors[name])

@@ -114,3 +114,33 @@ def test_concurrent_clients_each_get_their_own_vectors(bert):
 def test_a_generating_model_does_not_embed(mock_server, model_name):
     r = requests.post(mock_server.url + "/v1/embeddings", json={"model": model_name, "input": "x"}, timeout=30)
     assert r.status_code == 400 and "does not embed" in r.json()["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def reranker():
+    path = GGUF_DIR / REF["rerank"]["file"]
+    with ServerProcess("--model", str(path), "--model-cache-dir", MODEL_CACHE) as server:
+        yield server
+
+
+def test_rerank_in_jinas_and_teis_shapes(reranker):
+    ref = REF["rerank"]
+    order = sorted(range(len(ref["scores"])), key=lambda i: -ref["scores"][i])
+    body = {"query": ref["query"], "documents": ref["documents"]}
+    jina = requests.post(reranker.url + "/v1/rerank", json=body, timeout=30).json()
+    assert [r["index"] for r in jina["results"]] == order  # best first, as llama-server orders them
+    assert jina["results"][0]["document"]["text"] == ref["documents"][order[0]]
+    assert all(0 < r["relevance_score"] < 1 for r in jina["results"]) and jina["usage"]["prompt_tokens"] > 0
+    top = requests.post(reranker.url + "/rerank", json={**body, "top_n": 2, "return_documents": False}, timeout=30)
+    assert [r["index"] for r in top.json()["results"]] == order[:2] and "document" not in top.json()["results"][0]
+    tei = requests.post(
+        reranker.url + "/rerank",
+        json={"query": ref["query"], "texts": ref["documents"], "raw_scores": True},
+        timeout=30,
+    ).json()
+    assert [r["index"] for r in tei] == order
+    assert max(abs(r["score"] - ref["scores"][r["index"]]) for r in tei) < 1e-2  # llama-server's raw scores
+    wrong = requests.post(reranker.url + "/v1/embeddings", json={"model": "x", "input": "a"}, timeout=30)
+    assert wrong.status_code in (400, 404)
+    bad = requests.post(reranker.url + "/rerank", json={"query": "q", "texts": []}, timeout=30)
+    assert bad.status_code == 422 and bad.json()["error_type"] == "validation"

@@ -55,3 +55,15 @@ def test_the_embedder_takes_requests_in_turn_and_refuses_generation():
     eng.add(GenerateRequest("gen", (1, 2), SamplingParams()))
     (refused,) = eng.step()
     assert refused.finish_reason is FinishReason.ERROR and "embedding model" in (refused.error or "")
+
+
+def test_a_rerankers_scores_are_llama_cpps():
+    """The tiny random cross-encoder (a classifier on the first token, as llama-server --reranking scores it): the
+    same order, each score within 1e-2."""
+    ref = REFERENCE["rerank"]
+    tok, _ = gguf_tokenizer(GGUF_DIR / ref["file"], "bert")
+    model = BertEncoder(GGUF_DIR / ref["file"])
+    assert model.scores and model.pooling == "rank"
+    ours = model.forward([tok.encode(ref["query"], d) for d in ref["documents"]])[:, 0].tolist()
+    assert sorted(range(4), key=lambda i: -ours[i]) == sorted(range(4), key=lambda i: -ref["scores"][i])
+    assert max(abs(a - b) for a, b in zip(ours, ref["scores"])) < 1e-2

@@ -156,6 +156,45 @@ class LLM:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    # embeddings and scores (an embedding model's or a reranker's engine)
+    def embed(self, texts: str | Sequence[str], *, normalize: bool = True, truncate: bool = False) -> list[list[float]]:
+        """Each text's vector (an embedding model: ``/v1/embeddings``' numbers; L2-normalized unless told
+        otherwise); a text longer than the model's context is a ParameterError unless ``truncate``."""
+        texts = [texts] if isinstance(texts, str) else list(texts)
+        return self._inputs([self.tokenizer.encode(t) for t in texts], normalize, truncate, "embed")
+
+    def rerank(self, query: str, documents: Sequence[str], *, truncate: bool = False) -> list[float]:
+        """A reranker's score of each document for the query (the classifier's output; higher: more relevant)."""
+        pairs = [self.tokenizer.encode_pair(query, d) for d in documents]
+        return [v[0] for v in self._inputs(pairs, False, truncate, "score")]
+
+    def _inputs(self, inputs: list[list[int]], normalize: bool, truncate: bool, task: str) -> list[list[float]]:
+        ready = self._client.ready
+        if ready is None or ready.task != task:
+            what = {"embed": "an embedding model", "score": "a reranker"}[task]
+            raise ParameterError(f"{self.model_name} is not {what} (its task: {ready.task if ready else '?'})")
+        for i, ids in enumerate(inputs):
+            if len(ids) > self.context_length:
+                if not truncate:
+                    raise ParameterError(
+                        f"input {i} is {len(ids)} tokens long; the model takes at most {self.context_length}"
+                    )
+                inputs[i] = ids[: self.context_length]
+        try:
+            session = self._client.embed(inputs, normalize)
+        except RequestError as err:
+            raise _translate(err) from None
+        try:
+            vectors: list[list[float]] = [[] for _ in inputs]
+            for _ in inputs:
+                event = session.events.get(timeout=600)
+                if event.error is not None:
+                    raise EngineError(event.error)
+                vectors[event.index] = list(event.embedding or ())
+            return vectors
+        finally:
+            self._client.release(session)
+
     # one request at a time
     def start_request(
         self, prompt: str | Sequence[int] | Sequence[dict], params: SamplingParams | None = None

@@ -313,6 +313,47 @@ def returning(model: str | None, length: int, others: int, rows: int) -> None:
     )
 
 
+def embeddings_bench(url: str, peer_url: str | None, model: str, repeat: int) -> None:
+    """--embeddings: texts embedded per second through /v1/embeddings, one client at a time (64 texts) and 32
+    concurrent clients (8 texts each), on the server and the peer (llama-server --embedding), interleaved."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    texts = [
+        f"{SUBJECTS[i % len(SUBJECTS)]}: a sentence of about twenty words to embed, number {i}." for i in range(512)
+    ]
+
+    def one(u: str, text: str) -> None:
+        r = requests.post(f"{u}/v1/embeddings", json={"model": model, "input": text}, timeout=120)
+        r.raise_for_status()
+
+    def sequential(u: str) -> float:
+        started = time.perf_counter()
+        for t in texts[:64]:
+            one(u, t)
+        return 64 / (time.perf_counter() - started)
+
+    def concurrent(u: str) -> float:
+        started = time.perf_counter()
+        with ThreadPoolExecutor(32) as pool:
+            list(pool.map(lambda i: [one(u, t) for t in texts[i * 8 : i * 8 + 8]], range(32)))
+        return 256 / (time.perf_counter() - started)
+
+    sides = [("server", url)] + ([("peer", peer_url)] if peer_url else [])
+    results: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for _ in range(max(1, repeat)):
+        for label, u in sides:
+            results[(label, 1)].append(sequential(u))
+            results[(label, 32)].append(concurrent(u))
+    print("\nembeddings, texts per second through /v1/embeddings:")
+    for c in (1, 32):
+        ours = statistics.median(results[("server", c)])
+        line = f"  c={c:<3} server {ours:.1f}"
+        if peer_url:
+            theirs = statistics.median(results[("peer", c)])
+            line += f", peer {theirs:.1f}: {ours / theirs:.2f}x"
+        print(line)
+
+
 def prompts(n: int, run: int | None = None) -> list[str]:
     """The essay prompts; with a run number each starts with a tag of its own (a hash of run and index, so
     tags part in their first characters), and no server finds any of it in a prompt cache (--fresh-prompts)."""
@@ -768,6 +809,12 @@ def main() -> None:
         "memory and, after a restart, on disk (on servers of its own: the default model or --gguf)",
     )
     ap.add_argument(
+        "--embeddings",
+        action="store_true",
+        help="time /v1/embeddings instead (an embedding model's server and llama-server --embedding as the peer): "
+        "texts per second one at a time and with 32 concurrent clients",
+    )
+    ap.add_argument(
         "--spec-plain",
         action="store_true",
         help="finally time the plain prompts at each concurrency with speculation on and off",
@@ -789,6 +836,11 @@ def main() -> None:
 
     health = requests.get(args.url + "/health", timeout=10).json()
     model = health["model"]
+    if args.embeddings:
+        print(f"server {args.url}: model {model}")
+        print(cpu_line(health))
+        embeddings_bench(args.url, args.peer_url, model, args.repeat)
+        return
     print(f"server {args.url}: model {model}, {health['rows_total']} rows")
     print(cpu_line(health))
     count = token_counter(health, args.max_tokens)

@@ -34,3 +34,33 @@ def test_rerank_scores_as_llama_cpp():
     with LLM(GGUF_DIR / ref["file"], model_cache_dir=MODEL_CACHE, skip_preflight=True) as llm:
         scores = llm.rerank(ref["query"], ref["documents"])
     assert max(abs(a - b) for a, b in zip(scores, ref["scores"])) < 1e-2
+
+
+def test_the_jsonl_job_embeds_each_line_and_resumes(tmp_path):
+    import subprocess
+    import sys
+
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [{"input": t, "id": i} for i, t in enumerate(REF["texts"])] + [{"input": "word " * 400}, {"nope": 1}]
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    cmd = [
+        sys.executable,
+        "-m",
+        "inference_api.offline.generate",
+        str(src),
+        str(out),
+        "--model",
+        str(GGUF_DIR / "bert-q8_0.gguf"),
+        "--model-cache-dir",
+        MODEL_CACHE,
+        "--skip-preflight",
+        "--no-progress",
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    records = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["line"] for r in records] == list(range(1, len(lines) + 1))
+    vectors = np.array([r["embedding"] for r in records[: len(REF["texts"])]])
+    assert (vectors * np.array(REF["files"]["bert-q8_0.gguf"]["vectors"])).sum(1).min() > 0.999
+    assert "at most 128" in records[-2]["error"] and "input" in records[-1]["error"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)  # all answered: nothing appended
+    assert len(out.read_text().splitlines()) == len(lines)

@@ -3,7 +3,9 @@ prompts through the offline API (docs/offline.md).
 
 Each input line is a JSON object: ``prompt`` (text or token ids) or ``messages`` (a chat conversation), an
 optional ``id`` copied to the output, and any sampling parameter (``max_tokens``, ``temperature``...) over the
-``--params`` defaults. Each output line answers one input line, in input order: ``line`` (its 1-based number),
+``--params`` defaults. With an embedding model each line is ``{"input": text, "id"?}`` and its output line carries
+``embedding`` and ``prompt_tokens``; with a reranker ``{"query", "documents", "id"?}`` and ``scores``.
+Each output line answers one input line, in input order: ``line`` (its 1-based number),
 ``id``, ``text``, ``finish_reason``, ``prompt_tokens``, ``completion_tokens`` (and ``logprobs`` when asked), or
 ``error`` for a line that cannot run. Blank lines are skipped. Run again with the same output file after an
 interruption: the lines already answered are skipped and the rest appended, so nothing is lost or repeated.
@@ -158,6 +160,70 @@ def run(llm: LLM, input_path: Path, output_path: Path, defaults: SamplingParams,
     return written
 
 
+EMBED_BATCH = 64  # lines embedded or scored per engine request
+
+
+def run_inputs(llm: LLM, input_path: Path, output_path: Path) -> int:
+    """An embedding model's or a reranker's file: each line embedded (``input``) or scored (``query`` and
+    ``documents``), in batches, resumed as ``run`` is."""
+    done = answered_lines(output_path)
+    written = 0
+    with output_path.open("a", encoding="utf-8") as out, input_path.open(encoding="utf-8") as lines:
+
+        def write(record: dict) -> None:
+            nonlocal written
+            out.write(json.dumps(record, ensure_ascii=False) + "\n")
+            out.flush()
+            written += 1
+
+        batch: list[tuple[int, Any, str]] = []
+
+        def flush() -> None:
+            if not batch:
+                return
+            try:
+                vectors = llm.embed([text for _, _, text in batch])
+            except ParameterError:  # one line too long: each line on its own, to say which
+                vectors = []
+                for _, _, text in batch:
+                    try:
+                        vectors.append(llm.embed(text)[0])
+                    except ParameterError as err:
+                        vectors.append(str(err))  # type: ignore[arg-type]
+            for (n, line_id, text), vector in zip(batch, vectors):
+                key = {"id": line_id} if line_id is not None else {}
+                if isinstance(vector, str):
+                    write({"line": n, **key, "error": vector})
+                else:
+                    write({"line": n, **key, "embedding": vector, "prompt_tokens": len(llm.tokenizer.encode(text))})
+            batch.clear()
+
+        for n, raw in enumerate(lines, 1):
+            if n in done or not raw.strip():
+                continue
+            try:
+                obj = json.loads(raw)
+                if not isinstance(obj, dict):
+                    raise ValueError("each line must be a JSON object")
+                line_id = obj.get("id")
+                if llm.task == "score":
+                    flush()
+                    scores = llm.rerank(str(obj["query"]), [str(d) for d in obj["documents"]])
+                    write({"line": n, **({"id": line_id} if line_id is not None else {}), "scores": scores})
+                    continue
+                if not isinstance(obj.get("input"), str):
+                    raise ValueError("each line needs input: a string")
+                batch.append((n, line_id, obj["input"]))
+                if len(batch) >= EMBED_BATCH:
+                    flush()
+            except (ValueError, KeyError, TypeError, ParameterError) as err:
+                flush()
+                write({"line": n, "error": str(err)})
+        flush()
+        os.fsync(out.fileno())
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser(os.environ)
     parser.prog = "python -m inference_api.offline.generate"
@@ -175,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--params: {err}")
     with LLM(**options) as llm:
         try:
-            written = run(llm, args["input"], args["output"], defaults, not args["no_progress"])
+            if llm.task in ("embed", "score"):
+                written = run_inputs(llm, args["input"], args["output"])
+            else:
+                written = run(llm, args["input"], args["output"], defaults, not args["no_progress"])
         except EngineError as err:
             print(f"stopped: {err}; run the same command again to resume", file=sys.stderr)
             return 1

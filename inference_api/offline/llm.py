@@ -129,6 +129,7 @@ class LLM:
         self.model_name = self._client.ready.model_name
         self.context_length = self._client.ready.context_length
         self.vocab_size = self._client.ready.vocab_size
+        self.task = self._client.ready.task  # generate, embed (an embedding model) or score (a reranker)
 
     @property
     def tokenizer(self) -> Tokenizer:

@@ -167,8 +167,14 @@ def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineRe
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
+    from ..kernels import load_kernels
+    from ..model.linear import linear_factory
+
     folder = resolve_model_dir(config, weights=False)  # its tokenizer, as llama.cpp reads the file's
-    model = BertEncoder(gguf)
+    kernels = load_kernels(config.model_cache_dir) if config.device in ("auto", "cpu") else None
+    cpu = torch.device("cpu")
+    make_linear = linear_factory(cpu, torch.float32, "int8", kernels, None, True) if kernels is not None else None
+    model = BertEncoder(gguf, make_linear, frozenset({"Q8_0", "IQ4_NL"}))
     log.info("embedding model %s: %d dims, pooling %s", gguf, model.dims, model.pooling)
     ready = EngineReady(
         str(folder),

@@ -3,13 +3,15 @@ positions and token types embedded and normalized, then per layer bidirectional 
 added to the residual and layer-normalized after (post-norm), and the token vectors pooled as the file says
 (``bert.pooling_type``: mean, cls, last; rank: a cross-encoder's classifier head gives one score).
 
-The weights are read from the file by llama.cpp's tensor names and dequantized to float32 (F32, F16, Q8_0 and the
-other types gguf-py reads); the forward is torch's, the attention SDPA with each input's padding masked out, so an
-input's vector does not depend on what else shares its batch in any way that shows at float32 precision.
+The weights are read from the file by llama.cpp's tensor names: a quantized file's linears run on its own blocks
+through the CPU kernels (int8 inputs, as llama.cpp rounds its activations), a float file's dense in float32; the
+rest is torch's, the attention SDPA with each input's padding masked out, so an input's vector does not depend on
+what else shares its batch (the kernels compute each row alone).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,22 +23,30 @@ POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
 ENCODERS = ("bert",)  # the GGUF architectures this module runs
 
 
+Linear = Callable[[torch.Tensor], torch.Tensor]
+
+
 @dataclass
 class EncoderLayer:
-    qkv: torch.Tensor  # [3 * hidden, hidden]
-    qkv_b: torch.Tensor
-    o: torch.Tensor
-    o_b: torch.Tensor
+    q: Linear
+    k: Linear
+    v: Linear
+    o: Linear
     attn_norm: tuple[torch.Tensor, torch.Tensor]  # (weight, bias) after attention
-    up: torch.Tensor
-    up_b: torch.Tensor
-    down: torch.Tensor
-    down_b: torch.Tensor
+    up: Linear
+    down: Linear
     out_norm: tuple[torch.Tensor, torch.Tensor]  # after the MLP
 
 
 class BertEncoder:
-    def __init__(self, path: str | Path, threads: int = 0):
+    """``make_linear`` (linear.linear_factory's, with the CPU kernels): the linears of a quantized file run on its
+    own blocks through the kernels (``int8_layout``: the types served in the int8 layout), as the decoders'; None,
+    or a float file's, dense float32."""
+
+    def __init__(
+        self, path: str | Path, make_linear: Callable | None = None, int8_layout: frozenset[str] = frozenset()
+    ):
+        from .gguf_blocks import packed
         from .gguf_meta import GGUFIndex
 
         index = GGUFIndex(path)
@@ -63,6 +73,14 @@ class BertEncoder:
         def maybe(name: str) -> torch.Tensor | None:
             return get(name) if name in tensors else None
 
+        def linear(name: str) -> Linear:
+            bias = get(f"{name}.bias")
+            blocks = packed(tensors[f"{name}.weight"], int8_layout) if make_linear is not None else None
+            if blocks is not None and make_linear is not None:
+                return make_linear(blocks, bias)
+            weight = get(f"{name}.weight")
+            return lambda x: F.linear(x, weight, bias)
+
         self.token = get("token_embd.weight")
         self.position = get("position_embd.weight")
         types = maybe("token_types.weight")
@@ -73,15 +91,13 @@ class BertEncoder:
             p = f"blk.{i}."
             self.layers.append(
                 EncoderLayer(
-                    qkv=torch.cat([get(p + f"attn_{x}.weight") for x in "qkv"]),
-                    qkv_b=torch.cat([get(p + f"attn_{x}.bias") for x in "qkv"]),
-                    o=get(p + "attn_output.weight"),
-                    o_b=get(p + "attn_output.bias"),
+                    q=linear(p + "attn_q"),
+                    k=linear(p + "attn_k"),
+                    v=linear(p + "attn_v"),
+                    o=linear(p + "attn_output"),
                     attn_norm=(get(p + "attn_output_norm.weight"), get(p + "attn_output_norm.bias")),
-                    up=get(p + "ffn_up.weight"),
-                    up_b=get(p + "ffn_up.bias"),
-                    down=get(p + "ffn_down.weight"),
-                    down_b=get(p + "ffn_down.bias"),
+                    up=linear(p + "ffn_up"),
+                    down=linear(p + "ffn_down"),
                     out_norm=(get(p + "layer_output_norm.weight"), get(p + "layer_output_norm.bias")),
                 )
             )
@@ -109,13 +125,13 @@ class BertEncoder:
         b, t, d = x.shape
         hd = d // self.heads
         mask = torch.zeros(b, 1, 1, t).masked_fill_(~real[:, None, None, :], float("-inf"))
+        x = x.reshape(b * t, d)  # (the linears take rows)
         for layer in self.layers:
-            q, k, v = F.linear(x, layer.qkv, layer.qkv_b).split(d, dim=-1)
-            q, k, v = (z.view(b, t, self.heads, hd).transpose(1, 2) for z in (q, k, v))
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b, t, d)
-            x = F.layer_norm(x + F.linear(a, layer.o, layer.o_b), (d,), *layer.attn_norm, self.eps)
-            h = F.gelu(F.linear(x, layer.up, layer.up_b))
-            x = F.layer_norm(x + F.linear(h, layer.down, layer.down_b), (d,), *layer.out_norm, self.eps)
+            q, k, v = (f(x).view(b, t, self.heads, hd).transpose(1, 2) for f in (layer.q, layer.k, layer.v))
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b * t, d)
+            x = F.layer_norm(x + layer.o(a), (d,), *layer.attn_norm, self.eps)
+            x = F.layer_norm(x + layer.down(F.gelu(layer.up(x))), (d,), *layer.out_norm, self.eps)
+        x = x.view(b, t, d)
         lengths = real.sum(1)
         if self.pooling == "cls" or self.pooling == "rank":
             pooled = x[:, 0]

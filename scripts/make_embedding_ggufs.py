@@ -9,7 +9,9 @@
 3. runs ``llama-server --embedding`` on 127.0.0.1 on each file and writes, for TEXTS, its tokenization
    (``/tokenize``) and its vectors (``/v1/embeddings``: mean pooling, L2-normalized) to
    tests/data/gguf/bert-llamacpp.json;
-4. builds a random cross-encoder (``BertForSequenceClassification`` with one output) on the same vocabulary,
+4. builds a random DistilBERT on the same vocabulary (no token types; llama.cpp converts it as bert), F32, and
+   records llama-server's vectors for it as for the others;
+5. builds a random cross-encoder (``BertForSequenceClassification`` with one output) on the same vocabulary,
    converts it to bert-rerank-f32.gguf, and records ``llama-server --reranking``'s scores (``/v1/rerank``: the
    classifier's output itself) of DOCUMENTS for QUERY.
 
@@ -113,6 +115,24 @@ def build_reranker(out: Path, vocab: int) -> None:
     T.BertForSequenceClassification(cfg).eval().save_pretrained(out, safe_serialization=True)
 
 
+def build_distilbert(out: Path, vocab: int) -> None:
+    """A random DistilBERT (no token types; llama.cpp converts it as bert) with mean pooling."""
+    import torch
+    import transformers as T
+
+    torch.manual_seed(SEED + 2)
+    cfg = T.DistilBertConfig(
+        vocab_size=vocab,
+        dim=64,
+        n_layers=2,
+        n_heads=4,
+        hidden_dim=128,
+        max_position_embeddings=128,
+        initializer_range=0.2,
+    )
+    T.DistilBertModel(cfg).eval().save_pretrained(out, safe_serialization=True)
+
+
 def convert(src: Path, tmp: Path, model_dir: Path, dst: Path, outtype: str) -> None:
     wrapper = tmp / "convert_wrapper.py"
     wrapper.write_text(ref.CONVERT_WRAPPER)
@@ -155,6 +175,25 @@ def main() -> None:
                 vectors = [d["embedding"] for d in sorted(data, key=lambda d: d["index"])]
             reference["files"][name] = {"tokens": tokens, "vectors": vectors}
             print(f"{name}: {path.stat().st_size} bytes, {len(vectors[0])} dims", flush=True)
+        distil_dir = tmp / "distilbert"
+        shutil.copytree(
+            model_dir,
+            distil_dir,
+            ignore=lambda d, names: [
+                n for n in names if d == str(model_dir) and n in ("config.json", "model.safetensors")
+            ],
+        )
+        build_distilbert(distil_dir, vocab)
+        distil = OUT / "distilbert-f32.gguf"
+        convert(src, tmp, distil_dir, distil, "f32")
+        with ref.llama_server(llama_dir, distil, 512, extra=["--embedding", "--pooling", "mean"]) as port:
+            data = ref._post(port, "/v1/embeddings", {"input": TEXTS, "model": "distilbert"})["data"]
+            tokens = [ref._post(port, "/tokenize", {"content": t, "add_special": True})["tokens"] for t in TEXTS]
+        reference["files"][distil.name] = {
+            "tokens": tokens,
+            "vectors": [d["embedding"] for d in sorted(data, key=lambda d: d["index"])],
+        }
+        print(f"{distil.name}: {distil.stat().st_size} bytes", flush=True)
         rerank_dir = tmp / "reranker"
         shutil.copytree(
             model_dir,

@@ -67,6 +67,10 @@ class ServerConfig:
     reasoning_format: str = "auto"
     reasoning_budget: int = -1  # -1: no cap; 0: the thought is closed at once; N: closed after N tokens
     reasoning_budget_message: str = ""  # written before the end tag when the budget closes a thought
+    # a generating model's token vectors as embeddings instead of its text (as llama-server's --embedding), pooled
+    # over the input's tokens: last | mean
+    embedding: bool = False
+    pooling: str = "last"
     # the prompt cache beyond the rows (engine/prompt_cache.py): MiB of host memory for the caches of conversations
     # whose rows were taken (-1: auto, 4096 or a quarter of the machine's memory if less; 0: off), and a folder
     # that keeps them across restarts (None: memory only)
@@ -202,6 +206,12 @@ _ENV = {
         "a smaller GGUF of the same vocabulary whose greedy tokens are the drafts (instead of prompt lookup; as "
         "llama-server's -md), with rows and a KV cache of its own",
     ),
+    "embedding": (
+        "EMBEDDING",
+        "serve a generating model's token vectors as embeddings (/v1/embeddings, /embed) instead of text, as "
+        "llama-server's --embedding (an embedding model's GGUF embeds without it)",
+    ),
+    "pooling": ("POOLING", "with --embedding: the input's vector is its last token's (last) or their mean (mean)"),
     "cache_ram": (
         "CACHE_RAM",
         "MiB of host memory for the prompt cache beyond the rows: the keys and values of conversations whose rows "
@@ -236,6 +246,7 @@ _CHOICES = {
     "reasoning_parser": ("auto", "deepseek_r1", "qwen3", "none"),
     "reasoning_format": ("auto", "none"),
     "spec_type": ("ngram", "off"),
+    "pooling": ("last", "mean"),
 }
 
 

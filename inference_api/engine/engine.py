@@ -20,6 +20,7 @@ from .messages import (
     ErrorKind,
     FinishReason,
     GenerateRequest,
+    SamplingParams,
     TokenEvent,
     TokenLogprob,
     step_rows_bucket,
@@ -54,6 +55,8 @@ class Runner(Protocol):
     def copy_prefix(self, src: int, dst: int, length: int) -> None: ...
 
     def verify(self, rows: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor: ...
+
+    def hidden(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor: ...  # token vectors (--embedding)
 
     def snapshot(self, row: int, length: int) -> list[torch.Tensor]: ...  # a row's cache, for the prompt cache
 
@@ -107,6 +110,7 @@ class Engine:
         spec: SpecConfig | None = None,
         prompt_cache: PromptCache | None = None,
         drafter: ModelDrafter | None = None,
+        pooling: str | None = None,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -127,6 +131,9 @@ class Engine:
         self.spec = spec  # speculative decoding (None: off; the runner must verify drafts)
         self.costs = StepCosts()  # what plain steps and drafted tokens cost, measured (how much to draft)
         self.drafter = drafter if spec is not None else None  # a draft model's (None: prompt lookup)
+        # --embedding: inputs' token vectors pooled (last | mean) instead of text; None: the model generates
+        self.pooling = pooling
+        self.embedded: list[TokenEvent] = []  # the embeddings finished in a step, for its events
         self.spec_drafted = self.spec_accepted = self.spec_steps = 0
 
     @property
@@ -144,6 +151,22 @@ class Engine:
         )
 
     def add(self, request: GenerateRequest) -> None:
+        """Queue a request (see ``_queue``); with --embedding the model embeds only: a clear error."""
+        if self.pooling is not None:
+            message = "this server embeds (--embedding): use /v1/embeddings or /embed"
+            self.refused.append(
+                TokenEvent(
+                    request.session_id,
+                    "",
+                    finish_reason=FinishReason.ERROR,
+                    error=message,
+                    error_kind=ErrorKind.INVALID,
+                )
+            )
+            return
+        self._queue(request)
+
+    def _queue(self, request: GenerateRequest) -> None:
         """Queue a request. With n choices, choice 0 goes first; the others are held until its prompt is cached
         (``_fork``), then take rows copying that prefix from its row: one prefill for all n."""
         seqs = [Sequence(request, self.tokenizer.decode, i) for i in range(max(1, request.params.n))]
@@ -160,16 +183,53 @@ class Engine:
         self._enqueue(first)
 
     def embed(self, request: EmbedRequest) -> None:
-        """A generating model does not embed: the request ends with a clear error."""
-        self.refused.append(
-            TokenEvent(
-                request.session_id,
-                "",
-                finish_reason=FinishReason.ERROR,
-                error="this server's model generates text; it does not embed (serve an embedding model's GGUF)",
-                error_kind=ErrorKind.INVALID,
+        """With --embedding, each input a sequence whose prompt is computed in a row as any prompt is (sharing
+        steps with the other rows), its tokens' vectors pooled, no token sampled (``_embedding``); without it,
+        a generating model does not embed: the request ends with a clear error."""
+        if self.pooling is None:
+            why = "this server's model generates text; it does not embed (serve an embedding model's GGUF, or this one"
+            self.refused.append(
+                TokenEvent(
+                    request.session_id,
+                    "",
+                    finish_reason=FinishReason.ERROR,
+                    error=f"{why} with --embedding)",
+                    error_kind=ErrorKind.INVALID,
+                )
             )
+            return
+        seqs = []
+        for i, ids in enumerate(request.inputs):
+            one = GenerateRequest(request.session_id, ids, SamplingParams(max_tokens=1), request.team)
+            seq = Sequence(one, self.tokenizer.decode, i)
+            seq.embeds, seq.normalize = True, request.normalize
+            seqs.append(seq)
+        self.scheduler.arrive(seqs)
+        self.sessions[request.session_id] = seqs
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def _embedding(self, seq: Sequence) -> TokenEvent:
+        """An input's prompt is computed: its pooled vector's event, and its row freed."""
+        vector = seq.pooled
+        if vector is None:
+            raise RuntimeError("an input to embed was computed without its vectors")
+        if self.pooling == "mean":
+            vector = vector / seq.num_prompt
+        if seq.normalize:
+            vector = torch.nn.functional.normalize(vector.float(), dim=-1)
+        seq.finish(FinishReason.STOP)
+        event = TokenEvent(
+            seq.session_id,
+            "",
+            finish_reason=FinishReason.STOP,
+            prompt_tokens=seq.num_prompt,
+            index=seq.index,
+            embedding=tuple(vector.float().tolist()),
         )
+        self._forget(seq)
+        self.scheduler.release(seq)
+        return event
 
     def _compiling_for(self, team: str | None) -> int:
         """The team's requests whose grammar is still being built."""
@@ -220,19 +280,24 @@ class Engine:
                 seqs, logits, offsets = self._verify(step, drafts)
             else:
                 (seqs, logits), offsets = self._run(step), None
-            if not seqs:
-                return failed  # only prompt chunks that did not finish: nothing to sample
+            if not seqs:  # only prompt chunks that did not finish (or inputs embedded): nothing to sample
+                return self._with_embedded(failed)
             tokens = self._sample(seqs, logits, offsets, ahead=not step.prefill and not drafts)
         except Exception:  # a failed forward must not take the process (and every stream) down
             log.exception("engine step failed")
-            return failed + self._fail_running(ENGINE_ERROR)
+            return self._with_embedded(failed) + self._fail_running(ENGINE_ERROR)
         events = self._emit(seqs, tokens, logits, drafts)
         if not step.prefill:  # a decode step alone: its time by the rows it decoded
             bucket, seconds = step_rows_bucket(len(step.decode)), time.perf_counter() - started
             self.decode_steps[bucket] += 1
             self.decode_seconds[bucket] += seconds
             self.costs.record(len(step.decode), sum(map(len, drafts.values())), seconds)
-        return failed + events
+        return self._with_embedded(failed + events)
+
+    def _with_embedded(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """The step's events with the embeddings it finished (``_run``)."""
+        out, self.embedded = events + self.embedded, []
+        return out
 
     def _compiled(self) -> list[TokenEvent]:
         """Requests whose matcher is ready go to the scheduler; those whose grammar failed end with an error.
@@ -309,8 +374,14 @@ class Engine:
                 [s.num_tokens - 1 for s in step.decode],
             )
         done = self.scheduler.computed(step)
+        for i in done:  # inputs to embed whose prompt is computed: their vectors, no token
+            if step.prefill[i][0].embeds:
+                self.embedded.append(self._embedding(step.prefill[i][0]))
+        done = [i for i in done if not step.prefill[i][0].embeds]
         seqs = [step.prefill[i][0] for i in done] + step.decode
-        parts = ([prefill[done]] if prefill is not None else []) + ([decode] if decode is not None else [])
+        parts = ([prefill[done]] if prefill is not None and done else []) + ([decode] if decode is not None else [])
+        if not parts:
+            return [], torch.empty(0)
         return seqs, parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _draft(self, step: Step) -> dict[int, list[int]]:
@@ -355,7 +426,7 @@ class Engine:
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Each chunk's last logits [len(chunks), V]: one runner call for them all, except a request that wants
         its prompt's log-probs, whose chunk is scored on its own (every position's logits, ``_score_prompt``)."""
-        plain = [(s, n) for s, n in chunks if not s.scores_prompt]
+        plain = [(s, n) for s, n in chunks if not s.scores_prompt and not s.embeds]
         logits = None
         if plain:
             logits = self.runner.prefill(
@@ -368,7 +439,12 @@ class Engine:
         plain_rows = iter(logits if logits is not None else ())  # the plain chunks' rows, in order
         rows = []
         for s, n in chunks:
-            if s.scores_prompt:
+            if s.embeds:  # its tokens' vectors pooled; its logits (a placeholder) are never sampled
+                vectors = self.runner.hidden(s.held_row, s.prompt_ids[s.num_cached : s.num_cached + n], s.num_cached)
+                part = vectors.float().sum(0) if self.pooling == "mean" else vectors[-1].float()
+                s.pooled = part if s.pooled is None or self.pooling != "mean" else s.pooled + part
+                rows.append(torch.zeros(self.runner.vocab_size, device=vectors.device))
+            elif s.scores_prompt:
                 every = self.runner.score(s.held_row, s.prompt_ids[s.num_cached : s.num_cached + n], s.num_cached)
                 self.sampler.score_prompt(s, every, s.num_cached)
                 rows.append(every[-1])

@@ -210,6 +210,18 @@ class ModelRunner:
         logits = self.model.forward(batch, self.cache)
         return logits.reshape(-1, logits.shape[-1])[batch.tokens]
 
+    @property
+    def embeds(self) -> bool:
+        """Whether the model gives token vectors (``hidden``): the compact decoder."""
+        return isinstance(self.model, CompactLM)
+
+    @torch.inference_mode()
+    def hidden(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor:
+        """Write ids at positions start.. of a row; return each one's vector after the final norm [len(ids), H]."""
+        batch = self._batch([row], [ids], [start], False)
+        batch.hidden = True
+        return self.model.forward(batch, self.cache)[0]
+
     @torch.inference_mode()
     def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
         """One token for each given row at its position; returns logits [len(rows), V] in that order. The batch

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 from pathlib import Path
@@ -65,8 +66,12 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
             frozenset([EOS]),
             prefix_cache=config.prefix_cache,  # (no speculation: the mock's one token a step is its stated rate)
             prompt_cache=make_prompt_cache(config, mock, ""),
+            pooling=config.pooling if config.embedding else None,
         )
-        return engine, EngineReady("", model_name(config), config.context_length, mock.vocab_size, "cpu", "none")
+        ready = EngineReady("", model_name(config), config.context_length, mock.vocab_size, "cpu", "none")
+        if config.embedding:  # (the mock's token vectors: 16 numbers)
+            ready = dataclasses.replace(ready, task="embed", dims=16)
+        return engine, ready
 
     import torch
 
@@ -138,7 +143,10 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
         spec=spec_config(config) if getattr(runner, "verifies", False) else None,
         drafter=load_drafter(config, tokenizer, kernels) if config.draft_model else None,
         prompt_cache=make_prompt_cache(config, runner, gguf or model_dir, plan.tp),
+        pooling=config.pooling if config.embedding else None,
     )
+    if config.embedding and not getattr(runner, "embeds", False):
+        raise RuntimeError(f"--embedding: architecture {plan.arch!r} gives no token vectors (the compact decoder's do)")
     ready = EngineReady(
         str(model_dir),
         model_name(config),
@@ -154,6 +162,8 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
         rank_pids=getattr(runner, "pids", ()),
         kernels=kernels_state,
         cuda_graphs=decode_graphs(runner),
+        task="embed" if config.embedding else "generate",
+        dims=int(runner.model.norm.shape[0]) if config.embedding else 0,
     )
     return engine, ready
 
@@ -192,7 +202,6 @@ def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineRe
 def load_drafter(config: ServerConfig, tokenizer, kernels) -> ModelDrafter:
     """--draft-model: its runner (a GGUF the compact decoder runs, read straight from its file) beside the
     model's, with the same rows and context; a file of another vocabulary stops the start."""
-    import dataclasses
 
     from ..model.loader import gguf_source, gguf_target, resolve_model_dir
     from ..model.tokenizer import HFTokenizer

@@ -125,7 +125,8 @@ class Scheduler:
         while self.waiting and self.rows.num_free:
             seq = self.waiting[0]
             src, length = -1, 0
-            if self.prefixes is not None and not seq.scores_prompt:  # prompt log-probs need every position
+            # prompt log-probs and an embedding's mean need every position
+            if self.prefixes is not None and not seq.scores_prompt and not seq.embeds:
                 held = {row: (s.namespace, s.all_ids[: s.num_cached]) for row, s in self.running.items()}
                 src, length = self.prefixes.longest(seq.prompt_ids, seq.namespace, held, seq.num_prompt - 1, self.holds)
                 self.prefix_queried += seq.num_prompt
@@ -154,7 +155,7 @@ class Scheduler:
     def _stored(self, seq: Sequence, length: int) -> tuple[str | None, int]:
         """The prompt cache's entry with a longer prefix of the prompt than any row holds (worth restoring: at
         least MIN_TOKENS more), and its length; (None, 0) if none."""
-        if self.prompt_cache is None or seq.scores_prompt:
+        if self.prompt_cache is None or seq.scores_prompt or seq.embeds:
             return None, 0
         key, n = self.prompt_cache.longest(seq.prompt_ids, seq.namespace, seq.num_prompt - 1)
         if key is None or n < length + MIN_TOKENS:

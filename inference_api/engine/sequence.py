@@ -15,6 +15,7 @@ from .speculative import RowDrafts
 from .stopping import check_stop
 
 if TYPE_CHECKING:
+    import torch
     from llguidance import LLMatcher
 
 
@@ -52,6 +53,10 @@ class Sequence:
         self.thought = Thought(reasoning, constrained=request.params.grammar is not None) if reasoning else None
         self.pending_reasoning = ""  # the thought's text not yet reported in an event (split from the answer's)
         self.drafts: RowDrafts | None = None  # its prompt lookup and back-off, once it drafts (speculative.py)
+        # an input to embed (--embedding): its tokens' vectors pooled as its prompt is computed, no token sampled
+        self.embeds = False
+        self.normalize = True
+        self.pooled: torch.Tensor | None = None  # the sum of its tokens' vectors (mean), or the last one's (last)
         self.draft_cached = 0  # with a draft model: the positions of its row the draft model's cache holds
         self.draft_base = 0  # (the tokens it had when it last drafted)
         self.matcher: LLMatcher | None = None  # llguidance's matcher for a request with a grammar (engine/constrain.py)

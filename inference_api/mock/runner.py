@@ -48,6 +48,16 @@ class MockRunner:
             out.append(self._logits([row] * len(chunk), [start + 1 + j for j in range(len(chunk))]))
         return torch.cat(out)
 
+    embeds = True
+
+    def hidden(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor:
+        """Token vectors (the mock's: each byte's one-hot over 16 dimensions, by its value and position)."""
+        self._cached[row][start:] = ids
+        out = torch.zeros(len(ids), 16)
+        for i, t in enumerate(ids):
+            out[i, (t + start + i) % 16] = 1.0
+        return out
+
     def score(self, row: int, ids: list[int], start: int = 0) -> torch.Tensor:
         """A prefill's logits after every one of ids (the mock's: its last position's, repeated)."""
         return self.prefill([row], [ids], [start]).expand(len(ids), -1)

@@ -303,6 +303,8 @@ class CompactLM:
             x.add_(m)
         if self.head is None:  # a tensor-parallel rank other than 0: rank 0 computes the logits
             return None
+        if batch.hidden:  # every real token's vector after the final norm (an embedding model's tokens)
+            return _pad(self._norm(x, self.norm, self.norm_b), tokens, b * t).view(b, t, -1)
         if batch.last_only:  # each entry's last token is real (chunks are left-padded)
             return self._logits(x if batch.static else x[batch.last])
         return _pad(self._logits(x), tokens, b * t).view(b, t, -1)

@@ -28,6 +28,7 @@ class ForwardBatch:
     scratch: int  # the cache's scratch position
     decode: bool = False  # one token for each of rows 0..B-1 (the decode kernels' layout; idle rows padding)
     last_only: bool = True  # logits of each entry's last token only ([B, V]); else of every token ([B, T, V])
+    hidden: bool = False  # the final norm's output instead of the logits (an embedding: --embedding)
     static: bool = False  # a decode batch whose every row counts as a token (CUDA graphs; see above)
     _masks: dict = field(default_factory=dict, repr=False)
 

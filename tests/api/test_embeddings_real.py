@@ -144,3 +144,18 @@ def test_rerank_in_jinas_and_teis_shapes(reranker):
     assert wrong.status_code in (400, 404)
     bad = requests.post(reranker.url + "/rerank", json={"query": "q", "texts": []}, timeout=30)
     assert bad.status_code == 422 and bad.json()["error_type"] == "validation"
+
+
+def test_embedding_on_a_generating_model_serves_its_token_vectors(model_name):
+    """--embedding (as llama-server's): the mock backend's token vectors pooled (last), normalized, through
+    /v1/embeddings and /embed; its generation routes refused."""
+    with ServerProcess("--mock", "--mock-tokens-per-second", "0", "--embedding", "--pooling", "last") as server:
+        r = requests.post(server.url + "/v1/embeddings", json={"model": model_name, "input": ["ab", "abc"]}, timeout=30)
+        data = r.json()["data"]
+        assert r.status_code == 200 and [len(d["embedding"]) for d in data] == [16, 16]
+        assert all(abs(np.linalg.norm(d["embedding"]) - 1) < 1e-6 for d in data)
+        assert data[0]["embedding"] != data[1]["embedding"] and r.json()["usage"]["prompt_tokens"] == 5
+        assert requests.post(server.url + "/embed", json={"inputs": "ab"}, timeout=30).json()[0] == data[0]["embedding"]
+        chat = {"model": model_name, "messages": [{"role": "user", "content": "hi"}]}
+        refused = requests.post(server.url + "/v1/chat/completions", json=chat, timeout=30)
+        assert refused.status_code == 400 and "--embedding" in refused.json()["error"]["message"]

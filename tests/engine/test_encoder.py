@@ -67,3 +67,39 @@ def test_a_rerankers_scores_are_llama_cpps():
     ours = model.forward([tok.encode(ref["query"], d) for d in ref["documents"]])[:, 0].tolist()
     assert sorted(range(4), key=lambda i: -ours[i]) == sorted(range(4), key=lambda i: -ref["scores"][i])
     assert max(abs(a - b) for a, b in zip(ours, ref["scores"])) < 1e-2
+
+
+def test_a_generating_models_token_vectors_pooled_with_embedding():
+    """--embedding on a decoder (here the mock's, whose token vectors are one-hot by byte and position): each
+    input computed in a row as a prompt is, in chunks, its vectors pooled (mean, last), no token sampled, its row
+    freed; generation refused."""
+    from inference_api.engine.engine import Engine
+    from inference_api.mock.runner import MockRunner
+    from inference_api.mock.tokenizer import EOS, ByteTokenizer
+
+    def run(pooling: str, inputs) -> dict[int, list[float]]:
+        eng = Engine(MockRunner(2, 0), ByteTokenizer(), 2, 4096, 8, frozenset([EOS]), pooling=pooling)
+        eng.embed(EmbedRequest("e", tuple(tuple(i) for i in inputs), normalize=False))
+        out = {}
+        for _ in range(100):
+            for event in eng.step():
+                out[event.index] = list(event.embedding or ())
+            if not eng.has_work:
+                break
+        assert not eng.scheduler.running and eng.scheduler.rows.num_free == 2
+        return out
+
+    inputs = [list(range(1, 21)), [5], list(range(30, 33))]  # 20 tokens: computed in chunks of 8
+    mean, last = run("mean", inputs), run("last", inputs)
+    expected_last = torch.zeros(16)
+    expected_last[(20 + 19) % 16] = 1.0  # token 20 at position 19
+    assert last[0] == expected_last.tolist()
+    expected_mean = torch.zeros(16)
+    for pos, t in enumerate(inputs[0]):
+        expected_mean[(t + pos) % 16] += 1 / 20
+    assert torch.allclose(torch.tensor(mean[0]), expected_mean)
+    assert sorted(mean) == [0, 1, 2]
+    eng = Engine(MockRunner(2, 0), ByteTokenizer(), 2, 4096, 8, frozenset([EOS]), pooling="last")
+    eng.add(GenerateRequest("g", (1, 2), SamplingParams()))
+    (refused,) = eng.step()
+    assert refused.finish_reason is FinishReason.ERROR and "--embedding" in (refused.error or "")

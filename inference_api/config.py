@@ -72,8 +72,8 @@ class ServerConfig:
     embedding: bool = False
     pooling: str = "last"
     # the prompt cache beyond the rows (engine/prompt_cache.py): MiB of host memory for the caches of conversations
-    # whose rows were taken (-1: auto, 4096 or a quarter of the machine's memory if less; 0: off), and a folder
-    # that keeps them across restarts (None: memory only)
+    # whose rows were taken (-1: auto, 4096 or a quarter of the memory the server may use if less; 0: off), and a
+    # folder that keeps them across restarts (None: memory only)
     cache_ram: int = -1
     prompt_cache_dir: Path | None = None
     # speculative decoding (engine/speculative.py): drafts from each row's own prompt and output, checked by the
@@ -215,7 +215,8 @@ _ENV = {
     "cache_ram": (
         "CACHE_RAM",
         "MiB of host memory for the prompt cache beyond the rows: the keys and values of conversations whose rows "
-        "were taken, restored instead of computed again (-1: 4096 or a quarter of the machine's memory if less; "
+        "were taken, restored instead of computed again (-1: 4096 or a quarter of the memory the server may use if "
+        "less: the machine's or its container's; "
         "0: off)",
     ),
     "prompt_cache_dir": (

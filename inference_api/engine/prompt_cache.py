@@ -287,15 +287,28 @@ AUTO_BYTES = 4 << 30  # --cache-ram -1: this, or a quarter of the machine's memo
 
 
 def cache_bytes(cache_ram_mib: int, total_memory: int | None = None) -> int:
-    """The prompt cache's budget in bytes for ``--cache-ram`` (MiB; -1: auto)."""
+    """The prompt cache's budget in bytes for ``--cache-ram`` (MiB; -1: auto, a quarter of the memory the server
+    may use: the machine's, or its container's limit where that is lower, at most AUTO_BYTES)."""
     if cache_ram_mib >= 0:
         return cache_ram_mib << 20
     if total_memory is None:
-        try:
-            total_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
-            total_memory = 4 * AUTO_BYTES
+        total_memory = memory_limit()
     return min(AUTO_BYTES, total_memory // 4)
+
+
+def memory_limit() -> int:
+    """The memory this process may use: the machine's, or a container's limit (cgroup v2) where lower."""
+    try:
+        total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        total = 4 * AUTO_BYTES
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            total = min(total, int(limit))
+    except (OSError, ValueError):
+        pass
+    return total
 
 
 def fingerprint(model: str, layout: Sequence) -> str:

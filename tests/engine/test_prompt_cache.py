@@ -137,3 +137,20 @@ def test_another_models_files_and_damaged_ones_are_never_served(tmp_path: Path, 
 def test_unreadable_files_are_ignored(tmp_path: Path, junk: bytes):
     (tmp_path / "junk.kvc").write_bytes(junk)
     assert not PromptCache(64 << 20, tmp_path, fingerprint="m").entries
+
+
+def test_the_budget_follows_a_containers_limit(monkeypatch):
+    """A container's memory limit (the Kubernetes manifest's 3.5 GiB), not the machine's, sets the auto budget."""
+    from pathlib import Path as P
+
+    from inference_api.engine import prompt_cache
+
+    real = P.read_text
+
+    def read_text(self, *args, **kwargs):
+        if str(self) == "/sys/fs/cgroup/memory.max":
+            return str(3584 << 20)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(P, "read_text", read_text)
+    assert prompt_cache.cache_bytes(-1) == min(4 << 30, prompt_cache.memory_limit() // 4) == 896 << 20

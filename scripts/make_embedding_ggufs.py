@@ -61,12 +61,11 @@ def train_wordpiece(out: Path) -> None:
     fast.save_pretrained(out)
 
 
-def build_bert(out: Path, vocab: int) -> None:
-    import torch
+def bert_config(vocab: int, **extra):
+    """The tiny BERTs' shape: 64 wide, 2 layers of 4 heads, 128 positions."""
     import transformers as T
 
-    torch.manual_seed(SEED)
-    cfg = T.BertConfig(
+    return T.BertConfig(
         vocab_size=vocab,
         hidden_size=64,
         num_hidden_layers=2,
@@ -75,7 +74,16 @@ def build_bert(out: Path, vocab: int) -> None:
         max_position_embeddings=128,
         type_vocab_size=2,
         initializer_range=0.2,
+        **extra,
     )
+
+
+def build_bert(out: Path, vocab: int) -> None:
+    import torch
+    import transformers as T
+
+    torch.manual_seed(SEED)
+    cfg = bert_config(vocab)
     model = T.BertModel(cfg, add_pooling_layer=False).eval()
     model.save_pretrained(out, safe_serialization=True)
     (out / "modules.json").write_text(
@@ -101,18 +109,9 @@ def build_reranker(out: Path, vocab: int) -> None:
     import transformers as T
 
     torch.manual_seed(SEED + 1)
-    cfg = T.BertConfig(
-        vocab_size=vocab,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=128,
-        max_position_embeddings=128,
-        type_vocab_size=2,
-        initializer_range=0.2,
-        num_labels=1,
+    T.BertForSequenceClassification(bert_config(vocab, num_labels=1)).eval().save_pretrained(
+        out, safe_serialization=True
     )
-    T.BertForSequenceClassification(cfg).eval().save_pretrained(out, safe_serialization=True)
 
 
 def build_distilbert(out: Path, vocab: int) -> None:

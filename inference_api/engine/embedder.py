@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 
 import torch
 
-from .messages import EmbedRequest, EngineStats, ErrorKind, FinishReason, GenerateRequest, TokenEvent
+from .messages import EmbedRequest, EngineStats, FinishReason, GenerateRequest, TokenEvent, refusal
 
 log = logging.getLogger(__name__)
 
@@ -39,15 +39,7 @@ class Embedder:
         return EngineStats(waiting=sum(len(q) for q in self.pending.values()))
 
     def add(self, request: GenerateRequest) -> None:
-        self.refused.append(
-            TokenEvent(
-                request.session_id,
-                "",
-                finish_reason=FinishReason.ERROR,
-                error=NOT_A_GENERATOR,
-                error_kind=ErrorKind.INVALID,
-            )
-        )
+        self.refused.append(refusal(request.session_id, NOT_A_GENERATOR))
 
     def embed(self, request: EmbedRequest) -> None:
         self.pending[request.session_id] = deque((i, ids, request.normalize) for i, ids in enumerate(request.inputs))

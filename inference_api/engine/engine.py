@@ -23,6 +23,7 @@ from .messages import (
     SamplingParams,
     TokenEvent,
     TokenLogprob,
+    refusal,
     step_rows_bucket,
 )
 from .prompt_cache import PromptCache
@@ -153,16 +154,7 @@ class Engine:
     def add(self, request: GenerateRequest) -> None:
         """Queue a request (see ``_queue``); with --embedding the model embeds only: a clear error."""
         if self.pooling is not None:
-            message = "this server embeds (--embedding): use /v1/embeddings or /embed"
-            self.refused.append(
-                TokenEvent(
-                    request.session_id,
-                    "",
-                    finish_reason=FinishReason.ERROR,
-                    error=message,
-                    error_kind=ErrorKind.INVALID,
-                )
-            )
+            self.refused.append(refusal(request.session_id, "this server embeds (--embedding): use /v1/embeddings"))
             return
         self._queue(request)
 
@@ -188,15 +180,7 @@ class Engine:
         a generating model does not embed: the request ends with a clear error."""
         if self.pooling is None:
             why = "this server's model generates text; it does not embed (serve an embedding model's GGUF, or this one"
-            self.refused.append(
-                TokenEvent(
-                    request.session_id,
-                    "",
-                    finish_reason=FinishReason.ERROR,
-                    error=f"{why} with --embedding)",
-                    error_kind=ErrorKind.INVALID,
-                )
-            )
+            self.refused.append(refusal(request.session_id, f"{why} with --embedding)"))
             return
         seqs = []
         for i, ids in enumerate(request.inputs):

@@ -131,6 +131,11 @@ class TokenEvent:
         return self.finish_reason is not None
 
 
+def refusal(session_id: str, message: str) -> TokenEvent:
+    """The one event of a request the engine cannot serve as asked (a 400 before anything streams)."""
+    return TokenEvent(session_id, "", finish_reason=FinishReason.ERROR, error=message, error_kind=ErrorKind.INVALID)
+
+
 @dataclass(frozen=True)
 class EngineStats:
     """The engine's books after a step. The prefix counters and the decode steps are cumulative since that engine

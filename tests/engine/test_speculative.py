@@ -236,3 +236,14 @@ def test_a_draft_model_drafts_and_the_tokens_are_the_same():
         if flags[0] == "--draft-model":
             assert eng.drafter is not None and eng.stats.spec_accepted_tokens > 20
     assert outputs[0] == outputs[1]
+
+
+def test_a_cost_measured_in_a_moment_of_load_does_not_keep_drafts_off():
+    costs = StepCosts()
+    costs.record(1, 0, 0.010)
+    costs.record(1, 4, 0.210)  # a drafted token seemed to cost 50 ms (the machine was busy)
+    sure = {0: ([5, 6, 7, 8], 0.9)}
+    assert costs.choose(1, sure, 64) == {}
+    for _ in range(300):  # plain steps: the cost drifts back toward its first guess
+        costs.record(1, 0, 0.010)
+    assert costs.choose(1, sure, 64) == {0: [5, 6, 7, 8]}

@@ -193,6 +193,13 @@ class Engine:
         for seq in seqs:
             self.scheduler.add(seq)
 
+    def _pool(self, seq: Sequence, n: int) -> None:
+        """An input to embed: the vectors of its next n tokens written into its row and pooled (a sum for mean,
+        the last for last)."""
+        vectors = self.runner.hidden(seq.held_row, seq.prompt_ids[seq.num_cached : seq.num_cached + n], seq.num_cached)
+        part = vectors.float().sum(0) if self.pooling == "mean" else vectors[-1].float()
+        seq.pooled = part if seq.pooled is None or self.pooling != "mean" else seq.pooled + part
+
     def _embedding(self, seq: Sequence) -> TokenEvent:
         """An input's prompt is computed: its pooled vector's event, and its row freed."""
         vector = seq.pooled
@@ -349,20 +356,23 @@ class Engine:
     def _run(self, step: Step) -> tuple[list[Sequence], torch.Tensor]:
         """Up to one chunk of prompt tokens and every decoding row: one runner call each."""
         prefill = decode = None
-        if step.prefill:
-            prefill = self._prefill(step.prefill)
+        sampled = [(s, n) for s, n in step.prefill if not s.embeds]  # (inputs to embed are pooled, not sampled)
+        for s, n in step.prefill:
+            if s.embeds:
+                self._pool(s, n)
+        if sampled:
+            prefill = self._prefill(sampled)
         if step.decode:
             decode = self.runner.decode(
                 [s.held_row for s in step.decode],
                 [s.last_token for s in step.decode],
                 [s.num_tokens - 1 for s in step.decode],
             )
-        done = self.scheduler.computed(step)
-        for i in done:  # inputs to embed whose prompt is computed: their vectors, no token
-            if step.prefill[i][0].embeds:
-                self.embedded.append(self._embedding(step.prefill[i][0]))
-        done = [i for i in done if not step.prefill[i][0].embeds]
-        seqs = [step.prefill[i][0] for i in done] + step.decode
+        finished = [step.prefill[i][0] for i in self.scheduler.computed(step)]
+        self.embedded += [self._embedding(s) for s in finished if s.embeds]  # their vectors, no token
+        row_of = {id(s): j for j, (s, _) in enumerate(sampled)}
+        done = [row_of[id(s)] for s in finished if not s.embeds]
+        seqs = [sampled[j][0] for j in done] + step.decode
         parts = ([prefill[done]] if prefill is not None and done else []) + ([decode] if decode is not None else [])
         if not parts:
             return [], torch.empty(0)
@@ -385,7 +395,9 @@ class Engine:
             if seq.drafts is None:
                 seq.drafts = RowDrafts(spec)
             # a draft model's tokens are written once their number is chosen (placeholders until then)
-            draft = [0] * limit if self.drafter is not None else seq.drafts.propose(seq.all_ids, limit)
+            draft = (
+                [0] * limit if self.drafter is not None else seq.drafts.propose(seq.prompt_ids, seq.output_ids, limit)
+            )
             if draft:
                 candidates[seq.held_row] = (draft, seq.drafts.acceptance)
         drafts = self.costs.choose(len(step.decode), candidates, spec.max_tokens)
@@ -410,7 +422,7 @@ class Engine:
     def _prefill(self, chunks: list[tuple[Sequence, int]]) -> torch.Tensor:
         """Each chunk's last logits [len(chunks), V]: one runner call for them all, except a request that wants
         its prompt's log-probs, whose chunk is scored on its own (every position's logits, ``_score_prompt``)."""
-        plain = [(s, n) for s, n in chunks if not s.scores_prompt and not s.embeds]
+        plain = [(s, n) for s, n in chunks if not s.scores_prompt]
         logits = None
         if plain:
             logits = self.runner.prefill(
@@ -423,12 +435,7 @@ class Engine:
         plain_rows = iter(logits if logits is not None else ())  # the plain chunks' rows, in order
         rows = []
         for s, n in chunks:
-            if s.embeds:  # its tokens' vectors pooled; its logits (a placeholder) are never sampled
-                vectors = self.runner.hidden(s.held_row, s.prompt_ids[s.num_cached : s.num_cached + n], s.num_cached)
-                part = vectors.float().sum(0) if self.pooling == "mean" else vectors[-1].float()
-                s.pooled = part if s.pooled is None or self.pooling != "mean" else s.pooled + part
-                rows.append(torch.zeros(self.runner.vocab_size, device=vectors.device))
-            elif s.scores_prompt:
+            if s.scores_prompt:
                 every = self.runner.score(s.held_row, s.prompt_ids[s.num_cached : s.num_cached + n], s.num_cached)
                 self.sampler.score_prompt(s, every, s.num_cached)
                 rows.append(every[-1])

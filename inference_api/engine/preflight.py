@@ -356,15 +356,18 @@ def estimate(config: ServerConfig) -> Estimate:
     )
 
 
-def served_architectures() -> tuple[str, ...]:
+def served_architectures(arch: str | None = None) -> tuple[str, ...]:
     """The GGUF architectures this server runs: the family table's (the compact decoder), the embedding models'
-    (model/encoder.py) and those transformers reads from a GGUF (its layers)."""
-    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
-
+    (model/encoder.py) and those transformers reads from a GGUF (its layers). With ``arch``: just (arch,) when
+    the first two hold it (transformers, a second's import, is read only for an architecture they do not)."""
     from ..model.encoder import ENCODERS
     from ..model.families import FAMILIES
 
     known = {f.gguf for f in FAMILIES.values() if f.gguf} | set(ENCODERS)
+    if arch in known:
+        return (arch,)
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
     known |= {a for a in GGUF_CONFIG_MAPPING if a not in ("general", "tokenizer")}
     return tuple(sorted(known))
 
@@ -384,7 +387,7 @@ def check_servable(config: ServerConfig) -> None:
     except Exception as exc:
         raise PreflightError(f"{gguf} is not a GGUF file this server can read: {exc}") from None
     arch, tokenizer = fields.get("general.architecture"), fields.get("tokenizer.ggml.model")
-    known = served_architectures()
+    known = served_architectures(arch)
     if arch not in known:
         raise PreflightError(f"{gguf}: architecture {arch!r} is not supported; supported: {', '.join(known)}")
     if tokenizer is not None and tokenizer not in TOKENIZERS:

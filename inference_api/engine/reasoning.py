@@ -110,9 +110,7 @@ class Thought:
         if self.stage is Stage.UNDECIDED or (self.stage is Stage.INSIDE and not self.opened):
             return 0
         if self.stage is Stage.INSIDE:
-            tail = text[:upto]
-            keep = _tag_prefix(tail, self.spec.end)
-            return len(tail[: len(tail) - keep].rstrip())
+            return _rstrip_end(text, upto - _tag_prefix(text, upto, self.spec.end))
         if self.stage is Stage.DONE and not self.settled:
             assert self.answer is not None
             rest = text[self.answer : upto]
@@ -136,7 +134,7 @@ class Thought:
         if self.stage is Stage.NONE:
             return "", text[a:b]
         start = self._thought_start(text)
-        stop = len(text[:b].rstrip()) if self.stage is Stage.INSIDE else len(text[: self.end].rstrip())
+        stop = _rstrip_end(text, b if self.stage is Stage.INSIDE else self.end_of_thought())
         thought = text[max(a, start) : max(max(a, start), min(b, stop))]
         if self.answer is None or (self.stage is Stage.DONE and not self.settled and not finished):
             return thought, ""
@@ -146,14 +144,23 @@ class Thought:
         return thought, text[max(a, answer_from) : b]
 
     def _thought_start(self, text: str) -> int:
-        """The thought's first character past the whitespace after the start tag."""
-        rest = text[self.start :]
-        return self.start + len(rest) - len(rest.lstrip())
+        """The thought's first character past the whitespace after the start tag (found once, then kept in
+        ``start``: the whitespace is skipped as it comes)."""
+        while self.start < len(text) and text[self.start].isspace():
+            self.start += 1
+        return self.start
 
 
-def _tag_prefix(text: str, tag: str) -> int:
-    """The length of the longest end of ``text`` that begins ``tag`` (a tag still being written)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
+def _tag_prefix(text: str, end: int, tag: str) -> int:
+    """The length of the longest end of ``text[:end]`` that begins ``tag`` (a tag still being written)."""
+    for n in range(min(len(tag) - 1, end), 0, -1):
+        if tag.startswith(text[end - n : end]):
             return n
     return 0
+
+
+def _rstrip_end(text: str, end: int) -> int:
+    """Where ``text[:end]`` ends once its trailing whitespace is dropped (no copy of the text)."""
+    while end > 0 and text[end - 1].isspace():
+        end -= 1
+    return end

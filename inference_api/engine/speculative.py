@@ -60,18 +60,31 @@ class RowDrafts:
         self.acceptance = PRIOR
         self.drafted = self.accepted = 0
 
-    def propose(self, ids: Seq[int], limit: int) -> list[int]:
-        """Up to ``limit`` tokens that followed the latest earlier occurrence of the last n of ``ids``, for the
-        longest n that occurred."""
+    def propose(self, prompt: Seq[int], output: Seq[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens that followed the latest earlier occurrence of the last n of the row's tokens
+        (its prompt, then its output), for the longest n that occurred. Only the tokens new since the last call are
+        indexed, and nothing the length of the row is copied."""
+
+        def span(a: int, b: int) -> list[int]:  # the row's tokens a..b-1
+            p = len(prompt)
+            if b <= p:
+                return list(prompt[a:b])
+            if a >= p:
+                return list(output[a - p : b - p])
+            return [*prompt[a:], *output[: b - p]]
+
+        total = len(prompt) + len(output)
         lo, hi = self.config.ngram_min, self.config.ngram_max
-        for i in range(self.indexed, len(ids)):  # n-grams ending at i, whose continuation ids[i] is known
+        for i in range(self.indexed, total):  # n-grams ending at i, whose continuation (token i) is known
+            before = span(max(0, i - hi), i)
             for n in range(lo, min(hi, i) + 1):
-                self.index[tuple(ids[i - n : i])] = i
-        self.indexed = max(self.indexed, len(ids))
-        for n in range(min(hi, len(ids)), lo - 1, -1):
-            at = self.index.get(tuple(ids[-n:]))
+                self.index[tuple(before[-n:])] = i
+        self.indexed = max(self.indexed, total)
+        last = span(max(0, total - hi), total)
+        for n in range(min(hi, total), lo - 1, -1):
+            at = self.index.get(tuple(last[-n:]))
             if at is not None:
-                return list(ids[at : at + limit])
+                return span(at, min(at + limit, total))
         return []
 
     def record(self, drafted: int, kept: int) -> None:
@@ -125,14 +138,14 @@ class StepCosts:
         if base is None or self.since.get(bucket, 0) >= REFRESH or not candidates:
             return {}
         cost = self.per_token if self.per_token is not None else self.guess(rows)
-        expected, seconds, taken = float(rows), base, {r: 0 for r in candidates}
+        expected, seconds, taken, count = float(rows), base, {r: 0 for r in candidates}, 0
         heap = [(-a, r, 1) for r, (draft, a) in candidates.items() if draft and a > 0]
         heapq.heapify(heap)
-        while heap and sum(taken.values()) < limit:
+        while heap and count < limit:
             gain, row, j = heapq.heappop(heap)
             if -gain * seconds <= cost * expected:  # (gain / cost <= expected / seconds: it would lower the rate)
                 break
-            taken[row] = j
+            taken[row], count = j, count + 1
             expected, seconds = expected - gain, seconds + cost
             draft, a = candidates[row]
             if j < len(draft):

@@ -28,7 +28,7 @@ from ..config import ServerConfig
 from ..engine.client import EngineClient
 from ..engine.messages import SamplingParams as EngineParams
 from ..model.tokenizer import Tokenizer
-from ..request.prepare import Prompt, prepare
+from ..request.prepare import Prompt, fit_inputs, prepare
 from ..request.reasoning import with_reasoning
 from ..request.tools import Tools, offered, parse_tools, split_calls
 from ..request_errors import RateLimited, RequestError, Unavailable
@@ -174,14 +174,8 @@ class LLM:
         if ready is None or ready.task != task:
             what = {"embed": "an embedding model", "score": "a reranker"}[task]
             raise ParameterError(f"{self.model_name} is not {what} (its task: {ready.task if ready else '?'})")
-        for i, ids in enumerate(inputs):
-            if len(ids) > self.context_length:
-                if not truncate:
-                    raise ParameterError(
-                        f"input {i} is {len(ids)} tokens long; the model takes at most {self.context_length}"
-                    )
-                inputs[i] = ids[: self.context_length]
         try:
+            inputs = fit_inputs(inputs, self.context_length, truncate, "input")
             session = self._client.embed(inputs, normalize)
         except RequestError as err:
             raise _translate(err) from None

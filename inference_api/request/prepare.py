@@ -108,6 +108,19 @@ def encode(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
         raise RequestError(f"messages do not fit the model's chat template: {err}", prompt.field) from None
 
 
+def fit_inputs(inputs: list[list[int]], context_length: int, truncate: bool, field: str) -> list[list[int]]:
+    """Inputs to embed or score, each within the model's context: cut to it with ``truncate``, else a
+    RequestError naming the first too long."""
+    for i, ids in enumerate(inputs):
+        if len(ids) > context_length and not truncate:
+            raise RequestError(
+                f"{field}[{i}] is {len(ids)} tokens long; the model takes at most {context_length} (or ask to "
+                f"truncate)",
+                field,
+            )
+    return [ids[:context_length] for ids in inputs]
+
+
 def engine_params(
     prompt_ids: Sequence[int],
     params: SamplingParams,

@@ -30,6 +30,7 @@ from ..request.prepare import (
     check_prompt_size,
     encode,
     engine_params,
+    fit_inputs,
 )
 from ..request.reasoning import Thinking, with_reasoning
 from ..request_errors import RateLimited, RequestError, Unavailable
@@ -118,7 +119,13 @@ class Serving:
         if self.limits is None:
             return
         most = params.max_tokens if params.max_tokens is not None else self.ready().context_length  # (prepared: set)
-        reserved = self.limits.reserve(team, self.limits.cost(params.n * most, prompt_tokens))
+        self._reserve(team, params.n * most, prompt_tokens)
+
+    def _reserve(self, team: str | None, generated: int, prompt_tokens: int) -> None:
+        """check_quota's reservation of a cost (an embedding request's: its inputs alone)."""
+        if self.limits is None:
+            return
+        reserved = self.limits.reserve(team, self.limits.cost(generated, prompt_tokens))
         if isinstance(reserved, int):
             raise RateLimited(
                 f"team {team!r} has used its quota of {self.limits.tokens_per_minute} tokens in the last minute "
@@ -126,6 +133,12 @@ class Serving:
                 retry_after=reserved,
             )
         request.environ[RESERVATION_KEY] = reserved
+
+    def _refuse_while_draining(self) -> None:
+        if self.draining:
+            raise Unavailable(
+                "server is shutting down; retry shortly (another instance takes over)", retry_after=RETRY_AFTER
+            )
 
     # embeddings and scores (an embedding model's or a reranker's engine)
     def embed(
@@ -165,27 +178,11 @@ class Serving:
     def _submit_inputs(
         self, inputs: list[list[int]], normalize: bool, truncate: bool, field: str
     ) -> tuple[list[list[float]], int]:
-        context = self.ready().context_length
-        for i, ids in enumerate(inputs):
-            if len(ids) > context:
-                if not truncate:
-                    raise RequestError(
-                        f"{field}[{i}] is {len(ids)} tokens long; the model takes at most {context} (or ask to "
-                        f"truncate)",
-                        field,
-                    )
-                inputs[i] = ids[:context]
-        if self.draining:
-            raise Unavailable("server is shutting down; retry shortly", retry_after=RETRY_AFTER)
+        inputs = fit_inputs(inputs, self.ready().context_length, truncate, field)
+        self._refuse_while_draining()
         tokens = sum(len(i) for i in inputs)
         team = request.headers.get("X-Team-Id")
-        if self.limits is not None:
-            reserved = self.limits.reserve(team, self.limits.cost(0, tokens))
-            if isinstance(reserved, int):
-                raise RateLimited(
-                    f"team {team!r} has used its token quota; retry in {reserved} s", retry_after=reserved
-                )
-            request.environ[RESERVATION_KEY] = reserved
+        self._reserve(team, 0, tokens)
         session = self.client.embed(inputs, normalize, team)
         events = session_events(self.client, session, request.environ)
         vectors: list[list[float]] = [[] for _ in inputs]
@@ -209,10 +206,7 @@ class Serving:
         ``thinking``), reserve its cost in the team's quota, submit (refused past the server's or the team's
         places), and wait for the first event."""
         prompt_ids = self.encode(prompt)
-        if self.draining:
-            raise Unavailable(
-                "server is shutting down; retry shortly (another instance takes over)", retry_after=RETRY_AFTER
-            )
+        self._refuse_while_draining()
         params = engine_params(prompt_ids, params, self.ready().context_length, default_max=default_max, field=field)
         if prompt.messages is not None:
             params = with_reasoning(params, self.config, self.tokenizer, prompt_ids, thinking)

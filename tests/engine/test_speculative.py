@@ -81,9 +81,9 @@ def tokens(events) -> list[int]:
 
 def test_prompt_lookup_drafts_what_followed_the_latest_occurrence():
     drafts = RowDrafts(SPEC)
-    assert drafts.propose([1, 2, 3, 4, 5, 9, 2, 3], 3) == [4, 5, 9]  # "2 3" was followed by 4 5 9
-    assert drafts.propose([1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 2, 3, 4], 2) == [7, 2]  # the latest "2 3 4"
-    assert drafts.propose([1, 2, 3, 8], 3) == []  # (a new index: no earlier "3 8")
+    assert drafts.propose([1, 2, 3, 4, 5], [9, 2, 3], 3) == [4, 5, 9]  # "2 3" was followed by 4 5 9
+    assert drafts.propose([1, 2, 3, 4, 5], [9, 2, 3, 4, 7, 2, 3, 4], 2) == [7, 2]  # the latest "2 3 4"
+    assert RowDrafts(SPEC).propose([1, 2, 3], [8], 3) == []  # no earlier "3 8"
     assert kept([4, 5, 9], [4, 5, 1, 0]) == 2 and kept([4], [1, 4]) == 0 and kept([], [3]) == 0
 
 

@@ -10,7 +10,7 @@ from lifecycle.error_shapes import OPENAI, TGI
 from ...errors import answer_as
 from ...serving import Serving
 from ..http import family_blueprint, json_body
-from .format import openai_embeddings, rerank_body
+from .format import openai_embeddings, rerank_body, vector
 from .protocol import parse_openai, parse_rerank, parse_tei
 
 
@@ -29,11 +29,7 @@ def embeddings_blueprint(serving: Serving) -> Blueprint:
         answer_as(TGI)  # TEI's errors: {error, error_type}, 413/422 for bad input
         inputs = parse_tei(json_body(request))
         vectors, _ = serving.embed(inputs.texts, None, inputs.normalize, inputs.truncate, "inputs")
-        if inputs.dimensions is not None:
-            from .format import vector
-
-            vectors = [vector(v, inputs) for v in vectors]  # type: ignore[misc]
-        return jsonify(vectors)
+        return jsonify([vector(v, inputs) for v in vectors])
 
     @api.post("/rerank")
     @api.post("/v1/rerank")

@@ -82,7 +82,7 @@ class ServerConfig:
     spec_draft_max: int = 16  # tokens a row drafts per step at most
     spec_ngram_min: int = 2  # the shortest n-gram looked up
     spec_ngram_max: int = 4  # the longest
-    spec_max_rows: int = 32  # no row drafts in a step that decodes more rows than this
+    spec_max_rows: int = 8  # no row drafts in a step that decodes more rows than this
     draft_model: str | None = None  # a smaller GGUF of the same vocabulary that drafts instead of prompt lookup
     test_fault_text: str | None = None  # TESTS ONLY: fail post-processing of requests whose prompt contains this
     # INTERNAL_SECRET (environment only, never a flag): every request but GET/HEAD /health must carry it in

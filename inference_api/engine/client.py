@@ -198,44 +198,40 @@ class EngineClient:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, team: str | None = None) -> Session:
         """Open a session for the request (of ``team``, counted toward its places; None: not counted per team)."""
-        self.check_ready()
-        session = Session(uuid.uuid4().hex, len(prompt_ids), n=params.n, team=team)
-        with self._lock:
-            cap = self.config.max_places_per_team
-            held = self.team_places(team) if team is not None and cap > 0 else 0
-            if held and held + session.n > cap:  # (a team holding none may always start one request)
-                raise RateLimited(
-                    f"team {team!r} already holds {held} of this server's rows and queue places "
-                    f"(at most {cap} per team; a request with n choices takes n); retry shortly",
-                    retry_after=1,
-                )
-            places = self.open_places  # a request with n choices takes n places
-            if places and places + session.n > self.config.max_open_sessions:
-                raise Unavailable(
-                    f"server busy: all {self.config.rows} rows and {self.config.max_waiting} queue places are taken",
-                    retry_after=1,
-                )
-            self._sessions[session.id] = session
-        self.metrics.submitted(len(prompt_ids))
+        session = self._open(Session(uuid.uuid4().hex, len(prompt_ids), n=params.n, team=team))
         self._send(GenerateRequest(session.id, tuple(prompt_ids), params, team))
         return session
 
     def embed(self, inputs: list[list[int]], normalize: bool = True, team: str | None = None) -> Session:
         """Open a session for inputs to embed or score (one event each; one place of the server's and the
         team's)."""
-        self.check_ready()
         session = Session(uuid.uuid4().hex, sum(len(i) for i in inputs), n=len(inputs), team=team, embeds=True)
+        self._open(session)
+        self._send(EmbedRequest(session.id, tuple(tuple(i) for i in inputs), normalize, team))
+        return session
+
+    def _open(self, session: Session) -> Session:
+        """Count a new session in, within its team's places and the server's (Session.places: a request with n
+        choices takes n); refused past either."""
+        self.check_ready()
         with self._lock:
             cap = self.config.max_places_per_team
+            team = session.team
             held = self.team_places(team) if team is not None and cap > 0 else 0
-            if held and held + 1 > cap:
+            if held and held + session.places > cap:  # (a team holding none may always start one request)
                 raise RateLimited(
-                    f"team {team!r} already holds {held} of this server's places (at most {cap}); retry shortly",
+                    f"team {team!r} already holds {held} of this server's rows and queue places "
+                    f"(at most {cap} per team; a request with n choices takes n); retry shortly",
+                    retry_after=1,
+                )
+            places = self.open_places
+            if places and places + session.places > self.config.max_open_sessions:
+                raise Unavailable(
+                    f"server busy: all {self.config.rows} rows and {self.config.max_waiting} queue places are taken",
                     retry_after=1,
                 )
             self._sessions[session.id] = session
         self.metrics.submitted(session.prompt_tokens)
-        self._send(EmbedRequest(session.id, tuple(tuple(i) for i in inputs), normalize, team))
         return session
 
     def release(self, session: Session) -> None:

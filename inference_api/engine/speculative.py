@@ -45,7 +45,7 @@ class SpecConfig:
     draft_max: int = 16  # tokens drafted per row and step at most
     ngram_min: int = 2
     ngram_max: int = 4
-    max_rows: int = 32  # no row drafts in a step that decodes more rows than this
+    max_rows: int = 8  # no row drafts in a step that decodes more rows than this
     max_tokens: int = 64  # a step's drafted tokens at most, all rows together
 
 

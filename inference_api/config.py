@@ -7,6 +7,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
+from typing import Any
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_MAX_STOP_SEQUENCES = 8  # lets h2oGPT's six through; TGI's --max-stop-sequences
@@ -21,6 +22,13 @@ class ServerConfig:
     model: str | None = None  # None: the embedded SmolLM2 GGUF; else a hub id, a folder or a .gguf path
     model_cache_dir: Path = Path("model_cache")
     served_model_name: str | None = None  # None: derived from the model
+    # more models beside the first, each started when a request names it (web/models.py): --model given again,
+    # and every GGUF in --models-dir
+    models: tuple[str, ...] = ()
+    models_dir: str | None = None
+    models_max: int = 0  # models loaded at once at most (0: as many as memory holds)
+    idle_unload_seconds: float = 0.0  # a model other than the first unloaded after this long unused (0: never)
+    model_load_timeout: float = 120.0  # seconds a request waits for its model to load before a 503
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     dtype: str = "auto"  # auto | float32 | float16 | bfloat16
     quantize: str = "auto"  # auto (a GGUF's own quantization, else none) | none | int8 | int4
@@ -84,6 +92,9 @@ class ServerConfig:
     spec_ngram_max: int = 4  # the longest
     spec_max_rows: int = 8  # no row drafts in a step that decodes more rows than this
     draft_model: str | None = None  # a smaller GGUF of the same vocabulary that drafts instead of prompt lookup
+    # LoRA adapters loaded at start, NAME=PATH (a bare PATH: named by its file or folder), a GGUF from llama.cpp's
+    # convert_lora_to_gguf.py or a PEFT folder; requests choose theirs by name (model/lora.py)
+    lora: tuple[str, ...] = ()
     test_fault_text: str | None = None  # TESTS ONLY: fail post-processing of requests whose prompt contains this
     # INTERNAL_SECRET (environment only, never a flag): every request but GET/HEAD /health must carry it in
     # X-Internal-Secret, which the proxy adds; None (the one-process dev stack): no check
@@ -100,7 +111,10 @@ class ServerConfig:
     @classmethod
     def from_args(cls, argv: Sequence[str], env: Mapping[str, str] | None = None) -> ServerConfig:
         env = os.environ if env is None else env
-        return cls(**vars(build_parser(env).parse_args(list(argv))), internal_secret=env.get("INTERNAL_SECRET") or None)
+        args = vars(build_parser(env).parse_args(list(argv)))
+        given = args.pop("model") or [env.get("MODEL") or None]  # --model again: the first is the server's model,
+        args["model"], args["models"] = given[0], tuple(given[1:])  # the others load when a request names them
+        return cls(**args, internal_secret=env.get("INTERNAL_SECRET") or None)
 
 
 def _bool(value: str | bool) -> bool:
@@ -117,6 +131,20 @@ _ENV = {
     "model": ("MODEL", "hub id, local folder or .gguf file (default: the embedded SmolLM2-135M-Instruct)"),
     "model_cache_dir": ("MODEL_CACHE_DIR", "where converted models are kept"),
     "served_model_name": ("SERVED_MODEL_NAME", "model name used in URLs and API responses"),
+    "models_dir": (
+        "MODELS_DIR",
+        "serve every GGUF in this folder (and its subfolders) too, by its file name, each loaded when a request "
+        "names it",
+    ),
+    "models_max": ("MODELS_MAX", "models loaded at once at most, the first one counted (0: as many as memory holds)"),
+    "idle_unload_seconds": (
+        "IDLE_UNLOAD_SECONDS",
+        "unload a model other than the first once nobody has used it for this long (0: never)",
+    ),
+    "model_load_timeout": (
+        "MODEL_LOAD_TIMEOUT",
+        "seconds a request waits for its model to load (past it: 503 with Retry-After)",
+    ),
     "device": ("DEVICE", "auto, cpu, cuda or cuda:N"),
     "dtype": ("DTYPE", "auto, float32, float16 or bfloat16"),
     "quantize": ("QUANTIZE", "weights: auto (a GGUF keeps its own quantization), none, int8 or int4"),
@@ -206,6 +234,12 @@ _ENV = {
         "a smaller GGUF of the same vocabulary whose greedy tokens are the drafts (instead of prompt lookup; as "
         "llama-server's -md), with rows and a KV cache of its own",
     ),
+    "lora": (
+        "LORA",
+        "a LoRA adapter loaded at start as NAME=PATH (a PATH alone: named by its file or folder): a GGUF from "
+        "llama.cpp's convert_lora_to_gguf.py or a PEFT folder; repeat the flag for more (the environment: separated "
+        "by commas)",
+    ),
     "embedding": (
         "EMBEDDING",
         "serve a generating model's token vectors as embeddings (/v1/embeddings, /embed) instead of text, as "
@@ -251,11 +285,25 @@ _CHOICES = {
 }
 
 
+class _Append(argparse.Action):
+    """A repeatable flag's values as a tuple: the first given replaces the environment's, the others add to it."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
+        held = getattr(namespace, self.dest)
+        setattr(namespace, self.dest, (*(() if held is self.default else held), values))
+
+
 def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m inference_api", description="Serve an LLM over HTTP.")
     for f in fields(ServerConfig):
-        if f.name == "internal_secret":  # from the environment only: a flag would show it in the process list
-            continue
+        if f.name in ("internal_secret", "models"):  # the secret from the environment only (a flag would show it
+            continue  # in the process list); models from --model given again
         var, help_text = _ENV[f.name]
         default = f.default
         flag = "--" + f.name.replace("_", "-")
@@ -272,6 +320,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
             continue
         convert = {"int": int, "float": float, "Path": Path}.get(str(f.type), str)
         raw = env.get(var)
+        if f.name == "model":  # repeatable: every model after the first is loaded when a request names it
+            parser.add_argument(flag, dest=f.name, action="append", help=f"{help_text}; again: one more (env {var})")
+            continue
+        if f.name == "lora":  # repeatable, each flag one more
+            listed = tuple(v.strip() for v in (raw or "").split(",") if v.strip())
+            parser.add_argument(flag, dest=f.name, action=_Append, default=listed, help=f"{help_text} (env {var})")
+            continue
         parser.add_argument(
             flag,
             dest=f.name,

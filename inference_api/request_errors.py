@@ -34,6 +34,12 @@ class ModelNotFound(NotFound):
     code = "model_not_found"
 
 
+class Conflict(RequestError):
+    """The request asks for a change the server's state forbids now: unloading a model or adapter in use."""
+
+    kind = "conflict"
+
+
 class RateLimited(RequestError):
     """The request's team has used its quota for now (``retry_after``)."""
 

@@ -26,7 +26,11 @@ from .upstream import StreamBody, Upstream, client_response_headers, upstream_re
 CLOSE = {"Connection": "close"}  # an answer sent without reading the body: gunicorn then does not read it either
 METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"]
 PUBLIC = {("GET", "/health"), ("HEAD", "/health")}  # answered without a token, and never with a request body
-OPERATOR_PATHS = {"/metrics"}  # every team's traffic: only for a token with the admin claim, whatever the method
+OPERATOR_PATHS = {  # only for a token with the admin claim, whatever the method: every team's traffic (/metrics),
+    "/metrics",  # and what changes the server for every team (loading and unloading models and adapters)
+    "/models/load",
+    "/models/unload",
+}
 
 
 class _AnyPath(BaseConverter):

@@ -10,8 +10,8 @@ from jinja2 import TemplateError
 
 from inference_api.engine.messages import SamplingParams
 from inference_api.mock.tokenizer import ByteTokenizer
-from inference_api.request.prepare import DEFAULT_MAX_TOKENS, Prompt, check_model, encode, engine_params, prepare
-from inference_api.request_errors import ModelNotFound, RequestError
+from inference_api.request.prepare import DEFAULT_MAX_TOKENS, Prompt, encode, engine_params, prepare
+from inference_api.request_errors import RequestError
 
 
 class PickyTemplate(ByteTokenizer):
@@ -53,13 +53,6 @@ def test_what_does_not_fit_names_the_field():
     with pytest.raises(RequestError) as err:
         prepare(ByteTokenizer(), 64, Prompt(text=""), SamplingParams(max_tokens=5), prompt_field="prompt")
     assert err.value.field == "prompt"
-
-
-def test_model_check():
-    check_model("m", "m")
-    with pytest.raises(ModelNotFound) as err:
-        check_model("x", "m")
-    assert (err.value.kind, err.value.field, err.value.code) == ("not_found", "model", "model_not_found")
 
 
 def test_no_transport_below_the_routes():

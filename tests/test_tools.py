@@ -10,9 +10,9 @@ from llguidance import LLMatcher
 
 from inference_api.engine.messages import EngineReady, FinishReason
 from inference_api.request.generation import Generation
-from inference_api.request.prepare import PLACEHOLDER_MODELS, Prompt, check_model, encode
+from inference_api.request.prepare import Prompt, encode
 from inference_api.request.tools import CallSplitter, parse_tools, plain_messages, split_calls
-from inference_api.request_errors import ModelNotFound, RequestError
+from inference_api.request_errors import RequestError
 from inference_api.web.dialects.openai.protocol import parse_chat
 from inference_api.web.dialects.openai.tool_format import ToolChatFormat
 
@@ -268,11 +268,3 @@ def test_llama_stack_tools_become_function_tools():
     }
     assert req.messages[2] == {"role": "tool", "content": "found", "tool_call_id": "c1"}
     assert llama_stack_chat({**body, "tools": [], "tool_choice": "auto"}, lambda name: None).tools is None
-
-
-def test_placeholder_model_names():
-    for name in ("m", *PLACEHOLDER_MODELS):
-        check_model(name, "m", placeholders=True)
-    for name, placeholders in (("gpt-4o", True), ("tgi", False)):
-        with pytest.raises(ModelNotFound):
-            check_model(name, "m", placeholders)

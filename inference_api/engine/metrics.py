@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, SummaryMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from .messages import EngineStats, FinishReason, step_rows_label
@@ -189,6 +189,37 @@ class Metrics:
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def exposition_of(models: list[tuple[str, Metrics]]) -> bytes:
+    """Several models' metrics in one exposition, each sample labelled with its ``model`` (one family per name:
+    Prometheus takes a name once). The HTTP answers and what the app watches come from the first model's
+    registry, where the app counts them, unlabelled."""
+    if len(models) == 1:
+        return models[0][1].exposition()
+    families: dict[str, Metric] = {}
+    for i, (name, metrics) in enumerate(models):
+        for family in metrics.registry.collect():
+            app_level = family.name in _APP_FAMILIES
+            if app_level and i:
+                continue
+            merged = families.get(family.name)
+            if merged is None:
+                merged = families[family.name] = Metric(family.name, family.documentation, family.type, family.unit)
+            for sample in family.samples:
+                labels = sample.labels if app_level else {**sample.labels, "model": name}
+                merged.samples.append(sample._replace(labels=labels))
+
+    class _Merged:
+        def collect(self):
+            yield from families.values()
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_Merged())
+    return generate_latest(registry)
+
+
+_APP_FAMILIES = frozenset({"inference_http_requests", "inference_quota_redis_fallbacks"})  # counted by the app
 
 
 class _Ranks:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from ..engine.messages import SamplingParams
 from ..model.tokenizer import Tokenizer
-from ..request_errors import ModelNotFound, RequestError
+from ..request_errors import RequestError
 from .tools import Tools, offered, plain_messages
 
 # max_tokens when the request has none (OpenAI, llama-stack, the offline API): as many as fit, at most this many
@@ -76,15 +76,8 @@ class Prompt:
 
 # model names that clients made for TGI send whatever the server serves: TGI's documented "tgi", and "dummy",
 # which huggingface_hub's InferenceClient sends when it is given the server's URL (TGI and llama-server ignore
-# the name; this server, serving one model, takes these two in the OpenAI API's request bodies)
+# the name; this server takes these two in the OpenAI API's request bodies as its first model)
 PLACEHOLDER_MODELS = ("tgi", "dummy")
-
-
-def check_model(name: str, served: str, placeholders: bool = False) -> None:
-    """ModelNotFound unless ``name`` is the served model (or, with ``placeholders``, one of
-    ``PLACEHOLDER_MODELS``)."""
-    if name != served and not (placeholders and name in PLACEHOLDER_MODELS):
-        raise ModelNotFound(f"unknown model {name!r}; this server serves {served!r}", "model")
 
 
 def encode(tokenizer: Tokenizer, prompt: Prompt) -> list[int]:

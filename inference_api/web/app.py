@@ -28,6 +28,7 @@ from .dialects.responses.routes import responses_blueprint
 from .dialects.shared import shared_blueprint
 from .dialects.tgi.routes import tgi_blueprint
 from .errors import ApiError, error_response, register_error_handlers, request_api
+from .models import ModelPool
 from .serving import RESERVATION_KEY, Serving
 from .streaming import SESSION_KEY
 
@@ -48,10 +49,11 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
     app = Flask(__name__)
     app.config["MAX_CONTENT_LENGTH"] = config.max_body_bytes
     app.json.sort_keys = False  # type: ignore[attr-defined]  # app.json is a DefaultJSONProvider, typed as its base
-    client = EngineClient(config).start()
-    atexit.register(client.shutdown)
+    client = EngineClient(config).start()  # the first model's engine, started with the server
+    models = ModelPool(config, client, estimate)  # and every other model, started when a request names it
+    atexit.register(models.shutdown)
     app.extensions["server_config"] = config
-    drain = Drain(config.drain_timeout, lambda: client.open_sessions, client.abort_all, client.shutdown)
+    drain = Drain(config.drain_timeout, lambda: models.open_sessions, models.abort_all, models.shutdown)
     app.extensions["drain"] = drain  # gunicorn's post_worker_init starts it on SIGTERM/SIGINT
     access_log = AccessLog()
     watchdog = Watchdog()
@@ -128,7 +130,7 @@ def create_app(config: ServerConfig | None = None, estimate: Estimate | None = N
             response.call_on_close(write)
         return response
 
-    serving = Serving(client, config, drain, estimate, limits)
+    serving = Serving(models, config, drain, estimate, limits)
     # /inference/completion and /inference/chat_completion (llama-stack) are fixed paths: they win over the
     # native API's /inference/<path:model>
     for blueprint in (

@@ -22,7 +22,7 @@ from ..request_errors import RequestError
 log = logging.getLogger(__name__)
 
 # the status code of each kind of request error
-STATUS = {"invalid": 400, "not_found": 404, "rate_limited": 429, "unavailable": 503}
+STATUS = {"invalid": 400, "not_found": 404, "conflict": 409, "rate_limited": 429, "unavailable": 503}
 
 
 class ApiError(Exception):

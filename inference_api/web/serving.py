@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from flask import request
+from flask import g, has_request_context, request
 
 from lifecycle.drain import RETRY_AFTER, Drain
 from lifecycle.quota import TeamLimits
@@ -26,7 +26,6 @@ from ..request.prepare import (
     DEFAULT_MAX_TOKENS,
     Prompt,
     check_chars,
-    check_model,
     check_prompt_size,
     encode,
     engine_params,
@@ -34,9 +33,11 @@ from ..request.prepare import (
 )
 from ..request.reasoning import Thinking, with_reasoning
 from ..request_errors import RateLimited, RequestError, Unavailable
+from .models import ModelPool, ModelSlot
 from .streaming import first_event, session_events
 
 RESERVATION_KEY = "inference_api.reservation"  # environ key: the request's quota Reservation, settled by app.py
+SLOT_KEY, CLIENT_KEY = "model_slot", "model_client"  # flask.g: the request's model and its engine (check_model)
 
 
 @dataclass
@@ -65,13 +66,13 @@ class Run:
 class Serving:
     def __init__(
         self,
-        client: EngineClient,
+        models: ModelPool,
         config: ServerConfig,
         drain: Drain | None = None,
         preflight: Estimate | None = None,
         limits: TeamLimits | None = None,
     ):
-        self.client = client
+        self.models = models  # every model served; a request's check_model picks its own (web/models.py)
         self.limits = limits  # the teams' token quota (lifecycle.quota), reserved before each submission
         self.config = config
         self.drain = drain  # while it is active, new generation requests get a 503 in their API's shape
@@ -80,6 +81,26 @@ class Serving:
     @property
     def draining(self) -> bool:
         return self.drain is not None and self.drain.active
+
+    # the request's model: the one its check_model named, else the first
+    @property
+    def slot(self) -> ModelSlot:
+        return (g.get(SLOT_KEY) if has_request_context() else None) or self.models.default
+
+    @property
+    def client(self) -> EngineClient:
+        """The engine of the request's model (loaded by check_model), or the first model's."""
+        slot = self.slot
+        client = g.get(CLIENT_KEY) if has_request_context() and slot is not self.models.default else None
+        return client or slot.client or self.models.acquire(slot)
+
+    def check_model(self, name: str, placeholders: bool = False) -> None:
+        """Make ``name`` the request's model, loaded if it is not (``ModelPool.acquire``): ModelNotFound unless
+        the server serves it (or, with ``placeholders``, for a placeholder name: the first model)."""
+        slot = self.models.slot(name, placeholders)
+        client = self.models.acquire(slot)
+        g.setdefault(SLOT_KEY, slot)
+        g.setdefault(CLIENT_KEY, client)
 
     # readiness and the model
     def ready(self) -> EngineReady:
@@ -95,16 +116,13 @@ class Serving:
 
     @property
     def model_name(self) -> str:
-        return self.ready().model_name
+        """The request's model's name, as requests name it."""
+        return self.ready().model_name if self.slot.default else self.slot.name
 
     def tokenizable(self, text: str, name: str) -> str:
         """Text to tokenize, within the character cap (``prepare.char_limit``): more can never fit a request."""
         check_chars(len(text), self.ready().context_length, name, name)
         return text
-
-    def check_model(self, name: str, placeholders: bool = False) -> None:
-        """ModelNotFound unless ``name`` is the served model (or, with ``placeholders``, a placeholder name)."""
-        check_model(name, self.model_name, placeholders)
 
     def encode(self, prompt: Prompt) -> list[int]:
         """The prompt's tokens, once its size is known to be within the character cap."""

@@ -81,9 +81,12 @@
     if (!response.ok) {
       return setStatus(describe(response.status, await errorMessage(response), response.headers.get("Retry-After")), true);
     }
-    const models = ((await response.json()).data || []).map((m) => m.id);
+    const cards = (await response.json()).data || [];
+    const models = cards.map((m) => m.id);
     const select = $("model");
-    select.replaceChildren(...models.map((id) => new Option(id, id)));
+    // a model not loaded yet loads at its first message (the server's status says which are)
+    const label = (m) => (m.status && m.status.value && m.status.value !== "loaded" ? `${m.id} (${m.status.value})` : m.id);
+    select.replaceChildren(...cards.map((m) => new Option(label(m), m.id)));
     if (!models.length) return setStatus("The server lists no model.", true);
     setStatus(`Connected. ${models.length === 1 ? models[0] : plural(models.length, "model")} ready.`);
     $("prompt").focus();

@@ -10,8 +10,10 @@ from flask import Blueprint, Response, jsonify, request
 from lifecycle.drain import RETRY_AFTER
 from lifecycle.error_shapes import NATIVE, OTHER
 
-from ....engine.metrics import CONTENT_TYPE
+from ....engine.metrics import CONTENT_TYPE, exposition_of
 from ....request.prepare import Prompt
+from ....request.validation import string
+from ....request_errors import Conflict
 from ...serving import Serving
 from ..http import family_blueprint, json_body, sse_response
 from .format import answer, text_stream
@@ -90,6 +92,8 @@ def health_blueprint(serving: Serving) -> Blueprint:
         }
         if client.failure is not None:
             body["message"] = client.failure
+        if serving.models.several:
+            body["models"] = {slot.name: slot.describe() for slot in serving.models.slots()}
         response = jsonify(body)
         response.status_code = 200 if state == "ready" else 503
         if state != "ready":
@@ -98,7 +102,25 @@ def health_blueprint(serving: Serving) -> Blueprint:
 
     @server.get("/metrics")
     def metrics():
-        """Prometheus text format: requests, tokens, latency histograms, rows and queue."""
-        return Response(serving.client.metrics.exposition(), content_type=CONTENT_TYPE)
+        """Prometheus text format: requests, tokens, latency histograms, rows and queue (with several models,
+        each sample labelled with its model)."""
+        models = [(s.name, s.client.metrics) for s in serving.models.slots() if s.client is not None]
+        return Response(exposition_of(models), content_type=CONTENT_TYPE)
+
+    @server.post("/models/load")
+    def load_model():
+        """llama-server's router: load a model now (``{"model": name}``); the proxy lets operators alone."""
+        slot = serving.models.slot(string(json_body(request), "model", required=True))
+        serving.models.acquire(slot).check_ready()
+        return jsonify(success=True, model=slot.name, status=slot.describe())
+
+    @server.post("/models/unload")
+    def unload_model():
+        """Unload a model (not the first; not one with open requests: 409); the proxy lets operators alone."""
+        slot = serving.models.slot(string(json_body(request), "model", required=True))
+        if slot.client is not None and not serving.models.unload(slot.name):
+            why = "the first model stays loaded" if slot.default else "it has open requests"
+            raise Conflict(f"model {slot.name!r} was not unloaded: {why}", "model")
+        return jsonify(success=True, model=slot.name, status=slot.describe())
 
     return server

@@ -13,6 +13,7 @@ from ....engine.messages import EngineReady
 from ....request.prepare import Prompt
 from ....request.validation import string
 from ....request_errors import RequestError
+from ...models import ModelSlot
 from ...serving import Run, Serving
 from ..http import family_blueprint, json_body, sse_response
 from .format import ChatFormat, CompletionFormat, response_body, stream_chunks
@@ -24,26 +25,28 @@ def openai_blueprint(serving: Serving) -> Blueprint:
     api = family_blueprint("openai", OPENAI)
     max_stop = serving.config.max_stop_sequences
 
-    def check_model(body: dict) -> None:
-        serving.check_model(string(body, "model", required=True))
-
-    def model_object() -> dict:
+    def model_object(slot: ModelSlot) -> dict:
+        """A model's card: OpenAI's fields, vLLM's max_model_len, and llama-server's status (loaded or not, with
+        its memory)."""
+        ready = slot.client.ready if slot.client is not None else None
+        if slot.default:
+            ready = serving.ready()  # (the first model: a 503 while it loads, as before several models)
         return {
-            "id": serving.model_name,
+            "id": ready.model_name if slot.default and ready else slot.name,
             "object": "model",
             "created": int(time.time()),
             "owned_by": "inference_api",
-            "max_model_len": serving.ready().context_length,
+            "max_model_len": ready.context_length if ready else slot.config.context_length,
+            "status": slot.describe(),
         }
 
     @api.get("/v1/models")
     def models():
-        return jsonify(object="list", data=[model_object()])
+        return jsonify(object="list", data=[model_object(s) for s in serving.models.slots()])
 
     @api.get("/v1/models/<path:model_name>")
     def model(model_name: str):
-        check_model({"model": model_name})
-        return jsonify(model_object())
+        return jsonify(model_object(serving.models.slot(model_name)))  # (named, not loaded)
 
     def parsed(parse) -> tuple[OpenAIRequest, EngineReady]:
         """The body, its model checked, through ``parse``."""

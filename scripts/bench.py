@@ -17,7 +17,9 @@ lazily resident KV cache. With --prefill N it times a fresh N-token prompt answe
 alone) on the server and the peer. The same prompts go out in every run, which servers with a prompt cache (this one,
 llama-server) answer without computing them again; --fresh-prompts starts every prompt with a tag never
 sent before, so that no server finds any of it cached. --ignore-eos makes every stream run to --max-tokens on
-both servers (answers that end early make tokens/s lean on the time to first token).
+both servers (answers that end early make tokens/s lean on the time to first token). With --switch, on a server
+of several models, it times a switch to each model beside the first: the first token of a request that loads it,
+against the load time the server measured and the same request once loaded.
 
 Step time per row count: the server's /metrics count the engine's decode steps (steps with no prompt chunk) and
 their seconds by how many rows they decoded (1, 2, 3-4, 5-8, ...); each load's share of them is printed after
@@ -352,6 +354,35 @@ def embeddings_bench(url: str, peer_url: str | None, model: str, repeat: int) ->
             theirs = statistics.median(results[("peer", c)])
             line += f", peer {theirs:.1f}: {ours / theirs:.2f}x"
         print(line)
+
+
+def model_switch(url: str, repeat: int) -> None:
+    """--switch: for every model of a server with several (--models-dir, --model again) but the first, unloaded
+    (llama-server's /models/unload), a one-token chat request's time to its first token, which loads it, against
+    the load time the server measured (its /v1/models status) and the same request once it is loaded: what a
+    switch costs beyond loading the model."""
+    cards = requests.get(f"{url}/v1/models", timeout=30).json()["data"]
+    print(f"\nmodel switch, {len(cards) - 1} models beside the first, {max(1, repeat)} run(s) each (medians):")
+    messages = [{"role": "user", "content": "Say hi."}]
+    for card in cards[1:]:
+        name = card["id"]
+        cold, loads, warm = [], [], []
+        for _ in range(max(1, repeat)):
+            requests.post(f"{url}/models/unload", json={"model": name}, timeout=60).raise_for_status()
+            r = chat_timed(url, name, messages, 1)
+            if not r["tokens"]:
+                print(f"  {name}: no answer (is it a generating model?)")
+                break
+            cold.append(r["ttft"])
+            loads.append(requests.get(f"{url}/v1/models/{name}", timeout=30).json()["status"]["load_seconds"])
+            warm.append(chat_timed(url, name, messages, 1)["ttft"])
+        if cold:
+            c, load, w = (statistics.median(v) for v in (cold, loads, warm))
+            print(
+                f"  {name:<28} first token after a switch {c * 1000:8.1f} ms = load {load * 1000:8.1f} ms "
+                f"+ loaded {w * 1000:6.1f} ms + {max(0.0, c - load - w) * 1000:6.1f} ms more "
+                f"({c / (load + w):.2f}x load + loaded)"
+            )
 
 
 def prompts(n: int, run: int | None = None) -> list[str]:
@@ -815,6 +846,11 @@ def main() -> None:
         "texts per second one at a time and with 32 concurrent clients",
     )
     ap.add_argument(
+        "--switch",
+        action="store_true",
+        help="time a switch to each model of a server with several (unloaded first): first token against load time",
+    )
+    ap.add_argument(
         "--spec-plain",
         action="store_true",
         help="finally time the plain prompts at each concurrency with speculation on and off",
@@ -836,6 +872,11 @@ def main() -> None:
 
     health = requests.get(args.url + "/health", timeout=10).json()
     model = health["model"]
+    if args.switch:
+        print(f"server {args.url}: first model {model}")
+        print(cpu_line(health))
+        model_switch(args.url, args.repeat)
+        return
     if args.embeddings:
         print(f"server {args.url}: model {model}")
         print(cpu_line(health))

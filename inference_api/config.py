@@ -111,10 +111,8 @@ class ServerConfig:
     @classmethod
     def from_args(cls, argv: Sequence[str], env: Mapping[str, str] | None = None) -> ServerConfig:
         env = os.environ if env is None else env
-        args = vars(build_parser(env).parse_args(list(argv)))
-        given = args.pop("model") or [env.get("MODEL") or None]  # --model again: the first is the server's model,
-        args["model"], args["models"] = given[0], tuple(given[1:])  # the others load when a request names them
-        return cls(**args, internal_secret=env.get("INTERNAL_SECRET") or None)
+        options = flag_values(vars(build_parser(env).parse_args(list(argv))))
+        return cls(**options, internal_secret=env.get("INTERNAL_SECRET") or None)
 
 
 def _bool(value: str | bool) -> bool:
@@ -285,6 +283,16 @@ _CHOICES = {
 }
 
 
+def flag_values(parsed: Mapping[str, Any]) -> dict[str, Any]:
+    """ServerConfig's fields from build_parser's parsed flags (among others a caller added): --model given again
+    makes the first the server's model and the others ``models``, loaded when a request names them."""
+    names = {f.name for f in fields(ServerConfig)}
+    out = {k: v for k, v in parsed.items() if k in names}
+    given = out.pop("model", (None,))
+    out["model"], out["models"] = given[0], tuple(given[1:])
+    return out
+
+
 class _Append(argparse.Action):
     """A repeatable flag's values as a tuple: the first given replaces the environment's, the others add to it."""
 
@@ -321,7 +329,13 @@ def build_parser(env: Mapping[str, str]) -> argparse.ArgumentParser:
         convert = {"int": int, "float": float, "Path": Path}.get(str(f.type), str)
         raw = env.get(var)
         if f.name == "model":  # repeatable: every model after the first is loaded when a request names it
-            parser.add_argument(flag, dest=f.name, action="append", help=f"{help_text}; again: one more (env {var})")
+            parser.add_argument(
+                flag,
+                dest=f.name,
+                action=_Append,
+                default=(raw or None,),
+                help=f"{help_text}; again: one more (env {var})",
+            )
             continue
         if f.name == "lora":  # repeatable, each flag one more
             listed = tuple(v.strip() for v in (raw or "").split(",") if v.strip())

@@ -30,6 +30,9 @@ OPERATOR_PATHS = {  # only for a token with the admin claim, whatever the method
     "/metrics",  # and what changes the server for every team (loading and unloading models and adapters)
     "/models/load",
     "/models/unload",
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/lora-adapters",
 }
 
 

@@ -27,6 +27,8 @@ from ..config import ServerConfig
 from ..model.tokenizer import Tokenizer
 from ..request_errors import RateLimited, Unavailable
 from .messages import (
+    AdapterInfo,
+    AdapterReply,
     CancelRequest,
     EmbedRequest,
     EngineFailed,
@@ -34,10 +36,12 @@ from .messages import (
     EngineStats,
     FinishReason,
     GenerateRequest,
+    LoadAdapter,
     SamplingParams,
     Shutdown,
     StepOutput,
     TokenEvent,
+    UnloadAdapter,
 )
 from .metrics import Metrics
 from .process import run_engine
@@ -47,6 +51,7 @@ log = logging.getLogger(__name__)
 RESTART_WINDOW = 600.0  # seconds: engine_max_restarts counts the restarts within this window
 RESTART_BACKOFF = (0.5, 1.0, 2.0, 5.0, 10.0, 30.0)  # seconds before the 1st, 2nd, ... restart in the window
 SAVE_TIMEOUT = 60.0  # seconds a stopping engine may take to save its rows' caches to --prompt-cache-dir
+ADAPTER_TIMEOUT = 300.0  # seconds a LoRA adapter's load or unload may take (the engine reads it between steps)
 
 
 @dataclass(eq=False)
@@ -94,6 +99,8 @@ class EngineClient:
         self.restart_count = 0  # engine restarts since the worker started
         self.tokenizer: Tokenizer | None = None
         self.stats = self._idle_stats()
+        self._adapters: tuple[AdapterInfo, ...] = ()  # the engine's LoRA adapters, as its latest word says
+        self._replies: dict[str, queue.SimpleQueue] = {}  # LoadAdapter / UnloadAdapter awaiting their AdapterReply
         self.metrics = Metrics(lambda: self.stats, lambda: self.open_sessions, self.ranks_alive)
 
     # life cycle
@@ -252,6 +259,46 @@ class EngineClient:
                 self._send(CancelRequest(session.id))
         return len(sessions)
 
+    # LoRA adapters
+    @property
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        """The LoRA adapters requests may name now: those loaded at start, with the loads and unloads since (a
+        restarted engine has --lora's alone again)."""
+        return self._adapters
+
+    def load_adapter(self, name: str, path: str, timeout: float = ADAPTER_TIMEOUT) -> AdapterInfo:
+        """Load a LoRA adapter (a GGUF from convert_lora_to_gguf.py or a PEFT folder) under a new name; ValueError
+        with the engine's reason when it cannot (a bad file, a name in use, a model that takes none)."""
+        reply = self._adapter_call(lambda rid: LoadAdapter(rid, name, str(path)), timeout)
+        if reply.error is not None or reply.info is None:
+            raise ValueError(reply.error or f"LoRA adapter {name!r} was not loaded")
+        return reply.info
+
+    def unload_adapter(self, name: str, timeout: float = ADAPTER_TIMEOUT) -> bool:
+        """Refuse a LoRA adapter to new requests (running ones finish with it; its memory is freed after the
+        last); False: no adapter of that name is loaded."""
+        reply = self._adapter_call(lambda rid: UnloadAdapter(rid, name), timeout)
+        if reply.error is not None:
+            raise ValueError(reply.error)
+        return reply.unloaded
+
+    def _adapter_call(self, message: Callable[[str], object], timeout: float) -> AdapterReply:
+        """Send an adapter message and wait for its reply (Unavailable: no engine, or none answered in time)."""
+        self.check_ready()
+        rid = uuid.uuid4().hex
+        answer: queue.SimpleQueue = queue.SimpleQueue()
+        self._replies[rid] = answer
+        try:
+            self._send(message(rid))
+            reply = answer.get(timeout=timeout)
+        except queue.Empty:
+            raise Unavailable(f"the engine did not answer the adapter request within {timeout:.0f} s") from None
+        finally:
+            self._replies.pop(rid, None)
+        if reply is None:
+            raise Unavailable("the engine stopped before it answered the adapter request", retry_after=5)
+        return reply
+
     # output
     def _demux(self, process: SpawnProcess, outbox: Queue[Any]) -> bool:
         """Read the engine's output until it stops; True if it had been serving (so a restart makes sense)."""
@@ -269,8 +316,14 @@ class EngineClient:
                 self.stats = msg.stats
                 for event in msg.events:
                     self._deliver(event)
+            elif isinstance(msg, AdapterReply):
+                self._adapters = msg.adapters
+                waiting = self._replies.get(msg.request_id)
+                if waiting is not None:
+                    waiting.put(msg)
             elif isinstance(msg, EngineReady):
                 self.tokenizer = self._load_tokenizer(msg)
+                self._adapters = msg.adapters
                 self.ready = msg
                 self.restarting = False
                 log.info("engine ready: %s on %s (pid %d)", msg.model_name, msg.device, process.pid)
@@ -323,6 +376,8 @@ class EngineClient:
         return HFTokenizer(ready.model_dir)
 
     def _fail_all(self, message: str) -> list[Session]:
+        for waiting in list(self._replies.values()):  # adapter calls awaiting an engine that is gone
+            waiting.put(None)
         log.error("ending open requests: %s", message)
         with self._lock:
             sessions = [s for s in self._sessions.values() if not s.done]

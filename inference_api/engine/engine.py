@@ -13,16 +13,20 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from .adapters import Adapters
 from .constrain import Constraints
 from .messages import (
+    AdapterReply,
     EmbedRequest,
     EngineStats,
     ErrorKind,
     FinishReason,
     GenerateRequest,
+    LoadAdapter,
     SamplingParams,
     TokenEvent,
     TokenLogprob,
+    UnloadAdapter,
     refusal,
     step_rows_bucket,
 )
@@ -112,6 +116,7 @@ class Engine:
         prompt_cache: PromptCache | None = None,
         drafter: ModelDrafter | None = None,
         pooling: str | None = None,
+        adapters: Adapters | None = None,
     ):
         self.runner = runner
         self.tokenizer = tokenizer
@@ -136,6 +141,7 @@ class Engine:
         self.pooling = pooling
         self.embedded: list[TokenEvent] = []  # the embeddings finished in a step, for its events
         self.spec_drafted = self.spec_accepted = self.spec_steps = 0
+        self.adapters = adapters  # LoRA adapters by name (None: the runner takes none)
 
     @property
     def has_work(self) -> bool:
@@ -161,7 +167,12 @@ class Engine:
     def _queue(self, request: GenerateRequest) -> None:
         """Queue a request. With n choices, choice 0 goes first; the others are held until its prompt is cached
         (``_fork``), then take rows copying that prefix from its row: one prefill for all n."""
-        seqs = [Sequence(request, self.tokenizer.decode, i) for i in range(max(1, request.params.n))]
+        try:
+            adapters, tag = self._resolve_adapters(request.params.lora)
+        except ValueError as exc:
+            self.refused.append(refusal(request.session_id, str(exc)))
+            return
+        seqs = [Sequence(request, self.tokenizer.decode, i, adapters, tag) for i in range(max(1, request.params.n))]
         self.scheduler.arrive(seqs)
         self.sessions[request.session_id] = seqs
         first = seqs[0]
@@ -173,6 +184,35 @@ class Engine:
             for fork in first.forks:  # built while the prompt is computed
                 fork.future = self.constraints.compile(request.params.grammar, request.team)
         self._enqueue(first)
+
+    def _resolve_adapters(self, lora: tuple[tuple[str, float], ...]) -> tuple[tuple[tuple[int, float], ...], str]:
+        """A request's LoRA adapters as (slot, scale) pairs and their namespace tag; ValueError naming one that is
+        not loaded."""
+        if not lora:
+            return (), ""
+        if self.adapters is None:
+            raise ValueError(f"LoRA adapter {lora[0][0]!r} is not loaded (this engine takes no adapters)")
+        return self.adapters.resolve(lora)
+
+    def adapter_message(self, msg: LoadAdapter | UnloadAdapter) -> AdapterReply:
+        """Load or unload an adapter between steps; the reply carries the result or the error, and the adapters
+        requests may name now."""
+        adapters = self.adapters
+        if adapters is None:
+            return AdapterReply(msg.request_id, error="this engine takes no LoRA adapters")
+        try:
+            if isinstance(msg, LoadAdapter):
+                info = adapters.load(msg.name, msg.path)
+                return AdapterReply(msg.request_id, adapters.infos, info=info)
+            unloaded = adapters.unload(msg.name, self._adapter_slots())
+            return AdapterReply(msg.request_id, adapters.infos, unloaded=unloaded)
+        except Exception as exc:  # a bad file is the operator's error, never the engine's end
+            log.warning("LoRA adapter %r: %s", msg.name, exc)
+            return AdapterReply(msg.request_id, adapters.infos, error=str(exc))
+
+    def _adapter_slots(self) -> set[int]:
+        """The adapter slots of every sequence not ended (waiting, compiling, held or in a row)."""
+        return {slot for seqs in self.sessions.values() for s in seqs for slot, _ in s.adapters}
 
     def embed(self, request: EmbedRequest) -> None:
         """With --embedding, each input a sequence whose prompt is computed in a row as any prompt is (sharing
@@ -258,7 +298,14 @@ class Engine:
 
     def step(self) -> list[TokenEvent]:
         """Schedule, draft, run, sample, emit: one step of every row that has work (and the requests that ended
-        before they ran: refused, or their grammar failed)."""
+        before they ran: refused, or their grammar failed); then the slots of unloaded adapters whose last
+        sequences ended are freed."""
+        events = self._step()
+        if self.adapters is not None and self.adapters.pending:
+            self.adapters.sweep(self._adapter_slots())
+        return events
+
+    def _step(self) -> list[TokenEvent]:
         failed, self.refused = self.refused + self._compiled(), []
         self._admit()
         started = time.perf_counter()
@@ -320,6 +367,8 @@ class Engine:
         for admission in self.scheduler.admit():
             seq = admission.seq
             self.sampler.admit(seq)
+            if self.adapters is not None:  # the row's forwards apply the sequence's adapters (none: the base's)
+                self.adapters.assign(seq.held_row, seq.adapters)
             if admission.evict is not None and self.prompt_cache is not None:
                 owner, tokens = admission.evict
                 try:
@@ -460,8 +509,8 @@ class Engine:
         that step afresh. Not where this step's logits are still to be read (log-probs), where a row would pass
         the context, or where every row ends with this token. Returns what reads the tokens, or None."""
         launch = self.launch_ahead
-        if launch is None or any(s.params.logprobs is not None for s in seqs):
-            return None
+        if launch is None or any(s.params.logprobs is not None or s.adapters for s in seqs):
+            return None  # (a captured step adds no adapter's terms)
         positions = [s.num_tokens for s in seqs]  # each row's next position (its last token's + 1)
         if max(positions) >= self.context_length or all(s.at_length(self.context_length, ahead=1) for s in seqs):
             return None

@@ -62,6 +62,8 @@ class SamplingParams:
     cache_salt: str | None = None
     reasoning: Reasoning | None = None  # a reasoning model's thought (None: the output is all answer)
     speculate: bool = True  # its rows may draft tokens for the model to check (where the server speculates)
+    # LoRA adapters (engine/adapters.py): (name, scale) pairs, as llama-server's per-request lora [{id, scale}]
+    lora: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -91,6 +93,46 @@ class CancelRequest:
 @dataclass(frozen=True)
 class Shutdown:
     pass
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A LoRA adapter the engine holds."""
+
+    name: str
+    path: str
+    rank: int  # its tensors' largest rank
+    alpha: float
+    bytes: int  # its low-rank weights as held (float32 on CPU)
+
+
+@dataclass(frozen=True)
+class LoadAdapter:
+    """Load a LoRA adapter (a GGUF file or a PEFT folder) under a name, between steps; answered by AdapterReply."""
+
+    request_id: str
+    name: str
+    path: str
+
+
+@dataclass(frozen=True)
+class UnloadAdapter:
+    """Refuse a LoRA adapter to new requests (those running finish with it); answered by AdapterReply."""
+
+    request_id: str
+    name: str
+
+
+@dataclass(frozen=True)
+class AdapterReply:
+    """The engine's answer to LoadAdapter or UnloadAdapter: the adapter loaded (info), whether one was unloaded,
+    or the error; and every adapter requests may name now."""
+
+    request_id: str
+    adapters: tuple[AdapterInfo, ...] = ()
+    info: AdapterInfo | None = None
+    unloaded: bool = False
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -197,6 +239,7 @@ class EngineReady:
     cuda_graphs: tuple[int, ...] = ()  # the batch sizes whose decode step was captured in CUDA graphs
     task: str = "generate"  # generate | embed (an embedding model) | score (a reranker)
     dims: int = 0  # an embedding model's vector size
+    adapters: tuple[AdapterInfo, ...] = ()  # the LoRA adapters loaded at start (--lora)
 
 
 @dataclass(frozen=True)

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from ..kernels.quant import QUANTIZED
 from ..model.attention import use_row_attention
 from ..model.compact import CompactLM, build_compact
+from ..model.families import FAMILIES
 from ..model.forward_batch import ForwardBatch
 from ..model.linear import linear_factory, use_linears
+from ..model.lora import LoraAdapter, LoraSlots, load_adapter, targets
 from .cuda_graphs import capture_decode
 from .kv_cache import RowKVCache
 from .plan import ExecutionPlan
@@ -131,6 +133,13 @@ class ModelRunner:
         self.dtype = model.dtype
         self.vocab_size = model.config.vocab_size
         self.plan = plan
+        self.config = model.config
+        # llama.cpp's architecture name of the model (a LoRA GGUF must name it): the file's, else the family's
+        # (None there: llama.cpp writes the family as llama, as Mistral's files)
+        family = FAMILIES.get(model.config.model_type)
+        self.gguf_arch = getattr(model, "arch", None) or (family.gguf if family is not None else None) or "llama"
+        self.split = shard is not None
+        self.row_adapters: dict[int, tuple[tuple[int, float], ...]] = {}  # each row's LoRA (slot, scale) pairs
         self.model = build_model(model, plan, kernels, context_length + 1, shard, all_reduce)
         layers, kv_heads, head_dim = kv_geometry(model.config)
         kv_heads //= shard.size if shard is not None else 1
@@ -172,7 +181,44 @@ class ModelRunner:
             attend,
             self.cache.scratch,
             last_only=last_only,
+            adapters=self._adapters(rows),
         )
+
+    def _adapters(self, rows: list[int]) -> list[tuple[tuple[int, float], ...]] | None:
+        """Each entry's LoRA (slot, scale) pairs, for the ForwardBatch (None: no row has any)."""
+        if not any(self.row_adapters.get(r) for r in rows):
+            return None
+        return [self.row_adapters.get(r, ()) for r in rows]
+
+    # LoRA adapters (model/lora.py): held by the compact decoder, given to rows by the engine
+    def add_adapter(self, name: str, path: str) -> tuple[int, LoraAdapter]:
+        """Read an adapter for this model and hold it: (its slot, the adapter). ValueError: the file does not fit,
+        or the model cannot take adapters (transformers' layers, a tensor-parallel split)."""
+        if not isinstance(self.model, CompactLM):
+            raise ValueError(
+                f"LoRA adapter {name!r}: architecture {self.plan.arch or 'unknown'!r} runs on transformers' layers, "
+                f"which take no adapters (the compact decoder's families do)"
+            )
+        if self.split:
+            raise ValueError(f"LoRA adapter {name!r}: a tensor-parallel model takes no adapters")
+        family = self.model.spec.family
+        adapter = load_adapter(name, path, self.config, family, self.gguf_arch)
+        if self.model.lora is None:
+            layers = self.config.num_hidden_layers
+            self.model.lora = LoraSlots(targets(self.config, family), layers, self.device, self.dtype)
+        return self.model.lora.add(adapter), adapter
+
+    def remove_adapter(self, slot: int) -> None:
+        """Let go of an adapter's weights (no row may use its slot any more)."""
+        if isinstance(self.model, CompactLM) and self.model.lora is not None:
+            self.model.lora.remove(slot)
+
+    def use_adapters(self, row: int, adapters: tuple[tuple[int, float], ...]) -> None:
+        """The LoRA (slot, scale) pairs a row's forwards apply from now on (empty: none)."""
+        if adapters:
+            self.row_adapters[row] = adapters
+        else:
+            self.row_adapters.pop(row, None)
 
     @torch.inference_mode()
     def prefill(self, rows: list[int], chunks: list[list[int]], starts: list[int]) -> torch.Tensor:
@@ -227,7 +273,8 @@ class ModelRunner:
         """One token for each given row at its position; returns logits [len(rows), V] in that order. The batch
         spans rows 0..highest (the decode kernels' layout: batch index b is cache row b), idle rows writing to
         the scratch slot; with CUDA graphs, the smallest captured bucket that holds them."""
-        if self.graphs is not None:
+        adapters = self._adapters(rows)
+        if self.graphs is not None and adapters is None:  # (the captured step adds no adapter's terms)
             return self.graphs.decode(rows, tokens, positions)
         width = max(rows) + 1
         index = torch.tensor(rows)
@@ -246,6 +293,7 @@ class ModelRunner:
             max(positions) + 1,
             self.cache.scratch,
             decode=True,
+            adapters=None if adapters is None else [self.row_adapters.get(r, ()) for r in range(width)],
         )
         logits = self.model.forward(batch, self.cache)
         if logits is None or (len(rows) == width and rows == sorted(rows)):

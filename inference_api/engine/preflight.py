@@ -343,6 +343,7 @@ def estimate(config: ServerConfig) -> Estimate:
     if config.draft_model:  # its weights and its own rows' cache beside the model's
         draft = estimate(dataclasses.replace(config, model=config.draft_model, draft_model=None, cache_ram=0))
         weights, kv = weights + draft.weights_bytes, kv + draft.kv_cache_bytes
+    weights += adapters_bytes(config, plan)
     return Estimate(
         plan.device,
         weights,
@@ -354,6 +355,14 @@ def estimate(config: ServerConfig) -> Estimate:
         plan.tp,
         cache_bytes(config.cache_ram) if config.prefix_cache and plan.tp == 1 else 0,
     )
+
+
+def adapters_bytes(config: ServerConfig, plan: ExecutionPlan) -> int:
+    """--lora's adapters as the decoder holds them: their numbers (from the files' headers) in the model's dtype."""
+    from ..model.lora import adapter_params, adapter_specs
+
+    numbers = sum(adapter_params(path) for _, path in adapter_specs(config.lora))
+    return int(numbers * DTYPE_BYTES.get(plan.dtype, 4.0))
 
 
 def served_architectures(arch: str | None = None) -> tuple[str, ...]:

@@ -8,17 +8,21 @@ import queue
 from pathlib import Path
 
 from ..config import ServerConfig
+from .adapters import Adapters
 from .embedder import Embedder
 from .engine import Engine
 from .lifeline import die_with_parent, release_free_memory
 from .messages import (
+    AdapterReply,
     CancelRequest,
     EmbedRequest,
     EngineFailed,
     EngineReady,
     GenerateRequest,
+    LoadAdapter,
     Shutdown,
     StepOutput,
+    UnloadAdapter,
 )
 from .prompt_cache import PromptCache, cache_bytes, fingerprint
 from .speculative import ModelDrafter, spec_config
@@ -52,6 +56,8 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
     from ..model.loader import model_name
 
     if config.mock:
+        if config.lora:
+            raise RuntimeError("--lora: the mock engine takes no LoRA adapters (it has no weights)")
         from ..mock.runner import MockRunner
         from ..mock.tokenizer import EOS, ByteTokenizer
 
@@ -118,6 +124,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
             "(correct, slower)",
             plan.arch,
         )
+    adapters = load_adapters(config, runner)
     rings = sorted({n for n in runner.cache.layer_slots if n < config.context_length})
     log.info(
         "model %s on %s; KV cache %.0f MiB%s for %d rows x %d tokens%s",
@@ -144,6 +151,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
         drafter=load_drafter(config, tokenizer, kernels) if config.draft_model else None,
         prompt_cache=make_prompt_cache(config, runner, gguf or model_dir, plan.tp),
         pooling=config.pooling if config.embedding else None,
+        adapters=adapters,
     )
     if config.embedding and not getattr(runner, "embeds", False):
         raise RuntimeError(f"--embedding: architecture {plan.arch!r} gives no token vectors (the compact decoder's do)")
@@ -164,8 +172,27 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
         cuda_graphs=decode_graphs(runner),
         task="embed" if config.embedding else "generate",
         dims=int(runner.model.norm.shape[0]) if config.embedding else 0,
+        adapters=adapters.infos if adapters is not None else (),
     )
     return engine, ready
+
+
+def load_adapters(config: ServerConfig, runner) -> Adapters | None:
+    """The engine's LoRA adapters, --lora's loaded (a file that does not fit the model stops the start, with its
+    reason); None where the runner takes none (a tensor-parallel group's)."""
+    from ..model.lora import adapter_specs
+
+    if not hasattr(runner, "add_adapter"):
+        if config.lora:
+            raise RuntimeError("--lora: a tensor-parallel model takes no LoRA adapters")
+        return None
+    adapters = Adapters(runner)
+    for name, path in adapter_specs(config.lora):
+        try:
+            adapters.load(name, path)
+        except ValueError as exc:
+            raise RuntimeError(f"--lora {name}={path}: {exc}") from None
+    return adapters
 
 
 def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineReady]:
@@ -292,6 +319,11 @@ def run_engine(config: ServerConfig, inbox, outbox) -> None:
                 engine.embed(msg)
             elif isinstance(msg, CancelRequest):
                 engine.cancel(msg.session_id)
+            elif isinstance(msg, (LoadAdapter, UnloadAdapter)):
+                if isinstance(engine, Engine):
+                    outbox.put(engine.adapter_message(msg))
+                else:  # (an embedding model's engine)
+                    outbox.put(AdapterReply(msg.request_id, error="an embedding model takes no LoRA adapters"))
             elif isinstance(msg, Shutdown):
                 engine.close()  # (the prompt cache's folder gets the rows' caches)
                 close = getattr(engine.runner, "close", None)  # a tensor-parallel group's other ranks

@@ -27,11 +27,24 @@ class Status(enum.Enum):
 
 
 class Sequence:
-    def __init__(self, request: GenerateRequest, decode: Callable[[Seq[int]], str], index: int = 0):
+    def __init__(
+        self,
+        request: GenerateRequest,
+        decode: Callable[[Seq[int]], str],
+        index: int = 0,
+        adapters: tuple[tuple[int, float], ...] = (),
+        adapter_tag: str = "",
+    ):
+        """adapters: its LoRA adapters as the runner applies them, (slot, scale) pairs; adapter_tag: what they are
+        (each one's content digest and scale: engine/adapters.py)."""
         self.session_id = request.session_id
         self.team = request.team
-        # whose prefix cache it reads and writes: its team's, within it the request's cache_salt (prefix.py)
-        self.namespace = (request.team, request.params.cache_salt)
+        # whose prefix cache it reads and writes: its team's, within it the request's cache_salt (prefix.py), and
+        # its adapters' (keys and values computed with one adapter set are never another's)
+        self.namespace: tuple = (request.team, request.params.cache_salt)
+        if adapter_tag:
+            self.namespace += (adapter_tag,)
+        self.adapters = adapters
         self.arrival = 0  # the request's place in arrival order (Scheduler.arrive): prompts are computed in it
         self.index = index  # which of the request's n choices this is
         self.params: SamplingParams = request.params

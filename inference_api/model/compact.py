@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from ..kernels.quant import QuantLinear
 from .families import ModelSpec, describe
 from .forward_batch import ForwardBatch
+from .lora import LoraPlan, LoraSlots
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -171,6 +172,7 @@ class CompactLM:
         # all-reduce
         plain = self.kernels is not None and spec.plain and not self.split
         self.fused, self.fused_max_rows = fused_decoder(self.kernels if plain else None, layers, self.heads, self.eps)
+        self.lora: LoraSlots | None = None  # the LoRA adapters held (ModelRunner.add_adapter), None: none ever
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """RMSNorm as transformers computes it: in float32, the weight applied after the cast back (the CPU
@@ -183,14 +185,24 @@ class CompactLM:
             return self.kernels.rms_norm(x, weight, self.eps)
         return weight * F.rms_norm(x, x.shape[-1:], eps=self.eps)
 
-    def _mlp(self, layer: Layer, h: torch.Tensor) -> torch.Tensor:
-        up = layer.gate_up(h)
+    def _linear(self, lin: Linear, i: int, role: str, x: torch.Tensor, lora: LoraPlan | None) -> torch.Tensor:
+        """Layer i's linear ``role`` over the real tokens x: the base weights once for every token, then the
+        adapters' low-rank terms added to their own tokens' outputs (the others' numbers untouched)."""
+        y = lin(x)
+        if lora is None or self.lora is None:
+            return y
+        return self.lora.add_delta(i, role, x, y, lora)
+
+    def _mlp(self, layer: Layer, h: torch.Tensor, i: int, lora: LoraPlan | None) -> torch.Tensor:
+        up = self._linear(layer.gate_up, i, "gate_up", h, lora)
         if not self.spec.family.gated:  # act(up), no gate (falcon)
-            return layer.down(_act(up, self.spec.activation))
-        if self.kernels is not None and self.spec.activation == "silu":
-            return layer.down(self.kernels.silu_mul(up))
-        gate, up = up.chunk(2, dim=-1)  # [gate | up]
-        return layer.down(_act(gate, self.spec.activation).mul_(up))
+            act = _act(up, self.spec.activation)
+        elif self.kernels is not None and self.spec.activation == "silu":
+            act = self.kernels.silu_mul(up)
+        else:
+            gate, up = up.chunk(2, dim=-1)  # [gate | up]
+            act = _act(gate, self.spec.activation).mul_(up)
+        return self._linear(layer.down, i, "down", act, lora)
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids).to(self.dtype)
@@ -205,8 +217,10 @@ class CompactLM:
 
     def forward(self, batch: ForwardBatch, cache) -> torch.Tensor | None:
         """The one layer loop (every family, every batch); a llama-shaped decode step goes to the kernels'
-        Decoder, its mirror in C++, where it takes the rows."""
-        fused = self.fused is not None and self.head is not None
+        Decoder, its mirror in C++, where it takes the rows, unless a row has LoRA adapters (the Decoder adds no
+        low-rank terms: the loop gives the other rows the same numbers, bit for bit)."""
+        lora = self.lora.plan(batch.adapter_tokens()) if self.lora is not None and batch.adapters else None
+        fused = self.fused is not None and self.head is not None and lora is None
         if fused and batch.decode and not batch.static and batch.shape[0] <= self.fused_max_rows:
             return self._fused(batch, cache)
         spec, k = self.spec, self.kernels
@@ -231,7 +245,7 @@ class CompactLM:
         parallel = spec.family.parallel
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer.attn_norm, layer.attn_norm_b)
-            qkv = layer.qkv(h)
+            qkv = self._linear(layer.qkv, i, "qkv", h, lora)
             cos, sin = cos_sin[spec.rope[i]]
             if rope_k is not None:  # every token's rotary and cache write in one kernel call
                 # the per-head norms before the rotary, written back into qkv
@@ -282,12 +296,12 @@ class CompactLM:
                 a = a.transpose(1, 2).reshape(b * t, hq * d)
                 if a.shape[0] != x.shape[0]:  # padding to drop (none in a static batch: every entry is a token)
                     a = a[tokens]
-            o = layer.o(a)
+            o = self._linear(layer.o, i, "o", a, lora)
             if parallel:  # the MLP reads the layer's input too (its own norm, or the attention's)
                 if layer.post_attn_norm is not None:  # (no such family; a split one is refused: parallel.Shard)
                     o = self._norm(o, layer.post_attn_norm)
                 same = layer.mlp_norm is layer.attn_norm
-                m = self._mlp(layer, h if same else self._norm(x, layer.mlp_norm, layer.mlp_norm_b))
+                m = self._mlp(layer, h if same else self._norm(x, layer.mlp_norm, layer.mlp_norm_b), i, lora)
                 if self.split:  # one all-reduce for both partial sums
                     x.add_(self.all_reduce(o.add_(m)))
                 else:
@@ -297,7 +311,7 @@ class CompactLM:
             if layer.post_attn_norm is not None:
                 o = self._norm(o, layer.post_attn_norm)
             x.add_(o)  # x is this forward's own tensor
-            m = self.all_reduce(self._mlp(layer, self._norm(x, layer.mlp_norm, layer.mlp_norm_b)))
+            m = self.all_reduce(self._mlp(layer, self._norm(x, layer.mlp_norm, layer.mlp_norm_b), i, lora))
             if layer.post_mlp_norm is not None:
                 m = self._norm(m, layer.post_mlp_norm)
             x.add_(m)

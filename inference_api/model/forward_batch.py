@@ -30,6 +30,8 @@ class ForwardBatch:
     last_only: bool = True  # logits of each entry's last token only ([B, V]); else of every token ([B, T, V])
     hidden: bool = False  # the final norm's output instead of the logits (an embedding: --embedding)
     static: bool = False  # a decode batch whose every row counts as a token (CUDA graphs; see above)
+    # each entry's LoRA adapters as (slot, scale) pairs (model/lora.py); None: no entry has one
+    adapters: list[tuple[tuple[int, float], ...]] | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     # what the forward reads, computed when first read (the decode kernels' step reads none of the token views)
@@ -57,6 +59,18 @@ class ForwardBatch:
     @cached_property
     def token_writes(self) -> torch.Tensor:
         return self.write.reshape(-1)[self.tokens]
+
+    def adapter_tokens(self) -> list[tuple[int, int, float]]:
+        """(token, slot, scale) for every real token of an entry with adapters, the token as an index into the real
+        tokens (an entry's are consecutive there, in order)."""
+        if not self.adapters or not any(self.adapters):
+            return []
+        counts = self.real.sum(1).tolist()
+        pairs, start = [], 0
+        for n, adapters in zip(counts, self.adapters):
+            pairs += [(start + j, slot, scale) for slot, scale in adapters for j in range(n)]
+            start += n
+        return pairs
 
     @property
     def shape(self) -> tuple[int, int]:

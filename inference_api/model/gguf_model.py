@@ -71,17 +71,23 @@ class GGUFModel:
         return torch.from_numpy(data.reshape(shape).copy())
 
     def _unpermute(self, w, heads: int):
-        """convert_hf_to_gguf's permutation of q or k rows (per head: pairs interleaved) undone, on a tensor or on
-        each row-first tensor of packed blocks."""
+        """convert_hf_to_gguf's permutation of q or k rows undone where the family's converter made it
+        (``unpermute_rows``)."""
         if w is None or not self.family.permuted_qk:
             return w
-        if isinstance(w, ROW_MAPPED):
-            return w.map_rows(lambda t: self._unpermute(t, heads))
-        rest = w.shape[1:]
-        return w.reshape(heads, w.shape[0] // heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
+        return unpermute_rows(w, heads)
 
     def weights(self) -> GGUFWeights:
         return GGUFWeights(self)
+
+
+def unpermute_rows(w, heads: int):
+    """convert_hf_to_gguf's permutation of q or k rows (per head: pairs interleaved) undone, on a tensor (a weight,
+    a bias, or a LoRA adapter's B) or on each row-first tensor of packed blocks."""
+    if isinstance(w, ROW_MAPPED):
+        return w.map_rows(lambda t: unpermute_rows(t, heads))
+    rest = w.shape[1:]
+    return w.reshape(heads, w.shape[0] // heads // 2, 2, *rest).transpose(1, 2).reshape(w.shape).contiguous()
 
 
 class GGUFWeights:

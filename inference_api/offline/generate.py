@@ -19,11 +19,10 @@ import os
 import signal
 import sys
 from collections.abc import Iterator
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ..config import ServerConfig, build_parser
+from ..config import build_parser, flag_values
 from .llm import LLM, Conversation, EngineError, ParameterError, RequestOutput, SamplingParams
 
 _LINE_KEYS = {"prompt", "messages", "id"}
@@ -233,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--params", default="{}", help="default sampling parameters as a JSON object")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = vars(parser.parse_args(argv))
-    options = {f.name: args[f.name] for f in fields(ServerConfig) if f.name in args}  # the flags (no env-only secret)
+    options = flag_values(args)  # the flags (no env-only secret)
+    if options.pop("models"):
+        parser.error("--model: the JSONL job runs one model")
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # stop the engine on the way out
     try:
         defaults = SamplingParams(**json.loads(args["params"]))

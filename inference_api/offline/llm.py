@@ -8,6 +8,10 @@
             print(out.text, end="")
         print(llm.generate(["a", "b"], SamplingParams(temperature=0))[0].text)
 
+    with LLM("base.gguf", lora={"sql": "sql-lora.gguf"}) as llm:  # LoRA adapters: {name: path} or [paths]
+        llm.generate("SELECT", SamplingParams(lora="sql"))   # a request's: a name, {name: scale}, or [(name, scale)]
+        llm.load_adapter("chat", "chat-peft-folder/")      # and at run time: load_adapter, unload_adapter, adapters
+
 Requests go through the same ``EngineClient`` and the same preparation (``prepare``) as the HTTP app;
 sampling parameters and prompts are checked by the parsers of ``/v1/completions`` (one validation), and a bad
 one raises ``ParameterError`` naming it.
@@ -16,6 +20,7 @@ one raises ``ParameterError`` naming it.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import threading
 import time
@@ -26,6 +31,7 @@ from typing import Any
 
 from ..config import ServerConfig
 from ..engine.client import EngineClient
+from ..engine.messages import AdapterInfo
 from ..engine.messages import SamplingParams as EngineParams
 from ..model.tokenizer import Tokenizer
 from ..request.prepare import Prompt, fit_inputs, prepare
@@ -62,31 +68,70 @@ class SamplingParams:
 
     temperature (0: greedy), top_p, top_k, max_tokens (None: as many as fit, at most 1024), stop (a string or up
     to 4), seed, presence_penalty, frequency_penalty, repetition_penalty, logprobs (None, or the chosen token's
-    log-prob plus the top N, N <= 5), and any other sampling field /v1/completions accepts.
+    log-prob plus the top N, N <= 5), and any other sampling field /v1/completions accepts; ``lora``: the LoRA
+    adapters the request applies (loaded by ``LLM(lora=...)`` or ``load_adapter``): a name (scale 1), a
+    ``{name: scale}`` dict, or a list of names, ``(name, scale)`` pairs or llama-server's ``{"id": name, "scale":
+    s}``.
     """
 
     def __init__(self, **params: Any):
+        self.lora = _lora_request(params.pop("lora", ()))
         unknown = sorted(set(params) - SAMPLING_FIELDS)
         if unknown:
             raise ParameterError(
-                f"unknown sampling parameter {unknown[0]!r}; accepted: {', '.join(sorted(SAMPLING_FIELDS))}", unknown[0]
+                f"unknown sampling parameter {unknown[0]!r}; accepted: {', '.join(sorted(SAMPLING_FIELDS | {'lora'}))}",
+                unknown[0],
             )
         self.params = dict(params)
         self.resolve(_ANY_VOCAB)
 
     def resolve(self, vocab_size: int) -> EngineParams:
         """The engine's parameters (max_tokens None: as many as fit): the OpenAI completions parser, errors
-        translated."""
+        translated, and the request's adapters."""
         try:
-            return completion_sampling(self.params, vocab_size)
+            resolved = completion_sampling(self.params, vocab_size)
         except RequestError as err:
             raise _translate(err) from None
+        return dataclasses.replace(resolved, lora=self.lora) if self.lora else resolved
 
     def __repr__(self) -> str:
-        return f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in self.params.items())})"
+        shown = {**self.params, **({"lora": self.lora} if self.lora else {})}
+        return f"SamplingParams({', '.join(f'{k}={v!r}' for k, v in shown.items())})"
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, SamplingParams) and other.params == self.params
+        return isinstance(other, SamplingParams) and other.params == self.params and other.lora == self.lora
+
+
+def _lora_request(lora: Any) -> tuple[tuple[str, float], ...]:
+    """A request's adapters as the engine takes them, (name, scale) pairs, from any form SamplingParams accepts."""
+    if isinstance(lora, str):
+        lora = [lora]
+    items = list(lora.items()) if isinstance(lora, dict) else list(lora)
+    pairs = []
+    for item in items:
+        name: Any
+        scale: Any
+        if isinstance(item, str):
+            name, scale = item, 1.0
+        elif isinstance(item, dict) and ("id" in item or "name" in item):
+            name, scale = item.get("id", item.get("name")), item.get("scale", 1.0)
+        elif isinstance(item, (tuple, list)) and len(item) == 2:
+            name, scale = item
+        else:
+            raise ParameterError(f"lora: {item!r} is not a name, (name, scale) or {{'id': name, 'scale': s}}", "lora")
+        if not isinstance(name, str) or isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise ParameterError(f"lora: {item!r} needs an adapter's name and a number for its scale", "lora")
+        pairs.append((name, float(scale)))
+    return tuple(pairs)
+
+
+def _lora_option(lora: Any) -> tuple[str, ...]:
+    """LLM(lora=...): {name: path}, a path, or a list of paths or NAME=PATH strings -> --lora's entries."""
+    if isinstance(lora, dict):
+        return tuple(f"{name}={path}" for name, path in lora.items())
+    if isinstance(lora, (str, Path)):
+        return (str(lora),)
+    return tuple(str(p) for p in lora)
 
 
 def build_config(model: str | Path | None, options: dict[str, Any]) -> ServerConfig:
@@ -99,6 +144,8 @@ def build_config(model: str | Path | None, options: dict[str, Any]) -> ServerCon
         )
     if "model_cache_dir" in options:
         options = {**options, "model_cache_dir": Path(options["model_cache_dir"])}
+    if "lora" in options:
+        options = {**options, "lora": _lora_option(options["lora"])}
     return ServerConfig(model=None if model is None else str(model), **options)
 
 
@@ -106,7 +153,10 @@ class LLM:
     """The engine in a child process, as the server runs it, driven from Python.
 
     ``LLM(model=None, **options)``: the model the server would load for ``--model`` (None: the embedded
-    default), and any server flag as a keyword argument (``rows``, ``context_length``, ``mock``, ``device``...).
+    default), and any server flag as a keyword argument (``rows``, ``context_length``, ``mock``, ``device``...);
+    ``lora``: LoRA adapters loaded at start, ``{name: path}`` or a list of paths (each named by its file or
+    folder), GGUFs from llama.cpp's convert_lora_to_gguf.py or PEFT folders, which a request names in its
+    ``SamplingParams(lora=...)``.
     Use it as a context manager, or call ``close()``. Programs that create one must guard their entry point
     with ``if __name__ == "__main__":`` (the engine process is started with ``spawn``).
     """
@@ -156,6 +206,31 @@ class LLM:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+    # LoRA adapters
+    @property
+    def adapters(self) -> tuple[AdapterInfo, ...]:
+        """The LoRA adapters requests may name now (name, path, rank, alpha, bytes)."""
+        return self._client.adapters
+
+    def load_adapter(self, name: str, path: str | Path) -> AdapterInfo:
+        """Load a LoRA adapter (a GGUF or a PEFT folder) under a new name; ParameterError with the engine's reason
+        when it cannot."""
+        try:
+            return self._client.load_adapter(name, str(path))
+        except ValueError as err:
+            raise ParameterError(str(err), "lora") from None
+        except RequestError as err:
+            raise _translate(err) from None
+
+    def unload_adapter(self, name: str) -> bool:
+        """Refuse an adapter to new requests (running ones finish with it); False: none of that name."""
+        try:
+            return self._client.unload_adapter(name)
+        except ValueError as err:
+            raise ParameterError(str(err), "lora") from None
+        except RequestError as err:
+            raise _translate(err) from None
 
     # embeddings and scores (an embedding model's or a reranker's engine)
     def embed(self, texts: str | Sequence[str], *, normalize: bool = True, truncate: bool = False) -> list[list[float]]:

@@ -162,16 +162,31 @@ class ModelPool:
     def slot(self, name: str, placeholders: bool = False) -> ModelSlot:
         """The slot a request's model names (a placeholder name, with ``placeholders``: the first model's);
         ModelNotFound, with the names served, for any other."""
-        if placeholders and name in PLACEHOLDER_MODELS:
-            return self.default
-        found = self._slots.get(name)
-        if found is None:
-            self.scan()
-            found = self._slots.get(name)
-        if found is None:
-            names = ", ".join(repr(n) for n in self._slots)
-            raise ModelNotFound(f"unknown model {name!r}; this server serves {names}", "model")
+        found, adapter = self.resolve(name, placeholders)
+        if adapter is not None:
+            raise ModelNotFound(f"{name!r} is a LoRA adapter of {found.name!r}, not a model", "model")
         return found
+
+    def resolve(self, name: str, placeholders: bool = False) -> tuple[ModelSlot, str | None]:
+        """The model a request names and the LoRA adapter, if it names one: ``base:adapter`` (an adapter of any
+        model), or an adapter's own name (one of the first model's, which --lora loads); ModelNotFound for a name
+        that is neither (whether the adapter is loaded is the caller's check, once the model is)."""
+        if placeholders and name in PLACEHOLDER_MODELS:
+            return self.default, None
+        for attempt in range(2):
+            found = self._slots.get(name)
+            if found is not None:
+                return found, None
+            base, _, adapter = name.rpartition(":")
+            if base in self._slots and adapter:
+                return self._slots[base], adapter
+            first = self.default.client
+            if first is not None and any(a.name == name for a in first.adapters):
+                return self.default, name
+            if not attempt:
+                self.scan()
+        names = ", ".join(repr(n) for n in self._slots)
+        raise ModelNotFound(f"unknown model {name!r}; this server serves {names}", "model")
 
     # loading and unloading
     def acquire(self, slot: ModelSlot) -> EngineClient:

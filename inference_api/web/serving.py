@@ -8,6 +8,7 @@ Each dialect (``dialects/``) is a parser (request body into the engine's ``Sampl
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -32,12 +33,13 @@ from ..request.prepare import (
     fit_inputs,
 )
 from ..request.reasoning import Thinking, with_reasoning
-from ..request_errors import RateLimited, RequestError, Unavailable
+from ..request_errors import ModelNotFound, RateLimited, RequestError, Unavailable
 from .models import ModelPool, ModelSlot
 from .streaming import first_event, session_events
 
 RESERVATION_KEY = "inference_api.reservation"  # environ key: the request's quota Reservation, settled by app.py
-SLOT_KEY, CLIENT_KEY = "model_slot", "model_client"  # flask.g: the request's model and its engine (check_model)
+# flask.g: the request's model, its engine, and the adapter its model name names (check_model)
+SLOT_KEY, CLIENT_KEY, ADAPTER_KEY = "model_slot", "model_client", "model_adapter"
 
 
 @dataclass
@@ -95,12 +97,40 @@ class Serving:
         return client or slot.client or self.models.acquire(slot)
 
     def check_model(self, name: str, placeholders: bool = False) -> None:
-        """Make ``name`` the request's model, loaded if it is not (``ModelPool.acquire``): ModelNotFound unless
-        the server serves it (or, with ``placeholders``, for a placeholder name: the first model)."""
-        slot = self.models.slot(name, placeholders)
+        """Make ``name`` the request's model, loaded if it is not (``ModelPool.acquire``), and the LoRA adapter
+        it names, if any (``base:adapter`` or an adapter's own name): ModelNotFound unless the server serves it
+        (or, with ``placeholders``, for a placeholder name: the first model)."""
+        slot, adapter = self.models.resolve(name, placeholders)
         client = self.models.acquire(slot)
+        if adapter is not None and adapter not in (a.name for a in client.adapters):
+            held = ", ".join(repr(a.name) for a in client.adapters) or "none"
+            raise ModelNotFound(f"model {slot.name!r} has no LoRA adapter {adapter!r} (it has {held})", "model")
         g.setdefault(SLOT_KEY, slot)
         g.setdefault(CLIENT_KEY, client)
+        if adapter is not None:
+            g.setdefault(ADAPTER_KEY, (name, adapter))
+
+    def adapters(self, refs: Sequence[tuple[int | str, float]] = ()) -> tuple[tuple[str, float], ...]:
+        """The request's LoRA adapters as the engine takes them, (name, scale): the one its model name names, at
+        scale 1, and llama-server's per-request ``lora`` list (each adapter by its id, the place in the model's
+        list of adapters, or by its name)."""
+        named = g.get(ADAPTER_KEY) if has_request_context() else None
+        held = [a.name for a in self.client.adapters]
+        out = [(named[1], 1.0)] if named else []
+        for i, (ref, scale) in enumerate(refs):
+            if isinstance(ref, int):
+                if ref >= len(held):
+                    raise RequestError(
+                        f"lora[{i}].id {ref} is not one of this model's adapters (ids 0 to {len(held) - 1})"
+                        if held
+                        else f"lora[{i}]: this model has no LoRA adapters",
+                        "lora",
+                    )
+                ref = held[ref]
+            elif ref not in held:
+                raise RequestError(f"lora[{i}].name {ref!r} is not one of this model's adapters {held}", "lora")
+            out.append((ref, scale))
+        return tuple(out)
 
     # readiness and the model
     def ready(self) -> EngineReady:
@@ -116,7 +146,10 @@ class Serving:
 
     @property
     def model_name(self) -> str:
-        """The request's model's name, as requests name it."""
+        """The request's model's name, as requests name it (an adapter's as the request named it)."""
+        named = g.get(ADAPTER_KEY) if has_request_context() else None
+        if named is not None:
+            return str(named[0])
         return self.ready().model_name if self.slot.default else self.slot.name
 
     def tokenizable(self, text: str, name: str) -> str:
@@ -218,6 +251,7 @@ class Serving:
         default_max: int = DEFAULT_MAX_TOKENS,
         field: str = "max_tokens",
         thinking: Thinking | None = None,
+        lora: Sequence[tuple[int | str, float]] = (),
     ) -> Run:
         """Encode the prompt, refuse while draining, prepare the engine's parameters (``prepare.engine_params``:
         max_tokens filled in, the context fit; a chat's thought: ``reasoning.with_reasoning``, with the request's
@@ -226,6 +260,9 @@ class Serving:
         prompt_ids = self.encode(prompt)
         self._refuse_while_draining()
         params = engine_params(prompt_ids, params, self.ready().context_length, default_max=default_max, field=field)
+        adapters = self.adapters(lora)
+        if adapters:
+            params = dataclasses.replace(params, lora=adapters)
         if prompt.messages is not None:
             params = with_reasoning(params, self.config, self.tokenizer, prompt_ids, thinking)
         team = request.headers.get("X-Team-Id")  # the proxy's; None (not counted) straight to the server

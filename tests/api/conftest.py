@@ -40,3 +40,18 @@ def sse_data():
         return [e[len("data: ") :] for e in events]
 
     return parse
+
+
+@pytest.fixture(scope="module")
+def proxy(server):
+    """The JWT proxy in front of the module's own ``server`` fixture."""
+    with servers.jwt_proxy(server.url) as proxy:
+        yield proxy
+
+
+@pytest.fixture(scope="module")
+def client(proxy):
+    """The official openai client on that proxy, with a team's token."""
+    from openai import OpenAI
+
+    return OpenAI(base_url=proxy.url + "/v1", api_key=servers.team_token(), max_retries=0, timeout=120)

@@ -23,6 +23,7 @@ class FakeClient:
         self.ready = None if failure else EngineReady("", config.model or "", 64, 10, "cpu", "float32")
         self.open_sessions = 0
         self.stopped = False
+        self.adapters = ()
 
     def shutdown(self) -> None:
         self.stopped = True
@@ -149,3 +150,17 @@ def _eventually(predicate, timeout: float = 5.0) -> bool:
     from servers import wait_for
 
     return bool(wait_for(predicate, timeout))
+
+
+def test_adapter_names_resolve_to_their_model(tmp_path):
+    from inference_api.engine.messages import AdapterInfo
+
+    pool, _, _ = pool_of(tmp_path)
+    pool.default.client.adapters = (AdapterInfo("qv", "/x", 4, 8.0, 100),)  # type: ignore[union-attr]
+    first = pool.default.name
+    assert pool.resolve("qv") == (pool.default, "qv") and pool.resolve(f"{first}:qv") == (pool.default, "qv")
+    assert pool.resolve("a:other") == (pool.slot("a"), "other")  # (whether a has it: checked once it is loaded)
+    with pytest.raises(ModelNotFound, match="is a LoRA adapter of"):
+        pool.slot("qv")
+    with pytest.raises(ModelNotFound, match="unknown model 'nope:qv'"):
+        pool.resolve("nope:qv")

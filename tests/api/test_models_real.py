@@ -16,7 +16,7 @@ import openai
 import pytest
 import requests
 from gguf_reference import GGUF_DIR
-from servers import MODEL_CACHE, ServerProcess, jwt_proxy, team_token, wait_for
+from servers import MODEL_CACHE, ServerProcess, team_token, wait_for
 
 FIRST = "llama-q4_k_m"
 OTHERS = ("qwen2-q4_k_m", "llama-q8_0", "bert-q8_0")
@@ -44,17 +44,6 @@ def server(tmp_path_factory):
         "0",
     ) as server:
         yield server
-
-
-@pytest.fixture(scope="module")
-def proxy(server):
-    with jwt_proxy(server.url) as proxy:
-        yield proxy
-
-
-@pytest.fixture(scope="module")
-def client(proxy):
-    return openai.OpenAI(base_url=proxy.url + "/v1", api_key=team_token(), max_retries=0, timeout=120)
 
 
 def states(server) -> dict[str, str]:

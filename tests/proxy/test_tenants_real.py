@@ -6,9 +6,11 @@ token the same beside all of it (docs/security.md lists each attack with its tes
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -175,11 +177,12 @@ def test_operator_data_needs_an_operators_token(tenants):
     assert "model" in requests.get(f"{url}/health", headers=admin, timeout=30).json()
 
 
-def test_a_victims_answer_is_the_same_beside_every_other_teams_attack(tenants, model_name):
+def test_a_victims_answer_is_the_same_beside_every_other_teams_attack(tenants, model_name, tmp_path):
     """The isolation test through the proxy: team A's greedy answer alone equals its answer while other teams
     probe its prompt in the prefix cache, fork n choices, salt their cache, flood long prompts, send grammars,
-    oversized prompts, sample hot, draft tokens for speculative decoding (and opt out of it), and speak the
-    Responses and Messages APIs; and team A's stored response stays
+    oversized prompts, sample hot, draft tokens for speculative decoding (and opt out of it), decode with a LoRA
+    adapter loaded at run time (by its model name and by llama-server's lora list), and speak the Responses and
+    Messages APIs; and team A's stored response stays
     its own while another team tries to read, continue and delete it."""
     url, _ = tenants
     a = team("team-victim")
@@ -222,11 +225,20 @@ def test_a_victims_answer_is_the_same_beside_every_other_teams_attack(tenants, m
 
     def attack(args) -> None:
         headers, text, body = args
-        complete(url, headers, model_name, text, **body)
+        assert complete(url, headers, body.pop("model", model_name), text, **body).status_code in (200, 400), text
 
     def call(args) -> int:
         headers, path, body = args
         return requests.post(url + path, json=body, headers=headers, timeout=300).status_code
+
+    admin = team("ops", admin=True)
+    adapter = {"lora_name": "tenant-lora", "lora_path": str(random_adapter(tmp_path))}
+    loaded = requests.post(f"{url}/v1/load_lora_adapter", json=adapter, headers=admin, timeout=120)
+    assert loaded.status_code == 200, loaded.text
+    attacks += [  # rows with a LoRA adapter decode in the victim's steps (its model name, and llama-server's list)
+        (team("team-l"), "Tell me about the violin.", {"max_tokens": 30, "model": "tenant-lora"}),
+        (team("team-l"), prompt, {"max_tokens": 20, "lora": [{"name": "tenant-lora", "scale": 2.0}]}),
+    ]
 
     with ThreadPoolExecutor(1 + len(attacks) + len(other_apis)) as pool:
         others = [pool.submit(attack, x) for x in attacks]
@@ -240,3 +252,29 @@ def test_a_victims_answer_is_the_same_beside_every_other_teams_attack(tenants, m
         assert requests.request(method, url + at, headers=x, timeout=60).status_code == 404
     kept = requests.get(url + at, headers=a, timeout=60)
     assert kept.status_code == 200 and kept.json()["output"] == stored["output"]
+    unloaded = requests.post(
+        f"{url}/v1/unload_lora_adapter", json={"lora_name": "tenant-lora"}, headers=admin, timeout=60
+    )
+    assert unloaded.status_code == 200 and tokens(a, prompt, **victim) == alone
+
+
+def random_adapter(folder: Path) -> Path:
+    """A PEFT LoRA folder for the embedded SmolLM2-135M (30 layers, hidden 576, 3 key/value heads of 64) with
+    random weights large enough to change its answers, on q_proj, v_proj and down_proj."""
+    import torch
+    from safetensors.torch import save_file
+
+    gen, r = torch.Generator().manual_seed(7), 8
+    shapes = {"self_attn.q_proj": (576, 576), "self_attn.v_proj": (576, 192), "mlp.down_proj": (1536, 576)}
+    tensors = {}
+    for layer in range(30):
+        for module, (fan_in, fan_out) in shapes.items():
+            key = f"base_model.model.model.layers.{layer}.{module}"
+            tensors[f"{key}.lora_A.weight"] = torch.randn(r, fan_in, generator=gen) / fan_in**0.5
+            tensors[f"{key}.lora_B.weight"] = torch.randn(fan_out, r, generator=gen) * 0.05
+    out = folder / "tenant-lora"
+    out.mkdir()
+    save_file(tensors, out / "adapter_model.safetensors")
+    config = {"peft_type": "LORA", "r": r, "lora_alpha": 16, "target_modules": ["q_proj", "v_proj", "down_proj"]}
+    (out / "adapter_config.json").write_text(json.dumps(config))
+    return out

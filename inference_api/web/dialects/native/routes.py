@@ -107,6 +107,15 @@ def health_blueprint(serving: Serving) -> Blueprint:
         models = [(s.name, s.client.metrics) for s in serving.models.slots() if s.client is not None]
         return Response(exposition_of(models), content_type=CONTENT_TYPE)
 
+    @server.get("/lora-adapters")
+    def lora_adapters():
+        """llama-server's list of a model's LoRA adapters (the first model's, or ``?model=``): each one's id (its
+        place, which a request's ``lora`` list may name), name, path and scale; the proxy lets operators alone."""
+        slot = serving.models.slot(request.args.get("model") or serving.models.default.name)
+        client = serving.models.acquire(slot)
+        client.check_ready()
+        return jsonify([{"id": i, "name": a.name, "path": a.path, "scale": 1.0} for i, a in enumerate(client.adapters)])
+
     @server.post("/models/load")
     def load_model():
         """llama-server's router: load a model now (``{"model": name}``); the proxy lets operators alone."""

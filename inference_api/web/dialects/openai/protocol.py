@@ -79,7 +79,8 @@ SAMPLING_FIELDS = (
     | {"structured_outputs"}
 )
 COMPLETION_SAMPLING_FIELDS = frozenset(SAMPLING_FIELDS | {"logprobs", "best_of"})  # what completion_sampling reads
-_COMMON = SAMPLING_FIELDS | {"model", "stream", "stream_options", "logprobs"}
+_COMMON = SAMPLING_FIELDS | {"model", "stream", "stream_options", "logprobs", "lora"}
+MAX_LORA = 8  # adapters one request may name in its lora list
 COMPLETION_FIELDS = _COMMON | _IGNORED | {"prompt", "echo", "best_of", "suffix", "prompt_logprobs"}
 # chat fields accepted only when absent (null): features this server does not have
 _ONLY_ABSENT = (
@@ -141,6 +142,8 @@ class OpenAIRequest:
     prompt_logprobs: int | None = None  # completions, vLLM's prompt_logprobs: the prompt tokens' log-probs + top N
     tools: Tools | None = None  # chat: the request's tools and tool_choice (tools.py)
     thinking: Thinking = Thinking(split=True)  # chat: a reasoning model's thought, apart or not, and its budget
+    # llama-server's per-request LoRA adapters: (id in the model's adapter list, or this server's name, scale)
+    lora: tuple[tuple[int | str, float], ...] = ()
 
 
 def parse_completion(body: dict, vocab_size: int, max_stop: int = DEFAULT_MAX_STOP_SEQUENCES) -> OpenAIRequest:
@@ -222,8 +225,30 @@ def _request(body: dict, params: SamplingParams, max_field: str, **prompt) -> Op
         stream=stream,
         include_usage=include_usage or continuous_usage,
         continuous_usage=continuous_usage,
+        lora=parse_lora(body.get("lora")),
         **prompt,
     )
+
+
+def parse_lora(value) -> tuple[tuple[int | str, float], ...]:
+    """llama-server's ``lora``: a list of ``{"id": N, "scale": S}`` (N: the adapter's place in the server's list,
+    as its /lora-adapters shows it), or ``{"name": ..., "scale": S}`` (this server's); scale 1 when absent."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > MAX_LORA:
+        raise RequestError(f"lora must be a list of at most {MAX_LORA} objects {{id or name, scale}}", "lora")
+    out: list[tuple[int | str, float]] = []
+    for i, entry in enumerate(value):
+        if not isinstance(entry, dict):
+            raise RequestError(f"lora[{i}] must be an object with id (or name) and scale", "lora")
+        reject_unknown(entry, {"id", "name", "scale"})
+        ref = number(entry, "id", None, 0, 1 << 16, integer=True)
+        name = string(entry, "name")
+        if (ref is None) == (name is None):
+            raise RequestError(f"lora[{i}] needs one of id and name", "lora")
+        scale = float(number(entry, "scale", 1.0, -16, 16))
+        out.append((ref, scale) if ref is not None else (str(name), scale))
+    return tuple(out)
 
 
 def parse_sampling(body: dict, logprobs: int | None, max_field: str, vocab_size: int, max_stop: int) -> SamplingParams:

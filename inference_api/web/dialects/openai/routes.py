@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import time
 
-from flask import Blueprint, jsonify, request
+from flask import Blueprint, Response, jsonify, request
 
 from lifecycle.error_shapes import OPENAI
 
 from ....engine.messages import EngineReady
 from ....request.prepare import Prompt
-from ....request.validation import string
-from ....request_errors import RequestError
+from ....request.validation import reject_unknown, string
+from ....request_errors import NotFound, RequestError
 from ...models import ModelSlot
 from ...serving import Run, Serving
 from ..http import family_blueprint, json_body, sse_response
@@ -40,9 +40,31 @@ def openai_blueprint(serving: Serving) -> Blueprint:
             "status": slot.describe(),
         }
 
+    def adapter_objects(slot: ModelSlot) -> list[dict]:
+        """The LoRA adapters of a loaded model, each a model name of its own (as vLLM lists them), with its
+        base as parent; ``base:name`` names it too."""
+        client = slot.client
+        if client is None or client.ready is None:
+            return []
+        return [
+            {
+                "id": a.name,
+                "object": "model",
+                "created": int(time.time()),
+                "owned_by": "inference_api",
+                "parent": slot.name if not slot.default else client.ready.model_name,
+                "max_model_len": client.ready.context_length,
+                "status": {"value": "loaded", "lora": {"rank": a.rank, "alpha": a.alpha, "bytes": a.bytes}},
+            }
+            for a in client.adapters
+        ]
+
     @api.get("/v1/models")
     def models():
-        return jsonify(object="list", data=[model_object(s) for s in serving.models.slots()])
+        slots = serving.models.slots()
+        return jsonify(
+            object="list", data=[model_object(s) for s in slots] + [a for s in slots for a in adapter_objects(s)]
+        )
 
     @api.get("/v1/models/<path:model_name>")
     def model(model_name: str):
@@ -71,7 +93,8 @@ def openai_blueprint(serving: Serving) -> Blueprint:
         return respond(req, prompt, ChatFormat(ready, want_logprobs))
 
     def respond(req: OpenAIRequest, prompt: Prompt, fmt):
-        run: Run = serving.start(prompt, req.params, field=req.max_tokens_field, thinking=req.thinking)
+        run: Run = serving.start(prompt, req.params, field=req.max_tokens_field, thinking=req.thinking, lora=req.lora)
+        fmt.model = serving.model_name  # (an adapter's name as the request gave it)
         if req.echo or req.prompt_logprobs is not None:  # the prompt's log-probs came with the first event
             text = req.prompt if req.prompt is not None else serving.tokenizer.decode(list(run.prompt_ids))
             fmt.scoring(
@@ -86,6 +109,42 @@ def openai_blueprint(serving: Serving) -> Blueprint:
         return sse_response(
             stream_chunks(fmt, run.events(), run.prompt_tokens, req.include_usage, req.continuous_usage, run.n)
         )
+
+    @api.post("/v1/load_lora_adapter")
+    def load_lora_adapter():
+        """vLLM's runtime load (``lora_name``, ``lora_path``; this server's ``model``: which model's, the first's
+        when absent); the proxy lets operators alone."""
+        body = json_body(request)
+        reject_unknown(body, {"lora_name", "lora_path", "model"})
+        name, path = string(body, "lora_name", required=True), string(body, "lora_path", required=True)
+        client = adapter_engine(body)
+        try:
+            client.load_adapter(name, path)
+        except ValueError as exc:
+            raise RequestError(str(exc), "lora_path") from None
+        return Response(f"Success: LoRA adapter '{name}' added successfully.", content_type="text/plain")
+
+    @api.post("/v1/unload_lora_adapter")
+    def unload_lora_adapter():
+        """vLLM's runtime unload (``lora_name``): refused to new requests at once, freed after its last; the proxy
+        lets operators alone."""
+        body = json_body(request)
+        reject_unknown(body, {"lora_name", "lora_int_id", "model"})
+        name = string(body, "lora_name", required=True)
+        client = adapter_engine(body)
+        try:
+            unloaded = client.unload_adapter(name)
+        except ValueError as exc:
+            raise RequestError(str(exc), "lora_name") from None
+        if not unloaded:
+            raise NotFound(f"no LoRA adapter {name!r} is loaded", "lora_name")
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.", content_type="text/plain")
+
+    def adapter_engine(body: dict):
+        slot = serving.models.slot(string(body, "model") or serving.models.default.name)
+        client = serving.models.acquire(slot)
+        client.check_ready()
+        return client
 
     @api.post("/detokenize")
     def detokenize():

@@ -17,7 +17,9 @@ lazily resident KV cache. With --prefill N it times a fresh N-token prompt answe
 alone) on the server and the peer. The same prompts go out in every run, which servers with a prompt cache (this one,
 llama-server) answer without computing them again; --fresh-prompts starts every prompt with a tag never
 sent before, so that no server finds any of it cached. --ignore-eos makes every stream run to --max-tokens on
-both servers (answers that end early make tokens/s lean on the time to first token). With --switch, on a server
+both servers (answers that end early make tokens/s lean on the time to first token). With --adapters A B ..., each
+load runs again spread over those LoRA adapters (model names of a server started with --lora), against the base
+alone. With --switch, on a server
 of several models, it times a switch to each model beside the first: the first token of a request that loads it,
 against the load time the server measured and the same request once loaded.
 
@@ -356,6 +358,19 @@ def embeddings_bench(url: str, peer_url: str | None, model: str, repeat: int) ->
         print(line)
 
 
+def adapter_spread(url: str, model: str, adapters: list[str], concurrency: list[int], max_tokens, count, repeat, extra):
+    """--adapters: each load on the base model alone, then spread over these LoRA adapters (model names) in turn,
+    interleaved; the medians' ratio."""
+    print(f"\nLoRA adapters: streams on {model} alone against spread over {', '.join(adapters)}:")
+    for c in concurrency:
+        base, spread = [], []
+        for _ in range(max(1, repeat)):
+            base.append(run_load(url, model, c, max_tokens, count, api="openai", extra=extra)["tps"])
+            spread.append(run_load(url, adapters, c, max_tokens, count, api="openai", extra=extra)["tps"])
+        a, b = statistics.median(spread), statistics.median(base)
+        print(f"  c={c:<3} adapters {a:.1f}, base {b:.1f} tokens/s: {a / b:.3f}x")
+
+
 def model_switch(url: str, repeat: int) -> None:
     """--switch: for every model of a server with several (--models-dir, --model again) but the first, unloaded
     (llama-server's /models/unload), a one-token chat request's time to its first token, which loads it, against
@@ -369,9 +384,12 @@ def model_switch(url: str, repeat: int) -> None:
         cold, loads, warm = [], [], []
         for _ in range(max(1, repeat)):
             requests.post(f"{url}/models/unload", json={"model": name}, timeout=60).raise_for_status()
-            r = chat_timed(url, name, messages, 1)
+            try:
+                r = chat_timed(url, name, messages, 1)
+            except requests.HTTPError as exc:  # an embedding model, a file that does not load
+                r = {"tokens": 0, "why": exc.response.text[:160]}
             if not r["tokens"]:
-                print(f"  {name}: no answer (is it a generating model?)")
+                print(f"  {name}: no answer ({r.get('why', 'is it a generating model?')})")
                 break
             cold.append(r["ttft"])
             loads.append(requests.get(f"{url}/v1/models/{name}", timeout=30).json()["status"]["load_seconds"])
@@ -460,7 +478,7 @@ def pct(values: list[float], q: float) -> float:
 
 def run_load(
     url: str,
-    model: str,
+    model: str | list[str],
     concurrency: int,
     max_tokens: int,
     count_tokens,
@@ -471,9 +489,10 @@ def run_load(
 ) -> dict:
     streams = [Stream() for _ in range(concurrency)]
     one_stream = functools.partial(openai_stream, extra=extra) if api == "openai" else native_stream
+    models = [model] if isinstance(model, str) else model  # several: the streams spread over them in turn
     threads = [
-        threading.Thread(target=one_stream, args=(url, model, p, max_tokens, headers or {}, s))
-        for p, s in zip(texts or prompts(concurrency), streams)
+        threading.Thread(target=one_stream, args=(url, models[i % len(models)], p, max_tokens, headers or {}, s))
+        for i, (p, s) in enumerate(zip(texts or prompts(concurrency), streams))
     ]
     started = time.perf_counter()
     for t in threads:
@@ -846,6 +865,12 @@ def main() -> None:
         "texts per second one at a time and with 32 concurrent clients",
     )
     ap.add_argument(
+        "--adapters",
+        nargs="+",
+        metavar="NAME",
+        help="finally time each concurrency's load spread over these LoRA adapters (model names) against the base",
+    )
+    ap.add_argument(
         "--switch",
         action="store_true",
         help="time a switch to each model of a server with several (unloaded first): first token against load time",
@@ -1004,6 +1029,8 @@ def main() -> None:
         returning(args.gguf, 2000, 64, health["rows_total"])
     if args.spec_plain:
         spec_plain(args.url, model, args.concurrency, args.max_tokens, count, args.repeat)
+    if args.adapters:
+        adapter_spread(args.url, model, args.adapters, args.concurrency, args.max_tokens, count, args.repeat, extra)
     if args.prefill and not health.get("mock"):
         prefill_ratio(args.url, args.peer_url, model, health, args.prefill, max(3, args.repeat))
     if args.fill_context and not health.get("mock"):

@@ -127,3 +127,20 @@ def test_runtime_load_and_unload_are_for_operators(client, proxy):
         greedy(client, "all7", ids)
     r = requests.post(proxy.url + "/v1/unload_lora_adapter", json={"lora_name": "all7"}, headers=admin, timeout=60)
     assert r.status_code == 404
+
+
+def test_bench_spreads_streams_over_adapters(server):
+    import re
+    import subprocess
+    import sys
+
+    bench = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
+    argv = [sys.executable, str(bench), "--url", server.url, "--api", "openai", "--concurrency", "4"]
+    result = subprocess.run(
+        [*argv, "--max-tokens", "6", "--ignore-eos", "--adapters", "qv", "mlp"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert re.search(r"c=4\s+adapters [\d.]+, base [\d.]+ tokens/s: [\d.]+x", result.stdout), result.stdout

@@ -147,3 +147,20 @@ def test_loading_and_unloading_are_for_operators(proxy, server):
     assert r.status_code == 409 and "first model stays loaded" in r.text
     r = requests.post(proxy.url + "/models/load", json={"model": "llama-q8_0"}, headers=admin, timeout=120)
     assert r.status_code == 200 and r.json()["status"]["value"] == "loaded"
+
+
+def test_bench_times_a_switch_to_each_model(server):  # (last: it unloads each model of the folder)
+    import re
+    import subprocess
+    import sys
+
+    bench = GGUF_DIR.parents[2] / "scripts" / "bench.py"
+    result = subprocess.run(
+        [sys.executable, str(bench), "--url", server.url, "--switch"], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
+    for name in ("qwen2-q4_k_m", "llama-q8_0"):
+        assert re.search(rf"{name}\s+first token after a switch\s+[\d.]+ ms = load\s+[\d.]+ ms", result.stdout), (
+            result.stdout
+        )
+    assert re.search(r"bert-q8_0: no answer", result.stdout) and re.search(r"broken: no answer", result.stdout)

@@ -219,7 +219,9 @@ class CompactLM:
         """The one layer loop (every family, every batch); a llama-shaped decode step goes to the kernels'
         Decoder, its mirror in C++, where it takes the rows, unless a row has LoRA adapters (the Decoder adds no
         low-rank terms: the loop gives the other rows the same numbers, bit for bit)."""
-        lora = self.lora.plan(batch.adapter_tokens()) if self.lora is not None and batch.adapters else None
+        lora = None
+        if self.lora is not None and batch.adapters:
+            lora = self.lora.plan(batch.adapter_tokens(), int(batch.tokens.shape[0]))
         fused = self.fused is not None and self.head is not None and lora is None
         if fused and batch.decode and not batch.static and batch.shape[0] <= self.fused_max_rows:
             return self._fused(batch, cache)

@@ -358,10 +358,12 @@ class LoraSlots:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.stacks for st in s.values() for t in (st.a, st.b))
 
-    def plan(self, pairs: list[tuple[int, int, float]]) -> LoraPlan | None:
-        """A forward's adapter tokens grouped by adapter: pairs (token index among the real tokens, slot, scale) ->
-        the stacks' places of the adapters used and a [groups, longest] token index, a shorter group padded with
-        its own first token at scale 0 (its term adds nothing, and only to an adapter token); None without any."""
+    def plan(self, pairs: list[tuple[int, int, float]], tokens: int) -> LoraPlan | None:
+        """A forward's adapter tokens grouped by adapter: pairs (token index among its ``tokens`` real tokens, slot,
+        scale) -> the stacks' places of the adapters used and a [groups, longest] token index, a shorter group padded
+        with its own first token at scale 0 (its term adds nothing, and only to an adapter token); its scales (None:
+        all 1), and whether one adapter takes every token in order (its terms then need no gathering); None without
+        any pair."""
         if not pairs:
             return None
         groups: dict[int, list[tuple[int, float]]] = {}
@@ -376,7 +378,8 @@ class LoraSlots:
         return LoraPlan(
             None if used == list(range(len(self.adapters))) else torch.tensor(used, device=self.device),
             index.to(self.device),
-            scales[..., None].to(self.device, self.dtype),
+            None if bool((scales == 1).all()) else scales[..., None].to(self.device, self.dtype),
+            whole=len(used) == 1 and index[0].tolist() == list(range(tokens)),
         )
 
     def add_delta(self, layer: int, role: str, x: torch.Tensor, y: torch.Tensor, plan: LoraPlan) -> torch.Tensor:
@@ -388,9 +391,13 @@ class LoraSlots:
         a, b = stack.a, stack.b
         if plan.used is not None:  # only the adapters this forward uses
             a, b = a.index_select(0, plan.used), b.index_select(0, plan.used)
+        if plan.whole and y.dtype == a.dtype:  # one adapter, every token: its terms straight onto y
+            h = torch.mm(x.to(a.dtype), a[0])
+            return y.addmm_(h if plan.scales is None else h.mul_(plan.scales[0]), b[0])
         flat = plan.index.view(-1)
         xs = x.index_select(0, flat).view(*plan.index.shape, -1).to(a.dtype)  # [groups, longest, in]
-        delta = torch.bmm(torch.bmm(xs, a).mul_(plan.scales), b)  # [groups, longest, out]
+        h = torch.bmm(xs, a)
+        delta = torch.bmm(h if plan.scales is None else h.mul_(plan.scales), b)  # [groups, longest, out]
         return y.index_add_(0, flat, delta.view(flat.shape[0], -1).to(y.dtype))
 
 
@@ -398,4 +405,5 @@ class LoraSlots:
 class LoraPlan:
     used: torch.Tensor | None  # the stacks' places of the adapters used (None: every adapter held, in order)
     index: torch.Tensor  # [groups, longest] each group's tokens, as indices into the real tokens
-    scales: torch.Tensor  # [groups, longest, 1] each token's scale for its group's adapter (padding: 0)
+    scales: torch.Tensor | None  # [groups, longest, 1] each token's scale for its group's adapter (padding: 0); None: 1
+    whole: bool = False  # one adapter takes every token, in order

@@ -101,6 +101,7 @@ class EngineClient:
         self.stats = self._idle_stats()
         self._adapters: tuple[AdapterInfo, ...] = ()  # the engine's LoRA adapters, as its latest word says
         self._replies: dict[str, queue.SimpleQueue] = {}  # LoadAdapter / UnloadAdapter awaiting their AdapterReply
+        self._loaded_at_run_time: dict[str, AdapterInfo] = {}  # loaded again into an engine that restarts
         self.metrics = Metrics(lambda: self.stats, lambda: self.open_sessions, self.ranks_alive)
 
     # life cycle
@@ -263,7 +264,7 @@ class EngineClient:
     @property
     def adapters(self) -> tuple[AdapterInfo, ...]:
         """The LoRA adapters requests may name now: those loaded at start, with the loads and unloads since (a
-        restarted engine has --lora's alone again)."""
+        restarted engine gets the ones loaded at run time again)."""
         return self._adapters
 
     def load_adapter(self, name: str, path: str, timeout: float = ADAPTER_TIMEOUT) -> AdapterInfo:
@@ -272,6 +273,7 @@ class EngineClient:
         reply = self._adapter_call(lambda rid: LoadAdapter(rid, name, str(path)), timeout)
         if reply.error is not None or reply.info is None:
             raise ValueError(reply.error or f"LoRA adapter {name!r} was not loaded")
+        self._loaded_at_run_time[name] = reply.info
         return reply.info
 
     def unload_adapter(self, name: str, timeout: float = ADAPTER_TIMEOUT) -> bool:
@@ -280,7 +282,15 @@ class EngineClient:
         reply = self._adapter_call(lambda rid: UnloadAdapter(rid, name), timeout)
         if reply.error is not None:
             raise ValueError(reply.error)
+        self._loaded_at_run_time.pop(name, None)
         return reply.unloaded
+
+    def _reload_adapters(self) -> tuple[AdapterInfo, ...]:
+        """After a restart, the adapters loaded at run time, sent to the new engine before any request can be
+        (its inbox is read in order; a file gone since is dropped when the engine's reply says so)."""
+        for info in self._loaded_at_run_time.values():
+            self._send(LoadAdapter(uuid.uuid4().hex, info.name, info.path))
+        return tuple(self._loaded_at_run_time.values())
 
     def _adapter_call(self, message: Callable[[str], object], timeout: float) -> AdapterReply:
         """Send an adapter message and wait for its reply (Unavailable: no engine, or none answered in time)."""
@@ -323,7 +333,7 @@ class EngineClient:
                     waiting.put(msg)
             elif isinstance(msg, EngineReady):
                 self.tokenizer = self._load_tokenizer(msg)
-                self._adapters = msg.adapters
+                self._adapters = msg.adapters + self._reload_adapters()
                 self.ready = msg
                 self.restarting = False
                 log.info("engine ready: %s on %s (pid %d)", msg.model_name, msg.device, process.pid)

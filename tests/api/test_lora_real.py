@@ -144,3 +144,25 @@ def test_bench_spreads_streams_over_adapters(server):
     )
     assert result.returncode == 0, result.stderr
     assert re.search(r"c=4\s+adapters [\d.]+, base [\d.]+ tokens/s: [\d.]+x", result.stdout), result.stdout
+
+
+def test_an_adapter_loaded_at_run_time_survives_an_engine_restart(client, server):
+    import os
+    import signal
+
+    from servers import wait_for
+
+    body = {"lora_name": "kept", "lora_path": str(DATA / "all7")}  # the PEFT folder
+    assert requests.post(server.url + "/v1/load_lora_adapter", json=body, timeout=60).status_code == 200
+    ids = REF["prompt_ids"][2]
+    before = greedy(client, "kept", ids)
+    engine = server.health()["backend_pid"]
+    os.kill(engine, signal.SIGKILL)
+
+    def restarted() -> bool:
+        h = requests.get(server.url + "/health", timeout=10).json()
+        return h["status"] == "ready" and h["backend_pid"] not in (None, engine)
+
+    assert wait_for(restarted, 120)
+    assert greedy(client, "kept", ids) == before
+    assert "kept" in [m.id for m in client.models.list()]

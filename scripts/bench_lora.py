@@ -45,6 +45,7 @@ def main() -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--model-cache-dir", default="model_cache")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--torch-terms", action="store_true", help="the adapters' terms by torch's matmuls")
     args = ap.parse_args()
     import torch
 
@@ -59,7 +60,11 @@ def main() -> None:
     assert isinstance(runner, ModelRunner)
     model = runner.model
     model.lora = LoraSlots(
-        targets(runner.config, model.spec.family), runner.config.num_hidden_layers, runner.device, runner.dtype
+        targets(runner.config, model.spec.family),
+        runner.config.num_hidden_layers,
+        runner.device,
+        runner.dtype,
+        None if args.torch_terms else model.kernels,
     )
     slots = [model.lora.add(random_adapter(f"a{i}", runner, args.rank, i)) for i in range(args.adapters)]
     rows = list(range(args.rows))

@@ -205,7 +205,9 @@ class ModelRunner:
         adapter = load_adapter(name, path, self.config, family, self.gguf_arch)
         if self.model.lora is None:
             layers = self.config.num_hidden_layers
-            self.model.lora = LoraSlots(targets(self.config, family), layers, self.device, self.dtype)
+            self.model.lora = LoraSlots(
+                targets(self.config, family), layers, self.device, self.dtype, self.model.kernels
+            )
         return self.model.lora.add(adapter), adapter
 
     def remove_adapter(self, slot: int) -> None:

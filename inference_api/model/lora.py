@@ -296,9 +296,9 @@ def adapter_params(path: str | Path) -> int:
 
 @dataclass
 class _Stack:
-    """One linear's low-rank weights of every loaded adapter, stacked: A [adapters, in, rank] (each tensor's A
-    transposed, times its alpha / rank, its tensors' ranks side by side, zero past them) and B [adapters, rank,
-    out] (each tensor's B transposed, at its rows' place in the linear's output, zero elsewhere)."""
+    """One linear's low-rank weights of every loaded adapter, stacked: A [adapters, rank, in] (each tensor's A
+    times its alpha / rank, its tensors' ranks one after another, zero past them) and B [adapters, rank, out] (each
+    tensor's B transposed, at its rows' place in the linear's output, zero elsewhere)."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -308,12 +308,16 @@ class LoraSlots:
     """The adapters a compact decoder holds, each in a slot (a small integer the engine gives rows), and every
     linear's stacked weights over them (rebuilt when one is added or removed: rare, between steps).
 
-    A forward's adapter tokens are grouped by adapter (``plan``), and each linear adds their terms in two batched
-    matmuls: each group's inputs times its adapter's A, scaled per token by the request's scale, times its B, added
-    to those tokens' outputs alone (a token of several adapters is in several groups, and gets each one's term)."""
+    On the CPU kernels each linear adds every (token, adapter, scale) pair's term in one call (``lora_add``: each
+    token's own dot products, the same numbers whatever else the step holds). Elsewhere a forward's adapter tokens
+    are grouped by adapter (``plan``), and each linear adds their terms in two batched matmuls: each group's inputs
+    times its adapter's A, scaled per token by the request's scale, times its B, added to those tokens' outputs
+    alone. A token of several adapters gets each one's term."""
 
-    def __init__(self, model_targets: dict[str, Target], layers: int, device, dtype: torch.dtype):
+    def __init__(self, model_targets: dict[str, Target], layers: int, device, dtype: torch.dtype, kernels=None):
         self.targets, self.layers, self.device, self.dtype = model_targets, layers, device, dtype
+        cpu = torch.device(device).type == "cpu" and dtype == torch.float32
+        self.kernels = kernels if cpu and hasattr(kernels, "lora_add") else None  # (None: the batched matmuls)
         self.adapters: dict[int, LoraAdapter] = {}
         self.position: dict[int, int] = {}  # slot -> its place in the stacks
         self.stacks: list[dict[str, _Stack]] = [{} for _ in range(layers)]
@@ -343,13 +347,13 @@ class LoraSlots:
             cols = self.targets[tensors[0]].cols
             out = max(self.targets[n].offset + self.targets[n].rows for n in tensors)
             rank = max(sum(w.a.shape[0] for _, w in u) for u in used)
-            a = torch.zeros(len(slots), cols, rank)
+            a = torch.zeros(len(slots), rank, cols)
             b = torch.zeros(len(slots), rank, out)
             for i, u in enumerate(used):
                 r = 0
                 for n, w in u:
                     t, k = self.targets[n], w.a.shape[0]
-                    a[i, :, r : r + k] = w.a.T * w.scale
+                    a[i, r : r + k] = w.a * w.scale
                     b[i, r : r + k, t.offset : t.offset + t.rows] = w.b.T
                     r += k
             self.stacks[layer][role] = _Stack(a.to(self.device, self.dtype), b.to(self.device, self.dtype))
@@ -371,6 +375,12 @@ class LoraSlots:
             if slot not in self.position:
                 raise ValueError(f"LoRA slot {slot} holds no adapter")
             groups.setdefault(self.position[slot], []).append((token, scale))
+        if self.kernels is not None:  # the pairs themselves, by adapter
+            ordered = sorted((self.position[slot], token, scale) for token, slot, scale in pairs)
+            slots_, tokens_, scales_ = zip(*ordered)
+            return LoraPlan(
+                None, torch.tensor(tokens_), torch.tensor(scales_, dtype=torch.float32), pairs=torch.tensor(slots_)
+            )
         used = sorted(groups)
         longest = max(len(g) for g in groups.values())
         index = torch.tensor([[t for t, _ in groups[p]] + [groups[p][0][0]] * (longest - len(groups[p])) for p in used])
@@ -389,6 +399,10 @@ class LoraSlots:
         if stack is None:
             return y
         a, b = stack.a, stack.b
+        if plan.pairs is not None and self.kernels is not None and plan.scales is not None:
+            self.kernels.lora_add(x.contiguous(), a, b, plan.index, plan.pairs, plan.scales, y)
+            return y
+        a = a.transpose(1, 2)  # [adapters, in, rank]
         if plan.used is not None:  # only the adapters this forward uses
             a, b = a.index_select(0, plan.used), b.index_select(0, plan.used)
         if plan.whole and y.dtype == a.dtype:  # one adapter, every token: its terms straight onto y
@@ -407,3 +421,6 @@ class LoraPlan:
     index: torch.Tensor  # [groups, longest] each group's tokens, as indices into the real tokens
     scales: torch.Tensor | None  # [groups, longest, 1] each token's scale for its group's adapter (padding: 0); None: 1
     whole: bool = False  # one adapter takes every token, in order
+    # the CPU kernels' form: each (token, slot, scale) pair, sorted by slot: index the tokens, scales theirs [P],
+    # pairs the stacks' places of their adapters (None: the grouped form above)
+    pairs: torch.Tensor | None = None

@@ -277,3 +277,30 @@ def test_the_flag_pre_flight_and_the_mock():
     assert with_lora.weights_bytes - without.weights_bytes == numbers * 4  # float32 on the CPU
     with pytest.raises(RuntimeError, match="mock engine takes no LoRA"):
         build_engine(ServerConfig(mock=True, lora=("a=x.gguf",)))
+
+
+@pytest.mark.parametrize("rank", [8, 7])  # (7: a tail of the four-row passes)
+def test_the_kernels_lora_terms_equal_the_matmuls_at_each_level(kernels, rank):
+    """lora_add (each (token, adapter, scale) pair's term, by adapter) against torch's matmuls, at this CPU's level
+    and the AVX2 one, with a token of two adapters, a token of none and widths past the vectors'."""
+    gen = torch.Generator().manual_seed(rank)
+    tokens, k, n, slots = 6, 70, 45, 3
+    x, y = torch.randn(tokens, k, generator=gen), torch.randn(tokens, n, generator=gen)
+    a, b = torch.randn(slots, rank, k, generator=gen), torch.randn(slots, rank, n, generator=gen)
+    pairs = [(0, 0, 1.0), (1, 2, 0.5), (3, 0, -2.0), (3, 1, 1.0), (5, 2, 1.5)]  # token 2 and 4: none; 3: two
+    pairs.sort(key=lambda p: (p[1], p[0]))
+    out = y.clone()
+    kernels.lora_add(
+        x,
+        a,
+        b,
+        torch.tensor([t for t, _, _ in pairs]),
+        torch.tensor([s for _, s, _ in pairs]),
+        torch.tensor([c for _, _, c in pairs], dtype=torch.float32),
+        out,
+    )
+    expected = y.clone()
+    for t, s, c in pairs:
+        expected[t] += c * (a[s] @ x[t]) @ b[s]
+    assert torch.allclose(out, expected, atol=1e-4, rtol=1e-4)
+    assert torch.equal(out[2], y[2]) and torch.equal(out[4], y[4])

@@ -40,4 +40,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "rotary embedding, each token's key and value into the cache", py::arg("qkv"),
         py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("key_scales"),
         py::arg("value_scales"), py::arg("positions"), py::arg("heads"), py::arg("rows") = py::none());
+  m.def("lora_add", &lora_add,
+        "y[t] += scale * (x[t] . a[s]) b[s] for each (token t, slot s, scale): LoRA adapters' low-rank terms",
+        py::arg("x"), py::arg("a"), py::arg("b"), py::arg("tokens"), py::arg("slots"), py::arg("scales"), py::arg("y"));
 }

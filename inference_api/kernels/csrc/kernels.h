@@ -36,5 +36,7 @@ at::Tensor silu_mul(const at::Tensor& x);
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
                       at::Tensor& values, const Scales& key_scales, const Scales& value_scales,
                       const at::Tensor& positions, int64_t heads, const c10::optional<at::Tensor>& rows);
+void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& tokens,
+              const at::Tensor& slots, const at::Tensor& scales, at::Tensor& y);
 
 }  // namespace woq

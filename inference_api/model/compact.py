@@ -217,14 +217,15 @@ class CompactLM:
 
     def forward(self, batch: ForwardBatch, cache) -> torch.Tensor | None:
         """The one layer loop (every family, every batch); a llama-shaped decode step goes to the kernels'
-        Decoder, its mirror in C++, where it takes the rows, unless a row has LoRA adapters (the Decoder adds no
-        low-rank terms: the loop gives the other rows the same numbers, bit for bit)."""
+        Decoder, its mirror in C++, where it takes the rows, with the rows' LoRA adapters' terms where the kernels
+        add them (``LoraPlan.pairs``; else the loop adds them, giving the other rows the same numbers, bit for
+        bit)."""
         lora = None
         if self.lora is not None and batch.adapters:
             lora = self.lora.plan(batch.adapter_tokens(), int(batch.tokens.shape[0]))
-        fused = self.fused is not None and self.head is not None and lora is None
+        fused = self.fused is not None and self.head is not None and (lora is None or lora.pairs is not None)
         if fused and batch.decode and not batch.static and batch.shape[0] <= self.fused_max_rows:
-            return self._fused(batch, cache)
+            return self._fused(batch, cache, lora)
         spec, k = self.spec, self.kernels
         b, t = batch.shape
         hq, hk, d = self.heads, self.kv_heads, self.head_dim
@@ -325,15 +326,16 @@ class CompactLM:
             return self._logits(x if batch.static else x[batch.last])
         return _pad(self._logits(x), tokens, b * t).view(b, t, -1)
 
-    def _fused(self, batch: ForwardBatch, cache) -> torch.Tensor:
+    def _fused(self, batch: ForwardBatch, cache, lora: LoraPlan | None = None) -> torch.Tensor:
         """A decode step of rows 0..B-1 through the kernels' Decoder: the layers of ``forward``'s loop in one C++
         call (csrc/decoder.cpp, its mirror for llama-shaped models, checked bit for bit against it by
-        tests/test_quality.py). Returns logits [B, V]."""
+        tests/test_quality.py), with the LoRA terms of ``lora`` after each linear as the loop adds them. Returns
+        logits [B, V]."""
         k, head = self.kernels, self.head
         if k is None or head is None:  # (forward takes this path only with the Decoder and the head)
             raise RuntimeError("the Decoder runs on the CPU kernels, on the rank with the head")
         cos, sin = (t[batch.positions[:, 0]] for t in self.ropes[0])
-        x = self.fused.forward(
+        args = (
             self._embed(batch.ids[:, 0]),
             cos,
             sin,
@@ -344,6 +346,11 @@ class CompactLM:
             cache.key_scales,
             cache.value_scales,
         )
+        if lora is None or self.lora is None or lora.pairs is None or lora.scales is None:
+            x = self.fused.forward(*args)
+        else:  # the pairs' tokens (indices into the real tokens) as the step's rows
+            rows = batch.tokens.index_select(0, lora.index)
+            x = self.fused.forward_lora(*args, self.lora.fused_stacks, rows, lora.pairs, lora.scales)
         return head(k.rms_norm(x, self.norm, self.eps))
 
 

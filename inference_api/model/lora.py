@@ -362,6 +362,19 @@ class LoraSlots:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.stacks for st in s.values() for t in (st.a, st.b))
 
+    @property
+    def fused_stacks(self) -> list[list[torch.Tensor | None]]:
+        """Each layer's A and B of qkv, o, gate_up and down (None where no adapter has that linear), as the
+        kernels' Decoder takes them."""
+        out = []
+        for layer in self.stacks:
+            row: list[torch.Tensor | None] = []
+            for role in ("qkv", "o", "gate_up", "down"):
+                stack = layer.get(role)
+                row += [None, None] if stack is None else [stack.a, stack.b]
+            out.append(row)
+        return out
+
     def plan(self, pairs: list[tuple[int, int, float]], tokens: int) -> LoraPlan | None:
         """A forward's adapter tokens grouped by adapter: pairs (token index among its ``tokens`` real tokens, slot,
         scale) -> the stacks' places of the adapters used and a [groups, longest] token index, a shorter group padded

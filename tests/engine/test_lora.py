@@ -117,6 +117,12 @@ def test_rows_with_different_adapters_and_without_share_a_step():
     runner.use_adapters(1, ((slots["all7"], 1.0),))
     runner.use_adapters(3, ((slots["qv"], 1.0), (slots["mlp"], 0.7)))
     mixed = runner.decode(rows, [5, 6, 7, 8], positions)
+    assert runner.model.fused is not None  # the kernels' Decoder took that step, adding the terms...
+    fused_rows, runner.model.fused_max_rows = runner.model.fused_max_rows, 0
+    try:  # ...as the layer loop adds them, bit for bit
+        assert torch.equal(runner.decode(rows, [5, 6, 7, 8], positions), mixed)
+    finally:
+        runner.model.fused_max_rows = fused_rows
     base = runner.decode([0, 2], [5, 7], [positions[0], positions[2]])
     assert torch.equal(mixed[0], base[0]) and torch.equal(mixed[2], base[1])
     one = runner.decode([1], [6], [positions[1]])

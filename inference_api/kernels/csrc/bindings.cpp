@@ -13,7 +13,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                       "a llama-family decode step's layers over quantized weights, in one call")
       .def(py::init<const std::vector<LayerParts>&, int64_t, double>(), py::arg("layers"), py::arg("heads"),
            py::arg("eps"))
-      .def("forward", &Decoder::forward);
+      .def("forward", &Decoder::forward)
+      .def("forward_lora", &Decoder::forward_lora);
   m.def("linear_int8", &linear_int8, "x @ (q * s)^T, 8-bit weight groups", py::arg("x"), py::arg("q"), py::arg("s"),
         py::arg("bias"), py::arg("int8_inputs") = false, py::arg("vnni_q") = py::none(),
         py::arg("vnni_s") = py::none());

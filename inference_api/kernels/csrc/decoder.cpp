@@ -36,20 +36,48 @@ at::Tensor Decoder::forward(const at::Tensor& x, const at::Tensor& cos, const at
                             const at::Tensor& lengths, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                             const std::vector<at::Tensor>& key_scales,
                             const std::vector<at::Tensor>& value_scales) const {
+  return run(x, cos, sin, write, lengths, keys, values, key_scales, value_scales, nullptr);
+}
+
+at::Tensor Decoder::forward_lora(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin,
+                                 const at::Tensor& write, const at::Tensor& lengths, std::vector<at::Tensor> keys,
+                                 std::vector<at::Tensor> values, const std::vector<at::Tensor>& key_scales,
+                                 const std::vector<at::Tensor>& value_scales, const Stacks& stacks,
+                                 const at::Tensor& tokens, const at::Tensor& slots, const at::Tensor& scales) const {
+  TORCH_CHECK(stacks.size() == layers_.size(), "forward_lora: a stack list per layer");
+  for (const auto& s : stacks) TORCH_CHECK(s.size() == 8, "forward_lora: A and B of qkv, o, gate_up and down");
+  const Lora lora{stacks, tokens, slots, scales};
+  return run(x, cos, sin, write, lengths, keys, values, key_scales, value_scales, &lora);
+}
+
+at::Tensor Decoder::Lora::add(size_t i, int k, const at::Tensor& x, at::Tensor y) const {
+  const auto &a = stacks[i][2 * k], &b = stacks[i][2 * k + 1];
+  if (a.has_value() && b.has_value()) lora_add(x.contiguous(), *a, *b, tokens, slots, scales, y);
+  return y;
+}
+
+at::Tensor Decoder::run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& write,
+                        const at::Tensor& lengths, std::vector<at::Tensor>& keys, std::vector<at::Tensor>& values,
+                        const std::vector<at::Tensor>& key_scales, const std::vector<at::Tensor>& value_scales,
+                        const Lora* lora) const {
   TORCH_CHECK(keys.size() == layers_.size() && values.size() == layers_.size());
   TORCH_CHECK(key_scales.size() == value_scales.size() && (key_scales.empty() || key_scales.size() == keys.size()));
   auto h = x.contiguous().clone();
   const int64_t B = h.size(0);
+  // each linear, then (with adapters) its terms
+  auto linear = [&](size_t i, int k, const QuantLinear& l, const at::Tensor& in) {
+    return lora == nullptr ? l(in) : lora->add(i, k, in, l(in));
+  };
   for (size_t i = 0; i < layers_.size(); ++i) {
     const Layer& l = layers_[i];
     const Scales ks = key_scales.empty() ? Scales() : Scales(key_scales[i]);
     const Scales vs = value_scales.empty() ? Scales() : Scales(value_scales[i]);
-    auto q = rope_store(l.qkv(rms_norm(h, l.attn_norm, eps_)), cos, sin, keys[i], values[i], ks, vs, write, heads_,
-                        c10::nullopt);
+    auto q = rope_store(linear(i, 0, l.qkv, rms_norm(h, l.attn_norm, eps_)), cos, sin, keys[i], values[i], ks, vs,
+                        write, heads_, c10::nullopt);
     auto a = decode_attention(q, keys[i], values[i], ks, vs, lengths, 1.0 / std::sqrt(double(keys[i].size(3))),
                               c10::nullopt, c10::nullopt, 0.0, 0);
-    h.add_(l.o(a.view({B, -1})));
-    h.add_(l.down(silu_mul(l.gate_up(rms_norm(h, l.mlp_norm, eps_)))));
+    h.add_(linear(i, 1, l.o, a.view({B, -1})));
+    h.add_(linear(i, 3, l.down, silu_mul(linear(i, 2, l.gate_up, rms_norm(h, l.mlp_norm, eps_)))));
   }
   return h;
 }

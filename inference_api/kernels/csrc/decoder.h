@@ -46,7 +46,27 @@ class Decoder {
                      const at::Tensor& lengths, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                      const std::vector<at::Tensor>& key_scales, const std::vector<at::Tensor>& value_scales) const;
 
+  // forward with LoRA adapters' terms (lora_add) after each linear: stacks, each layer's A and B of qkv, o, gate_up
+  // and down (8 entries, None where no adapter has that linear); tokens, slots, scales: the (entry, slot, scale)
+  // pairs, sorted by slot
+  using Stacks = std::vector<std::vector<c10::optional<at::Tensor>>>;
+  at::Tensor forward_lora(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& write,
+                          const at::Tensor& lengths, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
+                          const std::vector<at::Tensor>& key_scales, const std::vector<at::Tensor>& value_scales,
+                          const Stacks& stacks, const at::Tensor& tokens, const at::Tensor& slots,
+                          const at::Tensor& scales) const;
+
  private:
+  struct Lora {
+    const Stacks& stacks;
+    const at::Tensor &tokens, &slots, &scales;
+    // y plus the terms of layer i's linear k (0 qkv, 1 o, 2 gate_up, 3 down) on input x
+    at::Tensor add(size_t i, int k, const at::Tensor& x, at::Tensor y) const;
+  };
+  at::Tensor run(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& write,
+                 const at::Tensor& lengths, std::vector<at::Tensor>& keys, std::vector<at::Tensor>& values,
+                 const std::vector<at::Tensor>& key_scales, const std::vector<at::Tensor>& value_scales,
+                 const Lora* lora) const;
   struct Layer {
     at::Tensor attn_norm, mlp_norm;
     QuantLinear qkv, o, gate_up, down;

@@ -609,6 +609,20 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, con
           const int64_t m = std::min<int64_t>(4, runs[run + 1] - p);
           const float* hp = h.data() + p * Rk;
 #ifdef WOQ_SIMD
+          if (j + W <= N && m == 4) {  // (four named accumulators: kept in registers)
+            float *y0 = yp + tp[p] * N + j, *y1 = yp + tp[p + 1] * N + j, *y2 = yp + tp[p + 2] * N + j,
+                  *y3 = yp + tp[p + 3] * N + j;
+            Vec::T a0 = Vec::load(y0), a1 = Vec::load(y1), a2 = Vec::load(y2), a3 = Vec::load(y3);
+            for (int64_t r = 0; r < Rk; ++r) {
+              const Vec::T bv = Vec::load(bs + r * N + j);
+              a0 = Vec::fma(Vec::set1(hp[r]), bv, a0);
+              a1 = Vec::fma(Vec::set1(hp[Rk + r]), bv, a1);
+              a2 = Vec::fma(Vec::set1(hp[2 * Rk + r]), bv, a2);
+              a3 = Vec::fma(Vec::set1(hp[3 * Rk + r]), bv, a3);
+            }
+            Vec::store(y0, a0), Vec::store(y1, a1), Vec::store(y2, a2), Vec::store(y3, a3);
+            continue;
+          }
           if (j + W <= N) {
             Vec::T acc[4];
             for (int64_t i = 0; i < m; ++i) acc[i] = Vec::load(yp + tp[p + i] * N + j);

@@ -310,3 +310,38 @@ def test_the_kernels_lora_terms_equal_the_matmuls_at_each_level(kernels, rank):
         expected[t] += c * (a[s] @ x[t]) @ b[s]
     assert torch.allclose(out, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(out[2], y[2]) and torch.equal(out[4], y[4])
+
+
+def test_the_grouped_matmuls_add_the_terms_the_kernels_add(kernels):
+    """LoraSlots' two forms (the kernels' pairs on CPU; the grouped batched matmuls, CUDA's) add the same terms: two
+    adapters on a fused qkv (q and v parts) and a whole linear, tokens of one adapter, of two, and of none."""
+    from inference_api.model.lora import LoraAdapter, LoraSlots, LoraWeight, Target
+
+    gen = torch.Generator().manual_seed(3)
+    targets = {
+        "blk.0.attn_q": Target("qkv", 0, 8, 16),
+        "blk.0.attn_v": Target("qkv", 12, 4, 16),
+        "blk.0.ffn_down": Target("down", 0, 16, 24),
+    }
+    forms = [LoraSlots(targets, 1, "cpu", torch.float32, kernels), LoraSlots(targets, 1, "cpu", torch.float32)]
+    for i, rank in enumerate((4, 3)):
+        adapter = LoraAdapter(f"a{i}", "<random>", 1.0)
+        for name, t in targets.items():
+            if name != "blk.0.attn_v" or i == 0:
+                a, b = torch.randn(rank, t.cols, generator=gen), torch.randn(t.rows, rank, generator=gen)
+                adapter.weights[name] = LoraWeight(a, b, 0.5)
+        assert [form.add(adapter) for form in forms] == [i, i]
+    pairs = [(0, 0, 1.0), (1, 1, 0.5), (2, 0, 1.0), (2, 1, -1.0), (4, 1, 2.0)]  # token 3: no adapter
+    for role, fan_in, fan_out in (("qkv", 16, 16), ("down", 24, 16)):
+        x, y = torch.randn(5, fan_in, generator=gen), torch.randn(5, fan_out, generator=gen)
+        outs = []
+        for form in forms:
+            plan = form.plan(pairs, 5)
+            assert plan is not None and (plan.pairs is not None) == (form.kernels is not None)
+            outs.append(form.add_delta(0, role, x, y.clone(), plan))
+        assert torch.allclose(outs[0], outs[1], atol=1e-5) and torch.equal(outs[0][3], y[3])
+        every = [(t, 1, 1.0) for t in range(5)]  # one adapter on every token: the matmuls straight onto y
+        whole, paired = forms[1].plan(every, 5), forms[0].plan(every, 5)
+        assert whole is not None and whole.whole and paired is not None
+        kernel_terms = forms[0].add_delta(0, role, x, y.clone(), paired)
+        assert torch.allclose(forms[1].add_delta(0, role, x, y.clone(), whole), kernel_terms, atol=1e-5)

@@ -186,7 +186,7 @@ class ModelRunner:
 
     def _adapters(self, rows: list[int]) -> list[tuple[tuple[int, float], ...]] | None:
         """Each entry's LoRA (slot, scale) pairs, for the ForwardBatch (None: no row has any)."""
-        if not any(self.row_adapters.get(r) for r in rows):
+        if not self.row_adapters or not any(r in self.row_adapters for r in rows):  # (no adapter rows: at once)
             return None
         return [self.row_adapters.get(r, ()) for r in rows]
 

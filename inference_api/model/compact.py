@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..kernels.quant import QuantLinear
 from .families import ModelSpec, describe
 from .forward_batch import ForwardBatch
-from .lora import LoraPlan, LoraSlots
+from .lora import LoraGroups, LoraPairs, LoraPlan, LoraSlots
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -218,12 +218,11 @@ class CompactLM:
     def forward(self, batch: ForwardBatch, cache) -> torch.Tensor | None:
         """The one layer loop (every family, every batch); a llama-shaped decode step goes to the kernels'
         Decoder, its mirror in C++, where it takes the rows, with the rows' LoRA adapters' terms where the kernels
-        add them (``LoraPlan.pairs``; else the loop adds them, giving the other rows the same numbers, bit for
-        bit)."""
+        add them (``LoraPairs``; else the loop adds them, giving the other rows the same numbers, bit for bit)."""
         lora = None
         if self.lora is not None and batch.adapters:
             lora = self.lora.plan(batch.adapter_tokens(), int(batch.tokens.shape[0]))
-        fused = self.fused is not None and self.head is not None and (lora is None or lora.pairs is not None)
+        fused = self.fused is not None and self.head is not None and not isinstance(lora, LoraGroups)
         if fused and batch.decode and not batch.static and batch.shape[0] <= self.fused_max_rows:
             return self._fused(batch, cache, lora)
         spec, k = self.spec, self.kernels
@@ -346,11 +345,11 @@ class CompactLM:
             cache.key_scales,
             cache.value_scales,
         )
-        if lora is None or self.lora is None or lora.pairs is None or lora.scales is None:
-            x = self.fused.forward(*args)
-        else:  # the pairs' tokens (indices into the real tokens) as the step's rows
+        if isinstance(lora, LoraPairs) and self.lora is not None:  # the pairs' tokens as the step's rows
             rows = batch.tokens.index_select(0, lora.index)
-            x = self.fused.forward_lora(*args, self.lora.fused_stacks, rows, lora.pairs, lora.scales)
+            x = self.fused.forward_lora(*args, self.lora.fused_stacks, rows, lora.places, lora.scales)
+        else:
+            x = self.fused.forward(*args)
         return head(k.rms_norm(x, self.norm, self.eps))
 
 

@@ -357,48 +357,41 @@ class LoraSlots:
                     b[i, r : r + k, t.offset : t.offset + t.rows] = w.b.T
                     r += k
             self.stacks[layer][role] = _Stack(a.to(self.device, self.dtype), b.to(self.device, self.dtype))
+        # each layer's A and B of qkv, o, gate_up and down (None where no adapter has that linear), as the kernels'
+        # Decoder takes them
+        self.fused_stacks: list[list[torch.Tensor | None]] = [
+            [t for role in ("qkv", "o", "gate_up", "down") for t in self._pair(layer, role)] for layer in self.stacks
+        ]
+
+    @staticmethod
+    def _pair(layer: dict[str, _Stack], role: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        stack = layer.get(role)
+        return (None, None) if stack is None else (stack.a, stack.b)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for s in self.stacks for st in s.values() for t in (st.a, st.b))
 
-    @property
-    def fused_stacks(self) -> list[list[torch.Tensor | None]]:
-        """Each layer's A and B of qkv, o, gate_up and down (None where no adapter has that linear), as the
-        kernels' Decoder takes them."""
-        out = []
-        for layer in self.stacks:
-            row: list[torch.Tensor | None] = []
-            for role in ("qkv", "o", "gate_up", "down"):
-                stack = layer.get(role)
-                row += [None, None] if stack is None else [stack.a, stack.b]
-            out.append(row)
-        return out
-
     def plan(self, pairs: list[tuple[int, int, float]], tokens: int) -> LoraPlan | None:
-        """A forward's adapter tokens grouped by adapter: pairs (token index among its ``tokens`` real tokens, slot,
-        scale) -> the stacks' places of the adapters used and a [groups, longest] token index, a shorter group padded
-        with its own first token at scale 0 (its term adds nothing, and only to an adapter token); its scales (None:
-        all 1), and whether one adapter takes every token in order (its terms then need no gathering); None without
-        any pair."""
+        """A forward's adapter terms from its pairs (token index among its ``tokens`` real tokens, slot, scale): on
+        the kernels the pairs themselves, by adapter (``LoraPairs``); else the tokens grouped by adapter
+        (``LoraGroups``). None without any pair."""
         if not pairs:
             return None
-        groups: dict[int, list[tuple[int, float]]] = {}
-        for token, slot, scale in pairs:
+        for _, slot, _ in pairs:
             if slot not in self.position:
                 raise ValueError(f"LoRA slot {slot} holds no adapter")
+        if self.kernels is not None:
+            places, index, scales = zip(*sorted((self.position[slot], token, scale) for token, slot, scale in pairs))
+            return LoraPairs(torch.tensor(index), torch.tensor(places), torch.tensor(scales, dtype=torch.float32))
+        groups: dict[int, list[tuple[int, float]]] = {}
+        for token, slot, scale in pairs:
             groups.setdefault(self.position[slot], []).append((token, scale))
-        if self.kernels is not None:  # the pairs themselves, by adapter
-            ordered = sorted((self.position[slot], token, scale) for token, slot, scale in pairs)
-            slots_, tokens_, scales_ = zip(*ordered)
-            return LoraPlan(
-                None, torch.tensor(tokens_), torch.tensor(scales_, dtype=torch.float32), pairs=torch.tensor(slots_)
-            )
         used = sorted(groups)
         longest = max(len(g) for g in groups.values())
         index = torch.tensor([[t for t, _ in groups[p]] + [groups[p][0][0]] * (longest - len(groups[p])) for p in used])
         scales = torch.tensor([[s for _, s in groups[p]] + [0.0] * (longest - len(groups[p])) for p in used])
-        return LoraPlan(
+        return LoraGroups(
             None if used == list(range(len(self.adapters))) else torch.tensor(used, device=self.device),
             index.to(self.device),
             None if bool((scales == 1).all()) else scales[..., None].to(self.device, self.dtype),
@@ -412,8 +405,9 @@ class LoraSlots:
         if stack is None:
             return y
         a, b = stack.a, stack.b
-        if plan.pairs is not None and self.kernels is not None and plan.scales is not None:
-            self.kernels.lora_add(x.contiguous(), a, b, plan.index, plan.pairs, plan.scales, y)
+        if isinstance(plan, LoraPairs):  # (made only where the kernels add them)
+            assert self.kernels is not None
+            self.kernels.lora_add(x.contiguous(), a, b, plan.index, plan.places, plan.scales, y)
             return y
         a = a.transpose(1, 2)  # [adapters, in, rank]
         if plan.used is not None:  # only the adapters this forward uses
@@ -429,11 +423,22 @@ class LoraSlots:
 
 
 @dataclass
-class LoraPlan:
+class LoraPairs:
+    """The CPU kernels' plan: each (token, adapter, scale) pair, sorted by adapter."""
+
+    index: torch.Tensor  # [P] the pairs' tokens, as indices into the real tokens
+    places: torch.Tensor  # [P] their adapters' places in the stacks
+    scales: torch.Tensor  # [P] float32
+
+
+@dataclass
+class LoraGroups:
+    """The batched matmuls' plan: the adapter tokens grouped by adapter."""
+
     used: torch.Tensor | None  # the stacks' places of the adapters used (None: every adapter held, in order)
     index: torch.Tensor  # [groups, longest] each group's tokens, as indices into the real tokens
     scales: torch.Tensor | None  # [groups, longest, 1] each token's scale for its group's adapter (padding: 0); None: 1
     whole: bool = False  # one adapter takes every token, in order
-    # the CPU kernels' form: each (token, slot, scale) pair, sorted by slot: index the tokens, scales theirs [P],
-    # pairs the stacks' places of their adapters (None: the grouped form above)
-    pairs: torch.Tensor | None = None
+
+
+LoraPlan = LoraPairs | LoraGroups

@@ -191,10 +191,13 @@ class ModelPool:
     # loading and unloading
     def acquire(self, slot: ModelSlot) -> EngineClient:
         """The slot's engine, loaded now if it is not (waiting up to --model-load-timeout for it to be ready):
-        Unavailable (503) while it cannot be, with the reason."""
+        Unavailable (503) while it cannot be, with the reason. The first model's, as it is: it started with the
+        server, and while it loads or restarts its requests get check_ready's 503 at once."""
         slot.last_used = self._clock()
         client = slot.client
-        if client is None or (client.failure is not None and not slot.default):
+        if slot.default and client is not None:
+            return client
+        if client is None or client.failure is not None:
             client = self._load(slot)
         if client.ready is None and client.failure is None:
             deadline = self._clock() + self.config.model_load_timeout

@@ -92,9 +92,8 @@ class Serving:
     @property
     def client(self) -> EngineClient:
         """The engine of the request's model (loaded by check_model), or the first model's."""
-        slot = self.slot
-        client = g.get(CLIENT_KEY) if has_request_context() and slot is not self.models.default else None
-        return client or slot.client or self.models.acquire(slot)
+        client = g.get(CLIENT_KEY) if has_request_context() else None
+        return client if client is not None else self.models.acquire(self.models.default)
 
     def check_model(self, name: str, placeholders: bool = False) -> None:
         """Make ``name`` the request's model, loaded if it is not (``ModelPool.acquire``), and the LoRA adapter

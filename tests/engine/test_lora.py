@@ -315,7 +315,7 @@ def test_the_kernels_lora_terms_equal_the_matmuls_at_each_level(kernels, rank):
 def test_the_grouped_matmuls_add_the_terms_the_kernels_add(kernels):
     """LoraSlots' two forms (the kernels' pairs on CPU; the grouped batched matmuls, CUDA's) add the same terms: two
     adapters on a fused qkv (q and v parts) and a whole linear, tokens of one adapter, of two, and of none."""
-    from inference_api.model.lora import LoraAdapter, LoraSlots, LoraWeight, Target
+    from inference_api.model.lora import LoraAdapter, LoraGroups, LoraPairs, LoraSlots, LoraWeight, Target
 
     gen = torch.Generator().manual_seed(3)
     targets = {
@@ -337,11 +337,11 @@ def test_the_grouped_matmuls_add_the_terms_the_kernels_add(kernels):
         outs = []
         for form in forms:
             plan = form.plan(pairs, 5)
-            assert plan is not None and (plan.pairs is not None) == (form.kernels is not None)
+            assert plan is not None and isinstance(plan, LoraPairs) == (form.kernels is not None)
             outs.append(form.add_delta(0, role, x, y.clone(), plan))
         assert torch.allclose(outs[0], outs[1], atol=1e-5) and torch.equal(outs[0][3], y[3])
         every = [(t, 1, 1.0) for t in range(5)]  # one adapter on every token: the matmuls straight onto y
         whole, paired = forms[1].plan(every, 5), forms[0].plan(every, 5)
-        assert whole is not None and whole.whole and paired is not None
+        assert isinstance(whole, LoraGroups) and whole.whole and paired is not None
         kernel_terms = forms[0].add_delta(0, role, x, y.clone(), paired)
         assert torch.allclose(forms[1].add_delta(0, role, x, y.clone(), whole), kernel_terms, atol=1e-5)

@@ -360,14 +360,22 @@ def embeddings_bench(url: str, peer_url: str | None, model: str, repeat: int) ->
 
 def adapter_spread(url: str, model: str, adapters: list[str], concurrency: list[int], max_tokens, count, repeat, extra):
     """--adapters: each load on the base model alone, then spread over these LoRA adapters (model names) in turn,
-    interleaved; the medians' ratio."""
+    interleaved; each side's medians and decode steps, and the ratio of their tokens/s."""
     print(f"\nLoRA adapters: streams on {model} alone against spread over {', '.join(adapters)}:")
     for c in concurrency:
-        base, spread = [], []
+        runs: dict[str, list[dict]] = {"base": [], "adapters": []}
+        steps: dict[str, dict[str, list[float]]] = {k: defaultdict(lambda: [0.0, 0.0]) for k in runs}
         for _ in range(max(1, repeat)):
-            base.append(run_load(url, model, c, max_tokens, count, api="openai", extra=extra)["tps"])
-            spread.append(run_load(url, adapters, c, max_tokens, count, api="openai", extra=extra)["tps"])
-        a, b = statistics.median(spread), statistics.median(base)
+            for side, names in (("base", model), ("adapters", adapters)):
+                before = decode_steps(url)
+                runs[side].append(run_load(url, names, c, max_tokens, count, api="openai", extra=extra))
+                for rows, (n, seconds) in steps_between(before, decode_steps(url)).items():
+                    steps[side][rows][0] += n
+                    steps[side][rows][1] += seconds
+        for side in runs:
+            print_row(f"  {side}", median_row(runs[side]))
+            print(f"{'    decode steps':<22} c={c:<3} {steps_line(steps[side])}")
+        a, b = (statistics.median(r["tps"] for r in runs[side]) for side in ("adapters", "base"))
         print(f"  c={c:<3} adapters {a:.1f}, base {b:.1f} tokens/s: {a / b:.3f}x")
 
 

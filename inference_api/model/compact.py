@@ -347,7 +347,7 @@ class CompactLM:
         )
         if isinstance(lora, LoraPairs) and self.lora is not None:  # the pairs' tokens as the step's rows
             rows = batch.tokens.index_select(0, lora.index)
-            x = self.fused.forward_lora(*args, self.lora.fused_stacks, rows, lora.places, lora.scales)
+            x = self.fused.forward_lora(*args, self.lora.pieces, rows, lora.places, lora.scales)
         else:
             x = self.fused.forward(*args)
         return head(k.rms_norm(x, self.norm, self.eps))

@@ -294,6 +294,12 @@ def adapter_params(path: str | Path) -> int:
         return 0
 
 
+def kernel_terms(device, dtype: torch.dtype | str) -> bool:
+    """Whether adapters' terms are added by the CPU kernels (a float32 model on the CPU, where the kernels run),
+    their weights then held in float16; elsewhere in the model's dtype (LoraSlots; pre-flight counts the same)."""
+    return torch.device(device).type == "cpu" and str(dtype).removeprefix("torch.") == "float32"
+
+
 @dataclass
 class _Stack:
     """One linear's low-rank weights of every loaded adapter, stacked: A [adapters, rank, in] (each tensor's A
@@ -304,23 +310,30 @@ class _Stack:
     b: torch.Tensor
 
 
+# the kernels' pieces of a layer: (linear: its place in ROLES_FUSED, A [adapters, rank, in], B [adapters, rank, rows]
+# in float16, the first of the linear's output columns B's rows add to): one per tensor, so none of B is zeros
+ROLES_FUSED = ("qkv", "o", "gate_up", "down")
+KernelPiece = tuple[int, torch.Tensor, torch.Tensor, int]
+
+
 class LoraSlots:
     """The adapters a compact decoder holds, each in a slot (a small integer the engine gives rows), and every
     linear's stacked weights over them (rebuilt when one is added or removed: rare, between steps).
 
-    On the CPU kernels each linear adds every (token, adapter, scale) pair's term in one call (``lora_add``: each
-    token's own dot products, the same numbers whatever else the step holds). Elsewhere a forward's adapter tokens
-    are grouped by adapter (``plan``), and each linear adds their terms in two batched matmuls: each group's inputs
-    times its adapter's A, scaled per token by the request's scale, times its B, added to those tokens' outputs
-    alone. A token of several adapters gets each one's term."""
+    On the CPU kernels each tensor an adapter targets adds every (token, adapter, scale) pair's term in one call
+    (``lora_add``: each token's own dot products, the same numbers whatever else the step holds), its weights held
+    in float16 (half the bytes a step reads; the sums stay float32). Elsewhere a forward's adapter tokens are grouped
+    by adapter (``plan``), and each linear adds their terms in two batched matmuls: each group's inputs times its
+    adapter's A, scaled per token by the request's scale, times its B, added to those tokens' outputs alone. A
+    token of several adapters gets each one's term."""
 
     def __init__(self, model_targets: dict[str, Target], layers: int, device, dtype: torch.dtype, kernels=None):
         self.targets, self.layers, self.device, self.dtype = model_targets, layers, device, dtype
-        cpu = torch.device(device).type == "cpu" and dtype == torch.float32
-        self.kernels = kernels if cpu and hasattr(kernels, "lora_add") else None  # (None: the batched matmuls)
+        self.kernels = kernels if kernel_terms(device, dtype) and hasattr(kernels, "lora_add") else None
         self.adapters: dict[int, LoraAdapter] = {}
         self.position: dict[int, int] = {}  # slot -> its place in the stacks
-        self.stacks: list[dict[str, _Stack]] = [{} for _ in range(layers)]
+        self.stacks: list[dict[str, _Stack]] = [{} for _ in range(layers)]  # (the matmuls' form)
+        self.pieces: list[list[KernelPiece]] = [[] for _ in range(layers)]  # (the kernels' form)
         self._by_linear: dict[tuple[int, str], list[str]] = {}  # (layer, role) -> its tensors' names
         for tensor, t in model_targets.items():
             self._by_linear.setdefault((int(tensor.split(".")[1]), t.role), []).append(tensor)
@@ -340,9 +353,13 @@ class LoraSlots:
         slots = sorted(self.adapters)
         self.position = {s: i for i, s in enumerate(slots)}
         self.stacks = [{} for _ in range(self.layers)]
+        self.pieces = [[] for _ in range(self.layers)]
         for (layer, role), tensors in self._by_linear.items():
             used = [[(n, self.adapters[s].weights[n]) for n in tensors if n in self.adapters[s].weights] for s in slots]
             if not any(used):
+                continue
+            if self.kernels is not None:
+                self.pieces[layer].extend(self._pieces(ROLES_FUSED.index(role), tensors, slots))
                 continue
             cols = self.targets[tensors[0]].cols
             out = max(self.targets[n].offset + self.targets[n].rows for n in tensors)
@@ -357,20 +374,31 @@ class LoraSlots:
                     b[i, r : r + k, t.offset : t.offset + t.rows] = w.b.T
                     r += k
             self.stacks[layer][role] = _Stack(a.to(self.device, self.dtype), b.to(self.device, self.dtype))
-        # each layer's A and B of qkv, o, gate_up and down (None where no adapter has that linear), as the kernels'
-        # Decoder takes them
-        self.fused_stacks: list[list[torch.Tensor | None]] = [
-            [t for role in ("qkv", "o", "gate_up", "down") for t in self._pair(layer, role)] for layer in self.stacks
-        ]
 
-    @staticmethod
-    def _pair(layer: dict[str, _Stack], role: str) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        stack = layer.get(role)
-        return (None, None) if stack is None else (stack.a, stack.b)
+    def _pieces(self, linear: int, tensors: list[str], slots: list[int]) -> list[KernelPiece]:
+        """The kernels' pieces of one linear: each tensor some adapter targets, its A and B over every slot (zero
+        for an adapter without it, and past an adapter's rank up to the largest)."""
+        out = []
+        for n in tensors:
+            weights = [self.adapters[s].weights.get(n) for s in slots]
+            rank = max((w.a.shape[0] for w in weights if w is not None), default=0)
+            if not rank:
+                continue
+            t = self.targets[n]
+            a = torch.zeros(len(slots), rank, t.cols, dtype=torch.float16)
+            b = torch.zeros(len(slots), rank, t.rows, dtype=torch.float16)
+            for i, w in enumerate(weights):
+                if w is not None:
+                    a[i, : w.a.shape[0]] = w.a * w.scale
+                    b[i, : w.a.shape[0]] = w.b.T
+            out.append((linear, a, b, t.offset))
+        return out
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for s in self.stacks for st in s.values() for t in (st.a, st.b))
+        held = [t for s in self.stacks for st in s.values() for t in (st.a, st.b)]
+        held += [t for layer in self.pieces for _, a, b, _ in layer for t in (a, b)]
+        return sum(t.numel() * t.element_size() for t in held)
 
     def plan(self, pairs: list[tuple[int, int, float]], tokens: int) -> LoraPlan | None:
         """A forward's adapter terms from its pairs (token index among its ``tokens`` real tokens, slot, scale): on
@@ -401,14 +429,18 @@ class LoraSlots:
     def add_delta(self, layer: int, role: str, x: torch.Tensor, y: torch.Tensor, plan: LoraPlan) -> torch.Tensor:
         """y (a linear's output for the real tokens x, [N, out]) plus each adapter token's scale * B (A x), in place;
         the other tokens' outputs untouched."""
+        if isinstance(plan, LoraPairs):  # (made only where the kernels add them)
+            assert self.kernels is not None
+            linear = ROLES_FUSED.index(role)
+            for k, a, b, offset in self.pieces[layer]:
+                if k == linear:
+                    y_cols = y.narrow(1, offset, b.shape[2])
+                    self.kernels.lora_add(x.contiguous(), a, b, plan.index, plan.places, plan.scales, y_cols)
+            return y
         stack = self.stacks[layer].get(role)
         if stack is None:
             return y
         a, b = stack.a, stack.b
-        if isinstance(plan, LoraPairs):  # (made only where the kernels add them)
-            assert self.kernels is not None
-            self.kernels.lora_add(x.contiguous(), a, b, plan.index, plan.places, plan.scales, y)
-            return y
         a = a.transpose(1, 2)  # [adapters, in, rank]
         if plan.used is not None:  # only the adapters this forward uses
             a, b = a.index_select(0, plan.used), b.index_select(0, plan.used)

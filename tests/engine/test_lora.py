@@ -280,7 +280,7 @@ def test_the_flag_pre_flight_and_the_mock():
     numbers = sum(adapter_params(DATA / f"{n}.gguf") for n in NAMES)
     assert numbers == sum(adapter_params(DATA / n) for n in NAMES) > 0
     with_lora, without = estimate(config), estimate(ServerConfig.from_args(flags(), {}))
-    assert with_lora.weights_bytes - without.weights_bytes == numbers * 4  # float32 on the CPU
+    assert with_lora.weights_bytes - without.weights_bytes == numbers * 2  # float16 where the CPU kernels add terms
     with pytest.raises(RuntimeError, match="mock engine takes no LoRA"):
         build_engine(ServerConfig(mock=True, lora=("a=x.gguf",)))
 
@@ -292,7 +292,8 @@ def test_the_kernels_lora_terms_equal_the_matmuls_at_each_level(kernels, rank):
     gen = torch.Generator().manual_seed(rank)
     tokens, k, n, slots = 6, 70, 45, 3
     x, y = torch.randn(tokens, k, generator=gen), torch.randn(tokens, n, generator=gen)
-    a, b = torch.randn(slots, rank, k, generator=gen), torch.randn(slots, rank, n, generator=gen)
+    a = torch.randn(slots, rank, k, generator=gen).half()  # (the kernels hold adapters in float16)
+    b = torch.randn(slots, rank, n, generator=gen).half()
     pairs = [(0, 0, 1.0), (1, 2, 0.5), (3, 0, -2.0), (3, 1, 1.0), (5, 2, 1.5)]  # token 2 and 4: none; 3: two
     pairs.sort(key=lambda p: (p[1], p[0]))
     out = y.clone()
@@ -307,9 +308,15 @@ def test_the_kernels_lora_terms_equal_the_matmuls_at_each_level(kernels, rank):
     )
     expected = y.clone()
     for t, s, c in pairs:
-        expected[t] += c * (a[s] @ x[t]) @ b[s]
+        expected[t] += c * (a[s].float() @ x[t]) @ b[s].float()
     assert torch.allclose(out, expected, atol=1e-4, rtol=1e-4)
     assert torch.equal(out[2], y[2]) and torch.equal(out[4], y[4])
+    wide = torch.zeros(tokens, n + 9)  # y as a slice of wider rows (a tensor's columns in its linear)
+    wide[:, 5 : 5 + n] = y
+    cols = wide[:, 5 : 5 + n]
+    kernels.lora_add(x, a, b, torch.tensor([4]), torch.tensor([1]), torch.tensor([0.5]), cols)
+    assert wide[:, :5].eq(0).all() and wide[:, 5 + n :].eq(0).all() and torch.equal(cols[:4], y[:4])
+    assert torch.allclose(cols[4], y[4] + 0.5 * (a[1].float() @ x[4]) @ b[1].float(), atol=1e-4, rtol=1e-4)
 
 
 def test_the_grouped_matmuls_add_the_terms_the_kernels_add(kernels):
@@ -329,6 +336,7 @@ def test_the_grouped_matmuls_add_the_terms_the_kernels_add(kernels):
         for name, t in targets.items():
             if name != "blk.0.attn_v" or i == 0:
                 a, b = torch.randn(rank, t.cols, generator=gen), torch.randn(t.rows, rank, generator=gen)
+                a, b = a.half().float(), b.half().float()  # (numbers the kernels' float16 holds as they are)
                 adapter.weights[name] = LoraWeight(a, b, 0.5)
         assert [form.add(adapter) for form in forms] == [i, i]
     pairs = [(0, 0, 1.0), (1, 1, 0.5), (2, 0, 1.0), (2, 1, -1.0), (4, 1, 2.0)]  # token 3: no adapter

@@ -45,14 +45,13 @@ at::Tensor Decoder::forward_lora(const at::Tensor& x, const at::Tensor& cos, con
                                  const std::vector<at::Tensor>& value_scales, const Stacks& stacks,
                                  const at::Tensor& tokens, const at::Tensor& slots, const at::Tensor& scales) const {
   TORCH_CHECK(stacks.size() == layers_.size(), "forward_lora: a stack list per layer");
-  for (const auto& s : stacks) TORCH_CHECK(s.size() == 8, "forward_lora: A and B of qkv, o, gate_up and down");
   const Lora lora{stacks, tokens, slots, scales};
   return run(x, cos, sin, write, lengths, keys, values, key_scales, value_scales, &lora);
 }
 
 at::Tensor Decoder::Lora::add(size_t i, int k, const at::Tensor& x, at::Tensor y) const {
-  const auto &a = stacks[i][2 * k], &b = stacks[i][2 * k + 1];
-  if (a.has_value() && b.has_value()) lora_add(x.contiguous(), *a, *b, tokens, slots, scales, y);
+  for (const auto& [linear, a, b, offset] : stacks[i])
+    if (linear == k) lora_add(x.contiguous(), a, b, tokens, slots, scales, y.narrow(1, offset, b.size(2)));
   return y;
 }
 

@@ -46,10 +46,10 @@ class Decoder {
                      const at::Tensor& lengths, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                      const std::vector<at::Tensor>& key_scales, const std::vector<at::Tensor>& value_scales) const;
 
-  // forward with LoRA adapters' terms (lora_add) after each linear: stacks, each layer's A and B of qkv, o, gate_up
-  // and down (8 entries, None where no adapter has that linear); tokens, slots, scales: the (entry, slot, scale)
-  // pairs, sorted by slot
-  using Stacks = std::vector<std::vector<c10::optional<at::Tensor>>>;
+  // forward with LoRA adapters' terms (lora_add) after each linear: stacks, each layer's pieces (k: 0 qkv, 1 o,
+  // 2 gate_up, 3 down; a [S, R, in] and b [S, R, rows] in float16; the first of the linear's output columns they
+  // add to); tokens, slots, scales: the (entry, slot, scale) pairs, sorted by slot
+  using Stacks = std::vector<std::vector<std::tuple<int64_t, at::Tensor, at::Tensor, int64_t>>>;
   at::Tensor forward_lora(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& write,
                           const at::Tensor& lengths, std::vector<at::Tensor> keys, std::vector<at::Tensor> values,
                           const std::vector<at::Tensor>& key_scales, const std::vector<at::Tensor>& value_scales,

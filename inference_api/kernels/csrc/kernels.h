@@ -37,6 +37,6 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
                       at::Tensor& values, const Scales& key_scales, const Scales& value_scales,
                       const at::Tensor& positions, int64_t heads, const c10::optional<at::Tensor>& rows);
 void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& tokens,
-              const at::Tensor& slots, const at::Tensor& scales, at::Tensor& y);
+              const at::Tensor& slots, const at::Tensor& scales, at::Tensor y);
 
 }  // namespace woq

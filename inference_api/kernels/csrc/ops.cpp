@@ -525,75 +525,82 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
 
 namespace {
 
-// out[0..4) = dot(x, w_k) over n floats for the four rows w_0..w_3 (ld floats apart): x loaded once for the four
-inline void dot4_floats(const float* x, const float* w, int64_t ld, int64_t n, float* out) {
+// out[0..4) = dot(x, w_k) over n values for the float16 rows w_0..w_3 (ld apart): x loaded once for the four
+inline void dot4_halves(const float* x, const c10::Half* w, int64_t ld, int64_t n, float* out) {
   int64_t j = 0;
   float s[4] = {0.f, 0.f, 0.f, 0.f};
 #ifdef WOQ_SIMD
   Vec::T a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
   for (; j + W <= n; j += W) {
     const Vec::T xv = Vec::load(x + j);
-    a0 = Vec::fma(xv, Vec::load(w + j), a0);
-    a1 = Vec::fma(xv, Vec::load(w + ld + j), a1);
-    a2 = Vec::fma(xv, Vec::load(w + 2 * ld + j), a2);
-    a3 = Vec::fma(xv, Vec::load(w + 3 * ld + j), a3);
+    a0 = Vec::fma(xv, Vec::halves(w + j), a0);
+    a1 = Vec::fma(xv, Vec::halves(w + ld + j), a1);
+    a2 = Vec::fma(xv, Vec::halves(w + 2 * ld + j), a2);
+    a3 = Vec::fma(xv, Vec::halves(w + 3 * ld + j), a3);
   }
   Vec::sum4(a0, a1, a2, a3, s);
 #endif
   for (; j < n; ++j)
-    for (int k = 0; k < 4; ++k) s[k] += x[j] * w[k * ld + j];
+    for (int k = 0; k < 4; ++k) s[k] += x[j] * static_cast<float>(w[k * ld + j]);
   for (int k = 0; k < 4; ++k) out[k] = s[k];
 }
 
 }  // namespace
 
 void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& tokens,
-              const at::Tensor& slots, const at::Tensor& scales, at::Tensor& y) {
+              const at::Tensor& slots, const at::Tensor& scales, at::Tensor y) {
   TORCH_CHECK(x.dim() == 2 && y.dim() == 2 && x.size(0) == y.size(0), "lora_add: x [T, K] and y [T, N]");
   TORCH_CHECK(a.dim() == 3 && b.dim() == 3 && a.size(0) == b.size(0) && a.size(1) == b.size(1) &&
                   a.size(2) == x.size(1) && b.size(2) == y.size(1),
               "lora_add: a [S, R, K] and b [S, R, N]");
-  for (const at::Tensor* t : std::initializer_list<const at::Tensor*>{&x, &a, &b, &y, &scales})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "lora_add: contiguous float32 tensors");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat && scales.scalar_type() == at::kFloat &&
+                  x.is_contiguous() && scales.is_contiguous() && y.stride(1) == 1,
+              "lora_add: float32 x, y and scales (y's rows may be a slice of wider ones)");
+  TORCH_CHECK(a.scalar_type() == at::kHalf && b.scalar_type() == at::kHalf && a.is_contiguous() && b.is_contiguous(),
+              "lora_add: contiguous float16 a and b");
   TORCH_CHECK(tokens.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && tokens.is_contiguous() &&
                   slots.is_contiguous() && tokens.numel() == slots.numel() && scales.numel() == tokens.numel(),
               "lora_add: one token, slot and scale per pair");
   const int64_t K = x.size(1), N = y.size(1), S = a.size(0), Rk = a.size(1), P = tokens.numel(), T = x.size(0);
-  const float *xp = x.data_ptr<float>(), *ap = a.data_ptr<float>(), *bp = b.data_ptr<float>();
+  const int64_t ldy = y.stride(0);
+  const float* xp = x.data_ptr<float>();
+  const c10::Half *ap = a.data_ptr<c10::Half>(), *bp = b.data_ptr<c10::Half>();
   const float* sp = scales.data_ptr<float>();
   const int64_t *tp = tokens.data_ptr<int64_t>(), *slp = slots.data_ptr<int64_t>();
   float* yp = y.data_ptr<float>();
   for (int64_t p = 0; p < P; ++p)
     TORCH_CHECK(tp[p] >= 0 && tp[p] < T && slp[p] >= 0 && slp[p] < S, "lora_add: a pair out of range");
-  // h[p, r] = scale_p * (x[t_p] . a[s_p, r]): by four rows of a at a time, every pair's input read once per four
-  std::vector<float> h(P * Rk);
-  const int64_t quads = (Rk + 3) / 4;
-  at::parallel_for(0, quads, 1, [&](int64_t q0, int64_t q1) {
-    float out[4];
-    for (int64_t q = q0; q < q1; ++q) {
-      const int64_t r = q * 4;
-      for (int64_t p = 0; p < P; ++p) {
-        const float *xt = xp + tp[p] * K, *as = ap + (slp[p] * Rk + r) * K;
-        if (r + 4 <= Rk) {
-          dot4_floats(xt, as, K, K, out);
-          for (int k = 0; k < 4; ++k) h[p * Rk + r + k] = sp[p] * out[k];
-        } else {
-          for (int64_t k = r; k < Rk; ++k) {
-            float sum = 0.f;
-            for (int64_t j = 0; j < K; ++j) sum += xt[j] * as[(k - r) * K + j];
-            h[p * Rk + k] = sp[p] * sum;
-          }
-        }
-      }
-    }
-  });
-  // y[t_p, cols] += h[p] . b[s_p, :, cols]: each thread a range of output columns (so no two write one value); within
-  // it each run of pairs of one adapter (pairs come sorted by slot) by four tokens at a time, each b vector loaded
-  // once for the four
+  // runs of pairs of one adapter (pairs come sorted by slot)
   std::vector<int64_t> runs;
   for (int64_t p = 0; p < P; ++p)
     if (p == 0 || slp[p] != slp[p - 1]) runs.push_back(p);
   runs.push_back(P);
+  const int64_t nruns = static_cast<int64_t>(runs.size()) - 1;
+  // h[p, r] = scale_p * (x[t_p] . a[s_p, r]): for each run and four rows of its a, every pair's dot products with
+  // the four (x loaded once for the four)
+  std::vector<float> h(P * Rk);
+  const int64_t quads = (Rk + 3) / 4;
+  at::parallel_for(0, nruns * quads, 1, [&](int64_t i0, int64_t i1) {
+    float out[4];
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t run = i / quads, r = (i % quads) * 4, n = std::min<int64_t>(4, Rk - r);
+      const c10::Half* as = ap + (slp[runs[run]] * Rk + r) * K;
+      for (int64_t p = runs[run]; p < runs[run + 1]; ++p) {
+        const float* xt = xp + tp[p] * K;
+        if (n == 4) {
+          dot4_halves(xt, as, K, K, out);
+        } else {
+          for (int64_t k = 0; k < n; ++k) {
+            out[k] = 0.f;
+            for (int64_t j = 0; j < K; ++j) out[k] += xt[j] * static_cast<float>(as[k * K + j]);
+          }
+        }
+        for (int64_t k = 0; k < n; ++k) h[p * Rk + r + k] = sp[p] * out[k];
+      }
+    }
+  });
+  // y[t_p, cols] += h[p] . b[s_p, :, cols]: each thread a range of output columns (so no two write one value); within
+  // it each run by four tokens at a time, each b vector loaded once for the four
 #ifdef WOQ_SIMD
   constexpr int64_t CW = W;  // columns a block
 #else
@@ -602,7 +609,7 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, con
   const int64_t blocks = (N + CW - 1) / CW;
   at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / 8), [&](int64_t c0, int64_t c1) {
     for (size_t run = 0; run + 1 < runs.size(); ++run) {
-      const float* bs = bp + slp[runs[run]] * Rk * N;
+      const c10::Half* bs = bp + slp[runs[run]] * Rk * N;
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t j = c * CW;
         for (int64_t p = runs[run]; p < runs[run + 1]; p += 4) {
@@ -610,11 +617,11 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, con
           const float* hp = h.data() + p * Rk;
 #ifdef WOQ_SIMD
           if (j + W <= N && m == 4) {  // (four named accumulators: kept in registers)
-            float *y0 = yp + tp[p] * N + j, *y1 = yp + tp[p + 1] * N + j, *y2 = yp + tp[p + 2] * N + j,
-                  *y3 = yp + tp[p + 3] * N + j;
+            float *y0 = yp + tp[p] * ldy + j, *y1 = yp + tp[p + 1] * ldy + j, *y2 = yp + tp[p + 2] * ldy + j,
+                  *y3 = yp + tp[p + 3] * ldy + j;
             Vec::T a0 = Vec::load(y0), a1 = Vec::load(y1), a2 = Vec::load(y2), a3 = Vec::load(y3);
             for (int64_t r = 0; r < Rk; ++r) {
-              const Vec::T bv = Vec::load(bs + r * N + j);
+              const Vec::T bv = Vec::halves(bs + r * N + j);
               a0 = Vec::fma(Vec::set1(hp[r]), bv, a0);
               a1 = Vec::fma(Vec::set1(hp[Rk + r]), bv, a1);
               a2 = Vec::fma(Vec::set1(hp[2 * Rk + r]), bv, a2);
@@ -625,20 +632,20 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, con
           }
           if (j + W <= N) {
             Vec::T acc[4];
-            for (int64_t i = 0; i < m; ++i) acc[i] = Vec::load(yp + tp[p + i] * N + j);
+            for (int64_t i = 0; i < m; ++i) acc[i] = Vec::load(yp + tp[p + i] * ldy + j);
             for (int64_t r = 0; r < Rk; ++r) {
-              const Vec::T bv = Vec::load(bs + r * N + j);
+              const Vec::T bv = Vec::halves(bs + r * N + j);
               for (int64_t i = 0; i < m; ++i) acc[i] = Vec::fma(Vec::set1(hp[i * Rk + r]), bv, acc[i]);
             }
-            for (int64_t i = 0; i < m; ++i) Vec::store(yp + tp[p + i] * N + j, acc[i]);
+            for (int64_t i = 0; i < m; ++i) Vec::store(yp + tp[p + i] * ldy + j, acc[i]);
             continue;
           }
 #endif
           for (int64_t i = 0; i < m; ++i)
             for (int64_t jj = j; jj < std::min(N, j + CW); ++jj) {
-              float acc = yp[tp[p + i] * N + jj];
-              for (int64_t r = 0; r < Rk; ++r) acc += hp[i * Rk + r] * bs[r * N + jj];
-              yp[tp[p + i] * N + jj] = acc;
+              float acc = yp[tp[p + i] * ldy + jj];
+              for (int64_t r = 0; r < Rk; ++r) acc += hp[i * Rk + r] * static_cast<float>(bs[r * N + jj]);
+              yp[tp[p + i] * ldy + jj] = acc;
             }
         }
       }

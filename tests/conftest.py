@@ -63,3 +63,20 @@ def hf_tokenizer(model_dir):
     from inference_api.model.tokenizer import HFTokenizer
 
     return HFTokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def browser():
+    """One headless chromium for the session's playground tests (tests/browser.py)."""
+    from browser import chromium
+
+    with chromium() as b:
+        yield b
+
+
+@pytest.fixture
+def context(browser):
+    context = browser.new_context(viewport={"width": 1000, "height": 800})
+    context.set_default_timeout(30_000)
+    yield context
+    context.close()

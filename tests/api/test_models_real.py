@@ -2,8 +2,9 @@
 the GGUFs of a models folder (a tiny qwen2, a tiny llama at Q8_0, the tiny BERT, a broken file) each loaded when
 a request names it, through the JWT proxy with the official openai client: the names and states in /v1/models,
 the request's model answering, the first model's stream going on while another loads, the least recently used
-idle model unloaded past --models-max, a broken file failing its own requests only, per-model metrics, and
-loading and unloading for operators alone. The pool's decisions without processes: test_model_pool.py."""
+idle model unloaded past --models-max, a broken file failing its own requests only, per-model metrics,
+loading and unloading for operators alone, and the chat page in a real browser listing every model with its state
+and loading one for a chat. The pool's decisions without processes: test_model_pool.py."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import numpy as np
 import openai
 import pytest
 import requests
+from browser import open_playground, send, set_params, wait_answer_done
 from gguf_reference import GGUF_DIR
 from servers import MODEL_CACHE, ServerProcess, team_token, wait_for
 
@@ -59,30 +61,34 @@ def test_every_model_is_listed_with_its_state(client, server):
 
 
 def test_a_request_loads_its_model_while_the_first_ones_stream_goes_on(client, server):
-    seen: list[float] = []
+    """A request for qwen2 loads it (seconds: a new engine process); meanwhile a whole stream of the first model
+    starts and ends (the tiny model's 40 tokens take milliseconds: so the load must not hold it)."""
     done: dict = {}
 
-    def first_model_stream() -> None:
-        stream = client.completions.create(
-            model=FIRST, prompt="Once upon a time", max_tokens=150, stream=True, extra_body={"ignore_eos": True}
+    def load_by_request() -> None:
+        done["answer"] = client.chat.completions.create(
+            model="qwen2-q4_k_m", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
         )
-        text = []
-        for chunk in stream:
-            seen.append(time.monotonic())
-            text.append(chunk.choices[0].text if chunk.choices else "")
-        done["text"] = "".join(text)
+        done["at"] = time.monotonic()
 
-    thread = threading.Thread(target=first_model_stream)
+    thread = threading.Thread(target=load_by_request)
     thread.start()
-    assert wait_for(lambda: len(seen) >= 3, 60)
-    asked = time.monotonic()
-    answer = client.chat.completions.create(
-        model="qwen2-q4_k_m", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+    assert wait_for(lambda: states(server)["qwen2-q4_k_m"] == "loading", 60)
+    stream = client.completions.create(
+        model=FIRST,
+        prompt="Once upon a time",
+        max_tokens=40,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
-    answered = time.monotonic()
+    chunks = list(stream)
+    streamed, still = time.monotonic(), states(server)["qwen2-q4_k_m"]
     thread.join(120)
+    answer = done["answer"]
     assert answer.model == "qwen2-q4_k_m" and answer.usage.completion_tokens == 8
-    assert any(asked < t < answered for t in seen)  # the first model's tokens kept coming during the load
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 40 and len(chunks) > 3
+    assert still == "loading" and streamed < done["at"]  # the first model's whole stream during the load
     alone = client.chat.completions.create(
         model="qwen2-q4_k_m", messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
     )
@@ -131,7 +137,7 @@ def test_metrics_per_model(server):
         for line in text.splitlines()
         if line.startswith("inference_generated_tokens_total{")
     }
-    assert generated[FIRST] >= 150 and generated["llama-q8_0"] == 2 and "qwen2-q4_k_m" not in generated  # unloaded
+    assert generated[FIRST] >= 40 and generated["llama-q8_0"] == 2 and "qwen2-q4_k_m" not in generated  # unloaded
     assert 'inference_http_requests_total{api="openai",status="200"}' in text  # the app's own: unlabelled
 
 
@@ -147,6 +153,26 @@ def test_loading_and_unloading_are_for_operators(proxy, server):
     assert r.status_code == 409 and "first model stays loaded" in r.text
     r = requests.post(proxy.url + "/models/load", json={"model": "llama-q8_0"}, headers=admin, timeout=120)
     assert r.status_code == 200 and r.json()["status"]["value"] == "loaded"
+
+
+@pytest.mark.timeout(180)
+def test_the_chat_page_lists_every_model_and_a_chat_loads_one(context, proxy, server):
+    """In chromium through the proxy: the page's model list is /v1/models' (a model not loaded marked with its
+    state), and a chat with a model not loaded loads it and streams its answer."""
+    context.set_default_timeout(120_000)  # (the chat waits for the model's load)
+    page = open_playground(context, proxy.url, team_token())
+    now = states(server)
+    assert now["qwen2-q4_k_m"] == "unloaded" and now["broken"] != "loaded"
+    options = page.locator("#model option")
+    assert options.all_text_contents() == [name if s == "loaded" else f"{name} ({s})" for name, s in now.items()]
+    assert [options.nth(i).get_attribute("value") for i in range(options.count())] == list(now)
+    page.locator("#model").select_option("qwen2-q4_k_m")
+    set_params(page, temperature="0", **{"max-tokens": "8"})
+    send(page, "hi")
+    note = wait_answer_done(page).text_content()
+    assert note.startswith("Finished: length") and "8 completion tokens" in note, note
+    assert page.locator("#messages .assistant .text").first.text_content()
+    assert states(server)["qwen2-q4_k_m"] == "loaded"
 
 
 def test_bench_times_a_switch_to_each_model(server):  # (last: it unloads each model of the folder)

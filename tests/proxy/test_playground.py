@@ -4,24 +4,13 @@ to the real inference server on its mock backend."""
 from __future__ import annotations
 
 import json
-import os
 import time
 
 import pytest
 import requests
+from browser import open_playground, send, set_params, wait_answer_done
 from proxy_helpers import ROOT, bearer, make_token, wait_idle
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 ARTIFACTS = ROOT / "test-artifacts"
 
 # records, on every animation frame, the last answer's length and the status line (installed before sending)
@@ -39,62 +28,9 @@ SAMPLER = """() => {
 
 
 @pytest.fixture(scope="module")
-def browser():
-    if not os.access(CHROMIUM, os.X_OK):
-        pytest.fail(f"{CHROMIUM} is missing: `bash scripts/test.sh` installs Debian's chromium package")
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
-        yield browser
-        browser.close()
-
-
-@pytest.fixture
-def context(browser):
-    context = browser.new_context(viewport={"width": 1000, "height": 800})
-    context.set_default_timeout(30_000)
-    yield context
-    context.close()
-
-
-@pytest.fixture(scope="module")
 def model(inference_proxy) -> str:
     health = requests.get(inference_proxy.url + "/health", headers=bearer(make_token(admin=True)), timeout=10)
     return health.json()["model"]  # the details: an operator's token
-
-
-def open_playground(context, url: str, token: str | None = None):
-    """The page loaded with its token entered by keyboard alone; returns the page once the model is listed."""
-    page = context.new_page()
-    page.goto(url + "/")
-    assert page.locator("#token-dialog").is_visible()
-    if token is not None:
-        assert page.evaluate("document.activeElement.id") == "token-input"
-        page.keyboard.type(token)
-        page.keyboard.press("Enter")
-        page.wait_for_function("() => document.querySelector('#model').options.length > 0")
-        assert not page.locator("#token-dialog").is_visible()
-    return page
-
-
-def set_params(page, **values: str) -> None:
-    if page.locator("#settings").get_attribute("open") is None:
-        page.locator("#settings summary").click()
-    for field, value in values.items():
-        page.locator(f"#{field}").fill(value)
-
-
-def send(page, text: str) -> None:
-    page.locator("#prompt").fill(text)
-    page.locator("#prompt").press("Enter")
-
-
-def wait_answer_done(page, count: int = 1):
-    """The count-th answer's closing note (finish reason and token counts, or why it stopped)."""
-    note = page.locator("#messages .assistant").nth(count - 1).locator(".stats")
-    note.wait_for()
-    return note
 
 
 @pytest.mark.timeout(180)

@@ -91,6 +91,7 @@ class EngineClient:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._started = threading.Event()
+        self._settled = threading.Condition()  # notified when the engine becomes ready or fails, and at shutdown
         self._on_give_up = on_give_up or (lambda: os.kill(os.getpid(), signal.SIGQUIT))
         self.ready: EngineReady | None = None
         self.failure: str | None = None
@@ -116,6 +117,7 @@ class EngineClient:
         """Stop the engine: it ends at once, or, with the prompt cache on disk, once its rows' caches are saved
         there (at most SAVE_TIMEOUT)."""
         self._stopping.set()
+        self._settle()
         process = self.process
         if process is not None and process.is_alive():
             self._send(Shutdown())
@@ -123,6 +125,19 @@ class EngineClient:
             if process.is_alive():
                 process.kill()
                 process.join(timeout)
+
+    def wait_settled(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds until the engine is ready or has failed (or the client stops); whether
+        it is ready or has failed."""
+        with self._settled:
+            self._settled.wait_for(
+                lambda: self.ready is not None or self.failure is not None or self._stopping.is_set(), timeout
+            )
+        return self.ready is not None or self.failure is not None
+
+    def _settle(self) -> None:
+        with self._settled:
+            self._settled.notify_all()
 
     @property
     def state(self) -> str:
@@ -158,6 +173,7 @@ class EngineClient:
             self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW]
             if len(self.restarts) >= self.config.engine_max_restarts:
                 self.failure = f"engine crashed {len(self.restarts) + 1} times within {RESTART_WINDOW:.0f} s"
+                self._settle()
                 log.error("%s; giving up, the worker exits so that gunicorn starts a fresh one", self.failure)
                 self._on_give_up()
                 return
@@ -336,9 +352,11 @@ class EngineClient:
                 self._adapters = msg.adapters + self._reload_adapters()
                 self.ready = msg
                 self.restarting = False
+                self._settle()
                 log.info("engine ready: %s on %s (pid %d)", msg.model_name, msg.device, process.pid)
             elif isinstance(msg, EngineFailed):
                 self.failure = msg.message
+                self._settle()
                 self._fail_all(msg.message)
                 return False
         return False
@@ -349,6 +367,7 @@ class EngineClient:
         self.restarting = served
         if not served:
             self.failure = message
+            self._settle()
         self.stats = self._idle_stats()  # a new engine's cumulative counters start from zero
         self._fail_all(message)
         return served

@@ -200,9 +200,7 @@ class ModelPool:
         if client is None or client.failure is not None:
             client = self._load(slot)
         if client.ready is None and client.failure is None:
-            deadline = self._clock() + self.config.model_load_timeout
-            while client.ready is None and client.failure is None and self._clock() < deadline:
-                time.sleep(0.05)
+            client.wait_settled(self.config.model_load_timeout)
             if client.ready is not None and slot.load_seconds is None:
                 self._loaded(slot)
         slot.last_used = self._clock()

@@ -158,3 +158,56 @@ def test_on_cuda_the_captured_step_launched_ahead_answers_as_launched_after():
     assert runner.graphs is not None and runner.graphs.captured == [1, 2, 4, 5]
     prompts = [torch.randint(0, 512, (n,)).tolist() for n in (5, 9, 3, 12, 1, 7)]
     _assert_ahead_answers_as_after(runner, _Ids(), prompts)
+
+
+def _random_adapter(runner, name: str, seed: int, rank: int = 4):
+    """A LoraAdapter of random A and B on every linear the model has."""
+    from inference_api.model.lora import LoraAdapter, LoraWeight, targets
+
+    gen = torch.Generator().manual_seed(seed)
+    adapter = LoraAdapter(name, "<random>", float(rank))
+    for tensor, t in targets(runner.config, runner.model.spec.family).items():
+        a, b = torch.randn(rank, t.cols, generator=gen) * 0.05, torch.randn(t.rows, rank, generator=gen) * 0.05
+        adapter.weights[tensor] = LoraWeight(a, b, 1.0)
+    return adapter
+
+
+def test_a_static_step_with_adapter_rows_gives_the_runners_logits_and_leaves_the_base_rows_alone(runner, hf_tokenizer):
+    """The static step of rows with LoRA adapters (the per-row plan CUDA graphs capture: each row's place in the
+    stacks and scale as inputs) against the runner's eager step (the grouped matmuls): the same logits; a base
+    row's logits bit for bit those of the step without adapters; a row of two adapters is left to the eager step;
+    an adapter loaded later (the stacks rebuilt) is followed."""
+    from inference_api.model.lora import LoraSlots, targets
+
+    lora = LoraSlots(
+        targets(runner.config, runner.model.spec.family), runner.config.num_hidden_layers, "cpu", torch.float32
+    )
+    slots = [lora.add(_random_adapter(runner, f"a{i}", i)) for i in range(2)]
+    runner.model.lora = lora
+    static = DecodeGraphs(runner.model, runner.cache, 5, runner.device, capture=False)
+    rows = [3, 0, 1]
+    pairs = {3: ((slots[0], 1.0),), 1: ((slots[1], 0.5),)}
+    try:
+        ids = [hf_tokenizer.encode(p) for p in PROMPTS[:3]]
+        first = runner.prefill(rows, ids, [0, 0, 0]).argmax(-1).tolist()
+        positions = [len(i) for i in ids]
+        for r in rows:
+            runner.use_adapters(r, pairs.get(r, ()))
+        adapters = [pairs.get(r, ()) for r in rows]
+        expected = runner.decode(rows, first, positions)  # (no graphs on the runner: the eager step)
+        assert static.takes(adapters) and not static.takes([((slots[0], 1.0), (slots[1], 1.0))])
+        got = static.decode(rows, first, positions, adapters)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+        plain = static.decode(rows, first, positions)
+        assert torch.equal(got[1], plain[1])  # row 0, no adapter: untouched
+        assert not torch.allclose(got[0], plain[0], atol=1e-2) and not torch.allclose(got[2], plain[2], atol=1e-2)
+        generation = lora.generation
+        lora.add(_random_adapter(runner, "later", 7))
+        assert lora.generation == generation + 1
+        again = static.decode(rows, first, positions, adapters)
+        assert static.lora_generation == lora.generation
+        torch.testing.assert_close(again, got, rtol=1e-5, atol=1e-5)
+    finally:
+        for r in rows:
+            runner.use_adapters(r, ())
+        runner.model.lora = None

@@ -17,6 +17,11 @@ mask, so nothing depends on the step's contents. Each batch size is captured for
 the context's length) and a step replays the shortest that holds its longest row: short rows do not pay for
 reading every row's whole context. ``capture=False`` runs the same static step eagerly (any device):
 what the tests compare the graphs with, and what a step runs if a capture failed.
+
+A step with LoRA adapter rows (one adapter a row; model/lora.py's ``LoraRows``) replays graphs of its own, each
+captured at the first such step of its bucket and span: the rows' adapter places and scales are two more static
+inputs, a row without an adapter reading the stacks' zeros. Loading or unloading an adapter rebuilds the stacks,
+so those graphs are dropped and captured again when next needed.
 """
 
 from __future__ import annotations
@@ -65,6 +70,15 @@ class DecodeGraphs:
         self.rows = {n: torch.arange(n, device=self.device) for n in self.sizes}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (batch size, span)
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.capture = capture
+        self.pool = None  # the graphs' shared memory pool
+        # steps with adapter rows: each row's place in the adapter stacks and its scale (made at the first such
+        # step), their graphs by (batch size, span), and the stacks' generation they read
+        self.lora_places: torch.Tensor | None = None
+        self.lora_scales: torch.Tensor | None = None
+        self.lora_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.lora_logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.lora_generation = -1
         if capture:
             self._capture()
 
@@ -73,10 +87,14 @@ class DecodeGraphs:
         """The batch sizes replayed from graphs."""
         return sorted({size for size, _ in self.graphs})
 
-    def _batch(self, size: int, span: int) -> ForwardBatch:
+    def _batch(self, size: int, span: int, lora: bool = False) -> ForwardBatch:
         """A fresh static batch over the first size rows of the inputs, attending to span positions (fresh: its
-        masks are computed by the forward that reads it, inside the graph)."""
+        masks are computed by the forward that reads it, inside the graph); with ``lora``, the rows' adapters."""
         ids, positions, write = (self.inputs[:size, i : i + 1] for i in range(3))
+        rows = None
+        if lora:
+            assert self.lora_places is not None and self.lora_scales is not None
+            rows = (self.lora_places[:size], self.lora_scales[:size])
         return ForwardBatch(
             ids,
             positions,
@@ -86,33 +104,83 @@ class DecodeGraphs:
             self.cache.scratch,
             decode=True,
             static=True,
+            lora_rows=rows,
         )
 
     @torch.inference_mode()
     def _capture(self) -> None:
         """Capture every bucket, the largest first (the smaller ones then fit in its pool). Each is run once on
         a side stream first, so lazy initialisations (cuBLAS handles, kernel loads) happen outside the capture."""
-        pool = None
-        side = torch.cuda.Stream(self.device)
         for key in [(size, span) for size in reversed(self.sizes) for span in reversed(self.spans)]:
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):
-                self.model.forward(self._batch(*key), self.cache)
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[key] = self.model.forward(self._batch(*key), self.cache)
-            pool = graph.pool()
-            self.graphs[key] = graph
+            self.graphs[key], self.logits[key] = self._capture_one(*key)
         torch.cuda.synchronize(self.device)
 
+    def _capture_one(self, size: int, span: int, lora: bool = False) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+        """One bucket's step captured in the shared pool (run once on a side stream first); the graph and the
+        logits it writes."""
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            self.model.forward(self._batch(size, span, lora), self.cache)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = self.model.forward(self._batch(size, span, lora), self.cache)
+        self.pool = graph.pool()
+        return graph, logits
+
+    def takes(self, adapters: list[tuple[tuple[int, float], ...]]) -> bool:
+        """Whether a step of rows with these adapters (each row's (slot, scale) pairs) is replayed: one adapter a
+        row at most, held in the matmuls' stacks (a row of several runs eagerly)."""
+        lora = getattr(self.model, "lora", None)
+        return lora is not None and lora.kernels is None and all(len(pairs) <= 1 for pairs in adapters)
+
     @torch.inference_mode()
-    def decode(self, rows: list[int], tokens: list[int], positions: list[int]) -> torch.Tensor:
+    def decode(
+        self,
+        rows: list[int],
+        tokens: list[int],
+        positions: list[int],
+        adapters: list[tuple[tuple[int, float], ...]] | None = None,
+    ) -> torch.Tensor:
+        """The step's logits; ``adapters``: each row's (slot, scale) pairs where some row has one (``takes``)."""
         ahead, self.ahead = self.ahead, None
-        if ahead is not None and ahead.matches(rows, tokens, positions):  # launched during the last step
+        if ahead is not None and adapters is None and ahead.matches(rows, tokens, positions):  # (the last step's)
             self.used_ahead += 1
             return ahead.logits
-        return self._run(*self._stage(rows, tokens, positions))
+        size, span, where = self._stage(rows, tokens, positions)
+        if adapters is None:
+            return self._run(size, span, where)
+        self._stage_adapters(size, rows, adapters)
+        key = (size, span)
+        if key not in self.lora_graphs and self.capture:
+            self.lora_graphs[key], self.lora_logits[key] = self._capture_one(size, span, lora=True)
+        graph = self.lora_graphs.get(key)
+        if graph is None:
+            return self.model.forward(self._batch(size, span, lora=True), self.cache)[where]
+        graph.replay()
+        return self.lora_logits[key][where]
+
+    def _stage_adapters(self, size: int, rows: list[int], adapters: list[tuple[tuple[int, float], ...]]) -> None:
+        """The bucket's adapter places and scales (a row without one: the stacks' zeros); the graphs captured
+        over stacks since rebuilt are dropped."""
+        lora = self.model.lora
+        if self.lora_generation != lora.generation:
+            self.lora_graphs.clear()
+            self.lora_logits.clear()
+            self.lora_generation = lora.generation
+        if self.lora_places is None:
+            n = self.inputs.shape[0]
+            self.lora_places = torch.zeros(n, dtype=torch.long, device=self.device)
+            self.lora_scales = torch.zeros(n, 1, dtype=lora.dtype, device=self.device)
+        assert self.lora_scales is not None
+        places, scales = [lora.zero_place] * size, [0.0] * size
+        for row, pairs in zip(rows, adapters):
+            if pairs:
+                ((slot, scale),) = pairs
+                places[row], scales[row] = lora.position[slot], scale
+        self.lora_places[:size].copy_(torch.tensor(places))
+        self.lora_scales[:size, 0].copy_(torch.tensor(scales))
 
     @torch.inference_mode()
     def decode_ahead(self, rows: list[int], tokens: torch.Tensor, positions: list[int]) -> Callable[[], list[int]]:

@@ -510,7 +510,7 @@ class Engine:
         the context, or where every row ends with this token. Returns what reads the tokens, or None."""
         launch = self.launch_ahead
         if launch is None or any(s.params.logprobs is not None or s.adapters for s in seqs):
-            return None  # (a captured step adds no adapter's terms)
+            return None  # (a step with adapter rows stages their adapters first: not launched ahead)
         positions = [s.num_tokens for s in seqs]  # each row's next position (its last token's + 1)
         if max(positions) >= self.context_length or all(s.at_length(self.context_length, ahead=1) for s in seqs):
             return None

@@ -276,8 +276,8 @@ class ModelRunner:
         spans rows 0..highest (the decode kernels' layout: batch index b is cache row b), idle rows writing to
         the scratch slot; with CUDA graphs, the smallest captured bucket that holds them."""
         adapters = self._adapters(rows)
-        if self.graphs is not None and adapters is None:  # (the captured step adds no adapter's terms)
-            return self.graphs.decode(rows, tokens, positions)
+        if self.graphs is not None and (adapters is None or self.graphs.takes(adapters)):
+            return self.graphs.decode(rows, tokens, positions, adapters)
         width = max(rows) + 1
         index = torch.tensor(rows)
         ids = torch.zeros(width, 1, dtype=torch.long)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from ..kernels.quant import QuantLinear
 from .families import ModelSpec, describe
 from .forward_batch import ForwardBatch
-from .lora import LoraGroups, LoraPairs, LoraPlan, LoraSlots
+from .lora import LoraPairs, LoraPlan, LoraRows, LoraSlots
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 
@@ -219,10 +219,12 @@ class CompactLM:
         """The one layer loop (every family, every batch); a llama-shaped decode step goes to the kernels'
         Decoder, its mirror in C++, where it takes the rows, with the rows' LoRA adapters' terms where the kernels
         add them (``LoraPairs``; else the loop adds them, giving the other rows the same numbers, bit for bit)."""
-        lora = None
-        if self.lora is not None and batch.adapters:
+        lora: LoraPlan | None = None
+        if self.lora is not None and batch.lora_rows is not None:
+            lora = LoraRows(*batch.lora_rows)
+        elif self.lora is not None and batch.adapters:
             lora = self.lora.plan(batch.adapter_tokens(), int(batch.tokens.shape[0]))
-        fused = self.fused is not None and self.head is not None and not isinstance(lora, LoraGroups)
+        fused = self.fused is not None and self.head is not None and (lora is None or isinstance(lora, LoraPairs))
         if fused and batch.decode and not batch.static and batch.shape[0] <= self.fused_max_rows:
             return self._fused(batch, cache, lora)
         spec, k = self.spec, self.kernels

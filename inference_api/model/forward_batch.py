@@ -32,6 +32,8 @@ class ForwardBatch:
     static: bool = False  # a decode batch whose every row counts as a token (CUDA graphs; see above)
     # each entry's LoRA adapters as (slot, scale) pairs (model/lora.py); None: no entry has one
     adapters: list[tuple[tuple[int, float], ...]] | None = None
+    # a static step's per-entry adapter (places, scales) as model/lora.py's LoraRows (CUDA graphs' inputs)
+    lora_rows: tuple[torch.Tensor, torch.Tensor] | None = None
     _masks: dict = field(default_factory=dict, repr=False)
 
     # what the forward reads, computed when first read (the decode kernels' step reads none of the token views)

@@ -334,6 +334,7 @@ class LoraSlots:
         self.position: dict[int, int] = {}  # slot -> its place in the stacks
         self.stacks: list[dict[str, _Stack]] = [{} for _ in range(layers)]  # (the matmuls' form)
         self.pieces: list[list[KernelPiece]] = [[] for _ in range(layers)]  # (the kernels' form)
+        self.generation = 0  # how many times the stacks were built
         self._by_linear: dict[tuple[int, str], list[str]] = {}  # (layer, role) -> its tensors' names
         for tensor, t in model_targets.items():
             self._by_linear.setdefault((int(tensor.split(".")[1]), t.role), []).append(tensor)
@@ -349,7 +350,14 @@ class LoraSlots:
         self.adapters.pop(slot, None)
         self._restack()
 
+    @property
+    def zero_place(self) -> int:
+        """The matmuls' stacks' place of all zeros (one past the adapters): a row without adapters in a
+        ``LoraRows`` plan."""
+        return len(self.adapters)
+
     def _restack(self) -> None:
+        self.generation += 1  # (what a captured step read is gone: DecodeGraphs captures the adapter steps again)
         slots = sorted(self.adapters)
         self.position = {s: i for i, s in enumerate(slots)}
         self.stacks = [{} for _ in range(self.layers)]
@@ -364,8 +372,8 @@ class LoraSlots:
             cols = self.targets[tensors[0]].cols
             out = max(self.targets[n].offset + self.targets[n].rows for n in tensors)
             rank = max(sum(w.a.shape[0] for _, w in u) for u in used)
-            a = torch.zeros(len(slots), rank, cols)
-            b = torch.zeros(len(slots), rank, out)
+            a = torch.zeros(len(slots) + 1, rank, cols)  # (one past the adapters: zeros, ``zero_place``)
+            b = torch.zeros(len(slots) + 1, rank, out)
             for i, u in enumerate(used):
                 r = 0
                 for n, w in u:
@@ -440,7 +448,11 @@ class LoraSlots:
         stack = self.stacks[layer].get(role)
         if stack is None:
             return y
-        a, b = stack.a, stack.b
+        if isinstance(plan, LoraRows):  # each token's own adapter's A and B (the zeros for a row without)
+            h = torch.bmm(stack.a.index_select(0, plan.places), x.to(stack.a.dtype)[:, :, None])  # [N, rank, 1]
+            h = h.mul_(plan.scales[:, :, None]).transpose(1, 2)
+            return y.add_(torch.bmm(h, stack.b.index_select(0, plan.places))[:, 0].to(y.dtype))
+        a, b = stack.a[: self.zero_place], stack.b[: self.zero_place]
         a = a.transpose(1, 2)  # [adapters, in, rank]
         if plan.used is not None:  # only the adapters this forward uses
             a, b = a.index_select(0, plan.used), b.index_select(0, plan.used)
@@ -473,4 +485,13 @@ class LoraGroups:
     whole: bool = False  # one adapter takes every token, in order
 
 
-LoraPlan = LoraPairs | LoraGroups
+@dataclass
+class LoraRows:
+    """A static decode step's plan (CUDA graphs): each token's adapter place in the matmuls' stacks (``zero_place``
+    for none) and scale; one adapter a token at most. Its tensors are the captured step's inputs."""
+
+    places: torch.Tensor  # [N] long
+    scales: torch.Tensor  # [N, 1] in the model's dtype
+
+
+LoraPlan = LoraPairs | LoraGroups | LoraRows

@@ -353,3 +353,39 @@ def test_the_grouped_matmuls_add_the_terms_the_kernels_add(kernels):
         assert isinstance(whole, LoraGroups) and whole.whole and paired is not None
         kernel_terms = forms[0].add_delta(0, role, x, y.clone(), paired)
         assert torch.allclose(forms[1].add_delta(0, role, x, y.clone(), whole), kernel_terms, atol=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_adapter_rows_replay_their_own_graphs_and_answer_as_llama_server():
+    """The tiny LoRA base on CUDA with graphs: each llamacpp.json case (the base, each adapter, a scale, two
+    adapters in a row) in one batch of 12 rows agrees with llama-server's first greedy token on at least 10 of
+    12 prompts; steps of one adapter a row replay graphs captured for them, which give the logits of the same
+    static step run eagerly."""
+    from inference_api.engine.cuda_graphs import DecodeGraphs
+    from inference_api.engine.model_runner import ModelRunner
+
+    eng = build_engine(ServerConfig.from_args([*flags(*lora_flags("gguf"), rows=12), "--device", "cuda"], {}))[0]
+    runner = eng.runner
+    assert isinstance(runner, ModelRunner) and runner.graphs is not None
+    for case in REFERENCE["cases"]:
+        lora = [(n, s) for n, s in case["lora"]]
+        out = run(eng, [ask(f"p{i}", ids, lora) for i, ids in enumerate(REFERENCE["prompt_ids"])])
+        ours = [tokens(out[f"p{i}"]) for i in range(len(REFERENCE["prompts"]))]
+        agree = sum(o[:1] == r[:1] for o, r in zip(ours, case["tokens"]))
+        print(f"{lora}: {agree} of 12 first tokens as llama-server's")
+        assert agree >= AGREE, (lora, agree)
+    assert runner.graphs.lora_graphs  # the adapter steps' own graphs were captured and replayed
+    slots = {name: eng.adapters.loaded[name].slot for name in ("all7", "qv")}
+    rows, ids = [0, 1, 2], REFERENCE["prompt_ids"][:3]
+    first = runner.prefill(rows, ids, [0, 0, 0]).argmax(-1).tolist()
+    positions = [len(i) for i in ids]
+    runner.use_adapters(0, ((slots["all7"], 1.0),))
+    runner.use_adapters(2, ((slots["qv"], 0.5),))
+    try:
+        replayed = runner.decode(rows, first, positions).clone()
+        eager = DecodeGraphs(runner.model, runner.cache, 12, runner.device, capture=False)
+        adapters = [runner.row_adapters.get(r, ()) for r in rows]
+        torch.testing.assert_close(replayed, eager.decode(rows, first, positions, adapters), rtol=0, atol=1e-3)
+    finally:
+        for r in rows:
+            runner.use_adapters(r, ())

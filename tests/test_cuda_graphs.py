@@ -172,11 +172,13 @@ def _random_adapter(runner, name: str, seed: int, rank: int = 4):
     return adapter
 
 
-def test_a_static_step_with_adapter_rows_gives_the_runners_logits_and_leaves_the_base_rows_alone(runner, hf_tokenizer):
+def test_a_static_step_with_adapter_rows_gives_the_runners_logits_and_leaves_the_base_rows_alone(
+    runner, hf_tokenizer, caplog
+):
     """The static step of rows with LoRA adapters (the per-row plan CUDA graphs capture: each row's place in the
     stacks and scale as inputs) against the runner's eager step (the grouped matmuls): the same logits; a base
     row's logits bit for bit those of the step without adapters; a row of two adapters is left to the eager step;
-    an adapter loaded later (the stacks rebuilt) is followed."""
+    an adapter loaded later (the stacks rebuilt) is followed; a capture that fails leaves such steps eager."""
     from inference_api.model.lora import LoraSlots, targets
 
     lora = LoraSlots(
@@ -207,6 +209,10 @@ def test_a_static_step_with_adapter_rows_gives_the_runners_logits_and_leaves_the
         again = static.decode(rows, first, positions, adapters)
         assert static.lora_generation == lora.generation
         torch.testing.assert_close(again, got, rtol=1e-5, atol=1e-5)
+        static.capture_lora = True  # a capture tried on the CPU fails: the step is the eager one, with a warning
+        torch.testing.assert_close(static.decode(rows, first, positions, adapters), got, rtol=1e-5, atol=1e-5)
+        assert not static.capture_lora and not static.lora_graphs
+        assert "capturing a decode step with adapter rows failed" in caplog.text
     finally:
         for r in rows:
             runner.use_adapters(r, ())

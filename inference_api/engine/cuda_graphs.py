@@ -79,6 +79,7 @@ class DecodeGraphs:
         self.lora_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.lora_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.lora_generation = -1
+        self.capture_lora = capture  # (False after a failed capture: those steps run eagerly)
         if capture:
             self._capture()
 
@@ -153,8 +154,12 @@ class DecodeGraphs:
             return self._run(size, span, where)
         self._stage_adapters(size, rows, adapters)
         key = (size, span)
-        if key not in self.lora_graphs and self.capture:
-            self.lora_graphs[key], self.lora_logits[key] = self._capture_one(size, span, lora=True)
+        if key not in self.lora_graphs and self.capture_lora:
+            try:
+                self.lora_graphs[key], self.lora_logits[key] = self._capture_one(size, span, lora=True)
+            except Exception:  # (the step then runs eagerly, as it did before adapters had graphs)
+                log.warning("capturing a decode step with adapter rows failed: such steps run eagerly", exc_info=True)
+                self.capture_lora = False
         graph = self.lora_graphs.get(key)
         if graph is None:
             return self.model.forward(self._batch(size, span, lora=True), self.cache)[where]

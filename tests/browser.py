@@ -1,5 +1,5 @@
 """The chat playground in a real headless browser (Debian's chromium driven by Playwright): the browser (one per
-test session, tests/conftest.py) and the page's steps the playground tests share."""
+test module, tests/conftest.py) and the page's steps the playground tests share."""
 
 from __future__ import annotations
 

@@ -65,9 +65,10 @@ def hf_tokenizer(model_dir):
     return HFTokenizer(model_dir)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser():
-    """One headless chromium for the session's playground tests (tests/browser.py)."""
+    """A headless chromium for a module's playground tests (tests/browser.py). Not for the session: while
+    Playwright's sync API runs, the thread has a running event loop, and other tests' asyncio.run() fails."""
     from browser import chromium
 
     with chromium() as b:

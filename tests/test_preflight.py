@@ -211,3 +211,17 @@ def test_a_file_the_server_cannot_serve_stops_the_start(tmp_path, arch, tokenize
     assert r.returncode == 2 and said in r.stderr, r.stderr[-2000:]
     if "architecture" in said:
         assert "bert" in r.stderr and "llama" in r.stderr  # the supported ones, listed
+
+
+def test_an_embedding_model_is_planned_as_the_encoder_with_no_kv_or_prompt_cache():
+    """A BERT GGUF runs on model/encoder.py (one forward an input): no rows' KV cache, no prompt cache and no
+    float32 conversion counted, only its weights and the runtime (the pool unloads other models by these)."""
+    from gguf_reference import GGUF_DIR
+
+    from inference_api.engine.preflight import estimate
+
+    config = ServerConfig.from_args(["--model", str(GGUF_DIR / "bert-q8_0.gguf"), "--model-cache-dir", MODEL_CACHE], {})
+    assert model_plan(config).model == "encoder"
+    e = estimate(config)
+    assert e.kv_cache_bytes == 0 and e.prompt_cache_bytes == 0 and 0 < e.weights_bytes < 2**20
+    assert e.disk_needed_bytes <= 64 * 2**20  # at most the tokenizer, never the weights converted

@@ -66,7 +66,9 @@ class ExecutionPlan:
     vnni: bool = False  # ... and every row count's, through the AVX512-VNNI tiles over weights packed at load
     cpu_kernels: bool = False  # the compiled CPU kernels run norms, rotary, attention and quantized linears
     cpu_level: str | None = None  # the kernels' level (LEVELS) when one is asked for; None: built for this CPU
-    model: str = "compact"  # compact (model/compact.py, described by model/families.py) | transformers
+    # compact (model/compact.py, described by model/families.py) | transformers | encoder (model/encoder.py: an
+    # embedding model or a reranker, one forward an input, no KV cache)
+    model: str = "compact"
     arch: str = ""
     gguf_types: tuple[str, ...] = ()  # a GGUF's tensor types the compact model serves in their own blocks
     tp: int = 1  # tensor-parallel ranks (processes) the compact model's heads and MLP columns are split over
@@ -222,7 +224,7 @@ def make_plan(config: ServerConfig, model: ModelFacts, machine: Machine) -> Exec
         vnni=int8_inputs and "avx512_vnni" in flags,
         cpu_kernels=cpu_kernels,
         cpu_level=level if cpu_kernels else None,
-        model="compact" if compact else "transformers",
+        model="compact" if compact else "encoder" if is_encoder(model.arch) else "transformers",
         arch=model.arch,
         gguf_types=model.gguf_types if compact and quantized_cpu and cpu_kernels else (),
         tp=tp,
@@ -242,6 +244,13 @@ def probe_machine(device: str = "auto") -> Machine:
 
     cuda = torch.cuda.is_available()
     return Machine(cpu_flags(), cuda, cuda and torch.cuda.is_bf16_supported())
+
+
+def is_encoder(arch: str) -> bool:
+    """Whether an architecture (a GGUF's, as ModelFacts has it) runs on model/encoder.py."""
+    from ..model.encoder import ENCODERS
+
+    return arch in ENCODERS
 
 
 def model_facts(gguf: Path | None, folder: Path | None) -> ModelFacts:

@@ -317,10 +317,11 @@ def estimate(config: ServerConfig) -> Estimate:
     gguf = gguf_source(config)
     # a first start from a GGUF writes its tokenizer (and, for transformers' layers, float32 weights)
     prepared = gguf is None or read_stamp(gguf, gguf_target(config, gguf)) is not None
-    disk_needed = 0 if prepared else TOKENIZER_DISK + (unconverted * 4 if plan.model != "compact" else 0)
+    disk_needed = 0 if prepared else TOKENIZER_DISK + (unconverted * 4 if plan.model == "transformers" else 0)
     per_channel = None if gguf_source(config) is not None else shape.hidden or None
     quantized = plan.quantize != "none"
     compact = plan.model == "compact"
+    encoder = plan.model == "encoder"  # (no KV cache, no prompt cache: one forward an input)
     weights, kv = estimate_bytes(
         shape.num_params,
         bytes_per_weight(plan, in_features=per_channel),
@@ -328,7 +329,7 @@ def estimate(config: ServerConfig) -> Estimate:
         shape.num_layers,
         shape.num_kv_heads,
         shape.head_dim,
-        config.rows,
+        0 if encoder else config.rows,
         config.context_length,
         dense_params=shape.vocab_params if quantized and not shape.tied else 0,
         bytes_per_dense=bytes_per_weight(plan, "none"),
@@ -353,7 +354,7 @@ def estimate(config: ServerConfig) -> Estimate:
         disk_needed,
         free_disk(config.model_cache_dir) if disk_needed else None,
         plan.tp,
-        cache_bytes(config.cache_ram) if config.prefix_cache and plan.tp == 1 else 0,
+        cache_bytes(config.cache_ram) if config.prefix_cache and plan.tp == 1 and not encoder else 0,
     )
 
 

@@ -82,18 +82,17 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
     import torch
 
     from ..kernels import WITHOUT_KERNELS, load_kernels
-    from ..model.encoder import ENCODERS
     from ..model.gguf_meta import read_header
     from ..model.loader import eos_ids, gguf_source, gguf_target, resolve_model_dir
+    from .plan import is_encoder, make_plan, model_facts, probe_machine
 
     gguf = gguf_source(config)
-    if gguf is not None and gguf.is_file() and read_header(gguf)["arch"] in ENCODERS:
+    if gguf is not None and gguf.is_file() and is_encoder(read_header(gguf)["arch"]):
         return build_embedder(config, gguf)
     from ..model.tokenizer import HFTokenizer
     from .constrain import for_hf_tokenizer
     from .model_runner import load_runner
     from .parallel import start_group, threads_per_rank
-    from .plan import make_plan, model_facts, probe_machine
 
     folder = gguf_target(config, gguf) if gguf is not None else resolve_model_dir(config)
     plan = make_plan(config, model_facts(gguf, folder), probe_machine(config.device))

@@ -319,41 +319,54 @@ def returning(model: str | None, length: int, others: int, rows: int) -> None:
 
 def embeddings_bench(url: str, peer_url: str | None, model: str, repeat: int) -> None:
     """--embeddings: texts embedded per second through /v1/embeddings, one client at a time (64 texts) and 32
-    concurrent clients (8 texts each), on the server and the peer (llama-server --embedding), interleaved."""
+    concurrent clients (8 texts each), on the server and the peer (llama-server --embedding), interleaved; each
+    client keeping its connection open between requests (as the official clients' connection pools do), and, at
+    one client, also a new connection for every request."""
     from concurrent.futures import ThreadPoolExecutor
 
     texts = [
         f"{SUBJECTS[i % len(SUBJECTS)]}: a sentence of about twenty words to embed, number {i}." for i in range(512)
     ]
 
-    def one(u: str, text: str) -> None:
-        r = requests.post(f"{u}/v1/embeddings", json={"model": model, "input": text}, timeout=120)
+    def one(http, u: str, text: str) -> None:
+        r = http.post(f"{u}/v1/embeddings", json={"model": model, "input": text}, timeout=120)
         r.raise_for_status()
 
-    def sequential(u: str) -> float:
+    def sequential(u: str, fresh: bool = False) -> float:
         started = time.perf_counter()
-        for t in texts[:64]:
-            one(u, t)
+        with requests.Session() as session:
+            for t in texts[:64]:
+                one(requests if fresh else session, u, t)
         return 64 / (time.perf_counter() - started)
+
+    def client(u: str, i: int) -> None:
+        with requests.Session() as session:
+            for t in texts[i * 8 : i * 8 + 8]:
+                one(session, u, t)
 
     def concurrent(u: str) -> float:
         started = time.perf_counter()
         with ThreadPoolExecutor(32) as pool:
-            list(pool.map(lambda i: [one(u, t) for t in texts[i * 8 : i * 8 + 8]], range(32)))
+            list(pool.map(lambda i: client(u, i), range(32)))
         return 256 / (time.perf_counter() - started)
 
     sides = [("server", url)] + ([("peer", peer_url)] if peer_url else [])
-    results: dict[tuple[str, int], list[float]] = defaultdict(list)
+    results: dict[tuple[str, str], list[float]] = defaultdict(list)
+    loads = {
+        "c=1": sequential,
+        "c=32": concurrent,
+        "c=1, a new connection a request": functools.partial(sequential, fresh=True),
+    }
     for _ in range(max(1, repeat)):
         for label, u in sides:
-            results[(label, 1)].append(sequential(u))
-            results[(label, 32)].append(concurrent(u))
+            for load, run in loads.items():
+                results[(label, load)].append(run(u))
     print("\nembeddings, texts per second through /v1/embeddings:")
-    for c in (1, 32):
-        ours = statistics.median(results[("server", c)])
-        line = f"  c={c:<3} server {ours:.1f}"
+    for load in loads:
+        ours = statistics.median(results[("server", load)])
+        line = f"  {load}: server {ours:.1f}"
         if peer_url:
-            theirs = statistics.median(results[("peer", c)])
+            theirs = statistics.median(results[("peer", load)])
             line += f", peer {theirs:.1f}: {ours / theirs:.2f}x"
         print(line)
 

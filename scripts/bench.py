@@ -382,9 +382,7 @@ def adapter_spread(url: str, model: str, adapters: list[str], concurrency: list[
             for side, names in (("base", model), ("adapters", adapters)):
                 before = decode_steps(url)
                 runs[side].append(run_load(url, names, c, max_tokens, count, api="openai", extra=extra))
-                for rows, (n, seconds) in steps_between(before, decode_steps(url)).items():
-                    steps[side][rows][0] += n
-                    steps[side][rows][1] += seconds
+                add_steps(steps[side], steps_between(before, decode_steps(url)))
         for side in runs:
             print_row(f"  {side}", median_row(runs[side]))
             print(f"{'    decode steps':<22} c={c:<3} {steps_line(steps[side])}")
@@ -560,6 +558,13 @@ def steps_between(before: dict, after: dict) -> dict[str, tuple[float, float]]:
     """The decode steps taken between two readings of decode_steps, by rows."""
     grown = {rows: (n - before.get(rows, (0, 0))[0], s - before.get(rows, (0, 0))[1]) for rows, (n, s) in after.items()}
     return {rows: v for rows, v in grown.items() if v[0] > 0}
+
+
+def add_steps(sums: dict[str, list[float]], taken: dict[str, tuple[float, float]]) -> None:
+    """Add steps_between's counts and seconds into running sums by rows."""
+    for rows, (n, seconds) in taken.items():
+        sums[rows][0] += n
+        sums[rows][1] += seconds
 
 
 def steps_line(steps: Mapping[str, Sequence[float]]) -> str:
@@ -963,9 +968,7 @@ def main() -> None:
             taken = steps_between(before, decode_steps(args.url))
             print_row("server (HTTP stream)", direct[c][-1])
             print(f"{'  decode steps':<22} c={c:<3} {steps_line(taken)}")
-            for rows, (n, seconds) in taken.items():
-                step_sums[c][rows][0] += n
-                step_sums[c][rows][1] += seconds
+            add_steps(step_sums[c], taken)
             if args.peer_url:
                 peer[c].append(
                     run_load(args.peer_url, model, c, args.max_tokens, count, api="openai", texts=texts(c), extra=extra)

@@ -91,10 +91,10 @@ class EngineClient:
         self._lock = threading.Lock()
         self._stopping = threading.Event()
         self._started = threading.Event()
-        self._settled = threading.Condition()  # notified when the engine becomes ready or fails, and at shutdown
+        self._settled = threading.Condition()  # notified whenever ready or failure is set, and at shutdown
         self._on_give_up = on_give_up or (lambda: os.kill(os.getpid(), signal.SIGQUIT))
-        self.ready: EngineReady | None = None
-        self.failure: str | None = None
+        self._ready: EngineReady | None = None
+        self._failure: str | None = None
         self.restarting = False
         self.restarts: list[float] = []  # monotonic times of the restarts within RESTART_WINDOW
         self.restart_count = 0  # engine restarts since the worker started
@@ -125,6 +125,26 @@ class EngineClient:
             if process.is_alive():
                 process.kill()
                 process.join(timeout)
+
+    @property
+    def ready(self) -> EngineReady | None:
+        """The running engine's description (None while none is ready)."""
+        return self._ready
+
+    @ready.setter
+    def ready(self, value: EngineReady | None) -> None:
+        self._ready = value
+        self._settle()
+
+    @property
+    def failure(self) -> str | None:
+        """Why the engine cannot serve (None while it can or may yet)."""
+        return self._failure
+
+    @failure.setter
+    def failure(self, value: str | None) -> None:
+        self._failure = value
+        self._settle()
 
     def wait_settled(self, timeout: float) -> bool:
         """Wait up to ``timeout`` seconds until the engine is ready or has failed (or the client stops); whether
@@ -173,7 +193,6 @@ class EngineClient:
             self.restarts = [t for t in self.restarts if now - t < RESTART_WINDOW]
             if len(self.restarts) >= self.config.engine_max_restarts:
                 self.failure = f"engine crashed {len(self.restarts) + 1} times within {RESTART_WINDOW:.0f} s"
-                self._settle()
                 log.error("%s; giving up, the worker exits so that gunicorn starts a fresh one", self.failure)
                 self._on_give_up()
                 return
@@ -352,11 +371,9 @@ class EngineClient:
                 self._adapters = msg.adapters + self._reload_adapters()
                 self.ready = msg
                 self.restarting = False
-                self._settle()
                 log.info("engine ready: %s on %s (pid %d)", msg.model_name, msg.device, process.pid)
             elif isinstance(msg, EngineFailed):
                 self.failure = msg.message
-                self._settle()
                 self._fail_all(msg.message)
                 return False
         return False
@@ -367,7 +384,6 @@ class EngineClient:
         self.restarting = served
         if not served:
             self.failure = message
-            self._settle()
         self.stats = self._idle_stats()  # a new engine's cumulative counters start from zero
         self._fail_all(message)
         return served

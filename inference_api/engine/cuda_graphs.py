@@ -19,9 +19,9 @@ reading every row's whole context. ``capture=False`` runs the same static step e
 what the tests compare the graphs with, and what a step runs if a capture failed.
 
 A step with LoRA adapter rows (one adapter a row; model/lora.py's ``LoraRows``) replays graphs of its own, each
-captured at the first such step of its bucket and span: the rows' adapter places and scales are two more static
-inputs, a row without an adapter reading the stacks' zeros. Loading or unloading an adapter rebuilds the stacks,
-so those graphs are dropped and captured again when next needed.
+captured at the first such step of its bucket and span: each row's place in the adapter stacks is a fourth column
+of the inputs (a row without an adapter reads the stacks' zeros) and its scale one more static input. Loading or
+unloading an adapter rebuilds the stacks, so those graphs are dropped and captured again when next needed.
 """
 
 from __future__ import annotations
@@ -58,24 +58,24 @@ class DecodeGraphs:
     def __init__(self, model, cache, rows: int, device: torch.device, capture: bool = True):
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.sizes, self.spans = bucket_sizes(rows), span_sizes(cache.length)
-        # rows x (token, position, cache write): the graphs read these, a step overwrites them in one copy
-        self.inputs = torch.zeros(rows, 3, dtype=torch.long, device=self.device)
+        # rows x (token, position, cache write, adapter place): the graphs read these, a step overwrites them in
+        # one copy; and each row's adapter scale (a step with adapter rows copies it too)
+        pinned = self.device.type == "cuda"
+        self.inputs = torch.zeros(rows, 4, dtype=torch.long, device=self.device)
         self.inputs[:, 2] = cache.scratch  # capture and warm-up write to the scratch slot only
-        self.staged = torch.zeros(rows, 3, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.staged = torch.zeros(rows, 4, dtype=torch.long, pin_memory=pinned)
+        self.scales = torch.zeros(rows, 1, device=self.device)
+        self.staged_scales = torch.zeros(rows, 1, pin_memory=pinned)
         self.copied: torch.cuda.Event | None = None  # the last copy out of staged (staged is rewritten after it)
         # decode_ahead: the sampled tokens' copy to the host, and the step it launched
-        self.host_tokens = torch.zeros(rows, dtype=torch.long, pin_memory=self.device.type == "cuda")
+        self.host_tokens = torch.zeros(rows, dtype=torch.long, pin_memory=pinned)
         self.ahead: _Ahead | None = None
         self.launched_ahead = self.used_ahead = 0  # steps decode_ahead launched, and of them the steps decode used
         self.rows = {n: torch.arange(n, device=self.device) for n in self.sizes}
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}  # by (batch size, span)
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
-        self.capture = capture
         self.pool = None  # the graphs' shared memory pool
-        # steps with adapter rows: each row's place in the adapter stacks and its scale (made at the first such
-        # step), their graphs by (batch size, span), and the stacks' generation they read
-        self.lora_places: torch.Tensor | None = None
-        self.lora_scales: torch.Tensor | None = None
+        # steps with adapter rows: their graphs by (batch size, span), and the stacks' generation they read
         self.lora_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.lora_logits: dict[tuple[int, int], torch.Tensor] = {}
         self.lora_generation = -1
@@ -92,10 +92,6 @@ class DecodeGraphs:
         """A fresh static batch over the first size rows of the inputs, attending to span positions (fresh: its
         masks are computed by the forward that reads it, inside the graph); with ``lora``, the rows' adapters."""
         ids, positions, write = (self.inputs[:size, i : i + 1] for i in range(3))
-        rows = None
-        if lora:
-            assert self.lora_places is not None and self.lora_scales is not None
-            rows = (self.lora_places[:size], self.lora_scales[:size])
         return ForwardBatch(
             ids,
             positions,
@@ -105,7 +101,7 @@ class DecodeGraphs:
             self.cache.scratch,
             decode=True,
             static=True,
-            lora_rows=rows,
+            lora_rows=(self.inputs[:size, 3], self.scales[:size]) if lora else None,
         )
 
     @torch.inference_mode()
@@ -149,43 +145,7 @@ class DecodeGraphs:
         if ahead is not None and adapters is None and ahead.matches(rows, tokens, positions):  # (the last step's)
             self.used_ahead += 1
             return ahead.logits
-        size, span, where = self._stage(rows, tokens, positions)
-        if adapters is None:
-            return self._run(size, span, where)
-        self._stage_adapters(size, rows, adapters)
-        key = (size, span)
-        if key not in self.lora_graphs and self.capture_lora:
-            try:
-                self.lora_graphs[key], self.lora_logits[key] = self._capture_one(size, span, lora=True)
-            except Exception:  # (the step then runs eagerly, as it did before adapters had graphs)
-                log.warning("capturing a decode step with adapter rows failed: such steps run eagerly", exc_info=True)
-                self.capture_lora = False
-        graph = self.lora_graphs.get(key)
-        if graph is None:
-            return self.model.forward(self._batch(size, span, lora=True), self.cache)[where]
-        graph.replay()
-        return self.lora_logits[key][where]
-
-    def _stage_adapters(self, size: int, rows: list[int], adapters: list[tuple[tuple[int, float], ...]]) -> None:
-        """The bucket's adapter places and scales (a row without one: the stacks' zeros); the graphs captured
-        over stacks since rebuilt are dropped."""
-        lora = self.model.lora
-        if self.lora_generation != lora.generation:
-            self.lora_graphs.clear()
-            self.lora_logits.clear()
-            self.lora_generation = lora.generation
-        if self.lora_places is None:
-            n = self.inputs.shape[0]
-            self.lora_places = torch.zeros(n, dtype=torch.long, device=self.device)
-            self.lora_scales = torch.zeros(n, 1, dtype=lora.dtype, device=self.device)
-        assert self.lora_scales is not None
-        places, scales = [lora.zero_place] * size, [0.0] * size
-        for row, pairs in zip(rows, adapters):
-            if pairs:
-                ((slot, scale),) = pairs
-                places[row], scales[row] = lora.position[slot], scale
-        self.lora_places[:size].copy_(torch.tensor(places))
-        self.lora_scales[:size, 0].copy_(torch.tensor(scales))
+        return self._run(*self._stage(rows, tokens, positions, adapters), lora=adapters is not None)
 
     @torch.inference_mode()
     def decode_ahead(self, rows: list[int], tokens: torch.Tensor, positions: list[int]) -> Callable[[], list[int]]:
@@ -213,35 +173,64 @@ class DecodeGraphs:
         return read
 
     def _stage(
-        self, rows: list[int], tokens: list[int] | None, positions: list[int]
+        self,
+        rows: list[int],
+        tokens: list[int] | None,
+        positions: list[int],
+        adapters: list[tuple[tuple[int, float], ...]] | None = None,
     ) -> tuple[int, int, torch.Tensor | slice]:
-        """The bucket and span that hold these rows, and their inputs (token, position, cache write; idle rows 0, 0,
-        scratch) built on the host as one table, written to the pinned buffer and copied to the graphs' in one
-        transfer (tokens None: left 0, for decode_ahead to fill on the device). Returns (size, span, where): the
-        rows' places in the bucket, on the device (a slice when they are all of them, in order)."""
+        """The bucket and span that hold these rows, and their inputs (token, position, cache write, adapter place;
+        idle rows 0, 0, scratch, the stacks' zeros) built on the host as one table, written to the pinned buffer
+        and copied to the graphs' in one transfer (tokens None: left 0, for decode_ahead to fill on the device);
+        with ``adapters`` (each row's (slot, scale) pairs, one at most), their scales too, and the adapter graphs
+        captured over stacks since rebuilt dropped. Returns (size, span, where): the rows' places in the bucket, on
+        the device (a slice when they are all of them, in order)."""
         size = next(n for n in self.sizes if n > max(rows))
         span = next(n for n in self.spans if n > max(positions))
-        table = [(0, 0, self.cache.scratch)] * size
-        for row, token, position in zip(rows, tokens or [0] * len(rows), positions):
-            table[row] = (token, position, position)
+        lora = self.model.lora if adapters is not None else None
+        zero = lora.zero_place if lora is not None else 0
+        table = [(0, 0, self.cache.scratch, zero)] * size
+        scales = [0.0] * size
+        for i, (row, token, position) in enumerate(zip(rows, tokens or [0] * len(rows), positions)):
+            place = zero
+            if lora is not None and adapters is not None and adapters[i]:
+                ((slot, scales[row]),) = adapters[i]
+                place = lora.position[slot]
+            table[row] = (token, position, position, place)
+        if lora is not None and self.lora_generation != lora.generation:
+            self.lora_graphs.clear()
+            self.lora_logits.clear()
+            self.lora_generation = lora.generation
         if self.copied is not None:  # (the engine has read the last step's tokens by now: already complete)
             self.copied.synchronize()
         self.staged[:size] = torch.tensor(table)
         self.inputs[:size].copy_(self.staged[:size], non_blocking=True)
+        if lora is not None:
+            self.staged_scales[:size, 0] = torch.tensor(scales)
+            self.scales[:size].copy_(self.staged_scales[:size], non_blocking=True)
         if self.device.type == "cuda":
             self.copied = torch.cuda.Event()
             self.copied.record()
         where = slice(0, size) if rows == list(range(size)) else torch.tensor(rows).to(self.device, non_blocking=True)
         return size, span, where
 
-    def _run(self, size: int, span: int, where: torch.Tensor | slice) -> torch.Tensor:
-        """The staged step: its graph replayed (or the static step run eagerly); the rows' logits [len(rows), V]."""
-        graph = self.graphs.get((size, span))
+    def _run(self, size: int, span: int, where: torch.Tensor | slice, lora: bool = False) -> torch.Tensor:
+        """The staged step: its graph replayed (or the static step run eagerly); the rows' logits [len(rows), V].
+        With ``lora``, the adapter rows' graph, captured now if this bucket and span has none yet."""
+        graphs, outputs = (self.lora_graphs, self.lora_logits) if lora else (self.graphs, self.logits)
+        key = (size, span)
+        if lora and key not in graphs and self.capture_lora:
+            try:
+                graphs[key], outputs[key] = self._capture_one(size, span, lora=True)
+            except Exception:  # (the step then runs eagerly, as it did before adapters had graphs)
+                log.warning("capturing a decode step with adapter rows failed: such steps run eagerly", exc_info=True)
+                self.capture_lora = False
+        graph = graphs.get(key)
         if graph is not None:
             graph.replay()
-            logits = self.logits[size, span]
+            logits = outputs[key]
         else:
-            logits = self.model.forward(self._batch(size, span), self.cache)
+            logits = self.model.forward(self._batch(size, span, lora), self.cache)
         return logits[where]
 
 

@@ -361,10 +361,10 @@ def estimate(config: ServerConfig) -> Estimate:
 def adapters_bytes(config: ServerConfig, plan: ExecutionPlan) -> int:
     """--lora's adapters as the decoder holds them: their numbers (from the files' headers) in float16 where the
     CPU kernels add their terms, else in the model's dtype."""
-    from ..model.lora import adapter_params, adapter_specs, kernel_terms
+    from ..model.lora import adapter_params, adapter_specs
 
     numbers = sum(adapter_params(path) for _, path in adapter_specs(config.lora))
-    return int(numbers * (2.0 if kernel_terms(plan.device, plan.dtype) else DTYPE_BYTES.get(plan.dtype, 4.0)))
+    return int(numbers * (2.0 if plan.cpu_kernels else DTYPE_BYTES.get(plan.dtype, 4.0)))
 
 
 def served_architectures(arch: str | None = None) -> tuple[str, ...]:

@@ -75,9 +75,10 @@ class BertEncoder:
         def linear(*names: str) -> Linear:
             """One linear of these tensors' rows stacked (q, k and v: one call instead of three)."""
             bias = torch.cat([get(f"{n}.bias") for n in names])
-            blocks = [packed(tensors[f"{n}.weight"], int8_layout) for n in names] if make_linear is not None else []
-            if blocks and all(b is not None for b in blocks) and make_linear is not None:
-                return make_linear(stack(blocks), bias)
+            if make_linear is not None:
+                blocks = [packed(tensors[f"{n}.weight"], int8_layout) for n in names]
+                if all(b is not None for b in blocks):
+                    return make_linear(stack(blocks), bias)
             weight = torch.cat([get(f"{n}.weight") for n in names])
             return lambda x: F.linear(x, weight, bias)
 

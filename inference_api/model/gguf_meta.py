@@ -158,33 +158,22 @@ def _value(buf, pos: int, kind: int, small: int = SMALL_ARRAY):
 
 def open_gguf(source):
     """A GGUFReader for a path, or the reader given: a first start parses the file (its whole vocabulary: 8 s for
-    Gemma's 262k tokens) once for the header, the tokenizer and the weights."""
+    Gemma's 262k tokens) once, for the tokenizer and the config (the header alone: ``read_header``)."""
     from gguf import GGUFReader
 
     return source if isinstance(source, GGUFReader) else GGUFReader(str(source))
 
 
-def read_header(source) -> dict:
-    """The header's summary (architecture, weight types and mode, shape, chat template) from a GGUFReader already
-    made, or from a path by a GGUFIndex (no vocabulary parsed: a fraction of a second where a GGUFReader takes
-    seconds)."""
-    from gguf import GGUFReader
+def read_header(path) -> dict:
+    """The header's summary (architecture, weight types and mode, shape, chat template), by a GGUFIndex: no
+    vocabulary parsed (a fraction of a second, where gguf-py's GGUFReader takes seconds)."""
+    index = GGUFIndex(path)
 
-    if isinstance(source, GGUFReader):
+    def field(key: str, default=None):
+        value = index.fields.get(key, default)
+        return default if isinstance(value, LongArray) else value
 
-        def field(key: str, default=None):
-            f = source.fields.get(key)
-            return default if f is None else f.contents()
-
-        tensors = source.tensors
-    else:
-        index = GGUFIndex(source)
-
-        def field(key: str, default=None):
-            value = index.fields.get(key, default)
-            return default if isinstance(value, LongArray) else value
-
-        tensors = index.tensors  # type: ignore[assignment]
+    tensors = index.tensors
     arch = field("general.architecture", "")
     kinds = Counter(
         t.tensor_type.name

@@ -149,8 +149,8 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
     from .gguf_vocab import gguf_tokenizer
 
     log.info("preparing %s in %s (first start only%s)", gguf, target, "; float32 weights" if weights else "")
-    reader = open_gguf(gguf)  # parsed once for the header, the tokenizer and the config
-    header = read_header(reader)
+    header = read_header(gguf)
+    reader = open_gguf(gguf)  # the vocabulary parsed once, for the tokenizer and the config
     tok, vocab = gguf_tokenizer(reader, header["arch"], header["chat_template"])
     eos = ([vocab.eos_id] if vocab.eos_id is not None else []) + sorted(vocab.eog_ids - {vocab.eos_id})
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -294,12 +294,6 @@ def adapter_params(path: str | Path) -> int:
         return 0
 
 
-def kernel_terms(device, dtype: torch.dtype | str) -> bool:
-    """Whether adapters' terms are added by the CPU kernels (a float32 model on the CPU, where the kernels run),
-    their weights then held in float16; elsewhere in the model's dtype (LoraSlots; pre-flight counts the same)."""
-    return torch.device(device).type == "cpu" and str(dtype).removeprefix("torch.") == "float32"
-
-
 @dataclass
 class _Stack:
     """One linear's low-rank weights of every loaded adapter, stacked: A [adapters, rank, in] (each tensor's A
@@ -328,8 +322,10 @@ class LoraSlots:
     token of several adapters gets each one's term."""
 
     def __init__(self, model_targets: dict[str, Target], layers: int, device, dtype: torch.dtype, kernels=None):
+        """``kernels``: the CPU kernels where the model runs on them (CompactLM.kernels; the plan's cpu_kernels,
+        which pre-flight counts by), else None."""
         self.targets, self.layers, self.device, self.dtype = model_targets, layers, device, dtype
-        self.kernels = kernels if kernel_terms(device, dtype) and hasattr(kernels, "lora_add") else None
+        self.kernels = kernels
         self.adapters: dict[int, LoraAdapter] = {}
         self.position: dict[int, int] = {}  # slot -> its place in the stacks
         self.stacks: list[dict[str, _Stack]] = [{} for _ in range(layers)]  # (the matmuls' form)
@@ -491,7 +487,7 @@ class LoraRows:
     for none) and scale; one adapter a token at most. Its tensors are the captured step's inputs."""
 
     places: torch.Tensor  # [N] long
-    scales: torch.Tensor  # [N, 1] in the model's dtype
+    scales: torch.Tensor  # [N, 1] float32
 
 
 LoraPlan = LoraPairs | LoraGroups | LoraRows

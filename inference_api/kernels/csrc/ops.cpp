@@ -608,7 +608,7 @@ void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, con
 #endif
   const int64_t blocks = (N + CW - 1) / CW;
   at::parallel_for(0, blocks, std::max<int64_t>(1, blocks / 8), [&](int64_t c0, int64_t c1) {
-    for (size_t run = 0; run + 1 < runs.size(); ++run) {
+    for (int64_t run = 0; run < nruns; ++run) {
       const c10::Half* bs = bp + slp[runs[run]] * Rk * N;
       for (int64_t c = c0; c < c1; ++c) {
         const int64_t j = c * CW;

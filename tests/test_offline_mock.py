@@ -234,6 +234,24 @@ def test_close_interrupts_open_requests_and_stops_the_engine():
         llm.start_request("again")
 
 
+def test_a_program_that_never_closes_its_llm_still_ends(tmp_path):
+    """A script that makes an LLM and returns without close(): the engine is stopped at exit (it ignores
+    SIGTERM, so multiprocessing's exit handler, joining its children, used to wait on it for ever)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "from inference_api import LLM, SamplingParams\n"
+        "if __name__ == '__main__':\n"
+        "    llm = LLM(mock=True)\n"
+        "    print(llm.generate(['hi'], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].text)\n"
+    )
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "Echo"
+
+
 def test_engine_death_interrupts_open_requests_with_the_error():
     import os
     import signal

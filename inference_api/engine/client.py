@@ -9,6 +9,7 @@ ends so gunicorn replaces it.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import multiprocessing as mp
 import os
@@ -111,11 +112,15 @@ class EngineClient:
         # started it, and the thread lives as long as the worker.
         threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True).start()
         self._started.wait()
+        # a program that ends without shutdown() (an offline LLM never closed) still stops its engine: the engine
+        # ignores SIGTERM, so multiprocessing's exit handler, which joins its children, would wait on it for ever
+        atexit.register(self.shutdown)
         return self
 
     def shutdown(self, timeout: float = 5.0) -> None:
         """Stop the engine: it ends at once, or, with the prompt cache on disk, once its rows' caches are saved
         there (at most SAVE_TIMEOUT)."""
+        atexit.unregister(self.shutdown)
         self._stopping.set()
         self._settle()
         process = self.process

@@ -136,18 +136,22 @@ def test_blocks_packed_at_load_give_the_unpacked_numbers(kernels, t):
     order) and every row count reads only the packing: with VNNI few rows unpack each vector in the tile, more rows
     each group once per call; with AVX2 each tile of up to 4 rows unpacks each half vector of 8 weight rows. Either
     way a row's numbers are those of the blocks as the file holds them, to the bit (and so the same whatever the
-    batch). At the AVX2 level Q5_0 and Q5_1 are packed too (B32Pack): the row kernels' sums in another order, each
-    row's numbers the same alone as in any batch. Other types are not packed."""
+    batch). Q5_0 and Q5_1 are packed too (B32Pack): with VNNI the tiles' numbers of the blocks packed per call, to
+    the bit; at the AVX2 level the row kernels' sums in another order, each row's numbers the same alone as in any
+    batch. Other types are not packed."""
     raw = torch.from_numpy(_raw(t, 40, 512, seed=5))  # two groups of 16 and a part group
     packed = kernels.pack_k8(raw, int(t))
     torch.manual_seed(5)
     x, b = torch.randn(70, 512), torch.randn(40)
-    if t in (T.Q5_0, T.Q5_1) and not kernels.vnni():
+    if t in (T.Q5_0, T.Q5_1):
         assert packed.shape[0] == 3
         for rows in (1, 3, 5, 9, 70):
             got = kernels.linear_gguf(x[:rows], raw, int(t), b, True, packed)
             want = kernels.linear_gguf(x[:rows], raw, int(t), b, True)
-            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+            if kernels.vnni():
+                assert torch.equal(got, want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
             assert torch.equal(kernels.linear_gguf(x[rows - 1 : rows], raw, int(t), b, True, packed), got[-1:])
         return
     if t not in (T.Q4_K, T.Q5_K, T.Q6_K):

@@ -98,7 +98,7 @@ struct BlockForm {
   static constexpr bool ONE_ROW = VNNI;  // one input row: vnni_one, the tiles' numbers without the packing
   static constexpr bool PLUS128 = false;
   static constexpr bool HALVES = sub_of<B>() == 16;
-  static constexpr bool AVX2_TILE = B32Pack<B>::ON;  // Q5_0, Q5_1 packed at load (avx2_tile); the k-quants go by K8
+  static constexpr bool AVX2_TILE = B32Pack<B>::ON;  // Q5_0, Q5_1 packed at load (b32p_tile); the k-quants go by K8
 
   BlockForm(const uint8_t* raw, int64_t n, int64_t row) : w(raw), N(n), K(row / B::BYTES * B::QK), row_bytes(row) {}
   bool vnni_ready() const { return VNNI; }
@@ -195,6 +195,8 @@ struct BlockForm {
   // (vpdpbusd against the input block broadcast to both halves), and the 16 rows' partial sums reduced by a tree
   // into the rows' lanes. The integer sums are exact, so each row's numbers are vnni_tile's to the bit.
   void vnni_one(const Q8Rows& x, int64_t grp, float* y) const {
+    if constexpr (B32Pack<B>::ON)
+      if (packed) return b32p_tile<1>(x, grp, 0, y, 0);
     if constexpr (Q8) {
       constexpr int CH = B::QK / 32, NS = B::QK / B::SUB;
       const int64_t n0 = grp * 16, nb = K / B::QK, rows = std::min<int64_t>(16, N - n0);
@@ -243,6 +245,8 @@ struct BlockForm {
   }
 
   void vnni_prepare(int64_t grp) const {
+    if constexpr (B32Pack<B>::ON)
+      if (packed) return;  // packed at load
     if constexpr (Q8) {
       constexpr int CH = B::QK / 32, NS = B::QK / B::SUB;
       Group& g = group_buffer();
@@ -397,7 +401,9 @@ struct BlockForm {
 
   // y[i * ldy + r] for the MR input rows from i0 and the group's rows r (its first g.rows written)
   template <int MR>
-  void vnni_tile(const Q8Rows& x, int64_t, int64_t i0, float* y, int64_t ldy) const {
+  void vnni_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
+    if constexpr (B32Pack<B>::ON)
+      if (packed) return b32p_tile<MR>(x, grp, i0, y, ldy);
     if constexpr (Q8) {
       constexpr int STEPS = B::SUB / 4;
       const Group& g = group_buffer();
@@ -430,14 +436,26 @@ struct BlockForm {
     }
   }
 #else
-  // the AVX2 tiles over blocks of 32 packed at load (B32Pack::tile_avx2)
   template <int MR>
   void avx2_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
-    if constexpr (B32Pack<B>::ON)
-      B32Pack<B>::template tile_avx2<MR>(packed + grp * (K / 32) * B32Pack<B>::PB, K, x, i0, y, ldy,
-                                         std::min<int64_t>(16, N - grp * 16));
+    b32p_tile<MR>(x, grp, i0, y, ldy);
   }
 #endif
+
+  // Q5_0 and Q5_1 packed at load: the tiles over the packing (B32Pack::tile, or tile_avx2 without VNNI), every row
+  // count, vnni_tile's numbers
+  template <int MR>
+  void b32p_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
+    if constexpr (B32Pack<B>::ON) {
+      const uint8_t* g = packed + grp * (K / 32) * B32Pack<B>::PB;
+      const int64_t rows = std::min<int64_t>(16, N - grp * 16);
+#ifdef WOQ_VNNI
+      B32Pack<B>::template tile<MR>(g, K, x, i0, y, ldy, rows);
+#else
+      B32Pack<B>::template tile_avx2<MR>(g, K, x, i0, y, ldy, rows);
+#endif
+    }
+  }
 
   // the tiles over the group packed at load (K8Pack::tile, or tile_avx2 without VNNI): y[i * ldy + r] for the MR
   // input rows from i0

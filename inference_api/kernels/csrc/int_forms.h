@@ -264,6 +264,9 @@ inline void avx2_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, cons
 // 64-byte load gives 16 rows x 4 inputs: [N / 16, blocks of 32, steps of 4 inputs, 16 rows, 4] bytes. The
 // input's 4 bytes are broadcast; each block's integer sums are scaled into float accumulators.
 
+// how many blocks of 32 ahead the tiles over one or two input rows prefetch (about 32 KB of a group's weights)
+constexpr int64_t TILE_AHEAD = 64;
+
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -282,6 +285,10 @@ inline void vnni_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, cons
   for (int64_t g = 0; g < S; ++g) {
     __m512i acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
+    if constexpr (MR <= 2) {  // one stream's decode: the blocks TILE_AHEAD on into L2, as the packed k-quants do
+      for (int l = 0; l < 256; l += 64) _mm_prefetch((const char*)(wp + (g + TILE_AHEAD) * 256 + l), _MM_HINT_T1);
+      _mm_prefetch((const char*)(dm + (g + TILE_AHEAD) * 32), _MM_HINT_T1);
+    }
     for (int a = 0; a < 4; ++a) {
       const __m512i v = _mm512_loadu_si512(wp + (g * 4 + a) * 64);
       const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
@@ -312,6 +319,10 @@ inline void vnni_i8_tile(const int8_t* wp, const float* sc, int64_t S, const int
   for (int64_t g = 0; g < S; ++g) {
     __m512i acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
+    if constexpr (MR <= 2) {
+      for (int l = 0; l < 512; l += 64) _mm_prefetch((const char*)(wp + (g + TILE_AHEAD) * 512 + l), _MM_HINT_T1);
+      for (int l = 0; l < 128; l += 64) _mm_prefetch((const char*)(sc + (g + TILE_AHEAD) * 32) + l, _MM_HINT_T1);
+    }
     for (int a = 0; a < 8; ++a) {
       const __m512i w = _mm512_loadu_si512(wp + (g * 8 + a) * 64);
       for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], broadcast4(xu + i * K + g * 32 + 4 * a), w);

@@ -66,6 +66,34 @@ inline void half_codes(const uint8_t* low, const uint8_t* high, int p, int h, __
   }
 }
 
+#ifdef WOQ_VNNI
+// vector p of pack_codes' layout whole (the 16 rows): its two steps of codes, [16 rows][4 inputs] each, as vpdpbusd
+// takes them
+template <int HB>
+inline void step_codes(const uint8_t* low, const uint8_t* high, int p, __m512i& w0, __m512i& w1) {
+  const __m512i v = _mm512_loadu_si512(low + p * 64), nib = _mm512_set1_epi8(15);
+  w0 = _mm512_and_si512(v, nib);
+  w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  if constexpr (HB > 0) {
+    constexpr int G = 8 / (2 * HB), L = 64 / G;
+    __m512i hv;
+    if constexpr (HB == 1) {
+      hv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(high + p * L)));
+      hv = _mm512_srlv_epi16(hv,
+                             _mm512_setr_epi64(0, 0, 0x0002000200020002LL, 0x0002000200020002LL, 0x0004000400040004LL,
+                                               0x0004000400040004LL, 0x0006000600060006LL, 0x0006000600060006LL));
+    } else {
+      hv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(high + p * L)));
+      hv = _mm512_srlv_epi16(hv, _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004LL, 0x0004000400040004LL,
+                                                   0x0004000400040004LL, 0x0004000400040004LL));
+    }
+    const __m512i mask = _mm512_set1_epi8((1 << HB) - 1);
+    w0 = _mm512_or_si512(w0, _mm512_slli_epi16(_mm512_and_si512(hv, mask), 4));
+    w1 = _mm512_or_si512(w1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hv, HB), mask), 4));
+  }
+}
+#endif
+
 template <typename B>
 struct K8Pack {
   static constexpr int HB = B::TYPE == Q4_K::TYPE ? 0 : B::TYPE == Q5_K::TYPE ? 1 : B::TYPE == Q6_K::TYPE ? 2 : -1;
@@ -123,26 +151,7 @@ struct K8Pack {
 #ifdef WOQ_VNNI
   // vector p's two steps of codes (inputs 8p .. 8p + 3 and 8p + 4 .. 8p + 7 of the 16 rows) from a super-block
   static void step_pair(const uint8_t* o, int p, __m512i& w0, __m512i& w1) {
-    const __m512i v = _mm512_loadu_si512(o + p * 64), nib = _mm512_set1_epi8(15);
-    w0 = _mm512_and_si512(v, nib);
-    w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
-    if constexpr (HB > 0) {
-      constexpr int G = 8 / (2 * HB), L = 64 / G;
-      __m512i hv;
-      if constexpr (HB == 1) {
-        hv = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i*)(o + HIGH + p * L)));
-        hv = _mm512_srlv_epi16(hv,
-                               _mm512_setr_epi64(0, 0, 0x0002000200020002LL, 0x0002000200020002LL, 0x0004000400040004LL,
-                                                 0x0004000400040004LL, 0x0006000600060006LL, 0x0006000600060006LL));
-      } else {
-        hv = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i*)(o + HIGH + p * L)));
-        hv = _mm512_srlv_epi16(hv, _mm512_setr_epi64(0, 0, 0, 0, 0x0004000400040004LL, 0x0004000400040004LL,
-                                                     0x0004000400040004LL, 0x0004000400040004LL));
-      }
-      const __m512i low = _mm512_set1_epi8((1 << HB) - 1);
-      w0 = _mm512_or_si512(w0, _mm512_slli_epi16(_mm512_and_si512(hv, low), 4));
-      w1 = _mm512_or_si512(w1, _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hv, HB), low), 4));
-    }
+    step_codes<(HB > 0 ? HB : 0)>(o, o + HIGH, p, w0, w1);
   }
 
   // y[i * ldy + r] for the MR input rows from i0 (Q8_K inputs) and the rows r of the group packed at g (its first
@@ -274,16 +283,14 @@ struct K8Pack {
   }
 };
 
-// Q5_0 and Q5_1 packed once at load for the AVX2 tiles (the VNNI tiles pack blocks of 32 a group per call): per
-// group of 16 rows and block of 32 inputs, the codes as pack_codes lays them (4 vectors, then a plane of fifth bits),
-// each row's d, float16 [16], then Q5_1's m (Q5_0's is -16 d): 384 bytes, 24 a row (Q5_1's own; Q5_0's 22).
+// Q5_0 and Q5_1 packed once at load for the tiles (the other blocks of 32 are packed a group per call with VNNI):
+// per group of 16 rows and block of 32 inputs, the codes as pack_codes lays them (4 vectors, then a plane of fifth
+// bits), each row's d, float16 [16], then Q5_1's m (Q5_0's is -16 d): 384 bytes, 24 a row (Q5_1's own; Q5_0's 22).
+// The VNNI tile's numbers are BlockForm::vnni_tile's to the bit (each block's exact integer sum times d and the
+// input block's step, plus m times the input block's sum, in that order); the AVX2 tile's the same way.
 template <typename B>
 struct B32Pack {
-#ifdef WOQ_VNNI
-  static constexpr bool ON = false;
-#else
   static constexpr bool ON = B::TYPE == Q5_0::TYPE || B::TYPE == Q5_1::TYPE;
-#endif
   static constexpr bool OWN_MINS = B::TYPE == Q5_1::TYPE;
   static constexpr int64_t HIGH = 256, D = HIGH + 64, PB = D + (OWN_MINS ? 64 : 32);
   static constexpr int64_t AHEAD = 96;  // how many blocks ahead one or two rows prefetch (about K8Pack's distance)
@@ -306,6 +313,44 @@ struct B32Pack {
       pack_codes<1>(&codes[0][0], 32, 4, o, o + HIGH);
     }
   }
+
+#ifdef WOQ_VNNI
+  // y[i * ldy + r] for the MR input rows from i0 (int8 blocks of 32) and the rows r of the group packed at g (its
+  // first rows written): per block, each row's exact integer sum (vpdpbusd over the 4 vectors' two steps)
+  template <int MR>
+  static void tile(const uint8_t* g, int64_t K, const Q8Rows& x, int64_t i0, float* y, int64_t ldy, int64_t rows) {
+    const int64_t nb = K / 32;
+    __m512 acc[MR];
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const uint8_t* o = g + blk * PB;
+      if constexpr (MR <= 2)
+        for (int64_t l = 0; l < PB; l += 64) _mm_prefetch((const char*)(o + AHEAD * PB + l), _MM_HINT_T1);
+      __m512i dot[MR];
+      for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
+      for (int p = 0; p < 4; ++p) {
+        __m512i w0, w1;
+        step_codes<1>(o, o + HIGH, p, w0, w1);
+        for (int i = 0; i < MR; ++i) {
+          int32_t v[2];
+          std::memcpy(v, x.q.data() + (i0 + i) * K + blk * 32 + p * 8, 8);
+          dot[i] = _mm512_dpbusd_epi32(dot[i], w0, _mm512_set1_epi32(v[0]));
+          dot[i] = _mm512_dpbusd_epi32(dot[i], w1, _mm512_set1_epi32(v[1]));
+        }
+      }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + D)));
+      const __m512 m = OWN_MINS ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + D + 32)))
+                                : _mm512_mul_ps(d, _mm512_set1_ps(-16.f));
+      for (int i = 0; i < MR; ++i) {
+        const int64_t b = (i0 + i) * nb + blk;
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_set1_ps(x.d[b])), acc[i]);
+        acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[b]), acc[i]);
+      }
+    }
+    const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
+    for (int i = 0; i < MR; ++i) _mm512_mask_storeu_ps(y + i * ldy, keep, acc[i]);
+  }
+#endif
 
   // y[i * ldy + r] for the MR input rows from i0 (int8 blocks of 32) and the rows r of the group packed at g (its
   // first rows written): per half of 8 rows, the vpmaddubsw pair sums of 2 vectors (4 steps of at most 2 * 31 *

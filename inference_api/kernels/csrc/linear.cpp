@@ -4,9 +4,9 @@
 // dequantized weight, up to summation order (or, with int8 inputs, on inputs rounded to int8 blocks of 32).
 //
 // One ladder picks the kernel for every form (run_linear), from the most specific to the most general:
-// 1. int8 inputs and weights packed for the tiles (quant.py's forms packed at load, GGUF blocks packed a group of
-//    16 rows at a time on the fly): every row count on the integer tiles (AVX512-VNNI; at the AVX2 level the
-//    k-quants packed at load), so that each row's numbers are the same whatever the batch;
+// 1. int8 inputs and weights packed for the tiles (quant.py's forms, the k-quants, Q5_0 and Q5_1 packed at load,
+//    other GGUF blocks a group of 16 rows at a time on the fly): every row count on the integer tiles (AVX512-VNNI;
+//    at the AVX2 level the forms packed at load), so that each row's numbers are the same whatever the batch;
 // 2. int8 inputs, a form with integer kernels: each pass of weight rows read once for up to 4 input rows
 //    at a time (one row: the memory-bound decode of one stream);
 // 3. float inputs, at least a vector's width of rows: dequantized chunks multiplied in register tiles;
@@ -214,8 +214,8 @@ int64_t k8_packed_bytes(int64_t type, int64_t N, int64_t row_bytes) {
   return bytes;
 }
 
-// Q4_K, Q5_K or Q6_K rows packed for the tiles (k8_pack.h: K8Pack), and Q5_0 or Q5_1 rows for the AVX2 tiles
-// (B32Pack): uint8 [groups of 16 rows, blocks * PB]; an empty tensor for other types
+// Q4_K, Q5_K or Q6_K rows packed for the tiles (k8_pack.h: K8Pack), and Q5_0 or Q5_1 rows (B32Pack): uint8
+// [groups of 16 rows, blocks * PB]; an empty tensor for other types
 at::Tensor pack_k8(const at::Tensor& raw, int64_t type) {
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(), "GGUF rows: uint8 [N, bytes]");
   const int64_t N = raw.size(0), bytes = k8_packed_bytes(type, N, raw.size(1)), groups = (N + 15) / 16;

@@ -98,7 +98,8 @@ struct BlockForm {
   static constexpr bool ONE_ROW = VNNI;  // one input row: vnni_one, the tiles' numbers without the packing
   static constexpr bool PLUS128 = false;
   static constexpr bool HALVES = sub_of<B>() == 16;
-  static constexpr bool AVX2_TILE = B32Pack<B>::ON;  // Q5_0, Q5_1 packed at load (b32p_tile); the k-quants go by K8
+  static constexpr bool B32 = B32Pack<B>::ON;  // Q5_0, Q5_1 packed at load (b32p_tile); the k-quants go by K8
+  static constexpr bool AVX2_TILE = B32;
 
   BlockForm(const uint8_t* raw, int64_t n, int64_t row) : w(raw), N(n), K(row / B::BYTES * B::QK), row_bytes(row) {}
   bool vnni_ready() const { return VNNI; }
@@ -195,8 +196,6 @@ struct BlockForm {
   // (vpdpbusd against the input block broadcast to both halves), and the 16 rows' partial sums reduced by a tree
   // into the rows' lanes. The integer sums are exact, so each row's numbers are vnni_tile's to the bit.
   void vnni_one(const Q8Rows& x, int64_t grp, float* y) const {
-    if constexpr (B32Pack<B>::ON)
-      if (packed) return b32p_tile<1>(x, grp, 0, y, 0);
     if constexpr (Q8) {
       constexpr int CH = B::QK / 32, NS = B::QK / B::SUB;
       const int64_t n0 = grp * 16, nb = K / B::QK, rows = std::min<int64_t>(16, N - n0);
@@ -245,8 +244,8 @@ struct BlockForm {
   }
 
   void vnni_prepare(int64_t grp) const {
-    if constexpr (B32Pack<B>::ON)
-      if (packed) return;  // packed at load
+    if constexpr (B32)
+      if (packed) return b32p_prepare(grp);
     if constexpr (Q8) {
       constexpr int CH = B::QK / 32, NS = B::QK / B::SUB;
       Group& g = group_buffer();
@@ -401,9 +400,7 @@ struct BlockForm {
 
   // y[i * ldy + r] for the MR input rows from i0 and the group's rows r (its first g.rows written)
   template <int MR>
-  void vnni_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
-    if constexpr (B32Pack<B>::ON)
-      if (packed) return b32p_tile<MR>(x, grp, i0, y, ldy);
+  void vnni_tile(const Q8Rows& x, int64_t, int64_t i0, float* y, int64_t ldy) const {
     if constexpr (Q8) {
       constexpr int STEPS = B::SUB / 4;
       const Group& g = group_buffer();
@@ -442,8 +439,8 @@ struct BlockForm {
   }
 #endif
 
-  // Q5_0 and Q5_1 packed at load: the tiles over the packing (B32Pack::tile, or tile_avx2 without VNNI), every row
-  // count, vnni_tile's numbers
+  // Q5_0 and Q5_1 packed at load: the tiles over the packing (B32Pack::tile, or tile_avx2 without VNNI; with VNNI
+  // for few rows, more unpack each group once: b32p_prepare), vnni_tile's numbers
   template <int MR>
   void b32p_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
     if constexpr (B32Pack<B>::ON) {
@@ -456,6 +453,36 @@ struct BlockForm {
 #endif
     }
   }
+
+#ifdef WOQ_VNNI
+  // Q5_0 and Q5_1 packed at load, many input rows: the group's codes unpacked from the packing once into the group
+  // buffer, as vnni_prepare lays them (step_codes gives two of its steps a vector), its d and m beside them
+  void b32p_prepare(int64_t grp) const {
+    if constexpr (B32) {
+      using P = B32Pack<B>;
+      Group& g = group_buffer();
+      const int64_t nb = K / 32;
+      const uint8_t* pk = packed + grp * nb * P::PB;
+      g.rows = std::min<int64_t>(16, N - grp * 16);
+      g.codes.resize(K * 16), g.d.resize(nb * 16), g.m.resize(nb * 16);
+      for (int64_t blk = 0; blk < nb; ++blk) {
+        const uint8_t* o = pk + blk * P::PB;
+        uint8_t* out = g.codes.data() + blk * 512;
+        for (int p = 0; p < 4; ++p) {
+          __m512i w0, w1;
+          step_codes<1>(o, o + P::HIGH, p, w0, w1);
+          _mm512_storeu_si512(out + 2 * p * 64, w0);
+          _mm512_storeu_si512(out + (2 * p + 1) * 64, w1);
+        }
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + P::D)));
+        _mm512_storeu_ps(g.d.data() + blk * 16, d);
+        _mm512_storeu_ps(g.m.data() + blk * 16,
+                         P::OWN_MINS ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + P::D + 32)))
+                                     : _mm512_mul_ps(d, _mm512_set1_ps(-16.f)));
+      }
+    }
+  }
+#endif
 
   // the tiles over the group packed at load (K8Pack::tile, or tile_avx2 without VNNI): y[i * ldy + r] for the MR
   // input rows from i0

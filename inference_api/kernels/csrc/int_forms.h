@@ -349,7 +349,7 @@ struct I8Form {
   static constexpr bool Q8 = true, VNNI = true, K8 = false;  // integer kernels for int8 inputs; VNNI tiles
   static constexpr bool PLUS128 = true;                      // the VNNI tiles take the int8 inputs plus 128
   static constexpr bool ONE_ROW = false;                     // packed at load: one row goes through the tiles too
-  static constexpr bool HALVES = false, AVX2_TILE = false;
+  static constexpr bool HALVES = false, AVX2_TILE = false, B32 = false;
   bool vnni_ready() const { return vq != nullptr; }
   bool avx2_ready() const { return false; }
   void vnni_prepare(int64_t) const {}
@@ -392,7 +392,7 @@ struct I4Form {
   const uint8_t* vq = nullptr;
   const c10::Half* vs = nullptr;
   static constexpr bool Q8 = true, VNNI = true, K8 = false, PLUS128 = false, HALVES = false, ONE_ROW = false;
-  static constexpr bool AVX2_TILE = true;  // the packing's tiles without VNNI too (avx2_i4_tile)
+  static constexpr bool AVX2_TILE = true, B32 = false;  // the packing's tiles without VNNI too (avx2_i4_tile)
   bool vnni_ready() const { return vq != nullptr; }
   bool avx2_ready() const { return vq != nullptr; }
   void vnni_prepare(int64_t) const {}

@@ -24,6 +24,8 @@ namespace {
 // rather than unpacking each group once per call (Qwen2.5 1.5B on a 2-core EPYC, Q4_K gate_up and Q6_K down: 16 rows
 // 1.82 against 2.19 ms and 1.22 against 1.61; 24 rows even; 32 rows 4.12 against 3.69 and 2.80 against 2.30)
 constexpr int64_t K8P_ROWS = 24;
+// input rows up to which Q5_0 and Q5_1 packed at load run on b32p_tile rather than unpacking each group once per call
+constexpr int64_t B32P_ROWS = 4;
 
 template <typename F>
 at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool int8_inputs) {
@@ -81,6 +83,14 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
   if constexpr (F::VNNI) {
     if (int8_inputs && f.vnni_ready()) {
       const Q8Rows xr(xp, M, K, F::PLUS128, F::HALVES);
+      if constexpr (F::B32)
+        if (f.packed && M <= B32P_ROWS)  // Q5_0, Q5_1 packed at load: few rows unpack each vector in the tile
+          return vnni_rows(
+                     x2, N, bias, [](int64_t) {},
+                     [&](auto mr, int64_t grp, int64_t i0, float* out) {
+                       f.template b32p_tile<decltype(mr)::value>(xr, grp, i0, out, N);
+                     })
+              .reshape(shape);
       if constexpr (F::ONE_ROW)
         if (M == 1)  // no packing for one input row: the tiles' numbers, read from the rows' own layout
           return vnni_rows(

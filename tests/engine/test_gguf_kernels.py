@@ -158,7 +158,7 @@ def test_blocks_packed_at_load_give_the_unpacked_numbers(kernels, t):
         assert packed.numel() == 0
         return
     assert packed.shape[0] == 3
-    for rows in (1, 2, 3, 5, 9, 24, 25, 70):  # VNNI: k8p_tile up to 24 rows, then each group unpacked once
+    for rows in (1, 2, 3, 5, 9, 24, 25, 70):  # VNNI: packed_tile up to 24 rows, then each group unpacked once
         want = kernels.linear_gguf(x[:rows], raw, int(t), b, True)
         assert torch.equal(kernels.linear_gguf(x[:rows], raw, int(t), b, True, packed), want)
     with pytest.raises(RuntimeError, match="packed wrongly"):

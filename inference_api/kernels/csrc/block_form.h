@@ -98,7 +98,7 @@ struct BlockForm {
   static constexpr bool ONE_ROW = VNNI;  // one input row: vnni_one, the tiles' numbers without the packing
   static constexpr bool PLUS128 = false;
   static constexpr bool HALVES = sub_of<B>() == 16;
-  static constexpr bool B32 = B32Pack<B>::ON;  // Q5_0, Q5_1 packed at load (b32p_tile); the k-quants go by K8
+  static constexpr bool B32 = B32Pack<B>::ON;  // Q5_0, Q5_1 packed at load (packed_tile); the k-quants go by K8
   static constexpr bool AVX2_TILE = B32;
 
   BlockForm(const uint8_t* raw, int64_t n, int64_t row) : w(raw), N(n), K(row / B::BYTES * B::QK), row_bytes(row) {}
@@ -352,7 +352,7 @@ struct BlockForm {
   }
 
   // Many input rows over a group packed at load: the group's codes unpacked into the tiles' buffer once (the layout
-  // vnni_prepare makes), so that k8_tile reads bytes where k8p_tile would unpack each vector for every tile of rows
+  // vnni_prepare makes), so that k8_tile reads bytes where packed_tile would unpack each vector for every tile of rows
   void k8p_prepare(int64_t grp) const {
     if constexpr (K8Pack<B>::ON) {
       using P = K8Pack<B>;
@@ -435,24 +435,9 @@ struct BlockForm {
 #else
   template <int MR>
   void avx2_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
-    b32p_tile<MR>(x, grp, i0, y, ldy);
+    packed_tile<MR>(x, grp, i0, y, ldy);
   }
 #endif
-
-  // Q5_0 and Q5_1 packed at load: the tiles over the packing (B32Pack::tile, or tile_avx2 without VNNI; with VNNI
-  // for few rows, more unpack each group once: b32p_prepare), vnni_tile's numbers
-  template <int MR>
-  void b32p_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
-    if constexpr (B32Pack<B>::ON) {
-      const uint8_t* g = packed + grp * (K / 32) * B32Pack<B>::PB;
-      const int64_t rows = std::min<int64_t>(16, N - grp * 16);
-#ifdef WOQ_VNNI
-      B32Pack<B>::template tile<MR>(g, K, x, i0, y, ldy, rows);
-#else
-      B32Pack<B>::template tile_avx2<MR>(g, K, x, i0, y, ldy, rows);
-#endif
-    }
-  }
 
 #ifdef WOQ_VNNI
   // Q5_0 and Q5_1 packed at load, many input rows: the group's codes unpacked from the packing once into the group
@@ -484,17 +469,19 @@ struct BlockForm {
   }
 #endif
 
-  // the tiles over the group packed at load (K8Pack::tile, or tile_avx2 without VNNI): y[i * ldy + r] for the MR
-  // input rows from i0
-  template <int MR>
-  void k8p_tile(const Q8KRows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
-    if constexpr (K8Pack<B>::ON) {
-      const uint8_t* g = packed + grp * (K / 256) * K8Pack<B>::PB;
+  // the tiles over the group packed at load (LoadPack: K8Pack for the k-quants against Q8_K inputs, B32Pack for
+  // Q5_0 and Q5_1 against blocks of 32; tile, or tile_avx2 without VNNI): y[i * ldy + r] for the MR input rows from
+  // i0, the numbers of the tiles over the blocks packed per call
+  template <int MR, typename Rows>
+  void packed_tile(const Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
+    using P = LoadPack<B>;
+    if constexpr (P::ON) {
+      const uint8_t* g = packed + grp * (K / P::QK) * P::PB;
       const int64_t rows = std::min<int64_t>(16, N - grp * 16);
 #ifdef WOQ_VNNI
-      K8Pack<B>::template tile<MR>(g, K, x, i0, y, ldy, rows);
+      P::template tile<MR>(g, K, x, i0, y, ldy, rows);
 #else
-      K8Pack<B>::template tile_avx2<MR>(g, K, x, i0, y, ldy, rows);
+      P::template tile_avx2<MR>(g, K, x, i0, y, ldy, rows);
 #endif
     }
   }

@@ -99,6 +99,7 @@ struct K8Pack {
   static constexpr int HB = B::TYPE == Q4_K::TYPE ? 0 : B::TYPE == Q5_K::TYPE ? 1 : B::TYPE == Q6_K::TYPE ? 2 : -1;
   static constexpr bool ON = HB >= 0;   // the types packed (the others pack a group per call)
   static constexpr int64_t AHEAD = 16;  // how many super-blocks ahead few rows prefetch
+  static constexpr int64_t QK = 256;    // inputs a packed block covers
   static constexpr int NS = 256 / B::SUB, NP = NS / 2;
   // where each part begins in a super-block's PB bytes
   static constexpr bool OWN_MINS = HB < 2;  // Q6_K's minimums are its scales, its M is -32 D
@@ -292,6 +293,7 @@ template <typename B>
 struct B32Pack {
   static constexpr bool ON = B::TYPE == Q5_0::TYPE || B::TYPE == Q5_1::TYPE;
   static constexpr bool OWN_MINS = B::TYPE == Q5_1::TYPE;
+  static constexpr int64_t QK = 32;  // inputs a packed block covers
   static constexpr int64_t HIGH = 256, D = HIGH + 64, PB = D + (OWN_MINS ? 64 : 32);
   static constexpr int64_t AHEAD = 96;  // how many blocks ahead one or two rows prefetch (about K8Pack's distance)
 

@@ -20,11 +20,11 @@
 namespace woq {
 namespace {
 
-// input rows up to which the k-quants packed at load run on k8p_tile (each weight vector unpacked per tile of rows)
+// input rows up to which the k-quants packed at load run on packed_tile (each weight vector unpacked per tile of rows)
 // rather than unpacking each group once per call (Qwen2.5 1.5B on a 2-core EPYC, Q4_K gate_up and Q6_K down: 16 rows
 // 1.82 against 2.19 ms and 1.22 against 1.61; 24 rows even; 32 rows 4.12 against 3.69 and 2.80 against 2.30)
 constexpr int64_t K8P_ROWS = 24;
-// input rows up to which Q5_0 and Q5_1 packed at load run on b32p_tile rather than unpacking each group once per call
+// input rows up to which Q5_0 and Q5_1 packed at load run on packed_tile rather than unpacking each group once per call
 constexpr int64_t B32P_ROWS = 4;
 
 template <typename F>
@@ -44,7 +44,7 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
         return vnni_rows(
                    x2, N, bias, [](int64_t) {},
                    [&](auto mr, int64_t grp, int64_t i0, float* out) {
-                     f.template k8p_tile<decltype(mr)::value>(xr, grp, i0, out, N);
+                     f.template packed_tile<decltype(mr)::value>(xr, grp, i0, out, N);
                    })
             .reshape(shape);
       if (f.packed)  // more rows: each group unpacked once for all of them (the same numbers)
@@ -66,7 +66,7 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
         return vnni_rows<AVX2_MR>(
                    x2, N, bias, [](int64_t) {},
                    [&](auto mr, int64_t grp, int64_t i0, float* out) {
-                     f.template k8p_tile<decltype(mr)::value>(xr, grp, i0, out, N);
+                     f.template packed_tile<decltype(mr)::value>(xr, grp, i0, out, N);
                    })
             .reshape(shape);
 #endif
@@ -88,7 +88,7 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
           return vnni_rows(
                      x2, N, bias, [](int64_t) {},
                      [&](auto mr, int64_t grp, int64_t i0, float* out) {
-                       f.template b32p_tile<decltype(mr)::value>(xr, grp, i0, out, N);
+                       f.template packed_tile<decltype(mr)::value>(xr, grp, i0, out, N);
                      })
               .reshape(shape);
       if constexpr (F::ONE_ROW)

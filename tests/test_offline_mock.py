@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import requests
-from servers import wait_for
+from servers import ROOT, wait_for
 
 from inference_api import LLM, EngineError, ParameterError, RequestStatus, SamplingParams
 
@@ -237,6 +237,7 @@ def test_close_interrupts_open_requests_and_stops_the_engine():
 def test_a_program_that_never_closes_its_llm_still_ends(tmp_path):
     """A script that makes an LLM and returns without close(): the engine is stopped at exit (it ignores
     SIGTERM, so multiprocessing's exit handler, joining its children, used to wait on it for ever)."""
+    import os
     import subprocess
     import sys
 
@@ -247,7 +248,8 @@ def test_a_program_that_never_closes_its_llm_still_ends(tmp_path):
         "    llm = LLM(mock=True)\n"
         "    print(llm.generate(['hi'], SamplingParams(max_tokens=4), use_tqdm=False)[0].outputs[0].text)\n"
     )
-    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # (the package is the checkout's, not installed)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "Echo"
 

@@ -182,9 +182,8 @@ class DecodeGraphs:
         """The bucket and span that hold these rows, and their inputs (token, position, cache write, adapter place;
         idle rows 0, 0, scratch, the stacks' zeros) built on the host as one table, written to the pinned buffer
         and copied to the graphs' in one transfer (tokens None: left 0, for decode_ahead to fill on the device);
-        with ``adapters`` (each row's (slot, scale) pairs, one at most), their scales too, and the adapter graphs
-        captured over stacks since rebuilt dropped. Returns (size, span, where): the rows' places in the bucket, on
-        the device (a slice when they are all of them, in order)."""
+        with ``adapters`` (each row's (slot, scale) pairs, one at most), their scales too. Returns (size, span,
+        where): the rows' places in the bucket, on the device (a slice when they are all of them, in order)."""
         size = next(n for n in self.sizes if n > max(rows))
         span = next(n for n in self.spans if n > max(positions))
         lora = self.model.lora if adapters is not None else None
@@ -197,10 +196,6 @@ class DecodeGraphs:
                 ((slot, scales[row]),) = adapters[i]
                 place = lora.position[slot]
             table[row] = (token, position, position, place)
-        if lora is not None and self.lora_generation != lora.generation:
-            self.lora_graphs.clear()
-            self.lora_logits.clear()
-            self.lora_generation = lora.generation
         if self.copied is not None:  # (the engine has read the last step's tokens by now: already complete)
             self.copied.synchronize()
         self.staged[:size] = torch.tensor(table)
@@ -216,8 +211,13 @@ class DecodeGraphs:
 
     def _run(self, size: int, span: int, where: torch.Tensor | slice, lora: bool = False) -> torch.Tensor:
         """The staged step: its graph replayed (or the static step run eagerly); the rows' logits [len(rows), V].
-        With ``lora``, the adapter rows' graph, captured now if this bucket and span has none yet."""
+        With ``lora``, the adapter rows' graph, captured now if this bucket and span has none yet (those captured
+        over adapter stacks since rebuilt dropped first)."""
         graphs, outputs = (self.lora_graphs, self.lora_logits) if lora else (self.graphs, self.logits)
+        if lora and self.lora_generation != self.model.lora.generation:  # captured over stacks since rebuilt
+            graphs.clear()
+            outputs.clear()
+            self.lora_generation = self.model.lora.generation
         key = (size, span)
         if lora and key not in graphs and self.capture_lora:
             try:

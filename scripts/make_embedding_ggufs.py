@@ -11,7 +11,10 @@
    tests/data/gguf/bert-llamacpp.json;
 4. builds a random DistilBERT on the same vocabulary (no token types; llama.cpp converts it as bert), F32, and
    records llama-server's vectors for it as for the others;
-5. builds a random cross-encoder (``BertForSequenceClassification`` with one output) on the same vocabulary,
+5. builds a random nomic-bert (nomic-embed-text's shape: fused qkv without biases, NEOX rotary instead of
+   learned positions, a SwiGLU MLP; written by hand, transformers has no class for it) on the same vocabulary,
+   converts it to F32 and Q8_0, and records llama-server's vectors for it as for the others;
+6. builds a random cross-encoder (``BertForSequenceClassification`` with one output) on the same vocabulary,
    converts it to bert-rerank-f32.gguf, and records ``llama-server --reranking``'s scores (``/v1/rerank``: the
    classifier's output itself) of DOCUMENTS for QUERY.
 
@@ -132,6 +135,72 @@ def build_distilbert(out: Path, vocab: int) -> None:
     T.DistilBertModel(cfg).eval().save_pretrained(out, safe_serialization=True)
 
 
+def build_nomic(out: Path, vocab: int) -> None:
+    """A random NomicBertModel with mean pooling, its tensors under the names nomic-ai's checkpoints use (the
+    converter checks the config's fixed choices: SwiGLU, no biases, post-norm, full NEOX rotary)."""
+    import torch
+    from safetensors.torch import save_file
+
+    torch.manual_seed(SEED + 3)
+    d, ff, layers = 64, 128, 2
+
+    def w(*shape):
+        return torch.randn(*shape) * 0.2
+
+    def norm(name):
+        return {f"{name}.weight": 1 + torch.randn(d) * 0.1, f"{name}.bias": torch.randn(d) * 0.1}
+
+    tensors = {
+        "embeddings.word_embeddings.weight": w(vocab, d),
+        "embeddings.token_type_embeddings.weight": w(2, d),
+        **norm("emb_ln"),
+    }
+    for i in range(layers):
+        p = f"encoder.layers.{i}."
+        tensors |= {
+            p + "attn.Wqkv.weight": w(3 * d, d),
+            p + "attn.out_proj.weight": w(d, d),
+            p + "mlp.fc11.weight": w(ff, d),
+            p + "mlp.fc12.weight": w(ff, d),
+            p + "mlp.fc2.weight": w(d, ff),
+            **norm(p + "norm1"),
+            **norm(p + "norm2"),
+        }
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "model.safetensors"))
+    config = {
+        "architectures": ["NomicBertModel"],
+        "model_type": "nomic_bert",
+        "vocab_size": vocab,
+        "n_embd": d,
+        "n_layer": layers,
+        "n_head": 4,
+        "n_inner": ff,
+        "n_positions": 8192,
+        "max_trained_positions": 2048,
+        "layer_norm_epsilon": 1e-12,
+        "rotary_emb_base": 1000,
+        "rotary_emb_fraction": 1.0,
+        "rotary_emb_interleaved": False,
+        "rotary_emb_scale_base": None,
+        "type_vocab_size": 2,
+        "activation_function": "swiglu",
+        "causal": False,
+        "prenorm": False,
+        "qkv_proj_bias": False,
+        "mlp_fc1_bias": False,
+        "mlp_fc2_bias": False,
+    }
+    (out / "config.json").write_text(json.dumps(config))
+
+
+def llama_vectors(llama_dir: Path, path: Path, model: str) -> dict:
+    """llama-server --embedding's tokens and mean-pooled, normalized vectors of TEXTS for one file."""
+    with ref.llama_server(llama_dir, path, 512, extra=["--embedding", "--pooling", "mean"]) as port:
+        tokens = [ref._post(port, "/tokenize", {"content": t, "add_special": True})["tokens"] for t in TEXTS]
+        data = ref._post(port, "/v1/embeddings", {"input": TEXTS, "model": model})["data"]
+    return {"tokens": tokens, "vectors": [d["embedding"] for d in sorted(data, key=lambda d: d["index"])]}
+
+
 def convert(src: Path, tmp: Path, model_dir: Path, dst: Path, outtype: str) -> None:
     wrapper = tmp / "convert_wrapper.py"
     wrapper.write_text(ref.CONVERT_WRAPPER)
@@ -139,6 +208,11 @@ def convert(src: Path, tmp: Path, model_dir: Path, dst: Path, outtype: str) -> N
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         sys.exit(f"convert failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+
+
+def _weights(model_dir: Path, folder: str, names: list[str]) -> list[str]:
+    """copytree's ignore: the BERT's own config and weights (its tokenizer and pooling stay)."""
+    return [n for n in names if folder == str(model_dir) and n in ("config.json", "model.safetensors")]
 
 
 def main() -> None:
@@ -167,32 +241,26 @@ def main() -> None:
         files[q8.name] = q8
         reference = {"generator": "scripts/make_embedding_ggufs.py", "texts": TEXTS, "files": {}}
         for name, path in files.items():
-            with ref.llama_server(llama_dir, path, 512, extra=["--embedding", "--pooling", "mean"]) as port:
-                tokens = [ref._post(port, "/tokenize", {"content": t, "add_special": True})["tokens"] for t in TEXTS]
-                body = {"input": TEXTS, "model": "bert"}
-                data = ref._post(port, "/v1/embeddings", body)["data"]
-                vectors = [d["embedding"] for d in sorted(data, key=lambda d: d["index"])]
-            reference["files"][name] = {"tokens": tokens, "vectors": vectors}
-            print(f"{name}: {path.stat().st_size} bytes, {len(vectors[0])} dims", flush=True)
+            reference["files"][name] = llama_vectors(llama_dir, path, "bert")
+            print(f"{name}: {path.stat().st_size} bytes", flush=True)
         distil_dir = tmp / "distilbert"
-        shutil.copytree(
-            model_dir,
-            distil_dir,
-            ignore=lambda d, names: [
-                n for n in names if d == str(model_dir) and n in ("config.json", "model.safetensors")
-            ],
-        )
+        shutil.copytree(model_dir, distil_dir, ignore=lambda d, names: _weights(model_dir, d, names))
         build_distilbert(distil_dir, vocab)
         distil = OUT / "distilbert-f32.gguf"
         convert(src, tmp, distil_dir, distil, "f32")
-        with ref.llama_server(llama_dir, distil, 512, extra=["--embedding", "--pooling", "mean"]) as port:
-            data = ref._post(port, "/v1/embeddings", {"input": TEXTS, "model": "distilbert"})["data"]
-            tokens = [ref._post(port, "/tokenize", {"content": t, "add_special": True})["tokens"] for t in TEXTS]
-        reference["files"][distil.name] = {
-            "tokens": tokens,
-            "vectors": [d["embedding"] for d in sorted(data, key=lambda d: d["index"])],
-        }
+        reference["files"][distil.name] = llama_vectors(llama_dir, distil, "distilbert")
         print(f"{distil.name}: {distil.stat().st_size} bytes", flush=True)
+        nomic_dir = tmp / "nomic"
+        shutil.copytree(model_dir, nomic_dir, ignore=lambda d, names: _weights(model_dir, d, names))
+        build_nomic(nomic_dir, vocab)
+        nomic = OUT / "nomic-bert-f32.gguf"
+        convert(src, tmp, nomic_dir, nomic, "f32")
+        nomic_q8 = OUT / "nomic-bert-q8_0.gguf"
+        quantize = [str(llama_dir / "llama-quantize"), str(nomic), str(nomic_q8), "Q8_0"]
+        subprocess.run(quantize, check=True, capture_output=True)
+        for path in (nomic, nomic_q8):
+            reference["files"][path.name] = llama_vectors(llama_dir, path, "nomic-bert")
+            print(f"{path.name}: {path.stat().st_size} bytes", flush=True)
         rerank_dir = tmp / "reranker"
         shutil.copytree(
             model_dir,

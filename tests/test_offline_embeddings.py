@@ -29,6 +29,18 @@ def test_embed_gives_llama_cpps_vectors():
             llm.rerank("q", ["d"])
 
 
+def test_a_nomic_bert_file_embeds_as_llama_cpp():
+    """nomic-embed-text's family (fused qkv, rotary positions, SwiGLU), through pre-flight and the engine; its
+    context is the file's 2,048 tokens (no learned position table bounds it)."""
+    name = "nomic-bert-q8_0.gguf"
+    with LLM(GGUF_DIR / name, model_cache_dir=MODEL_CACHE) as llm:
+        vectors = np.array(llm.embed(REF["texts"]))
+        assert (vectors * np.array(REF["files"][name]["vectors"])).sum(1).min() > 0.999
+        assert len(llm.embed("word " * 1000)[0]) == 64
+        with pytest.raises(ParameterError, match="at most 2048"):
+            llm.embed("word " * 2100)
+
+
 def test_rerank_scores_as_llama_cpp():
     ref = REF["rerank"]
     with LLM(GGUF_DIR / ref["file"], model_cache_dir=MODEL_CACHE, skip_preflight=True) as llm:

@@ -63,11 +63,11 @@ def rotary_tables(config, length: int, device) -> tuple[torch.Tensor, torch.Tens
     return (emb.cos() * scale).contiguous(), (emb.sin() * scale).contiguous()
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary over the leading cos.shape[-1] dims of x (all of them unless the model's rotary is partial)."""
     rot = cos.shape[-1]
     if rot < x.shape[-1]:
-        return torch.cat([_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
+        return torch.cat([apply_rope(x[..., :rot], cos, sin), x[..., rot:]], dim=-1)
     half = rot // 2
     rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
     return x * cos + rotated * sin
@@ -274,7 +274,7 @@ class CompactLM:
                 if layer.q_norm is not None and layer.k_norm is not None:
                     qk = torch.cat([self._norm(qk[:, :hq], layer.q_norm), self._norm(qk[:, hq:], layer.k_norm)], 1)
                 # the queries' and the keys' rotary in one pass (a decode step on CUDA is bound by its launches)
-                q, key = _rope(qk, cos[:, None], sin[:, None]).split([hq, hk], dim=1)
+                q, key = apply_rope(qk, cos[:, None], sin[:, None]).split([hq, hk], dim=1)
                 if k is not None:  # (the attention kernel reads whole rows of heads)
                     q = q.contiguous()
                 cache.write(i, key, v, flats[cache.layer_slots[i]])

@@ -1,6 +1,6 @@
-"""BERT embedding models from a GGUF (model/encoder.py, gguf_vocab.wpm_backend) against llama.cpp: the tiny random
-BERT of tests/data/gguf at F32, F16 and Q8_0 (scripts/make_embedding_ggufs.py), each text tokenized as
-llama-server tokenizes it and each vector within cosine 0.999 of llama-server --embedding's."""
+"""Embedding models from a GGUF (model/encoder.py, gguf_vocab.wpm_backend) against llama.cpp: the tiny random BERT
+of tests/data/gguf at F32, F16 and Q8_0, DistilBERT and nomic-bert (scripts/make_embedding_ggufs.py), each text
+tokenized as llama-server tokenizes it and each vector within cosine 0.999 of llama-server --embedding's."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from servers import MODEL_CACHE
 from inference_api.engine.kv_cache import quantize_heads
 from inference_api.kernels import load_kernels
 from inference_api.kernels.quant import Int4Weight, QuantLinear, quantize_int4, quantize_int8
-from inference_api.model.compact import _rope
+from inference_api.model.compact import apply_rope
 
 
 def test_the_kernels_load_again_from_another_path_in_one_process(kernels):
@@ -257,10 +257,10 @@ def test_norm_and_rotary_store(kernels, dtype, rows):
     rows = rows or list(range(b))
     heads = qkv.view(b, hq + 2 * hk, dim)
     c, s = cos[:, None], sin[:, None]
-    torch.testing.assert_close(q, _rope(heads[:, :hq], c, s))
+    torch.testing.assert_close(q, apply_rope(heads[:, :hq], c, s))
     for i, p in enumerate(pos.tolist()):
         for stored, scales, want in (
-            (kc, ks, _rope(heads[i : i + 1, hq : hq + hk], c[i : i + 1], s[i : i + 1])[0]),
+            (kc, ks, apply_rope(heads[i : i + 1, hq : hq + hk], c[i : i + 1], s[i : i + 1])[0]),
             (vc, vs, heads[i, hq + hk :]),
         ):
             values, want_scales, _ = _cache_form(want, dtype)

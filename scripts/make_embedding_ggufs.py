@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Regenerate the tiny random BERT embedding GGUFs in tests/data/gguf/ and llama.cpp's vectors for them.
 
-    .venv/bin/python scripts/make_embedding_ggufs.py [--llama-dir DIR]
+    .venv/bin/python scripts/make_embedding_ggufs.py [--llama-dir DIR] [--decoder]
 
 1. trains a tiny WordPiece vocabulary (lower-cased, BERT's pre-tokenizer) on tests/data/english.txt;
 2. builds a random transformers ``BertModel`` (fixed seed) with a sentence-transformers mean-pooling module, and
@@ -16,7 +16,10 @@
    converts it to F32 and Q8_0, and records llama-server's vectors for it as for the others;
 6. builds a random cross-encoder (``BertForSequenceClassification`` with one output) on the same vocabulary,
    converts it to bert-rerank-f32.gguf, and records ``llama-server --reranking``'s scores (``/v1/rerank``: the
-   classifier's output itself) of DOCUMENTS for QUERY.
+   classifier's output itself) of DOCUMENTS for QUERY;
+7. with ``--decoder`` alone: runs ``llama-server --embedding`` on the embedded SmolLM2 file with mean and with last
+   pooling and writes its vectors of TEXTS to tests/data/gguf/smollm2-embeddings-llamacpp.json (a generating
+   model's --embedding).
 
 llama.cpp comes from the peer build (``bash ../shared/peers/build-llama-server.sh``), as for
 make_reference_ggufs.py, whose conversion wrapper and server helpers this reuses.
@@ -33,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # (inference_api, for the embedded file's path)
 import make_reference_ggufs as ref  # noqa: E402
 
 OUT = ref.OUT_DIR
@@ -215,11 +219,27 @@ def _weights(model_dir: Path, folder: str, names: list[str]) -> list[str]:
     return [n for n in names if folder == str(model_dir) and n in ("config.json", "model.safetensors")]
 
 
+def decoder_vectors(llama_dir: Path) -> None:
+    """llama-server --embedding's vectors of TEXTS on the embedded SmolLM2 file, pooled mean and last."""
+    from inference_api.model.loader import embedded_gguf
+
+    reference: dict = {"generator": "scripts/make_embedding_ggufs.py --decoder", "texts": TEXTS, "pooling": {}}
+    for pooling in ("mean", "last"):
+        with ref.llama_server(llama_dir, embedded_gguf(), 2048, extra=["--embedding", "--pooling", pooling]) as port:
+            data = ref._post(port, "/v1/embeddings", {"input": TEXTS, "model": "smollm2"})["data"]
+        reference["pooling"][pooling] = [d["embedding"] for d in sorted(data, key=lambda d: d["index"])]
+    (OUT / "smollm2-embeddings-llamacpp.json").write_text(json.dumps(reference) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llama-dir", default=str(Path.home() / ".cache" / "llama-server-peer"))
+    ap.add_argument("--decoder", action="store_true", help="only the embedded SmolLM2 file's --embedding vectors")
     args = ap.parse_args()
     llama_dir = Path(args.llama_dir)
+    if args.decoder:
+        decoder_vectors(llama_dir)
+        return
     src = llama_dir / "src" / "vendor" / "llama.cpp"
     tmp = Path(tempfile.mkdtemp(prefix="bertgguf-"))
     try:

@@ -41,6 +41,17 @@ def test_a_nomic_bert_file_embeds_as_llama_cpp():
             llm.embed("word " * 2100)
 
 
+@pytest.mark.parametrize("pooling", ["mean", "last"])
+def test_a_generating_models_embedding_is_llama_cpps(pooling):
+    """The embedded SmolLM2 file with --embedding: its token vectors pooled as llama-server --embedding pools them,
+    each within cosine 0.999 (the plan keeps float inputs here: int8 ones gave 0.994 on the first text)."""
+    ref = json.loads((GGUF_DIR / "smollm2-embeddings-llamacpp.json").read_text())
+    with LLM(model_cache_dir=MODEL_CACHE, embedding=True, pooling=pooling, rows=4, skip_preflight=True) as llm:
+        vectors = np.array(llm.embed(ref["texts"]))
+    cosine = (vectors * np.array(ref["pooling"][pooling])).sum(1)
+    assert cosine.min() > 0.999, cosine
+
+
 def test_rerank_scores_as_llama_cpp():
     ref = REF["rerank"]
     with LLM(GGUF_DIR / ref["file"], model_cache_dir=MODEL_CACHE, skip_preflight=True) as llm:

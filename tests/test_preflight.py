@@ -77,6 +77,10 @@ def test_the_plan_decides_device_dtypes_kv_and_kernels_once():
     assert not plan(CUDA, model=ModelFacts("gpt2", gguf=True, gguf_quantize="int8")).cuda_graphs
     exact = plan(dtype="float32")
     assert exact.quantize == "int4" and not exact.int8_inputs and exact.kv_dtype == "int8"
+    # --embedding: the token vectors with float inputs (llama-server's within cosine 0.999), on every CPU
+    for machine in (ZEN3, ZEN4, BF16_ONLY):
+        vectors = plan(machine, embedding=True)
+        assert vectors.quantize == "int4" and not vectors.int8_inputs and vectors.batch_dtype is None
     assert plan(model=ModelFacts("llama"), quantize="auto").quantize == "none"  # a folder is served as it is
     assert plan(quantize="int8").quantize == "int8"
     # transformers' layers cannot read an int8 cache: the fallback's cache is the model's dtype, as allocated

@@ -19,20 +19,19 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-# per type: where its float16 scales lie in a block, and the bytes of its codes (zeroed, a block dequantizes to
-# its minimums: w = d * code + m); signed types have no minimums
+# per type: where its float16 scales lie in a block
 LAYOUT = {
-    T.Q4_0: ([0], (2, 18)),
-    T.Q4_1: ([0, 2], (4, 20)),
-    T.Q5_0: ([0], (2, 22)),
-    T.Q5_1: ([0, 2], (4, 24)),
-    T.Q8_0: ([0], None),
-    T.IQ4_NL: ([0], None),
-    T.Q2_K: ([80, 82], (16, 80)),
-    T.Q3_K: ([108], (0, 96)),
-    T.Q4_K: ([0, 2], (16, 144)),
-    T.Q5_K: ([0, 2], (16, 176)),
-    T.Q6_K: ([208], (0, 192)),
+    T.Q4_0: [0],
+    T.Q4_1: [0, 2],
+    T.Q5_0: [0],
+    T.Q5_1: [0, 2],
+    T.Q8_0: [0],
+    T.IQ4_NL: [0],
+    T.Q2_K: [80, 82],
+    T.Q3_K: [108],
+    T.Q4_K: [0, 2],
+    T.Q5_K: [0, 2],
+    T.Q6_K: [208],
 }
 FLOATS = (T.F16, T.BF16)
 TYPES = [*LAYOUT, *FLOATS]
@@ -45,22 +44,15 @@ def _raw(t: T, n: int, k: int, seed: int = 0) -> np.ndarray:
         return (w.half() if t == T.F16 else w.bfloat16()).view(torch.uint8).numpy().reshape(n, -1)
     size, block = GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, size=(n, k // size, block), dtype=np.uint8)
-    for i, at in enumerate(LAYOUT[t][0]):  # scales in [0.001, 0.021); Q4_1 and Q5_1's minimums negative
+    for i, at in enumerate(LAYOUT[t]):  # scales in [0.001, 0.021); Q4_1 and Q5_1's minimums negative
         scale = (rng.random(raw.shape[:2]) * 0.02 + 0.001) * (-1 if i == 1 and t in (T.Q4_1, T.Q5_1) else 1)
         raw[..., at : at + 2] = scale.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(n, -1)
 
 
-def _weights(t: T, raw: np.ndarray, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """gguf-py's float32 weights of the blocks, and their minimums (the blocks with their codes zeroed)."""
-    deq = lambda r: torch.from_numpy(np.asarray(dequantize(r, t), dtype=np.float32).reshape(r.shape[0], k))  # noqa: E731
-    codes = LAYOUT.get(t, (None, None))[1]
-    if codes is None:
-        return deq(raw), torch.zeros(raw.shape[0], k)
-    size, block = GGML_QUANT_SIZES[t]
-    zeroed = raw.reshape(raw.shape[0], -1, block).copy()
-    zeroed[..., codes[0] : codes[1]] = 0
-    return deq(raw), deq(zeroed.reshape(raw.shape))
+def _weights(t: T, raw: np.ndarray, k: int) -> torch.Tensor:
+    """gguf-py's float32 weights of the blocks."""
+    return torch.from_numpy(np.asarray(dequantize(raw, t), dtype=np.float32).reshape(raw.shape[0], k))
 
 
 KQUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
@@ -79,7 +71,7 @@ def test_the_kernels_serve_every_common_type(kernels):
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_blocks_dequantize_as_gguf_py_does(kernels, t):
     raw = _raw(t, 8, 768)  # three super-blocks of 256
-    w, _ = _weights(t, raw, 768)
+    w = _weights(t, raw, 768)
     torch.testing.assert_close(kernels.dequantize_gguf(torch.from_numpy(raw), int(t)), w, rtol=1e-6, atol=1e-7)
 
 
@@ -90,7 +82,7 @@ def test_blocks_dequantize_as_gguf_py_does(kernels, t):
 @pytest.mark.parametrize("t", TYPES, ids=lambda t: t.name)
 def test_linear_on_blocks_is_float32_linear_on_gguf_py_weights(kernels, t, rows):
     raw = _raw(t, 70, 512, seed=rows)
-    w, mins = _weights(t, raw, 512)
+    w = _weights(t, raw, 512)
     torch.manual_seed(rows)
     x, b = torch.randn(rows, 512), torch.randn(70)
     raw_t = torch.from_numpy(raw)
@@ -101,12 +93,9 @@ def test_linear_on_blocks_is_float32_linear_on_gguf_py_weights(kernels, t, rows)
     got = kernels.linear_gguf(x, raw_t, int(t), b, True)
     if t in FLOATS:  # no integer codes: the float kernels whatever the inputs
         want = F.linear(x, w, b)
-    elif t in KQUANTS:  # the whole weight against the inputs rounded to int8 blocks of 256 (llama.cpp's Q8_K)
-        want = F.linear(_int8_blocks(x, 256), w, b)
-        assert not torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * scale * 512**0.5)
-    else:  # the codes against the inputs rounded to int8 blocks, the minimums against the exact inputs
-        rounded = _int8_blocks(x)
-        want = F.linear(rounded, w - mins, b) + F.linear(x, mins)
+    else:  # the whole weight (its minimums too) against the inputs rounded to int8 blocks of 32 (llama.cpp's Q8_0
+        # and Q8_1), or of 256 for the k-quants (its Q8_K)
+        want = F.linear(_int8_blocks(x, 256 if t in KQUANTS else 32), w, b)
         assert not torch.allclose(got, F.linear(x, w, b), rtol=1e-5, atol=1e-5 * scale * 512**0.5)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale * 512**0.5)
 

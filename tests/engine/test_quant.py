@@ -76,12 +76,9 @@ def _int8_input_case(form: str, n: int, k: int, rows: int):
 
 
 def _rounded_linear(packed, b: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """F.linear on the inputs rounded to int8 blocks; the minimums of int4 blocks multiply the exact block
-    sums, as the kernels do."""
-    rounded = F.linear(_int8_blocks(x), packed.dequantize(), b)
-    if isinstance(packed, Int4Weight):
-        rounded += F.linear(x - _int8_blocks(x), packed.m.float().repeat_interleave(32, dim=1))
-    return rounded
+    """F.linear on the inputs rounded to int8 blocks, the whole weight (an int4 block's minimum too) times the
+    rounded inputs, as llama.cpp's Q8_1 activations give it."""
+    return F.linear(_int8_blocks(x), packed.dequantize(), b)
 
 
 @pytest.mark.skipif(not AVX2, reason="the int8-input kernels need AVX2; elsewhere the inputs stay float32")

@@ -288,7 +288,7 @@ struct K8Pack {
 // per group of 16 rows and block of 32 inputs, the codes as pack_codes lays them (4 vectors, then a plane of fifth
 // bits), each row's d, float16 [16], then Q5_1's m (Q5_0's is -16 d): 384 bytes, 24 a row (Q5_1's own; Q5_0's 22).
 // The VNNI tile's numbers are BlockForm::vnni_tile's to the bit (each block's exact integer sum times d and the
-// input block's step, plus m times the input block's sum, in that order); the AVX2 tile's the same way.
+// input block's step, plus m times the input block's rounded sum, in that order); the AVX2 tile's the same way.
 template <typename B>
 struct B32Pack {
   static constexpr bool ON = B::TYPE == Q5_0::TYPE || B::TYPE == Q5_1::TYPE;

@@ -254,6 +254,22 @@ def test_a_program_that_never_closes_its_llm_still_ends(tmp_path):
     assert done.stdout.strip() == "Echo"
 
 
+def test_a_script_without_a_main_guard_fails_at_once_saying_why(tmp_path):
+    """An LLM made at a script's top level: the spawned engine process imports the script again, whose LLM would
+    start another engine; it used to hang there, and the script with it. Now the child stops with the reason and
+    the script's LLM fails at once."""
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text("from inference_api import LLM\nllm = LLM(mock=True)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode != 0
+    assert "if __name__ == '__main__':" in done.stderr and "the engine did not start" in done.stderr
+
+
 def test_engine_death_interrupts_open_requests_with_the_error():
     import os
     import signal

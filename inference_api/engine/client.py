@@ -108,6 +108,14 @@ class EngineClient:
 
     # life cycle
     def start(self) -> EngineClient:
+        if getattr(mp.current_process(), "_inheriting", False):  # (multiprocessing's own test for this)
+            # a spawned process importing a script that makes an engine at its top level (an offline LLM with
+            # no main guard): that import would start another engine and wait on it for ever
+            raise RuntimeError(
+                "an engine was started while a child process imported the main script: put the code that makes "
+                "the LLM under `if __name__ == '__main__':` (the engine runs in a spawned process, which imports "
+                "the script again)"
+            )
         # The engine is started from this long-lived thread: its parent-death signal follows the thread that
         # started it, and the thread lives as long as the worker.
         threading.Thread(target=self._supervise, name="engine-supervisor", daemon=True).start()
@@ -189,7 +197,13 @@ class EngineClient:
 
     def _supervise(self) -> None:
         while not self._stopping.is_set():
-            process, outbox = self._spawn()
+            try:
+                process, outbox = self._spawn()
+            except Exception as exc:  # no process to supervise: whoever waits on it hears why
+                log.exception("the engine process could not be started")
+                self.failure = f"the engine process could not be started: {exc}"
+                self._started.set()
+                return
             self._started.set()
             served = self._demux(process, outbox)
             if self._stopping.is_set() or not served:

@@ -57,10 +57,14 @@ def test_a_response_is_the_chat_answer(client, model_name):
     assert resp.instructions == "Be brief." and resp.max_output_tokens == 12
 
 
+SHORT = "What is 2+2?"  # answered within 16 tokens: the client's stream helper needs a response.completed
+
+
 def test_a_streamed_response_gives_the_same_text_and_the_events_in_order(client, model_name):
-    whole = client.responses.create(model=model_name, input=QUESTION, max_output_tokens=16, temperature=0)
+    whole = client.responses.create(model=model_name, input=SHORT, max_output_tokens=16, temperature=0)
+    assert whole.status == "completed"
     events = list(
-        client.responses.create(model=model_name, input=QUESTION, max_output_tokens=16, temperature=0, stream=True)
+        client.responses.create(model=model_name, input=SHORT, max_output_tokens=16, temperature=0, stream=True)
     )
     kinds = [e.type for e in events]
     assert kinds[:5] == [
@@ -80,7 +84,7 @@ def test_a_streamed_response_gives_the_same_text_and_the_events_in_order(client,
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == whole.output_text == events[-1].response.output_text
     # the openai client's own stream helper reads the same events
-    with client.responses.stream(model=model_name, input=QUESTION, max_output_tokens=16, temperature=0) as stream:
+    with client.responses.stream(model=model_name, input=SHORT, max_output_tokens=16, temperature=0) as stream:
         final = stream.get_final_response()
     assert final.output_text == whole.output_text
 

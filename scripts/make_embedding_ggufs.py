@@ -197,9 +197,9 @@ def build_nomic(out: Path, vocab: int) -> None:
     (out / "config.json").write_text(json.dumps(config))
 
 
-def llama_vectors(llama_dir: Path, path: Path, model: str) -> dict:
-    """llama-server --embedding's tokens and mean-pooled, normalized vectors of TEXTS for one file."""
-    with ref.llama_server(llama_dir, path, 512, extra=["--embedding", "--pooling", "mean"]) as port:
+def llama_vectors(llama_dir: Path, path: Path, model: str, pooling: str = "mean", n_ctx: int = 512) -> dict:
+    """llama-server --embedding's tokens and pooled, normalized vectors of TEXTS for one file."""
+    with ref.llama_server(llama_dir, path, n_ctx, extra=["--embedding", "--pooling", pooling]) as port:
         tokens = [ref._post(port, "/tokenize", {"content": t, "add_special": True})["tokens"] for t in TEXTS]
         data = ref._post(port, "/v1/embeddings", {"input": TEXTS, "model": model})["data"]
     return {"tokens": tokens, "vectors": [d["embedding"] for d in sorted(data, key=lambda d: d["index"])]}
@@ -225,9 +225,8 @@ def decoder_vectors(llama_dir: Path) -> None:
 
     reference: dict = {"generator": "scripts/make_embedding_ggufs.py --decoder", "texts": TEXTS, "pooling": {}}
     for pooling in ("mean", "last"):
-        with ref.llama_server(llama_dir, embedded_gguf(), 2048, extra=["--embedding", "--pooling", pooling]) as port:
-            data = ref._post(port, "/v1/embeddings", {"input": TEXTS, "model": "smollm2"})["data"]
-        reference["pooling"][pooling] = [d["embedding"] for d in sorted(data, key=lambda d: d["index"])]
+        got = llama_vectors(llama_dir, embedded_gguf(), "smollm2", pooling, 2048)
+        reference["pooling"][pooling] = got["vectors"]
     (OUT / "smollm2-embeddings-llamacpp.json").write_text(json.dumps(reference) + "\n")
 
 

@@ -441,30 +441,29 @@ struct BlockForm {
 
 #ifdef WOQ_VNNI
   // Q5_0 and Q5_1 packed at load, many input rows: the group's codes unpacked from the packing once into the group
-  // buffer, as vnni_prepare lays them (step_codes gives two of its steps a vector), its d and m beside them
+  // buffer, as vnni_prepare lays them (step_codes gives two of its steps a vector), its d and m beside them (called
+  // only where B32 holds)
   void b32p_prepare(int64_t grp) const {
-    if constexpr (B32) {
-      using P = B32Pack<B>;
-      Group& g = group_buffer();
-      const int64_t nb = K / 32;
-      const uint8_t* pk = packed + grp * nb * P::PB;
-      g.rows = std::min<int64_t>(16, N - grp * 16);
-      g.codes.resize(K * 16), g.d.resize(nb * 16), g.m.resize(nb * 16);
-      for (int64_t blk = 0; blk < nb; ++blk) {
-        const uint8_t* o = pk + blk * P::PB;
-        uint8_t* out = g.codes.data() + blk * 512;
-        for (int p = 0; p < 4; ++p) {
-          __m512i w0, w1;
-          step_codes<1>(o, o + P::HIGH, p, w0, w1);
-          _mm512_storeu_si512(out + 2 * p * 64, w0);
-          _mm512_storeu_si512(out + (2 * p + 1) * 64, w1);
-        }
-        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + P::D)));
-        _mm512_storeu_ps(g.d.data() + blk * 16, d);
-        _mm512_storeu_ps(g.m.data() + blk * 16,
-                         P::OWN_MINS ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + P::D + 32)))
-                                     : _mm512_mul_ps(d, _mm512_set1_ps(-16.f)));
+    using P = B32Pack<B>;
+    Group& g = group_buffer();
+    const int64_t nb = K / 32;
+    const uint8_t* pk = packed + grp * nb * P::PB;
+    g.rows = std::min<int64_t>(16, N - grp * 16);
+    g.codes.resize(K * 16), g.d.resize(nb * 16), g.m.resize(nb * 16);
+    for (int64_t blk = 0; blk < nb; ++blk) {
+      const uint8_t* o = pk + blk * P::PB;
+      uint8_t* out = g.codes.data() + blk * 512;
+      for (int p = 0; p < 4; ++p) {
+        __m512i w0, w1;
+        step_codes<1>(o, o + P::HIGH, p, w0, w1);
+        _mm512_storeu_si512(out + 2 * p * 64, w0);
+        _mm512_storeu_si512(out + (2 * p + 1) * 64, w1);
       }
+      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + P::D)));
+      _mm512_storeu_ps(g.d.data() + blk * 16, d);
+      _mm512_storeu_ps(g.m.data() + blk * 16, P::OWN_MINS
+                                                  ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + P::D + 32)))
+                                                  : _mm512_mul_ps(d, _mm512_set1_ps(-16.f)));
     }
   }
 #endif

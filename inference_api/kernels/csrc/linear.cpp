@@ -27,6 +27,16 @@ constexpr int64_t K8P_ROWS = 24;
 // input rows up to which Q5_0 and Q5_1 packed at load run on packed_tile rather than unpacking each group once per call
 constexpr int64_t B32P_ROWS = 4;
 
+// every row count's tiles over a weight packed at load (F::packed_tile: K8Pack or B32Pack), MR input rows a tile
+template <int MR = VNNI_MR, typename F, typename Rows>
+at::Tensor packed_rows(const F& f, const Rows& xr, const at::Tensor& x2, const Bias& bias) {
+  return vnni_rows<MR>(
+      x2, f.N, bias, [](int64_t) {},
+      [&](auto mr, int64_t grp, int64_t i0, float* out) {
+        f.template packed_tile<decltype(mr)::value>(xr, grp, i0, out, f.N);
+      });
+}
+
 template <typename F>
 at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool int8_inputs) {
   auto x2 = flat(x);
@@ -41,12 +51,7 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
       const Q8KRows xr(xp, M, K);
 #ifdef WOQ_VNNI
       if (f.packed && M <= K8P_ROWS)  // packed at load: the tiles unpack each vector where they use it
-        return vnni_rows(
-                   x2, N, bias, [](int64_t) {},
-                   [&](auto mr, int64_t grp, int64_t i0, float* out) {
-                     f.template packed_tile<decltype(mr)::value>(xr, grp, i0, out, N);
-                   })
-            .reshape(shape);
+        return packed_rows(f, xr, x2, bias).reshape(shape);
       if (f.packed)  // more rows: each group unpacked once for all of them (the same numbers)
         return vnni_rows(
                    x2, N, bias, [&](int64_t grp) { f.k8p_prepare(grp); },
@@ -63,12 +68,7 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
             .reshape(shape);
 #else
       if (f.packed)  // packed at load: the AVX2 tiles, every row count
-        return vnni_rows<AVX2_MR>(
-                   x2, N, bias, [](int64_t) {},
-                   [&](auto mr, int64_t grp, int64_t i0, float* out) {
-                     f.template packed_tile<decltype(mr)::value>(xr, grp, i0, out, N);
-                   })
-            .reshape(shape);
+        return packed_rows<AVX2_MR>(f, xr, x2, bias).reshape(shape);
 #endif
       auto pass = [&](auto rw, int64_t n, int64_t rows, float* out, int64_t i0, int64_t i1) {
         row_groups(i0, i1, [&](auto mr, int64_t i) {
@@ -85,12 +85,7 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
       const Q8Rows xr(xp, M, K, F::PLUS128, F::HALVES);
       if constexpr (F::B32)
         if (f.packed && M <= B32P_ROWS)  // Q5_0, Q5_1 packed at load: few rows unpack each vector in the tile
-          return vnni_rows(
-                     x2, N, bias, [](int64_t) {},
-                     [&](auto mr, int64_t grp, int64_t i0, float* out) {
-                       f.template packed_tile<decltype(mr)::value>(xr, grp, i0, out, N);
-                     })
-              .reshape(shape);
+          return packed_rows(f, xr, x2, bias).reshape(shape);
       if constexpr (F::ONE_ROW)
         if (M == 1)  // no packing for one input row: the tiles' numbers, read from the rows' own layout
           return vnni_rows(

@@ -264,7 +264,7 @@ inline void avx2_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, cons
 // 64-byte load gives 16 rows x 4 inputs: [N / 16, blocks of 32, steps of 4 inputs, 16 rows, 4] bytes. The
 // input's 4 bytes are broadcast; each block's integer sums are scaled into float accumulators.
 
-// how many blocks of 32 ahead the tiles over one or two input rows prefetch (about 32 KB of a group's weights)
+// how many blocks of 32 ahead a group's first tile prefetches (about 32 KB of a group's weights)
 constexpr int64_t TILE_AHEAD = 64;
 
 inline __m512i broadcast4(const int8_t* p) {
@@ -275,17 +275,17 @@ inline __m512i broadcast4(const int8_t* p) {
 
 // y[i * ldy + 0 .. 16) for MR input rows and one group of 16 weight rows of 4-bit blocks: wp [S, 4, 16, 4]
 // bytes (byte j of step a: weight 4a + j in its low nibble, 16 + 4a + j in its high), dm [S, 2, 16]
-// float16 (scales, minimums); xq [MR, K] int8, dx and xs [MR, S]
+// float16 (scales, minimums); xq [MR, K] int8, dx and xs [MR, S]; ahead: the group's first tile (it prefetches)
 template <int MR>
 inline void vnni_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, const int8_t* xq, const float* dx,
-                         const float* xs, int64_t K, float* y, int64_t ldy) {
+                         const float* xs, int64_t K, float* y, int64_t ldy, bool ahead) {
   const __m512i low = _mm512_set1_epi8(15);
   __m512 accf[MR];
   for (int i = 0; i < MR; ++i) accf[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < S; ++g) {
     __m512i acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
-    if constexpr (MR <= 2) {  // one stream's decode: the blocks TILE_AHEAD on into L2, as the packed k-quants do
+    if (ahead) {  // the blocks TILE_AHEAD on into L2, as the packed k-quants do (the later tiles read the cache)
       for (int l = 0; l < 256; l += 64) _mm_prefetch((const char*)(wp + (g + TILE_AHEAD) * 256 + l), _MM_HINT_T1);
       _mm_prefetch((const char*)(dm + (g + TILE_AHEAD) * 32), _MM_HINT_T1);
     }
@@ -313,13 +313,13 @@ inline void vnni_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, cons
 // corrected by 128 * sum(w)
 template <int MR>
 inline void vnni_i8_tile(const int8_t* wp, const float* sc, int64_t S, const int8_t* xu, const float* dx, int64_t K,
-                         float* y, int64_t ldy) {
+                         float* y, int64_t ldy, bool ahead) {
   __m512 accf[MR];
   for (int i = 0; i < MR; ++i) accf[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < S; ++g) {
     __m512i acc[MR];
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
-    if constexpr (MR <= 2) {
+    if (ahead) {
       for (int l = 0; l < 512; l += 64) _mm_prefetch((const char*)(wp + (g + TILE_AHEAD) * 512 + l), _MM_HINT_T1);
       for (int l = 0; l < 128; l += 64) _mm_prefetch((const char*)(sc + (g + TILE_AHEAD) * 32) + l, _MM_HINT_T1);
     }
@@ -378,7 +378,8 @@ struct I8Form {
   template <int MR>
   void vnni_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
     const int64_t B = K / 32;
-    vnni_i8_tile<MR>(vq + grp * B * 512, vs + grp * B * 32, B, x.q.data() + i0 * K, x.d.data() + i0 * B, K, y, ldy);
+    vnni_i8_tile<MR>(vq + grp * B * 512, vs + grp * B * 32, B, x.q.data() + i0 * K, x.d.data() + i0 * B, K, y, ldy,
+                     i0 == 0);
   }
 #endif
 };
@@ -440,7 +441,7 @@ struct I4Form {
   template <int MR>
   void vnni_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
     vnni_i4_tile<MR>(vq + grp * S * 256, vs + grp * S * 32, S, x.q.data() + i0 * K, x.d.data() + i0 * S,
-                     x.sum.data() + i0 * S, K, y, ldy);
+                     x.sum.data() + i0 * S, K, y, ldy, i0 == 0);
   }
 #endif
 };

@@ -165,7 +165,7 @@ struct K8Pack {
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nb; ++blk) {
       const uint8_t* o = g + blk * PB;
-      if constexpr (MR <= 2)  // one stream's decode: the bytes AHEAD super-blocks on into L2, as k8_dot does
+      if (i0 == 0)  // the group's first tile: the bytes AHEAD super-blocks on into L2, as k8_dot does
         for (int64_t l = 0; l < PB; l += 64) _mm_prefetch((const char*)(o + AHEAD * PB + l), _MM_HINT_T1);
       __m512i isum[MR];
       for (int i = 0; i < MR; ++i) isum[i] = _mm512_setzero_si512();
@@ -232,7 +232,7 @@ struct K8Pack {
     const int16_t* xs = B::SUB == 16 ? x.bsum.data() + i0 * nb * 16 : x.bsum32.data() + i0 * nb * 8;
     for (int64_t blk = 0; blk < nb; ++blk) {
       const uint8_t* o = g + blk * PB;
-      if constexpr (MR <= 2)  // one stream's decode: the bytes AHEAD super-blocks on into L2, as k8_dot does
+      if (i0 == 0)  // the group's first tile: the bytes AHEAD super-blocks on into L2, as k8_dot does
         for (int64_t l = 0; l < PB; l += 64) _mm_prefetch((const char*)(o + AHEAD * PB + l), _MM_HINT_T1);
       const int8_t* xq = x.q.data() + i0 * K + blk * 256;
       for (int h = 0; h < 2; ++h) {
@@ -326,7 +326,7 @@ struct B32Pack {
     for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
     for (int64_t blk = 0; blk < nb; ++blk) {
       const uint8_t* o = g + blk * PB;
-      if constexpr (MR <= 2)
+      if (i0 == 0)  // the group's first tile
         for (int64_t l = 0; l < PB; l += 64) _mm_prefetch((const char*)(o + AHEAD * PB + l), _MM_HINT_T1);
       __m512i dot[MR];
       for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
@@ -367,9 +367,8 @@ struct B32Pack {
       for (int i = 0; i < MR; ++i) accf[i] = _mm256_setzero_ps();
       for (int64_t blk = 0; blk < nb; ++blk) {
         const uint8_t* o = g + blk * PB;
-        if constexpr (MR <= 2)
-          if (h == 0)
-            for (int64_t l = 0; l < PB; l += 64) _mm_prefetch((const char*)(o + AHEAD * PB + l), _MM_HINT_T1);
+        if (i0 == 0 && h == 0)  // the group's first tile
+          for (int64_t l = 0; l < PB; l += 64) _mm_prefetch((const char*)(o + AHEAD * PB + l), _MM_HINT_T1);
         __m256i isum[MR];
         for (int f = 0; f < 2; ++f) {
           __m256i d16[MR];

@@ -714,6 +714,54 @@ def decode_bytes(path: str | Path) -> int:
     return total
 
 
+def linear_weights(path: str | Path) -> int:
+    """The weights one token multiplies in the GGUF's linears (its multiply-adds a token, attention's own products
+    left out): every tensor of two or more dimensions but the token embedding table, which counts when the file
+    has no ``output.weight`` (tied embeddings: the table is the output head too)."""
+    from gguf import GGUFReader
+
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    total = sum(int(t.n_elements) for name, t in tensors.items() if len(t.shape) > 1 and name != "token_embd.weight")
+    embd = tensors.get("token_embd.weight")
+    if embd is not None and "output.weight" not in tensors:
+        total += int(embd.n_elements)
+    return total
+
+
+def compute_probe(health: dict, seconds: float = 0.5) -> float | None:
+    """The int8 multiply-adds a second the server's kernel level can issue on every core (the kernels'
+    ``int8_peak``: the tiles' instruction alone, no memory traffic), the best of a few runs; printed. The ceiling of
+    a compute-bound step such as a long prefill. None when the kernels cannot be loaded here (never fails the run)."""
+    try:
+        import torch
+
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        from inference_api.config import ServerConfig
+        from inference_api.kernels import load_kernels
+
+        build = str(health.get("kernels") or "")
+        level = None if build.startswith("native") else build.split()[-1]
+        kernels = load_kernels(ServerConfig().model_cache_dir, level=level)
+        threads = torch.get_num_threads()
+        torch.set_num_threads(os.cpu_count() or 1)
+        try:
+            steps = 1 << 16
+            while True:  # steps enough for about a tenth of the budget a run
+                started = time.perf_counter()
+                kernels.int8_peak(steps)
+                if time.perf_counter() - started > seconds / 10:
+                    break
+                steps *= 4
+            best = max(kernels.int8_peak(steps) for _ in range(5))
+        finally:
+            torch.set_num_threads(threads)
+    except Exception as exc:  # noqa: BLE001 - a figure we cannot compute never fails the run
+        print(f"int8 compute probe failed: {type(exc).__name__}: {exc}")
+        return None
+    print(f"int8 compute probe: {best / 1e9:.1f} G multiply-adds/s with {os.cpu_count()} threads ({kernels.build})")
+    return best
+
+
 def served_gguf(path: str | None, health: dict) -> tuple[Path | None, str]:
     """The GGUF file the servers serve: --gguf, else the embedded model's file when the server serves the
     default model (the mock included); else None, with the reason."""
@@ -1056,7 +1104,7 @@ def main() -> None:
     if args.adapters:
         adapter_spread(args.url, model, args.adapters, args.concurrency, args.max_tokens, count, args.repeat, extra)
     if args.prefill and not health.get("mock"):
-        prefill_ratio(args.url, args.peer_url, model, health, args.prefill, max(3, args.repeat))
+        prefill_ratio(args.url, args.peer_url, model, health, args.prefill, max(3, args.repeat), gguf)
     if args.fill_context and not health.get("mock"):
         rows, length = health["rows_total"], health["context_length"]
         text = long_prompt(health["model_dir"], length - 40)  # with 8 new tokens, each row ends near its length
@@ -1069,9 +1117,13 @@ def main() -> None:
         offline.llm.close()
 
 
-def prefill_ratio(url: str, peer_url: str | None, model: str, health: dict, length: int, repeat: int) -> None:
+def prefill_ratio(
+    url: str, peer_url: str | None, model: str, health: dict, length: int, repeat: int, gguf: Path | None = None
+) -> None:
     """--prefill: a prompt of ``length`` tokens, fresh each time (a tag never sent before in front, so no prompt
-    cache holds it), answered with one token through /v1/completions on the server and the peer, interleaved."""
+    cache holds it), answered with one token through /v1/completions on the server and the peer, interleaved.
+    With the served GGUF known, each side's multiply-adds a second in the linears against the int8 compute
+    probe (``compute_probe``): how near each comes to the ceiling of this CPU level."""
     text = long_prompt(health["model_dir"], length)
     sides = [("server", url)] + ([("peer", peer_url)] if peer_url else [])
     times: dict[str, list[float]] = defaultdict(list)
@@ -1085,6 +1137,13 @@ def prefill_ratio(url: str, peer_url: str | None, model: str, health: dict, leng
     for label, m in medians.items():
         runs = len(times[label])
         print(f"prefill {length} tokens  {label:6s} median {m:.2f} s = {length / m:.0f} tok/s ({runs} runs)")
+    weights = linear_weights(gguf) if gguf is not None else None
+    peak = compute_probe(health) if weights else None
+    if weights and peak:
+        for label, m in medians.items():
+            rate = length * weights / m
+            share = 100 * rate / peak
+            print(f"  {label:6s} {rate / 1e9:.1f} G multiply-adds/s in the linears, {share:.0f} % of the probe")
     if peer_url:
         print(f"ratio: prefill server / peer = {medians['peer'] / medians['server']:.2f}x faster")
 

@@ -31,6 +31,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("type"));
   m.def("gguf_types", &gguf_types, "ggml's type numbers of the block types served in their own blocks");
   m.def("vnni", &vnni, "whether the VNNI tiles were built (AVX512-VNNI)");
+  m.def("int8_peak", &int8_peak,
+        "int8 multiply-adds a second on every thread with the level's tile instruction alone (the compute ceiling)",
+        py::arg("steps"));
   m.def("packed_tiles", &packed_tiles, "whether every row count of quant.py's form runs on tiles over a packed copy",
         py::arg("form"));
   m.def("decode_attention", &decode_attention, "one query token per entry over its row's cached positions",

@@ -15,6 +15,7 @@ using Bias = c10::optional<at::Tensor>;
 constexpr int64_t FORM_INT8 = -1, FORM_INT4 = -2;
 
 bool vnni();
+double int8_peak(int64_t steps);
 bool packed_tiles(int64_t form);
 std::vector<int64_t> gguf_types();
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& s, const Bias& bias,

@@ -13,6 +13,8 @@
 // 4. fewer rows: dequantized chunks through the BLAS sgemm;
 // 5. one row: each weight row read once, straight from its bytes;
 // 6. a CPU without the vector units: one row at a time.
+#include <chrono>
+
 #include "block_form.h"
 #include "int_forms.h"
 #include "kernels.h"
@@ -154,7 +156,55 @@ bool packed_for_vnni(const Packed& vq, const Packed& vs, int64_t N, int64_t K, a
   return packed_tiles(four ? FORM_INT4 : FORM_INT8);
 }
 
+#ifdef WOQ_SIMD
+// int8_peak's loop on one thread: `steps` rounds of 12 independent accumulators, no memory traffic (the inputs
+// pinned in registers by an empty asm statement, which the compiler may not remove with the loop around it)
+inline void peak_loop(int64_t steps) {
+#ifdef WOQ_VNNI
+  __m512i acc[12], w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(5);
+  for (auto& a : acc) a = _mm512_setzero_si512();
+  for (int64_t n = 0; n < steps; ++n) {
+    for (auto& a : acc) a = _mm512_dpbusd_epi32(a, w, x);
+    asm volatile("" : "+v"(w), "+v"(x));
+  }
+  for (auto& a : acc) asm volatile("" : : "v"(a));
+#else
+  __m256i acc[12], w = _mm256_set1_epi8(3), x = _mm256_set1_epi8(5);
+  for (auto& a : acc) a = _mm256_setzero_si256();
+  for (int64_t n = 0; n < steps; ++n)
+    for (auto& a : acc) {
+      a = _mm256_add_epi16(a, _mm256_maddubs_epi16(w, x));
+      asm volatile("" : "+v"(w));  // (else the 12 equal products would be one)
+    }
+  for (auto& a : acc) asm volatile("" : : "v"(a));
+#endif
+}
+#endif
+
 }  // namespace
+
+// The int8 multiply-adds a second these kernels' level can issue on every thread, with the instruction its tiles
+// multiply with and nothing else: AVX512-VNNI's vpdpbusd (64 byte products into 16 int32 sums), or at the AVX2
+// level vpmaddubsw (32 products into 16 int16 pair sums) with the vpaddw that adds its pairs up, as the AVX2 tiles
+// do. The ceiling of a compute-bound step (a long prefill, many streams) at this level; 0 without the vector units.
+double int8_peak(int64_t steps) {
+#ifdef WOQ_SIMD
+  const int64_t threads = at::get_num_threads();
+  const auto started = std::chrono::steady_clock::now();
+  at::parallel_for(0, threads, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) peak_loop(steps);
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+#ifdef WOQ_VNNI
+  constexpr double PRODUCTS = 64;
+#else
+  constexpr double PRODUCTS = 32;
+#endif
+  return static_cast<double>(threads) * steps * 12 * PRODUCTS / seconds;
+#else
+  return 0.0;
+#endif
+}
 
 // Whether these kernels were built with the VNNI tiles (AVX512-VNNI): quant.py packs the 8-bit weights only then.
 bool vnni() {

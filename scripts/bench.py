@@ -47,6 +47,7 @@ prompts with and without speculation (never slower is the goal).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import itertools
 import math
@@ -699,33 +700,31 @@ def long_prompt(model_dir: str, length: int) -> str:
     return text
 
 
-def decode_bytes(path: str | Path) -> int:
-    """Bytes of the GGUF's weights one decode step of one row reads: every tensor once, except the token
-    embedding table, of which the step reads one row (its token), unless the file has no ``output.weight``:
-    then the table is the output head too (tied embeddings), read whole."""
+def gguf_tensors(path: str | Path) -> tuple[dict, object | None]:
+    """The GGUF's tensors by name, and its token embedding table when a step reads only one row of it (the file has
+    an ``output.weight``); None when the table is the output head too (tied embeddings), read whole."""
     from gguf import GGUFReader
 
     tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    return tensors, tensors.get("token_embd.weight") if "output.weight" in tensors else None
+
+
+def decode_bytes(path: str | Path) -> int:
+    """Bytes of the GGUF's weights one decode step of one row reads: every tensor once, except an untied token
+    embedding table (``gguf_tensors``), of which the step reads one row (its token)."""
+    tensors, lookup = gguf_tensors(path)
     total = sum(int(t.n_bytes) for t in tensors.values())
-    embd = tensors.get("token_embd.weight")
-    if embd is not None and "output.weight" in tensors:
-        rows = math.prod(int(n) for n in embd.shape[1:]) or 1  # the shape lists ne0 (a row's length) first
-        total -= int(embd.n_bytes) - int(embd.n_bytes) // rows
+    if lookup is not None:
+        rows = math.prod(int(n) for n in lookup.shape[1:]) or 1  # the shape lists ne0 (a row's length) first
+        total -= int(lookup.n_bytes) - int(lookup.n_bytes) // rows
     return total
 
 
 def linear_weights(path: str | Path) -> int:
     """The weights one token multiplies in the GGUF's linears (its multiply-adds a token, attention's own products
-    left out): every tensor of two or more dimensions but the token embedding table, which counts when the file
-    has no ``output.weight`` (tied embeddings: the table is the output head too)."""
-    from gguf import GGUFReader
-
-    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
-    total = sum(int(t.n_elements) for name, t in tensors.items() if len(t.shape) > 1 and name != "token_embd.weight")
-    embd = tensors.get("token_embd.weight")
-    if embd is not None and "output.weight" not in tensors:
-        total += int(embd.n_elements)
-    return total
+    left out): every tensor of two or more dimensions but an untied token embedding table (``gguf_tensors``)."""
+    tensors, lookup = gguf_tensors(path)
+    return sum(int(t.n_elements) for t in tensors.values() if len(t.shape) > 1 and t is not lookup)
 
 
 def compute_probe(health: dict, seconds: float = 0.5) -> float | None:
@@ -733,8 +732,6 @@ def compute_probe(health: dict, seconds: float = 0.5) -> float | None:
     ``int8_peak``: the tiles' instruction alone, no memory traffic), the best of a few runs; printed. The ceiling of
     a compute-bound step such as a long prefill. None when the kernels cannot be loaded here (never fails the run)."""
     try:
-        import torch
-
         sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
         from inference_api.config import ServerConfig
         from inference_api.kernels import load_kernels
@@ -742,9 +739,7 @@ def compute_probe(health: dict, seconds: float = 0.5) -> float | None:
         build = str(health.get("kernels") or "")
         level = None if build.startswith("native") else build.split()[-1]
         kernels = load_kernels(ServerConfig().model_cache_dir, level=level)
-        threads = torch.get_num_threads()
-        torch.set_num_threads(os.cpu_count() or 1)
-        try:
+        with every_core():
             steps = 1 << 16
             while True:  # steps enough for about a tenth of the budget a run
                 started = time.perf_counter()
@@ -753,8 +748,6 @@ def compute_probe(health: dict, seconds: float = 0.5) -> float | None:
                     break
                 steps *= 4
             best = max(kernels.int8_peak(steps) for _ in range(5))
-        finally:
-            torch.set_num_threads(threads)
     except Exception as exc:  # noqa: BLE001 - a figure we cannot compute never fails the run
         print(f"int8 compute probe failed: {type(exc).__name__}: {exc}")
         return None
@@ -816,15 +809,26 @@ def probe_size(model_bytes: int | None) -> int:
     return max(64 * 2**20, min(want, available_memory() // 4, 8 * 2**30))
 
 
-def read_bandwidth(nbytes: int, budget_s: float = 3.0, repeats: int = 5) -> float:
-    """GB/s (1e9 bytes a second) reading an nbytes buffer with every core: the best of a few timed sums of
-    float32 elements (a read-only stream; the sum's additions cost far less than the loads), stopped once
-    the time budget is spent. The torch thread count is restored afterwards."""
+@contextlib.contextmanager
+def every_core():
+    """torch's threads (and so the kernels' parallel regions) on every core of the machine, restored afterwards."""
     import torch
 
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)
     try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def read_bandwidth(nbytes: int, budget_s: float = 3.0, repeats: int = 5) -> float:
+    """GB/s (1e9 bytes a second) reading an nbytes buffer with every core (``every_core``): the best of a few timed
+    sums of float32 elements (a read-only stream; the sum's additions cost far less than the loads), stopped once
+    the time budget is spent."""
+    import torch
+
+    with every_core():
         buffer = torch.ones(nbytes // 4, dtype=torch.float32)  # written once: every page resident
         buffer.sum()  # warm: threads up, pages in the TLB's reach
         best, spent = 0.0, 0.0
@@ -836,8 +840,6 @@ def read_bandwidth(nbytes: int, budget_s: float = 3.0, repeats: int = 5) -> floa
             if spent > budget_s:
                 break
         return best
-    finally:
-        torch.set_num_threads(threads)
 
 
 def probe(model_bytes: int | None, when: str) -> float | None:

@@ -68,8 +68,6 @@ def test_the_compute_probe_counts_work_a_core_can_do(kernels):
     """bench.py's int8 compute ceiling (int8_peak): work that really runs, and no more than a core can issue (an
     x86 core's int8 products top out near 2 vpdpbusd of 64 a cycle at 5 GHz: 640 G a second; the AVX2 loop with
     its 12 equal products folded into one measured 700 to 1,400 G)."""
-    import torch
-
     per_core = [kernels.int8_peak(1 << 20) / torch.get_num_threads() for _ in range(3)]
     assert all(1e9 < rate < 640e9 for rate in per_core), per_core
     assert 1e9 < kernels.int8_peak(1 << 21) / torch.get_num_threads() < 640e9

@@ -35,7 +35,7 @@ DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
 # with a float16 scale d and a float16 minimum m per block of 32; int8 is a byte per weight and one float32 scale
 # per group: 32 weights from a GGUF (as Q8_0), one output channel (K weights) from a folder
 QUANT_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 4 / 32}
-VNNI_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 8 / 32}  # the weights packed for the VNNI tiles
+VNNI_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 4 / 32}  # the weights packed for the VNNI tiles
 HEAD_BYTES = 1.0 + 4 / 32  # a quantized model's output head: int8 groups of 32 (llama family)
 SHRINK_FLAGS = "--rows, --context-length, --dtype, --kv-dtype, --quantize or --cache-ram"
 TOKENIZER_DISK = 64 * 2**20  # a GGUF's tokenizer and config files in the model cache, at most
@@ -160,7 +160,7 @@ def estimate_bytes(
 def batch_copy_bytes(plan: ExecutionPlan, quantize: str | None = None) -> float:
     """Bytes per weight of the copies a quantized CPU layer holds beside its weights: the bfloat16 copy it runs
     several rows on where the CPU multiplies bfloat16 fastest (linear.SplitLinear), and the weights packed for
-    the VNNI tiles (quant.vnni_int4, vnni_int8: the same bytes, int8 with a second float per 32)."""
+    the VNNI tiles (quant.vnni_int4, vnni_int8: the same bytes, int8 with a float scale per 32 at most)."""
     quantize = quantize or plan.quantize
     if not plan.cpu_kernels or quantize == "none":
         return 0.0

@@ -172,17 +172,18 @@ def vnni_int4(w: Int4Weight) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def vnni_int8(w: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 8-bit weight packed for the VNNI tiles: [N / 16, K / 32, 8, 16, 4] int8 (16 rows x 4 inputs per 64
-    bytes), and per block of 32 its scale and 128 times the sum of its weights [N / 16, K / 32, 2, 16] float
-    (the tiles add 128 to the inputs, and take it back through that sum)."""
+    """The 8-bit weight packed for the VNNI tiles: [N / 16, K / 32, 8, 16, 4] bytes (16 rows x 4 inputs per 64
+    bytes), each weight plus 128 (the tiles' unsigned side; they take the 128 back through the inputs' sums), and
+    per block of 32 its scale [N / 16, K / 32, 16]: float16 where every scale is a float16 value (a GGUF's Q8_0 and
+    IQ4_NL: a block reads 34 bytes, as the file's), else float."""
     n, k = w.q.shape
     blocks = k // 32
-    q = w.q.view(n // 16, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    q = (w.q.view(torch.uint8) ^ 128).view(torch.int8)  # (w + 128 as a byte, in the int8 tensor the kernels take)
+    q = q.view(n // 16, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
     scale = w.s.repeat_interleave(blocks // w.s.shape[1], dim=1)
-    # a slice of rows at a time: the int32 sums of the whole table at once would hold 4 bytes a weight
-    corr = torch.cat([128 * part.sum(-1, dtype=torch.int32).float() for part in w.q.view(n, blocks, 32).split(4096)])
-    by_group = [t.view(n // 16, 16, blocks).transpose(1, 2) for t in (scale, corr)]
-    return q, torch.stack(by_group, dim=2).contiguous()
+    if torch.equal(scale.half().float(), scale):
+        scale = scale.half()
+    return q, scale.view(n // 16, 16, blocks).transpose(1, 2).contiguous()
 
 
 def can_vnni(w: Int8Weight | Int4Weight) -> bool:

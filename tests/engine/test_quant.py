@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def _packed(form: str, n: int, k: int):
     return {
         "int8-channel": lambda: quantize_int8(w),
         "int8-group32": lambda: quantize_int8(w, 32),
+        # scales that are float16 values, as a GGUF's Q8_0 blocks give them (the VNNI packing keeps them so)
+        "int8-half32": lambda: dataclasses.replace(p := quantize_int8(w, 32), s=p.s.half().float()),
         "int4": lambda: quantize_int4(w),
     }[form]()
 
@@ -96,7 +99,7 @@ def test_few_rows_with_int8_inputs_are_linear_on_the_rounded_inputs(kernels, for
 
 # 96 x 416: six groups of 16 weight rows, 13 blocks; rows: tiles of 8 input rows and every remainder, a prefill
 @pytest.mark.parametrize("rows", [1, 2, 7, 8, 9, 16, 17, 33, 70])
-@pytest.mark.parametrize("form", ["int8-channel", "int8-group32", "int4"])
+@pytest.mark.parametrize("form", ["int8-channel", "int8-group32", "int8-half32", "int4"])
 def test_vnni_tiles_are_linear_on_the_rounded_inputs(kernels, form, rows):
     """The weights packed once (quant.vnni_int4, vnni_int8), every row count through the integer tiles, with the
     same rounding of the inputs as the few-row kernels: AVX512-VNNI, and AVX2 for the 4-bit form (avx2_i4_tile),
@@ -106,6 +109,8 @@ def test_vnni_tiles_are_linear_on_the_rounded_inputs(kernels, form, rows):
     packed, b, x = _int8_input_case(form, 96, 416, rows)
     layer = QuantLinear(packed, b, kernels, int8_inputs=True)
     assert layer.vnni[0] is not None  # packed for the tiles
+    half = form in ("int8-half32", "int4")  # (the 8-bit form's scales as float16 only where that is exact)
+    assert layer.vnni[1] is not None and layer.vnni[1].dtype == (torch.float16 if half else torch.float32)
     y = layer(x)
     torch.testing.assert_close(y, _rounded_linear(packed, b, x), rtol=1e-5, atol=1e-5)
     assert torch.equal(layer(x[-1:]), y[-1:])  # the last row (of a part tile) alone, to the bit

@@ -308,29 +308,33 @@ inline void vnni_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, cons
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + i * ldy, accf[i]);
 }
 
-// The same for 8-bit weights: wp [S, 8, 16, 4] int8, sc [S, 2, 16] float (each block's scale, and 128 times
-// the sum of its weights); xu [MR, K] the int8 inputs plus 128 (u8: vpdpbusd's unsigned side), so each sum is
-// corrected by 128 * sum(w)
-template <int MR>
-inline void vnni_i8_tile(const int8_t* wp, const float* sc, int64_t S, const int8_t* xu, const float* dx, int64_t K,
-                         float* y, int64_t ldy, bool ahead) {
+// 16 scales of a group's block, float or float16 (the scales of a GGUF's Q8_0 and IQ4_NL are float16 values)
+inline __m512 load_scales(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load_scales(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+
+// The same for 8-bit weights: wp [S, 8, 16, 4] bytes, each weight plus 128 (u8: vpdpbusd's unsigned side), sc
+// [S, 16] each block's scale; xq [MR, K] the int8 inputs, dx [MR, S] their scales and less [MR, S] -128 times the
+// sums of their rounded values, where each block's integer sum starts: the exact integer sum of the products, as
+// from the weights themselves. A block of a row reads 32 bytes and its scale, as the file's Q8_0.
+template <int MR, typename T>
+inline void vnni_i8_tile(const uint8_t* wp, const T* sc, int64_t S, const int8_t* xq, const float* dx,
+                         const int32_t* less, int64_t K, float* y, int64_t ldy, bool ahead) {
   __m512 accf[MR];
   for (int i = 0; i < MR; ++i) accf[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < S; ++g) {
     __m512i acc[MR];
-    for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_si512();
+    for (int i = 0; i < MR; ++i) acc[i] = _mm512_set1_epi32(less[i * S + g]);
     if (ahead) {
       for (int l = 0; l < 512; l += 64) _mm_prefetch((const char*)(wp + (g + TILE_AHEAD) * 512 + l), _MM_HINT_T1);
-      for (int l = 0; l < 128; l += 64) _mm_prefetch((const char*)(sc + (g + TILE_AHEAD) * 32) + l, _MM_HINT_T1);
+      _mm_prefetch((const char*)(sc + (g + TILE_AHEAD) * 16), _MM_HINT_T1);
     }
     for (int a = 0; a < 8; ++a) {
       const __m512i w = _mm512_loadu_si512(wp + (g * 8 + a) * 64);
-      for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], broadcast4(xu + i * K + g * 32 + 4 * a), w);
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, broadcast4(xq + i * K + g * 32 + 4 * a));
     }
-    const __m512 s = _mm512_loadu_ps(sc + g * 32), corr = _mm512_loadu_ps(sc + g * 32 + 16);
+    const __m512 s = load_scales(sc + g * 16);
     for (int i = 0; i < MR; ++i)
-      accf[i] = _mm512_fmadd_ps(_mm512_sub_ps(_mm512_cvtepi32_ps(acc[i]), corr),
-                                _mm512_mul_ps(s, _mm512_set1_ps(dx[i * S + g])), accf[i]);
+      accf[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[i]), _mm512_mul_ps(s, _mm512_set1_ps(dx[i * S + g])), accf[i]);
   }
   for (int i = 0; i < MR; ++i) _mm512_storeu_ps(y + i * ldy, accf[i]);
 }
@@ -338,16 +342,17 @@ inline void vnni_i8_tile(const int8_t* wp, const float* sc, int64_t S, const int
 #endif  // WOQ_VNNI
 #endif  // WOQ_SIMD
 
-// The 8-bit form as the ladder (linear.cpp) reads it: q [N, K] int8, s [N, K / G] float; vq, vs: the weights
-// packed for the VNNI tiles (quant.vnni_int8), or null.
+// The 8-bit form as the ladder (linear.cpp) reads it: q [N, K] int8, s [N, K / G] float; vq, vs (or vsh, float16
+// scales): the weights packed for the VNNI tiles (quant.vnni_int8), or null.
 struct I8Form {
   const int8_t* q;
   const float* s;
   int64_t N, K, G, S;
-  const int8_t* vq = nullptr;
+  const uint8_t* vq = nullptr;
   const float* vs = nullptr;
+  const c10::Half* vsh = nullptr;
   static constexpr bool Q8 = true, VNNI = true, K8 = false;  // integer kernels for int8 inputs; VNNI tiles
-  static constexpr bool PLUS128 = true;                      // the VNNI tiles take the int8 inputs plus 128
+  static constexpr bool PLUS128 = false;                     // (the packed weights carry the 128)
   static constexpr bool ONE_ROW = false;                     // packed at load: one row goes through the tiles too
   static constexpr bool HALVES = false, AVX2_TILE = false, B32 = false;
   bool vnni_ready() const { return vq != nullptr; }
@@ -378,8 +383,11 @@ struct I8Form {
   template <int MR>
   void vnni_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
     const int64_t B = K / 32;
-    vnni_i8_tile<MR>(vq + grp * B * 512, vs + grp * B * 32, B, x.q.data() + i0 * K, x.d.data() + i0 * B, K, y, ldy,
-                     i0 == 0);
+    const int8_t* xq = x.q.data() + i0 * K;
+    const float* dx = x.d.data() + i0 * B;
+    const int32_t* less = x.less128.data() + i0 * B;
+    if (vsh != nullptr) vnni_i8_tile<MR>(vq + grp * B * 512, vsh + grp * B * 16, B, xq, dx, less, K, y, ldy, i0 == 0);
+    else vnni_i8_tile<MR>(vq + grp * B * 512, vs + grp * B * 16, B, xq, dx, less, K, y, ldy, i0 == 0);
   }
 #endif
 };

@@ -151,9 +151,11 @@ bool packed_for_vnni(const Packed& vq, const Packed& vs, int64_t N, int64_t K, a
   if (!vq.has_value()) return false;
   const bool four = q_type == at::kByte;
   TORCH_CHECK(vs.has_value() && vq->is_contiguous() && vs->is_contiguous() && vq->scalar_type() == q_type &&
-                  vs->scalar_type() == (four ? at::kHalf : at::kFloat) && N % 16 == 0 && K % 32 == 0,
+                  (vs->scalar_type() == at::kHalf || (!four && vs->scalar_type() == at::kFloat)) && N % 16 == 0 &&
+                  K % 32 == 0,
               "VNNI weights packed wrongly");
-  TORCH_CHECK(vq->numel() == N * K / (four ? 2 : 1) && vs->numel() == N / 16 * (K / 32) * 32,
+  // the 4-bit form: each block's scale and minimum; the 8-bit form: its scale
+  TORCH_CHECK(vq->numel() == N * K / (four ? 2 : 1) && vs->numel() == N / 16 * (K / 32) * (four ? 32 : 16),
               "VNNI weights packed wrongly: their sizes do not fit the layer");
   return packed_tiles(four ? FORM_INT4 : FORM_INT8);
 }
@@ -244,7 +246,11 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& q, const at::Tenso
   const int64_t N = q.size(0), K = q.size(1), G = K / s.size(1);
   TORCH_CHECK(G * s.size(1) == K);
   I8Form f{q.data_ptr<int8_t>(), s.data_ptr<float>(), N, K, G, s.size(1)};
-  if (packed_for_vnni(vq, vs, N, K, at::kChar)) f.vq = vq->data_ptr<int8_t>(), f.vs = vs->data_ptr<float>();
+  if (packed_for_vnni(vq, vs, N, K, at::kChar)) {
+    f.vq = reinterpret_cast<const uint8_t*>(vq->data_ptr<int8_t>());
+    if (vs->scalar_type() == at::kHalf) f.vsh = vs->data_ptr<c10::Half>();
+    else f.vs = vs->data_ptr<float>();
+  }
   return run_linear(f, x, bias, int8_inputs);
 }
 

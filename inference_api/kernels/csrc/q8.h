@@ -18,8 +18,9 @@ namespace woq {
 struct Q8Rows {
   std::vector<int8_t> q;
   std::vector<float> d, sum, half, qsum;
+  std::vector<int32_t> less128;  // -128 times qsum, as an int32: where the 8-bit form's VNNI tiles start each block
   Q8Rows(const float* x, int64_t M, int64_t K, bool plus128 = false, bool halves = false)
-      : q(M * K), d(M * K / 32), sum(M * K / 32), half(halves ? M * K / 16 : 0), qsum(M * K / 32) {
+      : q(M * K), d(M * K / 32), sum(M * K / 32), half(halves ? M * K / 16 : 0), qsum(M * K / 32), less128(M * K / 32) {
     const int64_t blocks = M * K / 32;
     auto run = [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) block(x + b * 32, b, plus128 ? 128 : 0, halves);
@@ -57,6 +58,7 @@ struct Q8Rows {
     const float step = mx / 127.f;
     d[b] = step;
     qsum[b] = static_cast<float>(s0 + s1);
+    less128[b] = -128 * (s0 + s1);
     sum[b] = step * static_cast<float>(s0 + s1);
     if (halves) half[2 * b] = step * static_cast<float>(s0), half[2 * b + 1] = step * static_cast<float>(s1);
   }

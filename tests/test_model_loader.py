@@ -232,3 +232,39 @@ def test_the_light_gguf_index_reads_what_gguf_py_reads_but_the_vocabulary(path):
             list(theirs.shape),
         ), ours.name
         assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data), ours.name
+
+
+def test_a_conversion_another_start_finished_meanwhile_is_kept(tmp_path, monkeypatch):
+    """Two starts on one model cache convert the same file at once (two servers, or a server's worker and its
+    engine): the one that finishes second keeps the first's folder (its readers may be loading it) instead of
+    deleting it under them, and still answers with a valid folder; an older conversion is replaced whole."""
+    import json
+
+    from inference_api.model import gguf_vocab
+    from inference_api.model.loader import STAMP, gguf_folder, is_converted
+
+    gguf = Path(__file__).with_name("data") / "gguf" / "llama-q4_0.gguf"
+    target = tmp_path / "cache" / "llama-q4_0-test"
+    real = gguf_vocab.gguf_tokenizer
+    calls = []
+
+    def racing(*args, **kwargs):  # the other start runs whole while this one builds its tokenizer
+        calls.append(1)
+        if len(calls) == 1:
+            assert gguf_folder(gguf, target, weights=False) == target
+            (target / "marker").write_text("the first start's folder")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gguf_vocab, "gguf_tokenizer", racing)
+    assert gguf_folder(gguf, target, weights=False) == target
+    assert len(calls) == 2  # both converted
+    assert (target / "marker").read_text() == "the first start's folder"  # kept, not replaced under its readers
+    assert is_converted(gguf, target, weights=False)
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temporary folder left
+
+    stamp = json.loads((target / STAMP).read_text())
+    (target / STAMP).write_text(json.dumps(stamp | {"conversion": -1}))  # an older converter's folder
+    assert not is_converted(gguf, target, weights=False)
+    assert gguf_folder(gguf, target, weights=False) == target
+    assert is_converted(gguf, target, weights=False) and not (target / "marker").exists()
+    assert [p.name for p in target.parent.iterdir()] == [target.name]

@@ -14,6 +14,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from ..config import DEFAULT_MODEL_NAME, ServerConfig
@@ -180,15 +181,30 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
         tok.save_pretrained(tmp)
         stamp = {**_file_key(gguf), "weights": weights, "model_type": model_type, **header}
         (tmp / STAMP).write_text(json.dumps(stamp))
-        if target.exists():  # an older conversion
-            shutil.rmtree(target, ignore_errors=True)
-        os.replace(tmp, target)  # atomic: a concurrent start sees all of it or nothing
+        _install(tmp, target, lambda: is_converted(gguf, target, weights))
     except OSError:
         if not is_converted(gguf, target, weights):
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _install(tmp: Path, target: Path, current: Callable[[], bool]) -> None:
+    """Put the finished folder ``tmp`` in ``target``'s place. A conversion another process finished meanwhile
+    (two servers, or a server and its engine, starting on one model cache) is kept, and ours dropped: its
+    readers may be loading it. An older one is moved aside in one step before it is removed, so that no reader
+    ever sees a folder half deleted; the last step is atomic, so a concurrent start sees all of ours or none."""
+    if current():
+        return
+    if target.exists():  # an older conversion (another converter's version, or of another file)
+        aside = target.with_name(f"{target.name}.old.{os.getpid()}")
+        try:
+            os.replace(target, aside)
+        except FileNotFoundError:  # (another start moved it aside first)
+            pass
+        shutil.rmtree(aside, ignore_errors=True)
+    os.replace(tmp, target)  # (an OSError if another process installed one just now: the caller checks it)
 
 
 def load_model(model_dir: Path, device: str, dtype):

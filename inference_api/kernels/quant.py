@@ -178,8 +178,8 @@ def vnni_int8(w: Int8Weight) -> tuple[torch.Tensor, torch.Tensor]:
     IQ4_NL: a block reads 34 bytes, as the file's), else float."""
     n, k = w.q.shape
     blocks = k // 32
-    q = (w.q.view(torch.uint8) ^ 128).view(torch.int8)  # (w + 128 as a byte, in the int8 tensor the kernels take)
-    q = q.view(n // 16, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4).contiguous()
+    q = w.q.view(n // 16, 16, blocks, 8, 4).permute(0, 2, 3, 1, 4).clone(memory_format=torch.contiguous_format)
+    q.view(torch.uint8).bitwise_xor_(128)  # w + 128 as a byte, in place (no second copy of a large head at load)
     scale = w.s.repeat_interleave(blocks // w.s.shape[1], dim=1)
     if torch.equal(scale.half().float(), scale):
         scale = scale.half()

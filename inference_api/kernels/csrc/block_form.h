@@ -96,7 +96,6 @@ struct BlockForm {
   static constexpr bool VNNI = false;
 #endif
   static constexpr bool ONE_ROW = VNNI;  // one input row: vnni_one, the tiles' numbers without the packing
-  static constexpr bool PLUS128 = false;
   static constexpr bool HALVES = sub_of<B>() == 16;
   static constexpr bool B32 = B32Pack<B>::ON;  // Q5_0, Q5_1 packed at load (packed_tile); the k-quants go by K8
   static constexpr bool AVX2_TILE = B32;
@@ -233,7 +232,7 @@ struct BlockForm {
             const int js = c * 32 / B::SUB + p;  // sub-block in the block
             const int64_t xb = k / 32, j = blk * NS + js;
             __m512 sums = _mm512_cvtepi32_ps(dots[p]);
-            if constexpr (B::SIGNED) sums = _mm512_sub_ps(sums, _mm512_set1_ps(128.f * x.qsum[xb]));
+            if constexpr (B::SIGNED) sums = _mm512_add_ps(sums, _mm512_set1_ps(x.less128[xb]));
             acc = _mm512_fmadd_ps(sums, _mm512_mul_ps(_mm512_load_ps(dv + js * 16), _mm512_set1_ps(x.d[xb])), acc);
             if constexpr (B::MINS) acc = _mm512_fmadd_ps(_mm512_load_ps(mv + js * 16), _mm512_set1_ps(xs[j]), acc);
           }
@@ -423,7 +422,7 @@ struct BlockForm {
         for (int i = 0; i < MR; ++i) {
           const int64_t xb = (i0 + i) * (K / 32) + j * B::SUB / 32;
           __m512 sums = _mm512_cvtepi32_ps(dot[i]);
-          if constexpr (B::SIGNED) sums = _mm512_sub_ps(sums, _mm512_set1_ps(128.f * x.qsum[xb]));  // the codes' + 128
+          if constexpr (B::SIGNED) sums = _mm512_add_ps(sums, _mm512_set1_ps(x.less128[xb]));  // the codes' + 128
           acc[i] = _mm512_fmadd_ps(sums, _mm512_mul_ps(dv, _mm512_set1_ps(x.d[xb])), acc[i]);
           if constexpr (B::MINS) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(i0 + i) * S + j]), acc[i]);
         }

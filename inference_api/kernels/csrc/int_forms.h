@@ -352,7 +352,6 @@ struct I8Form {
   const float* vs = nullptr;
   const c10::Half* vsh = nullptr;
   static constexpr bool Q8 = true, VNNI = true, K8 = false;  // integer kernels for int8 inputs; VNNI tiles
-  static constexpr bool PLUS128 = false;                     // (the packed weights carry the 128)
   static constexpr bool ONE_ROW = false;                     // packed at load: one row goes through the tiles too
   static constexpr bool HALVES = false, AVX2_TILE = false, B32 = false;
   bool vnni_ready() const { return vq != nullptr; }
@@ -400,7 +399,7 @@ struct I4Form {
   int64_t N, K, S;
   const uint8_t* vq = nullptr;
   const c10::Half* vs = nullptr;
-  static constexpr bool Q8 = true, VNNI = true, K8 = false, PLUS128 = false, HALVES = false, ONE_ROW = false;
+  static constexpr bool Q8 = true, VNNI = true, K8 = false, HALVES = false, ONE_ROW = false;
   static constexpr bool AVX2_TILE = true, B32 = false;  // the packing's tiles without VNNI too (avx2_i4_tile)
   bool vnni_ready() const { return vq != nullptr; }
   bool avx2_ready() const { return vq != nullptr; }

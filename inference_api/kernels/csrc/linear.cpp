@@ -86,7 +86,7 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
 #ifdef WOQ_VNNI
   if constexpr (F::VNNI) {
     if (int8_inputs && f.vnni_ready()) {
-      const Q8Rows xr(xp, M, K, F::PLUS128, F::HALVES);
+      const Q8Rows xr(xp, M, K, F::HALVES);
       if constexpr (F::B32)
         if (f.packed && M <= B32P_ROWS)  // Q5_0, Q5_1 packed at load: few rows unpack each vector in the tile
           return packed_rows(f, xr, x2, bias).reshape(shape);
@@ -109,7 +109,7 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
   if constexpr (F::AVX2_TILE) {
     if (int8_inputs &&
         f.avx2_ready()) {  // packed at load (the 4-bit form, Q5_0, Q5_1): the AVX2 tiles, every row count
-      const Q8Rows xr(xp, M, K, F::PLUS128, F::HALVES);
+      const Q8Rows xr(xp, M, K, F::HALVES);
       return vnni_rows<AVX2_MR>(
                  x2, N, bias, [](int64_t) {},
                  [&](auto mr, int64_t grp, int64_t i0, float* out) {
@@ -122,7 +122,7 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
 #ifdef WOQ_SIMD
   if constexpr (F::Q8) {
     if (int8_inputs && f.q8_ready()) {
-      const Q8Rows xr(xp, M, K, false, F::HALVES);
+      const Q8Rows xr(xp, M, K, F::HALVES);
       auto pass = [&](auto rw, int64_t n, int64_t rows, float* out, int64_t i0, int64_t i1) {
         row_groups(i0, i1, [&](auto mr, int64_t i) {
           f.template dot_q8<decltype(rw)::value, decltype(mr)::value>(xr, i, n, rows, out + i * N, N);

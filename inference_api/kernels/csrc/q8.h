@@ -11,26 +11,26 @@ namespace woq {
 // weights' minimums multiply (llama.cpp's Q8_1 s: w = d q + m times the rounded inputs, the whole weight's product
 // rounded alike; the exact float sum instead left m's share out of the rounding, and the error of d q alone, codes
 // 0 .. 15 all of one sign, did not cancel: twice the error on Q4_1, 0.994 cosine where llama.cpp's vectors were
-// 0.9992 of the float ones). plus128: q holds the rounded values plus 128, as bytes (the unsigned side of the
-// VNNI tiles over int8 weights). halves: also each half block's d * sum(q) [M, K / 16] (the minimums of blocks with
-// sub-blocks of 16 multiply them); each block's integer sum of its rounded values (qsum [M, K / 32], as float: the
-// VNNI tiles over signed codes, which go in plus 128, take 128 of them back).
+// 0.9992 of the float ones). halves: also each half block's d * sum(q) [M, K / 16] (the minimums of blocks with
+// sub-blocks of 16 multiply them). less128 [M, K / 32]: -128 times each block's integer sum of its rounded values,
+// which takes back the 128 that the VNNI tiles' unsigned side carries (signed codes and 8-bit weights go in plus
+// 128): exact as an int32 and as a float.
 struct Q8Rows {
   std::vector<int8_t> q;
-  std::vector<float> d, sum, half, qsum;
-  std::vector<int32_t> less128;  // -128 times qsum, as an int32: where the 8-bit form's VNNI tiles start each block
-  Q8Rows(const float* x, int64_t M, int64_t K, bool plus128 = false, bool halves = false)
-      : q(M * K), d(M * K / 32), sum(M * K / 32), half(halves ? M * K / 16 : 0), qsum(M * K / 32), less128(M * K / 32) {
+  std::vector<float> d, sum, half;
+  std::vector<int32_t> less128;
+  Q8Rows(const float* x, int64_t M, int64_t K, bool halves = false)
+      : q(M * K), d(M * K / 32), sum(M * K / 32), half(halves ? M * K / 16 : 0), less128(M * K / 32) {
     const int64_t blocks = M * K / 32;
     auto run = [&](int64_t b0, int64_t b1) {
-      for (int64_t b = b0; b < b1; ++b) block(x + b * 32, b, plus128 ? 128 : 0, halves);
+      for (int64_t b = b0; b < b1; ++b) block(x + b * 32, b, halves);
     };
     if (blocks >= 2048) at::parallel_for(0, blocks, 256, run);  // a prefill's rows
     else run(0, blocks);
   }
 
  private:
-  void block(const float* xb, int64_t b, int offset, bool halves) {
+  void block(const float* xb, int64_t b, bool halves) {
     int s0, s1;  // the two half blocks' sums of the rounded values
 #ifdef __AVX512F__
     const __m512 lo = _mm512_loadu_ps(xb), hi = _mm512_loadu_ps(xb + 16);
@@ -38,11 +38,8 @@ struct Q8Rows {
     const __m512 inv = _mm512_set1_ps(mx > 0.f ? 127.f / mx : 0.f);
     const __m512i ql = _mm512_cvtps_epi32(_mm512_mul_ps(lo, inv));  // nearest even
     const __m512i qh = _mm512_cvtps_epi32(_mm512_mul_ps(hi, inv));
-    const __m512i off = _mm512_set1_epi32(offset);
-    const __m512i ul = _mm512_add_epi32(ql, off), uh = _mm512_add_epi32(qh, off);
-    _mm_storeu_si128((__m128i*)(q.data() + b * 32), offset ? _mm512_cvtusepi32_epi8(ul) : _mm512_cvtsepi32_epi8(ul));
-    _mm_storeu_si128((__m128i*)(q.data() + b * 32 + 16),
-                     offset ? _mm512_cvtusepi32_epi8(uh) : _mm512_cvtsepi32_epi8(uh));
+    _mm_storeu_si128((__m128i*)(q.data() + b * 32), _mm512_cvtsepi32_epi8(ql));
+    _mm_storeu_si128((__m128i*)(q.data() + b * 32 + 16), _mm512_cvtsepi32_epi8(qh));
     s0 = _mm512_reduce_add_epi32(ql), s1 = _mm512_reduce_add_epi32(qh);
 #else
     float mx = 0.f;
@@ -51,13 +48,12 @@ struct Q8Rows {
     s0 = s1 = 0;
     for (int j = 0; j < 32; ++j) {
       const int v = static_cast<int>(std::nearbyint(xb[j] * inv));
-      q[b * 32 + j] = static_cast<int8_t>(static_cast<uint8_t>(v + offset));
+      q[b * 32 + j] = static_cast<int8_t>(v);
       (j < 16 ? s0 : s1) += v;
     }
 #endif
     const float step = mx / 127.f;
     d[b] = step;
-    qsum[b] = static_cast<float>(s0 + s1);
     less128[b] = -128 * (s0 + s1);
     sum[b] = step * static_cast<float>(s0 + s1);
     if (halves) half[2 * b] = step * static_cast<float>(s0), half[2 * b + 1] = step * static_cast<float>(s1);

@@ -371,8 +371,7 @@ struct BlockForm {
           _mm512_storeu_si512(g.codes.data() + (blk * 64 + 2 * p + 1) * 64, w1);
         }
         for (int j = 0; j < NS; ++j)
-          _mm512_storeu_si512(g.isc.data() + (blk * NS + j) * 16,
-                              _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(o + P::SC + j * 16))));
+          _mm512_storeu_si512(g.isc.data() + (blk * NS + j) * 16, _mm512_cvtepi8_epi32(P::scales(o, j)));
         for (int q = 0; q < 8; ++q) {  // k8_tile's pairs: the minimums of inputs 32q .. 32q + 15 and 32q + 16 ..
           int32_t* out = g.imn.data() + (blk * 8 + q) * 16;
           if constexpr (B::SUB == 16) {

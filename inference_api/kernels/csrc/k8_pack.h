@@ -1,17 +1,21 @@
-// Q4_K, Q5_K and Q6_K packed once at load for the tiles, as llama.cpp repacks its k-quants: the tiles then read every
+// The k-quants packed once at load for the tiles, as llama.cpp repacks its k-quants: the tiles then read every
 // group of 16 weight rows in the layout vpdpbusd takes (AVX512-VNNI: tile), or as two halves of 8 rows that
 // vpmaddubsw takes (AVX2: tile_avx2), for every row count, with no packing per call. Per group of 16 rows and
 // super-block of 256 inputs, PB bytes:
-// - the codes' low nibbles, 32 vectors of 64 bytes: byte 4r + e of vector p holds input 8p + e of row r in its low
-//   nibble and input 8p + 4 + e in its high one (two steps of [16 rows][4 inputs]);
-// - HB high bits of each code (Q5_K one, Q6_K two), 16 * HB bytes per vector: the HB bits of both codes of byte t
-//   side by side (2 HB bits), 8 / (2 HB) bytes t to a byte, t + 64 / G * g at bits 2 HB g (G groups);
-// - each sub-block's integer scale per row, int8 [NS][16];
+// - the codes' low bits, CB of them (Q4_K, Q5_K, Q6_K: a nibble; Q2_K, Q3_K: two), in vectors of 64 bytes:
+//   - nibbles, 32 vectors: byte 4r + e of vector p holds input 8p + e of row r in its low nibble and input 8p + 4 + e
+//     in its high one (two steps of [16 rows][4 inputs]);
+//   - two bits, 16 vectors: byte 4r + e of vector v holds input 16v + 4s + e of row r at bits 2s (four steps);
+// - HB high bits of each code (Q5_K one, Q6_K two; Q3_K its third bit):
+//   - over nibbles, 16 * HB bytes per vector: the HB bits of both codes of byte t side by side (2 HB bits),
+//     8 / (2 HB) bytes t to a byte, t + 64 / G * g at bits 2 HB g (G groups);
+//   - over two bits, 8 vectors: byte 4r + e of vector u holds the bit of input 32u + 4b + e at bit b;
+// - each sub-block's integer scale per row, int8 [NS][16] (Q2_K: the file's byte, scale and minimum nibbles);
 // - Q4_K and Q5_K: the minimums' integers as int16 pairs per row for vpdpwssd, int8 [NS / 2][16][2] (widened at
-//   use; Q6_K's are its scales, min_pairs);
-// - each row's D, float16 [16], then Q4_K's and Q5_K's M (Q6_K's is -32 D).
-// That is the file's bytes but for 4 a row in 148 (Q4_K) or 180 (Q5_K), and Q6_K's 210 exactly: one stream's decode
-// reads about as much as from the blocks.
+//   use; Q6_K's and Q3_K's are their scales, min_pairs; Q2_K's the high nibbles of its scales' bytes);
+// - each row's D, float16 [16], then Q2_K's, Q4_K's and Q5_K's M (Q6_K's is -32 D, Q3_K's -4 D).
+// That is the file's bytes but for 4 a row in 148 (Q4_K), 180 (Q5_K) and 114 (Q3_K); Q6_K's 210 and Q2_K's 84
+// exactly: one stream's decode reads about as much as from the blocks.
 // The numbers are those of BlockForm::k8_dot and k8_tile to the bit: each super-block's sums are exact integers,
 // then acc = fma(D * dx, isum, acc), acc = fma(M * dx, imin, acc). A row's numbers are the same whatever the batch.
 #pragma once
@@ -94,17 +98,90 @@ inline void step_codes(const uint8_t* low, const uint8_t* high, int p, __m512i& 
 }
 #endif
 
+// The codes of 16 rows (row r's at codes + r * stride, 256 of them, each below 2^(2 + HB)) in the two-bit layout:
+// 16 vectors of 64 bytes at low, byte 4r + e of vector v holding code 16v + 4s + e of row r at bits 2s; and, HB = 1,
+// 8 vectors at high, byte 4r + e of vector u holding the third bit of code 32u + 4b + e at bit b
+template <int HB>
+inline void pack_codes2(const uint8_t* codes, int64_t stride, uint8_t* low, uint8_t* high) {
+  for (int t = 0; t < 64; ++t) {
+    const int r = t / 4, e = t % 4;
+    const uint8_t* c = codes + r * stride;
+    for (int v = 0; v < 16; ++v) {
+      uint8_t b = 0;
+      for (int s = 0; s < 4; ++s) b = static_cast<uint8_t>(b | (c[16 * v + 4 * s + e] & 3) << (2 * s));
+      low[v * 64 + t] = b;
+    }
+    if constexpr (HB > 0)
+      for (int u = 0; u < 8; ++u) {
+        uint8_t b = 0;
+        for (int k = 0; k < 8; ++k) b = static_cast<uint8_t>(b | (c[32 * u + 4 * k + e] >> 2 & 1) << k);
+        high[u * 64 + t] = b;
+      }
+  }
+}
+
+// bit k of each byte of v as that byte's bit 2 (the third bit of a code)
+template <typename V>
+inline typename V::T third_bit(typename V::T v, int k) {
+  const auto four = V::set1_epi8(4);
+  return k >= 2 ? V::and_(V::srli16(v, k - 2), four) : V::and_(V::slli16(v, 2 - k), four);
+}
+struct V256i {
+  using T = __m256i;
+  static T set1_epi8(char c) { return _mm256_set1_epi8(c); }
+  static T and_(T a, T b) { return _mm256_and_si256(a, b); }
+  static T or_(T a, T b) { return _mm256_or_si256(a, b); }
+  static T srli16(T a, int k) { return _mm256_srli_epi16(a, k); }
+  static T slli16(T a, int k) { return _mm256_slli_epi16(a, k); }
+  static T load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
+};
+#ifdef WOQ_VNNI
+struct V512i {
+  using T = __m512i;
+  static T set1_epi8(char c) { return _mm512_set1_epi8(c); }
+  static T and_(T a, T b) { return _mm512_and_si512(a, b); }
+  static T or_(T a, T b) { return _mm512_or_si512(a, b); }
+  static T srli16(T a, int k) { return _mm512_srli_epi16(a, k); }
+  static T slli16(T a, int k) { return _mm512_slli_epi16(a, k); }
+  static T load(const uint8_t* p) { return _mm512_loadu_si512(p); }
+};
+#endif
+
+// inputs 8p .. 8p + 3 and 8p + 4 .. 8p + 7 of the two-bit layout as two steps of codes, [rows][4 inputs] each: the
+// whole vector's 16 rows (V512i, off 0) or half h's 8 (V256i, off 32 h)
+template <int HB, typename V>
+inline void codes2(const uint8_t* low, const uint8_t* high, int p, int off, typename V::T& w0, typename V::T& w1) {
+  const auto v = V::load(low + (p / 2) * 64 + off), three = V::set1_epi8(3);
+  const int sh = 4 * (p % 2);
+  w0 = V::and_(V::srli16(v, sh), three);
+  w1 = V::and_(V::srli16(v, sh + 2), three);
+  if constexpr (HB > 0) {
+    const auto hv = V::load(high + (p / 4) * 64 + off);
+    const int k = 2 * (p % 4);
+    w0 = V::or_(w0, third_bit<V>(hv, k));
+    w1 = V::or_(w1, third_bit<V>(hv, k + 1));
+  }
+}
+
 template <typename B>
 struct K8Pack {
-  static constexpr int HB = B::TYPE == Q4_K::TYPE ? 0 : B::TYPE == Q5_K::TYPE ? 1 : B::TYPE == Q6_K::TYPE ? 2 : -1;
-  static constexpr bool ON = HB >= 0;   // the types packed (the others pack a group per call)
+  static constexpr int TY = B::TYPE;
+  static constexpr int HB = TY == Q2_K::TYPE || TY == Q4_K::TYPE   ? 0
+                            : TY == Q3_K::TYPE || TY == Q5_K::TYPE ? 1
+                            : TY == Q6_K::TYPE                     ? 2
+                                                                   : -1;
+  static constexpr bool ON = HB >= 0;  // the types packed (the others pack a group per call)
+  static constexpr int CB = TY == Q2_K::TYPE || TY == Q3_K::TYPE ? 2 : 4;  // the codes' low bits: two or a nibble
   static constexpr int64_t AHEAD = 16;  // how many super-blocks ahead few rows prefetch
   static constexpr int64_t QK = 256;    // inputs a packed block covers
   static constexpr int NS = 256 / B::SUB, NP = NS / 2;
+  static constexpr bool NIB_SC = TY == Q2_K::TYPE;  // scale and minimum nibbles in one byte, as the file's
+  // Q6_K's and Q3_K's minimums are their scales, their M -32 D and -4 D
+  static constexpr bool OWN_MINS = TY != Q6_K::TYPE && TY != Q3_K::TYPE;
+  static constexpr float M_OF_D = TY == Q6_K::TYPE ? -32.f : -4.f;
   // where each part begins in a super-block's PB bytes
-  static constexpr bool OWN_MINS = HB < 2;  // Q6_K's minimums are its scales, its M is -32 D
-  static constexpr int64_t HIGH = 2048, SC = HIGH + 512 * (HB > 0 ? HB : 0), MN = SC + NS * 16,
-                           DM = MN + (OWN_MINS ? NP * 32 : 0), PB = DM + (OWN_MINS ? 64 : 32);
+  static constexpr int64_t HIGH = 512 * CB, SC = HIGH + 512 * (HB > 0 ? HB : 0), MN = SC + NS * 16,
+                           DM = MN + (OWN_MINS && !NIB_SC ? NP * 32 : 0), PB = DM + (OWN_MINS ? 64 : 32);
 
   // the 16 rows of group grp (rows past N repeat the group's first) of raw [N, row_bytes] into out [K / 256][PB]
   static void pack(const uint8_t* raw, int64_t N, int64_t row_bytes, int64_t grp, uint8_t* out) {
@@ -122,23 +199,35 @@ struct K8Pack {
         B::iscales(b, S, Nm, D, M);
         dm[r] = _cvtss_sh(D, 0);
         if constexpr (OWN_MINS) dm[16 + r] = _cvtss_sh(M, 0);
-        for (int j = 0; j < NS; ++j) o[SC + j * 16 + r] = static_cast<uint8_t>(static_cast<int8_t>(S[j]));
-        if constexpr (OWN_MINS)
+        for (int j = 0; j < NS; ++j)
+          o[SC + j * 16 + r] =
+              NIB_SC ? static_cast<uint8_t>(S[j] | Nm[j] << 4) : static_cast<uint8_t>(static_cast<int8_t>(S[j]));
+        if constexpr (OWN_MINS && !NIB_SC)
           for (int q = 0; q < NP; ++q)
             for (int h = 0; h < 2; ++h)
               o[MN + q * 32 + r * 2 + h] = static_cast<uint8_t>(static_cast<int8_t>(Nm[2 * q + h]));
       }
-      pack_codes<(HB > 0 ? HB : 0)>(&codes[0][0], 256, 32, o, o + HIGH);
+      if constexpr (CB == 2) pack_codes2<(HB > 0 ? HB : 0)>(&codes[0][0], 256, o, o + HIGH);
+      else pack_codes<(HB > 0 ? HB : 0)>(&codes[0][0], 256, 32, o, o + HIGH);
     }
   }
 
+  // sub-block j's integer scales of the 16 rows, int8 [16]
+  static __m128i scales(const uint8_t* o, int j) {
+    const __m128i v = _mm_loadu_si128((const __m128i*)(o + SC + j * 16));
+    return NIB_SC ? _mm_and_si128(v, _mm_set1_epi8(15)) : v;
+  }
   // the minimums of sub-blocks 2q and 2q + 1 as int8 pairs of the 16 rows, [16][2]
   static __m256i min_pairs(const uint8_t* o, int q) {
-    if constexpr (OWN_MINS) {
+    if constexpr (OWN_MINS && !NIB_SC) {
       return _mm256_loadu_si256((const __m256i*)(o + MN + q * 32));
     } else {
-      const __m128i a = _mm_loadu_si128((const __m128i*)(o + SC + 2 * q * 16)),
-                    b = _mm_loadu_si128((const __m128i*)(o + SC + (2 * q + 1) * 16));
+      __m128i a = _mm_loadu_si128((const __m128i*)(o + SC + 2 * q * 16)),
+              b = _mm_loadu_si128((const __m128i*)(o + SC + (2 * q + 1) * 16));
+      if constexpr (NIB_SC) {
+        const __m128i low = _mm_set1_epi8(15);
+        a = _mm_and_si128(_mm_srli_epi16(a, 4), low), b = _mm_and_si128(_mm_srli_epi16(b, 4), low);
+      }
       return _mm256_set_m128i(_mm_unpackhi_epi8(a, b), _mm_unpacklo_epi8(a, b));
     }
   }
@@ -146,13 +235,14 @@ struct K8Pack {
   static void dm_half(const uint8_t* o, int h, __m256& d, __m256& m) {
     d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + DM + 16 * h)));
     if constexpr (OWN_MINS) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + DM + 32 + 16 * h)));
-    else m = _mm256_mul_ps(d, _mm256_set1_ps(-32.f));
+    else m = _mm256_mul_ps(d, _mm256_set1_ps(M_OF_D));
   }
 
 #ifdef WOQ_VNNI
   // vector p's two steps of codes (inputs 8p .. 8p + 3 and 8p + 4 .. 8p + 7 of the 16 rows) from a super-block
   static void step_pair(const uint8_t* o, int p, __m512i& w0, __m512i& w1) {
-    step_codes<(HB > 0 ? HB : 0)>(o, o + HIGH, p, w0, w1);
+    if constexpr (CB == 2) codes2<(HB > 0 ? HB : 0), V512i>(o, o + HIGH, p, 0, w0, w1);
+    else step_codes<(HB > 0 ? HB : 0)>(o, o + HIGH, p, w0, w1);
   }
 
   // y[i * ldy + r] for the MR input rows from i0 (Q8_K inputs) and the rows r of the group packed at g (its first
@@ -183,7 +273,7 @@ struct K8Pack {
             dot[i] = _mm512_dpbusd_epi32(dot[i], w1, _mm512_set1_epi32(v[1]));
           }
         }
-        const __m512i sc = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(o + SC + j * 16)));
+        const __m512i sc = _mm512_cvtepi8_epi32(scales(o, j));
         for (int i = 0; i < MR; ++i) isum[i] = _mm512_add_epi32(isum[i], _mm512_mullo_epi32(dot[i], sc));
       }
       __m256 d0, m0, d1, m1;
@@ -214,16 +304,18 @@ struct K8Pack {
 
   // half h of vector p (rows 8h .. 8h + 7): its two steps of codes, [8 rows][4 inputs] each
   static void half_pair(const uint8_t* o, int p, int h, __m256i& w0, __m256i& w1) {
-    half_codes<(HB > 0 ? HB : 0)>(o, o + HIGH, p, h, w0, w1);
+    if constexpr (CB == 2) codes2<(HB > 0 ? HB : 0), V256i>(o, o + HIGH, p, 32 * h, w0, w1);
+    else half_codes<(HB > 0 ? HB : 0)>(o, o + HIGH, p, h, w0, w1);
   }
 
   // tile's numbers with AVX2: per half of 8 rows, the u8 x s8 pair sums (vpmaddubsw) of FLUSH vectors summed in int16
-  // (each step's pairs are at most 2 * 127 * (2^(4 + HB) - 1): 8 steps of 4-bit codes, 4 of 5-bit, 2 of 6-bit),
-  // then times the rows' integer scales into int32 (vpmaddwd): the same exact integers, the same floats
+  // (each step's pairs are at most 2 * 127 * (2^(CB + HB) - 1): 8 steps of 4-bit codes, 4 of 5-bit, 2 of 6-bit, a
+  // sub-block's 4 of 2- or 3-bit), then times the rows' integer scales into int32 (vpmaddwd): the same exact
+  // integers, the same floats
   template <int MR>
   static void tile_avx2(const uint8_t* g, int64_t K, const Q8KRows& x, int64_t i0, float* y, int64_t ldy,
                         int64_t rows) {
-    constexpr int VP = B::SUB / 8, FLUSH = HB == 0 ? 4 : HB == 1 ? 2 : 1;
+    constexpr int VP = B::SUB / 8, FLUSH = CB == 2 ? VP : HB == 0 ? 4 : HB == 1 ? 2 : 1;
     static_assert(VP % FLUSH == 0, "a sub-block's vectors in whole flushes");
     const int64_t nb = K / 256;
     alignas(32) float acc[2][MR][8];
@@ -239,7 +331,7 @@ struct K8Pack {
         __m256i isum[MR];
         for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
         for (int j = 0; j < NS; ++j) {
-          const __m128i s8 = _mm_loadl_epi64((const __m128i*)(o + SC + j * 16 + h * 8));
+          const __m128i s8 = h ? _mm_unpackhi_epi64(scales(o, j), scales(o, j)) : scales(o, j);
           const __m256i sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s8, s8));  // each row's scale in both its lanes
           for (int f = 0; f < VP; f += FLUSH) {
             __m256i d16[MR];

@@ -135,7 +135,9 @@ _GEMMA3 = dict(  # 6 layers: llama.cpp has no per-layer pattern key for gemma3 G
 _LLAMA = dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
 _PHI3 = dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None)
 ARCHS: dict[str, dict] = {
-    "llama": dict(family="llama", config=_LLAMA, quants=["Q4_K_M", "Q8_0", "Q4_0", "Q5_K_M", "Q6_K"]),
+    "llama": dict(
+        family="llama", config=_LLAMA, quants=["Q4_K_M", "Q8_0", "Q4_0", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS"]
+    ),
     "llama3rope": dict(
         family="llama",
         config=dict(

@@ -4,8 +4,9 @@
   bytes of nibbles, weights 0..15 in the low nibbles and 16..31 in the high ones; w = d * nibble + m): Q4_0 is
   d (nibble - 8), so m = -8 d, exact in float16; Q4_1 is the layout itself. That layout has VNNI tiles over a
   copy packed at load.
-- Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, IQ4_NL, F16 and BF16 stay in the file's own bytes (BlockWeight):
-  the kernels read them as they are (csrc/block_form.h), no copy beside them. The symmetric blocks of 32 the plan
+- Q8_0, the k-quants (Q2_K to Q6_K), IQ4_XS, Q5_0, Q5_1, IQ4_NL, F16 and BF16 stay in the file's own bytes
+  (BlockWeight): the kernels read them as they are (csrc/block_form.h), no copy beside them (the k-quants, IQ4_XS,
+  Q5_0 and Q5_1 are packed at load for the tiles instead). The symmetric blocks of 32 the plan
   names (``ExecutionPlan.int8_layout``: wherever the kernels take int8 inputs, Q8_0 and IQ4_NL, and Q5_0 with the
   VNNI tiles) map onto quant.py's int8 layout instead (``int8_weight``: each weight's code as an int8, Q5_0's less
   16 and IQ4_NL's looked up, each block's float16 scale as a float32; exact).
@@ -24,7 +25,7 @@ from ..kernels.quant import BlockWeight, Int4Weight, Int8Weight
 
 INT4_TYPES = {"Q4_0", "Q4_1"}  # taken as they are into the int4 layout
 # served in the file's own blocks (csrc/block_form.h; tests/engine/test_gguf_kernels.py checks every one)
-BLOCK_TYPES = {"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q5_0", "Q5_1", "IQ4_NL", "F16", "BF16"}
+BLOCK_TYPES = {"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "Q5_1", "IQ4_NL", "F16", "BF16"}
 
 
 def _rows(t) -> tuple[int, int, np.ndarray]:

@@ -32,6 +32,7 @@ LAYOUT = {
     T.Q4_K: [0, 2],
     T.Q5_K: [0, 2],
     T.Q6_K: [208],
+    T.IQ4_XS: [0],
 }
 FLOATS = (T.F16, T.BF16)
 TYPES = [*LAYOUT, *FLOATS]
@@ -55,7 +56,7 @@ def _weights(t: T, raw: np.ndarray, k: int) -> torch.Tensor:
     return torch.from_numpy(np.asarray(dequantize(raw, t), dtype=np.float32).reshape(raw.shape[0], k))
 
 
-KQUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K)
+KQUANTS = (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K, T.IQ4_XS)
 
 
 def _int8_blocks(x: torch.Tensor, size: int = 32) -> torch.Tensor:
@@ -130,9 +131,10 @@ def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it(kernels, t):
 
 @pytest.mark.parametrize("t", list(LAYOUT), ids=lambda t: t.name)
 def test_blocks_packed_at_load_give_the_unpacked_numbers(kernels, t):
-    """At both levels the k-quants are packed once at load (pack_k8: nibbles or pairs of bits and high bits in the
-    tiles' order, Q2_K's scale bytes as the file's) and every row count reads only the packing: with VNNI few rows unpack each vector in the tile, more rows
-    each group once per call; with AVX2 each tile of up to 4 rows unpacks each half vector of 8 weight rows. Either
+    """At both levels the k-quants and IQ4_XS are packed once at load (pack_k8: nibbles or pairs of bits and high
+    bits in the tiles' order, Q2_K's scale bytes as the file's, IQ4_XS's nibbles as indices of its levels) and every
+    row count reads only the packing: with VNNI few rows unpack each vector in the tile, more rows each group once per
+    call; with AVX2 each tile of up to 4 rows unpacks each half vector of 8 weight rows. Either
     way a row's numbers are those of the blocks as the file holds them, to the bit (and so the same whatever the
     batch). Q5_0 and Q5_1 are packed too (B32Pack): with VNNI the tiles' numbers of the blocks packed per call, to
     the bit; at the AVX2 level the row kernels' sums in another order, each row's numbers the same alone as in any
@@ -152,11 +154,12 @@ def test_blocks_packed_at_load_give_the_unpacked_numbers(kernels, t):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
             assert torch.equal(kernels.linear_gguf(x[rows - 1 : rows], raw, int(t), b, True, packed), got[-1:])
         return
-    if t not in (T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K):
+    if t not in KQUANTS:
         assert packed.numel() == 0
         return
     assert packed.shape[0] == 3
-    assert packed.shape[1] == 2 * {T.Q2_K: 84 * 16, T.Q3_K: 114 * 16, T.Q4_K: 148 * 16, T.Q5_K: 180 * 16}.get(t, 210 * 16)
+    per_row = {T.Q2_K: 84, T.Q3_K: 114, T.Q4_K: 148, T.Q5_K: 180, T.Q6_K: 210, T.IQ4_XS: 138}[t]
+    assert packed.shape[1] == 2 * 16 * per_row  # a group's two super-blocks
     for rows in (1, 2, 3, 5, 9, 24, 25, 70):  # VNNI: packed_tile up to 24 rows, then each group unpacked once
         want = kernels.linear_gguf(x[:rows], raw, int(t), b, True)
         assert torch.equal(kernels.linear_gguf(x[:rows], raw, int(t), b, True, packed), want)

@@ -333,7 +333,6 @@ struct BlockForm {
         const __m512 dv = _mm512_loadu_ps(g.d.data() + blk * 16), mv = _mm512_loadu_ps(g.m.data() + blk * 16);
         for (int i = 0; i < MR; ++i) {
           const float dx = x.d[(i0 + i) * nb + blk];
-          acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum[i]), acc[i]);
           const int16_t* bs = x.bsum.data() + ((i0 + i) * nb + blk) * 16;
           __m512i imin = _mm512_setzero_si512();
           for (int p = 0; p < 8; ++p) {  // two 16s of inputs' sums against their minimums per vpdpwssd
@@ -342,6 +341,9 @@ struct BlockForm {
             imin = _mm512_dpwssd_epi32(imin, _mm512_loadu_si512(g.imn.data() + (blk * 8 + p) * 16),
                                        _mm512_set1_epi32(pair));
           }
+          // signed codes went plus 128 (unsigned_codes); their minimums' integers are the scales
+          if constexpr (B::SIGNED) isum[i] = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(imin, 7));
+          acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum[i]), acc[i]);
           acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(mv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(imin), acc[i]);
         }
       }
@@ -518,8 +520,12 @@ struct BlockForm {
           }
           for (int ii = 0; ii < MR; ++ii) {
             const __m256i xv = _mm256_loadu_si256((const __m256i*)(x.q.data() + (i + ii) * K + blk * 256 + c * 32));
-            for (int r = 0; r < RW; ++r)  // pairs of codes up to 63 against |inputs| <= 127: no saturation
-              isum[r][ii] = _mm256_add_epi32(isum[r][ii], _mm256_madd_epi16(_mm256_maddubs_epi16(codes[r], xv), sc[r]));
+            for (int r = 0; r < RW; ++r) {  // pairs of codes up to 63 (or levels up to 127) against |inputs| <= 127
+              const __m256i pairs =
+                  B::SIGNED ? _mm256_maddubs_epi16(_mm256_sign_epi8(codes[r], codes[r]), _mm256_sign_epi8(xv, codes[r]))
+                            : _mm256_maddubs_epi16(codes[r], xv);
+              isum[r][ii] = _mm256_add_epi32(isum[r][ii], _mm256_madd_epi16(pairs, sc[r]));
+            }
           }
         }
         __m256i mins[RW];
@@ -601,7 +607,7 @@ struct BlockForm {
 };
 
 // The block types served in their own blocks, and f(Block{}) for one of them by ggml's type number (false if none)
-using BlockTypes = std::tuple<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, F16, BF16>;
+using BlockTypes = std::tuple<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16, BF16>;
 
 template <typename F>
 inline bool with_block(int64_t type, F f) {

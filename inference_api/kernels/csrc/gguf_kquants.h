@@ -1,6 +1,6 @@
-// GGUF's k-quant super-blocks of 256 weights (ggml-common.h): Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, read as
-// gguf_legacy.h reads its blocks: per sub-block of 16 or 32 a scale d and minimum m (w = d * code + m, the
-// codes unsigned), and the codes of each chunk of 32 weights in the weights' order.
+// GGUF's k-quant super-blocks of 256 weights (ggml-common.h): Q2_K, Q3_K, Q4_K, Q5_K and Q6_K, and IQ4_XS, read as
+// gguf_legacy.h reads its blocks: per sub-block of 16 or 32 a scale d and minimum m (w = d * code + m; the codes
+// unsigned, IQ4_XS's signed levels), and the codes of each chunk of 32 weights in the weights' order.
 #pragma once
 #include "gguf_legacy.h"
 
@@ -147,6 +147,39 @@ struct Q6_K {  // ql[128] (low nibbles), qh[64] (high 2 bits), scales[16] (int8)
     const int h = c / 4, cc = c % 4;
     return V::or_(bit_field<V>(a, b, h * 64 + (cc % 2) * 32, 4 * (cc / 2), 15),
                   V::slli(bit_field<V>(a, b, 128 + h * 32, 2 * cc, 3), 4));
+  }
+};
+
+// IQ4_XS: d, scales_h (2 bits a sub-block), scales_l[4] (4 bits a sub-block), qs[128]: per sub-block of 32 a 6-bit
+// scale less 32, each nibble indexing IQ4_NL's 16 non-linear int8 levels; w = d * (ls - 32) * level. Its codes are
+// the signed levels (SIGNED); the kernels multiply them exactly (the sign trick, or plus 128 in vpdpbusd's unsigned
+// side with the inputs' sums times the scales taken off: N, the minimums' integers, are the scales and M is 0).
+struct IQ4_XS {
+  static constexpr int TYPE = 23, QK = 256, BYTES = 136, SUB = 32;
+  static constexpr bool SIGNED = true, MINS = false;
+  static void iscales(const uint8_t* b, int16_t* S, int16_t* N, float& D, float& M) {
+    uint16_t h;
+    std::memcpy(&h, b + 2, 2);
+    for (int j = 0; j < 8; ++j) {
+      const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 15) | ((h >> (2 * j)) & 3) << 4;
+      S[j] = N[j] = static_cast<int16_t>(ls - 32);
+    }
+    for (int j = 8; j < 16; ++j) S[j] = N[j] = 0;
+    D = f16_at(b), M = 0.f;
+  }
+  static void scales(const uint8_t* b, float* d, float* m) {
+    alignas(32) int16_t S[16], N[16];
+    float D, M;
+    iscales(b, S, N, D, M);
+    for (int j = 0; j < 8; ++j) d[j] = D * static_cast<float>(S[j]), m[j] = 0.f;
+  }
+  template <typename V>  // the nibbles of chunk c: indices into the levels
+  static typename V::T indices(const uint8_t* a, const uint8_t* b, int c) {
+    return V::nibbles(a + 8 + 16 * c, b + 8 + 16 * c);
+  }
+  template <typename V>
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
+    return V::lookup(IQ4_NL::levels(), indices<V>(a, b, c));
   }
 };
 

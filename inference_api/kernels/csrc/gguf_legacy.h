@@ -138,10 +138,12 @@ struct Q8_0 : Scale32<0, false> {
 struct IQ4_NL : Scale32<0, false> {
   static constexpr int TYPE = 20, QK = 32, BYTES = 18, SUB = 32;
   static constexpr bool SIGNED = true, MINS = false;
+  static __m128i levels() {
+    return _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
+  }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int) {
-    return V::lookup(_mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113),
-                     V::nibbles(a + 2, b + 2));
+    return V::lookup(levels(), V::nibbles(a + 2, b + 2));
   }
 };
 

@@ -166,19 +166,22 @@ inline void codes2(const uint8_t* low, const uint8_t* high, int p, int off, type
 template <typename B>
 struct K8Pack {
   static constexpr int TY = B::TYPE;
-  static constexpr int HB = TY == Q2_K::TYPE || TY == Q4_K::TYPE   ? 0
-                            : TY == Q3_K::TYPE || TY == Q5_K::TYPE ? 1
-                            : TY == Q6_K::TYPE                     ? 2
-                                                                   : -1;
+  static constexpr int HB = TY == Q2_K::TYPE || TY == Q4_K::TYPE || TY == IQ4_XS::TYPE ? 0
+                            : TY == Q3_K::TYPE || TY == Q5_K::TYPE                     ? 1
+                            : TY == Q6_K::TYPE                                         ? 2
+                                                                                       : -1;
   static constexpr bool ON = HB >= 0;  // the types packed (the others pack a group per call)
   static constexpr int CB = TY == Q2_K::TYPE || TY == Q3_K::TYPE ? 2 : 4;  // the codes' low bits: two or a nibble
   static constexpr int64_t AHEAD = 16;  // how many super-blocks ahead few rows prefetch
   static constexpr int64_t QK = 256;    // inputs a packed block covers
   static constexpr int NS = 256 / B::SUB, NP = NS / 2;
   static constexpr bool NIB_SC = TY == Q2_K::TYPE;  // scale and minimum nibbles in one byte, as the file's
-  // Q6_K's and Q3_K's minimums are their scales, their M -32 D and -4 D
-  static constexpr bool OWN_MINS = TY != Q6_K::TYPE && TY != Q3_K::TYPE;
-  static constexpr float M_OF_D = TY == Q6_K::TYPE ? -32.f : -4.f;
+  // IQ4_XS: the nibbles index the levels, looked up where used (plus 128 for vpdpbusd: the minimums' integers are the
+  // scales, so the tiles take 128 times their sums with the inputs' sums off the exact integer sums)
+  static constexpr bool LUT = TY == IQ4_XS::TYPE;
+  // Q6_K's, Q3_K's and IQ4_XS's minimums are their scales, their M -32 D, -4 D and 0
+  static constexpr bool OWN_MINS = TY != Q6_K::TYPE && TY != Q3_K::TYPE && !LUT;
+  static constexpr float M_OF_D = TY == Q6_K::TYPE ? -32.f : TY == Q3_K::TYPE ? -4.f : 0.f;
   // where each part begins in a super-block's PB bytes
   static constexpr int64_t HIGH = 512 * CB, SC = HIGH + 512 * (HB > 0 ? HB : 0), MN = SC + NS * 16,
                            DM = MN + (OWN_MINS && !NIB_SC ? NP * 32 : 0), PB = DM + (OWN_MINS ? 64 : 32);
@@ -192,8 +195,12 @@ struct K8Pack {
       uint16_t* dm = reinterpret_cast<uint16_t*>(o + DM);
       for (int r = 0; r < 16; ++r) {
         const uint8_t* b = raw + (n0 + (n0 + r < N ? r : 0)) * row_bytes + blk * B::BYTES;
-        for (int c = 0; c < 8; ++c)
-          _mm256_storeu_si256((__m256i*)(codes[r] + c * 32), B::template codes<V256>(b, b, c));
+        for (int c = 0; c < 8; ++c) {
+          __m256i v;
+          if constexpr (LUT) v = B::template indices<V256>(b, b, c);
+          else v = B::template codes<V256>(b, b, c);
+          _mm256_storeu_si256((__m256i*)(codes[r] + c * 32), v);
+        }
         alignas(32) int16_t S[16], Nm[16];
         float D, M;  // float16 values (the file's), so float16 holds them exactly
         B::iscales(b, S, Nm, D, M);
@@ -235,6 +242,7 @@ struct K8Pack {
   static void dm_half(const uint8_t* o, int h, __m256& d, __m256& m) {
     d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + DM + 16 * h)));
     if constexpr (OWN_MINS) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + DM + 32 + 16 * h)));
+    else if constexpr (LUT) m = _mm256_setzero_ps();
     else m = _mm256_mul_ps(d, _mm256_set1_ps(M_OF_D));
   }
 
@@ -243,6 +251,10 @@ struct K8Pack {
   static void step_pair(const uint8_t* o, int p, __m512i& w0, __m512i& w1) {
     if constexpr (CB == 2) codes2<(HB > 0 ? HB : 0), V512i>(o, o + HIGH, p, 0, w0, w1);
     else step_codes<(HB > 0 ? HB : 0)>(o, o + HIGH, p, w0, w1);
+    if constexpr (LUT) {  // the levels plus 128, unsigned
+      const __m512i t = _mm512_broadcast_i32x4(_mm_xor_si128(IQ4_NL::levels(), _mm_set1_epi8(static_cast<char>(0x80))));
+      w0 = _mm512_shuffle_epi8(t, w0), w1 = _mm512_shuffle_epi8(t, w1);
+    }
   }
 
   // y[i * ldy + r] for the MR input rows from i0 (Q8_K inputs) and the rows r of the group packed at g (its first
@@ -286,7 +298,6 @@ struct K8Pack {
       const int16_t* xs = B::SUB == 16 ? x.bsum.data() + i0 * nb * 16 : x.bsum32.data() + i0 * nb * 8;
       for (int i = 0; i < MR; ++i) {
         const float dx = x.d[(i0 + i) * nb + blk];
-        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum[i]), acc[i]);
         const int16_t* bs = xs + (i * nb + blk) * NS;
         __m512i imin = _mm512_setzero_si512();
         for (int q = 0; q < NP; ++q) {
@@ -294,6 +305,8 @@ struct K8Pack {
           std::memcpy(&pair, bs + 2 * q, 4);
           imin = _mm512_dpwssd_epi32(imin, mn[q], _mm512_set1_epi32(pair));
         }
+        if constexpr (LUT) isum[i] = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(imin, 7));  // the levels' + 128
+        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum[i]), acc[i]);
         acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(mv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(imin), acc[i]);
       }
     }
@@ -333,6 +346,25 @@ struct K8Pack {
         for (int j = 0; j < NS; ++j) {
           const __m128i s8 = h ? _mm_unpackhi_epi64(scales(o, j), scales(o, j)) : scales(o, j);
           const __m256i sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s8, s8));  // each row's scale in both its lanes
+          if constexpr (LUT) {  // the signed levels by the sign trick, each step's pairs into int32 at once
+            const __m256i levels = _mm256_broadcastsi128_si256(IQ4_NL::levels());
+            for (int s = 0; s < VP; ++s) {
+              const int p = j * VP + s;
+              __m256i w0, w1;
+              half_pair(o, p, h, w0, w1);
+              w0 = _mm256_shuffle_epi8(levels, w0), w1 = _mm256_shuffle_epi8(levels, w1);
+              const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
+              for (int i = 0; i < MR; ++i) {
+                int32_t v[2];
+                std::memcpy(v, xq + i * K + p * 8, 8);
+                const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(_mm256_set1_epi32(v[0]), w0)),
+                              p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(_mm256_set1_epi32(v[1]), w1));
+                isum[i] =
+                    _mm256_add_epi32(isum[i], _mm256_add_epi32(_mm256_madd_epi16(p0, sc), _mm256_madd_epi16(p1, sc)));
+              }
+            }
+            continue;
+          }
           for (int f = 0; f < VP; f += FLUSH) {
             __m256i d16[MR];
             for (int s = 0; s < FLUSH; ++s) {

@@ -136,7 +136,9 @@ _LLAMA = dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False)
 _PHI3 = dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, sliding_window=None)
 ARCHS: dict[str, dict] = {
     "llama": dict(
-        family="llama", config=_LLAMA, quants=["Q4_K_M", "Q8_0", "Q4_0", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS"]
+        family="llama",
+        config=_LLAMA,
+        quants=["Q4_K_M", "Q8_0", "Q4_0", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL"],
     ),
     "llama3rope": dict(
         family="llama",

@@ -52,7 +52,7 @@ def test_the_reference_files_cover_every_described_family():
     assert {"gemma3_text" if a == "gemma3" else a for a in archs} >= set(FAMILIES) - {"mistral"}  # mistral: llama's
     assert any("rope" in ref.arch for ref in REFERENCE.values())  # Llama 3's rope scaling
     types = {t for ref in REFERENCE.values() for t in ref.tensor_types}
-    assert {"Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS"} <= types
+    assert {"Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "IQ4_NL"} <= types
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE))
@@ -95,7 +95,7 @@ def test_the_file_decides_bos_and_the_tokenizer_splits_as_llama_cpp():
     assert ids[: ref.n_ctx] == list(ref.chunks[0].tokens)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS"])
+@pytest.mark.parametrize("kind", ["Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "IQ4_NL"])
 def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
     """The tensors of llama-quantize's files are served in their own blocks without rounding a weight again:
     equal to gguf-py's dequantization, through gguf-py's and through the kernels' own dequantization."""

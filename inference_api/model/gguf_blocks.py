@@ -6,10 +6,10 @@
   copy packed at load.
 - Q8_0, the k-quants (Q2_K to Q6_K), IQ4_XS, Q5_0, Q5_1, IQ4_NL, F16 and BF16 stay in the file's own bytes
   (BlockWeight): the kernels read them as they are (csrc/block_form.h), no copy beside them (the k-quants, IQ4_XS,
-  Q5_0 and Q5_1 are packed at load for the tiles instead). The symmetric blocks of 32 the plan
-  names (``ExecutionPlan.int8_layout``: wherever the kernels take int8 inputs, Q8_0 and IQ4_NL, and Q5_0 with the
-  VNNI tiles) map onto quant.py's int8 layout instead (``int8_weight``: each weight's code as an int8, Q5_0's less
-  16 and IQ4_NL's looked up, each block's float16 scale as a float32; exact).
+  Q5_0, Q5_1 and IQ4_NL are packed at load for the tiles instead). The symmetric blocks of 32 the plan names
+  (``ExecutionPlan.int8_layout``: wherever the kernels take int8 inputs, Q8_0) map onto quant.py's int8 layout
+  instead (``int8_weight``, which takes Q5_0 and IQ4_NL too: each weight's code as an int8, Q5_0's less 16 and
+  IQ4_NL's looked up, each block's float16 scale as a float32; exact).
 - F32 and any other type are served as float32, dequantized by gguf-py; a type gguf-py cannot read stops the
   start with its name.
 """

@@ -136,15 +136,15 @@ def test_blocks_packed_at_load_give_the_unpacked_numbers(kernels, t):
     row count reads only the packing: with VNNI few rows unpack each vector in the tile, more rows each group once per
     call; with AVX2 each tile of up to 4 rows unpacks each half vector of 8 weight rows. Either
     way a row's numbers are those of the blocks as the file holds them, to the bit (and so the same whatever the
-    batch). Q5_0 and Q5_1 are packed too (B32Pack): with VNNI the tiles' numbers of the blocks packed per call, to
-    the bit; at the AVX2 level the row kernels' sums in another order, each row's numbers the same alone as in any
-    batch. Other types are not packed."""
+    batch). Q5_0, Q5_1 and IQ4_NL are packed too (B32Pack): with VNNI the tiles' numbers of the blocks packed per
+    call, to the bit; at the AVX2 level the row kernels' sums in another order, each row's numbers the same alone as
+    in any batch. Other types are not packed."""
     raw = torch.from_numpy(_raw(t, 40, 512, seed=5))  # two groups of 16 and a part group
     packed = kernels.pack_k8(raw, int(t))
     torch.manual_seed(5)
     x, b = torch.randn(70, 512), torch.randn(40)
-    if t in (T.Q5_0, T.Q5_1):
-        assert packed.shape[0] == 3
+    if t in (T.Q5_0, T.Q5_1, T.IQ4_NL):
+        assert packed.shape[0] == 3 and packed.shape[1] == 16 * {T.Q5_0: 22, T.Q5_1: 24, T.IQ4_NL: 18}[t] * 512 // 32
         for rows in (1, 3, 5, 9, 70):
             got = kernels.linear_gguf(x[:rows], raw, int(t), b, True, packed)
             want = kernels.linear_gguf(x[:rows], raw, int(t), b, True)

@@ -409,8 +409,10 @@ struct BlockForm {
       __m512 acc[MR];
       for (int i = 0; i < MR; ++i) acc[i] = _mm512_setzero_ps();
       for (int64_t j = 0; j < S; ++j) {
-        __m512i dot[MR];
-        for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
+        __m512i dot[MR];  // signed codes went plus 128: each sum starts at -128 times the input block's
+        for (int i = 0; i < MR; ++i)
+          dot[i] =
+              B::SIGNED ? _mm512_set1_epi32(x.less128[(i0 + i) * (K / 32) + j * B::SUB / 32]) : _mm512_setzero_si512();
         for (int s = 0; s < STEPS; ++s) {
           const __m512i wv = _mm512_loadu_si512(g.codes.data() + (j * STEPS + s) * 64);
           for (int i = 0; i < MR; ++i) {
@@ -422,9 +424,7 @@ struct BlockForm {
         const __m512 dv = _mm512_loadu_ps(g.d.data() + j * 16), mv = _mm512_loadu_ps(g.m.data() + j * 16);
         for (int i = 0; i < MR; ++i) {
           const int64_t xb = (i0 + i) * (K / 32) + j * B::SUB / 32;
-          __m512 sums = _mm512_cvtepi32_ps(dot[i]);
-          if constexpr (B::SIGNED) sums = _mm512_add_ps(sums, _mm512_set1_ps(x.less128[xb]));  // the codes' + 128
-          acc[i] = _mm512_fmadd_ps(sums, _mm512_mul_ps(dv, _mm512_set1_ps(x.d[xb])), acc[i]);
+          acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(dv, _mm512_set1_ps(x.d[xb])), acc[i]);
           if constexpr (B::MINS) acc[i] = _mm512_fmadd_ps(mv, _mm512_set1_ps(xs[(i0 + i) * S + j]), acc[i]);
         }
       }
@@ -455,7 +455,7 @@ struct BlockForm {
       uint8_t* out = g.codes.data() + blk * 512;
       for (int p = 0; p < 4; ++p) {
         __m512i w0, w1;
-        step_codes<1>(o, o + P::HIGH, p, w0, w1);
+        P::step_pair(o, p, w0, w1);
         _mm512_storeu_si512(out + 2 * p * 64, w0);
         _mm512_storeu_si512(out + (2 * p + 1) * 64, w1);
       }
@@ -463,7 +463,7 @@ struct BlockForm {
       _mm512_storeu_ps(g.d.data() + blk * 16, d);
       _mm512_storeu_ps(g.m.data() + blk * 16, P::OWN_MINS
                                                   ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + P::D + 32)))
-                                                  : _mm512_mul_ps(d, _mm512_set1_ps(-16.f)));
+                                                  : _mm512_mul_ps(d, _mm512_set1_ps(P::M_OF_D)));
     }
   }
 #endif

@@ -141,9 +141,13 @@ struct IQ4_NL : Scale32<0, false> {
   static __m128i levels() {
     return _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
   }
+  template <typename V>  // the nibbles: indices into the levels
+  static typename V::T indices(const uint8_t* a, const uint8_t* b, int) {
+    return V::nibbles(a + 2, b + 2);
+  }
   template <typename V>
-  static typename V::T codes(const uint8_t* a, const uint8_t* b, int) {
-    return V::lookup(levels(), V::nibbles(a + 2, b + 2));
+  static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
+    return V::lookup(levels(), indices<V>(a, b, c));
   }
 };
 

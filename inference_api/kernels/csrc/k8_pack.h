@@ -408,17 +408,21 @@ struct K8Pack {
   }
 };
 
-// Q5_0 and Q5_1 packed once at load for the tiles (the other blocks of 32 are packed a group per call with VNNI):
-// per group of 16 rows and block of 32 inputs, the codes as pack_codes lays them (4 vectors, then a plane of fifth
-// bits), each row's d, float16 [16], then Q5_1's m (Q5_0's is -16 d): 384 bytes, 24 a row (Q5_1's own; Q5_0's 22).
+// Q5_0, Q5_1 and IQ4_NL packed once at load for the tiles (the other blocks of 32 are packed a group per call with
+// VNNI): per group of 16 rows and block of 32 inputs, the codes as pack_codes lays them (4 vectors, then Q5's plane
+// of fifth bits; IQ4_NL's nibbles are indices of its levels, looked up where used), each row's d, float16 [16], then
+// Q5_1's m (Q5_0's is -16 d, IQ4_NL's 0): 384 bytes, 24 a row (Q5_1's own; Q5_0's 22, IQ4_NL's 18).
 // The VNNI tile's numbers are BlockForm::vnni_tile's to the bit (each block's exact integer sum times d and the
-// input block's step, plus m times the input block's rounded sum, in that order); the AVX2 tile's the same way.
+// input block's step, plus m times the input block's rounded sum, in that order; IQ4_NL's levels go in plus 128 and
+// each block's sum starts at -128 times the input block's: vnni_i8_tile's numbers too); the AVX2 tile's the same way.
 template <typename B>
 struct B32Pack {
-  static constexpr bool ON = B::TYPE == Q5_0::TYPE || B::TYPE == Q5_1::TYPE;
+  static constexpr bool LUT = B::TYPE == IQ4_NL::TYPE;
+  static constexpr bool ON = B::TYPE == Q5_0::TYPE || B::TYPE == Q5_1::TYPE || LUT;
   static constexpr bool OWN_MINS = B::TYPE == Q5_1::TYPE;
-  static constexpr int64_t QK = 32;  // inputs a packed block covers
-  static constexpr int64_t HIGH = 256, D = HIGH + 64, PB = D + (OWN_MINS ? 64 : 32);
+  static constexpr int HB = LUT ? 0 : 1;  // high bits a code beside its nibble
+  static constexpr int64_t QK = 32;       // inputs a packed block covers
+  static constexpr int64_t HIGH = 256, D = HIGH + 64 * HB, PB = D + (OWN_MINS ? 64 : 32);
   static constexpr int64_t AHEAD = 96;  // how many blocks ahead one or two rows prefetch (about K8Pack's distance)
 
   // the 16 rows of group grp (rows past N repeat the group's first) of raw [N, row_bytes] into out [K / 32][PB]
@@ -430,15 +434,30 @@ struct B32Pack {
       uint16_t* dm = reinterpret_cast<uint16_t*>(o + D);
       for (int r = 0; r < 16; ++r) {
         const uint8_t* b = raw + (n0 + (n0 + r < N ? r : 0)) * row_bytes + blk * B::BYTES;
-        _mm256_store_si256((__m256i*)codes[r], B::template codes<V256>(b, b, 0));
+        if constexpr (LUT) _mm256_store_si256((__m256i*)codes[r], B::template indices<V256>(b, b, 0));
+        else _mm256_store_si256((__m256i*)codes[r], B::template codes<V256>(b, b, 0));
         float d, m;  // d a float16 of the file; Q5_1's m too
         B::scales(b, &d, &m);
         dm[r] = _cvtss_sh(d, 0);
         if constexpr (OWN_MINS) dm[16 + r] = _cvtss_sh(m, 0);
       }
-      pack_codes<1>(&codes[0][0], 32, 4, o, o + HIGH);
+      pack_codes<HB>(&codes[0][0], 32, 4, o, o + HIGH);
     }
   }
+
+  // Q5_1's m, else its factor of d
+  static constexpr float M_OF_D = LUT ? 0.f : -16.f;
+
+#ifdef WOQ_VNNI
+  // vector p's two steps of codes (inputs 4p .. 4p + 3 and 16 + 4p .. of the 16 rows) as vpdpbusd takes them
+  static void step_pair(const uint8_t* o, int p, __m512i& w0, __m512i& w1) {
+    step_codes<HB>(o, o + HIGH, p, w0, w1);
+    if constexpr (LUT) {  // the levels plus 128, unsigned
+      const __m512i t = _mm512_broadcast_i32x4(_mm_xor_si128(IQ4_NL::levels(), _mm_set1_epi8(static_cast<char>(0x80))));
+      w0 = _mm512_shuffle_epi8(t, w0), w1 = _mm512_shuffle_epi8(t, w1);
+    }
+  }
+#endif
 
 #ifdef WOQ_VNNI
   // y[i * ldy + r] for the MR input rows from i0 (int8 blocks of 32) and the rows r of the group packed at g (its
@@ -452,11 +471,12 @@ struct B32Pack {
       const uint8_t* o = g + blk * PB;
       if (i0 == 0)  // the group's first tile
         for (int64_t l = 0; l < PB; l += 64) _mm_prefetch((const char*)(o + AHEAD * PB + l), _MM_HINT_T1);
-      __m512i dot[MR];
-      for (int i = 0; i < MR; ++i) dot[i] = _mm512_setzero_si512();
+      __m512i dot[MR];  // IQ4_NL's levels plus 128: each sum starts at -128 times the input block's
+      for (int i = 0; i < MR; ++i)
+        dot[i] = LUT ? _mm512_set1_epi32(x.less128[(i0 + i) * nb + blk]) : _mm512_setzero_si512();
       for (int p = 0; p < 4; ++p) {
         __m512i w0, w1;
-        step_codes<1>(o, o + HIGH, p, w0, w1);
+        step_pair(o, p, w0, w1);
         for (int i = 0; i < MR; ++i) {
           int32_t v[2];
           std::memcpy(v, x.q.data() + (i0 + i) * K + blk * 32 + p * 8, 8);
@@ -466,11 +486,11 @@ struct B32Pack {
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + D)));
       const __m512 m = OWN_MINS ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + D + 32)))
-                                : _mm512_mul_ps(d, _mm512_set1_ps(-16.f));
+                                : _mm512_mul_ps(d, _mm512_set1_ps(M_OF_D));
       for (int i = 0; i < MR; ++i) {
         const int64_t b = (i0 + i) * nb + blk;
         acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i]), _mm512_mul_ps(d, _mm512_set1_ps(x.d[b])), acc[i]);
-        acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[b]), acc[i]);
+        if constexpr (!LUT) acc[i] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.sum[b]), acc[i]);
       }
     }
     const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
@@ -494,12 +514,30 @@ struct B32Pack {
         if (i0 == 0 && h == 0)  // the group's first tile
           for (int64_t l = 0; l < PB; l += 64) _mm_prefetch((const char*)(o + AHEAD * PB + l), _MM_HINT_T1);
         __m256i isum[MR];
-        for (int f = 0; f < 2; ++f) {
+        if constexpr (LUT) {  // the signed levels by the sign trick, each step's pairs into int32 at once
+          const __m256i levels = _mm256_broadcastsi128_si256(IQ4_NL::levels());
+          for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
+          for (int p = 0; p < 4; ++p) {
+            __m256i w0, w1;
+            half_codes<0>(o, o + HIGH, p, h, w0, w1);
+            w0 = _mm256_shuffle_epi8(levels, w0), w1 = _mm256_shuffle_epi8(levels, w1);
+            const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
+            for (int i = 0; i < MR; ++i) {
+              int32_t v[2];
+              std::memcpy(v, x.q.data() + (i0 + i) * K + blk * 32 + p * 8, 8);
+              const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(_mm256_set1_epi32(v[0]), w0)),
+                            p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(_mm256_set1_epi32(v[1]), w1));
+              isum[i] =
+                  _mm256_add_epi32(isum[i], _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
+            }
+          }
+        }
+        for (int f = 0; f < 2 && !LUT; ++f) {
           __m256i d16[MR];
           for (int s = 0; s < 2; ++s) {
             const int p = 2 * f + s;
             __m256i w0, w1;
-            half_codes<1>(o, o + HIGH, p, h, w0, w1);
+            half_codes<HB>(o, o + HIGH, p, h, w0, w1);
             for (int i = 0; i < MR; ++i) {
               int32_t v[2];
               std::memcpy(v, x.q.data() + (i0 + i) * K + blk * 32 + p * 8, 8);
@@ -515,11 +553,11 @@ struct B32Pack {
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + D + 16 * h)));
         const __m256 m = OWN_MINS ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + D + 32 + 16 * h)))
-                                  : _mm256_mul_ps(d, _mm256_set1_ps(-16.f));
+                                  : _mm256_mul_ps(d, _mm256_set1_ps(M_OF_D));
         for (int i = 0; i < MR; ++i) {
           const int64_t b = (i0 + i) * nb + blk;
           accf[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[i]), _mm256_mul_ps(d, _mm256_set1_ps(x.d[b])), accf[i]);
-          accf[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[b]), accf[i]);
+          if constexpr (!LUT) accf[i] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.sum[b]), accf[i]);
         }
       }
       for (int i = 0; i < MR; ++i) store_half(accf[i], h, rows, y + i * ldy);

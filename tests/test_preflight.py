@@ -230,3 +230,30 @@ def test_an_embedding_model_is_planned_as_the_encoder_with_no_kv_or_prompt_cache
     e = estimate(config)
     assert e.kv_cache_bytes == 0 and e.prompt_cache_bytes == 0 and 0 < e.weights_bytes < 2**20
     assert e.disk_needed_bytes <= 64 * 2**20  # at most the tokenizer, never the weights converted
+
+
+def test_matrices_of_a_type_the_kernels_lack_count_at_the_dense_bytes_they_are_served_in(tmp_path, monkeypatch):
+    """gguf-py dequantizes a matrix of a type the kernels lack, and the layer is served dense (gguf_model): pre-flight
+    counts those weights at the dense bytes, not at the mode's (here Q6_K taken off the kernels' list, on the Q6_K
+    file: 4 bytes a weight on the CPU, where the plan's mode holds 1.125, or 2.25 with the VNNI copy)."""
+    from gguf_reference import GGUF_DIR
+
+    from inference_api.model import gguf_meta
+
+    config = ServerConfig(
+        model=str(GGUF_DIR / "llama-q6_k.gguf"),
+        model_cache_dir=tmp_path,
+        rows=2,
+        context_length=256,
+        skip_preflight=True,
+    )
+    served = preflight(config)
+    assert gguf_meta.read_header(config.model)["float_params"] == 0
+    monkeypatch.setattr(gguf_meta, "BLOCK_TYPES", gguf_meta.BLOCK_TYPES - {"Q6_K"})
+    header = gguf_meta.read_header(config.model)
+    assert header["float_params"] >= header["num_params"] // 2
+    plan = model_plan(config)
+    dense, quantized = bytes_per_weight(plan, "none"), bytes_per_weight(plan)
+    assert dense == 4.0 and quantized < dense
+    lacking = preflight(config)
+    assert lacking.weights_bytes - served.weights_bytes == math.ceil(header["float_params"] * (dense - quantized))

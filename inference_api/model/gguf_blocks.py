@@ -22,10 +22,7 @@ import numpy as np
 import torch
 
 from ..kernels.quant import BlockWeight, Int4Weight, Int8Weight
-
-INT4_TYPES = {"Q4_0", "Q4_1"}  # taken as they are into the int4 layout
-# served in the file's own blocks (csrc/block_form.h; tests/engine/test_gguf_kernels.py checks every one)
-BLOCK_TYPES = {"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "Q5_1", "IQ4_NL", "F16", "BF16"}
+from .gguf_meta import BLOCK_TYPES, INT4_TYPES  # the types taken as they are (int4 layout, own blocks)
 
 
 def _rows(t) -> tuple[int, int, np.ndarray]:

@@ -18,6 +18,11 @@ if TYPE_CHECKING:
     from gguf import GGMLQuantizationType
 
 FLOAT_TYPES = {"F32", "F16", "BF16"}
+# the types the kernels serve without dequantizing (model/gguf_blocks.py): taken as they are into the int4 layout, and
+# served in their own blocks (csrc/block_form.h; tests/engine/test_gguf_kernels.py checks every one). Any other type
+# is dequantized to float32 at load.
+INT4_TYPES = {"Q4_0", "Q4_1"}
+BLOCK_TYPES = {"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "Q5_1", "IQ4_NL", "F16", "BF16"}
 FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"}  # held as int4; 5 bits and more as int8
 
 
@@ -185,15 +190,19 @@ def read_header(path) -> dict:
     hidden = field(f"{arch}.embedding_length") or 0
     sizes = {t.name: int(t.n_elements) for t in tensors}
     by_bytes: Counter[str] = Counter()  # the matrices' types, most bytes first
+    float_params = 0  # the matrices' weights served as float32 (a type the kernels lack, or F32)
     for t in tensors:
         if len(t.shape) == 2:
             by_bytes[t.tensor_type.name] += int(t.n_bytes)
+            if t.tensor_type.name not in INT4_TYPES | BLOCK_TYPES:
+                float_params += int(t.n_elements)
     return {
         "arch": arch,
         "chat_template": field("tokenizer.chat_template"),
         "quantize": mode_of([kind]) if kind else "none",
         "types": [k for k, _ in by_bytes.most_common()],
         "num_params": sum(sizes.values()),
+        "float_params": float_params,
         "num_layers": field(f"{arch}.block_count"),
         "heads": heads,
         "num_kv_heads": field(f"{arch}.attention.head_count_kv") or heads,

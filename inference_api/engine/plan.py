@@ -52,6 +52,10 @@ class ModelFacts:
     kv_heads: int = 0  # key/value heads (0: unknown)
 
 
+# the GGUF block types served in quant.py's int8 layout where the kernels take int8 inputs (ExecutionPlan.int8_layout)
+INT8_LAYOUT = frozenset({"Q8_0"})
+
+
 @dataclass(frozen=True)
 class ExecutionPlan:
     """How the engine runs the model. dtype names are torch's without the prefix ("float32")."""
@@ -88,7 +92,7 @@ class ExecutionPlan:
         head's embedding rows."""
         if not self.int8_inputs:
             return frozenset()
-        return frozenset({"Q8_0"})
+        return INT8_LAYOUT
 
     @property
     def matmul_dtype(self) -> str:

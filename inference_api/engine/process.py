@@ -200,6 +200,7 @@ def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineRe
 
     from ..model.encoder import BertEncoder
     from ..model.loader import model_name, resolve_model_dir
+    from .plan import INT8_LAYOUT
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -210,7 +211,7 @@ def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineRe
     kernels = load_kernels(config.model_cache_dir) if config.device in ("auto", "cpu") else None
     cpu = torch.device("cpu")
     make_linear = linear_factory(cpu, torch.float32, "int8", kernels, None, True) if kernels is not None else None
-    model = BertEncoder(gguf, make_linear, frozenset({"Q8_0", "IQ4_NL"}))
+    model = BertEncoder(gguf, make_linear, INT8_LAYOUT)
     log.info("embedding model %s: %d dims, pooling %s", gguf, model.dims, model.pooling)
     ready = EngineReady(
         str(folder),

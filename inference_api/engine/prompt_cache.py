@@ -25,6 +25,8 @@ import logging
 import os
 import struct
 import threading
+import time
+import uuid
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
@@ -42,6 +44,7 @@ MAGIC = b"IAPC"  # inference_api prompt cache
 VERSION = 1
 MIN_TOKENS = 64  # shorter caches are not worth a snapshot: computing them again is as quick
 SUFFIX = ".kvc"
+STALE_TMP_S = 3600  # a file being written older than this was left by a writer that died: swept at start
 
 
 @dataclass
@@ -217,7 +220,8 @@ class PromptCache:
                     "sha256": hashlib.sha256(payload).hexdigest(),
                 }
             ).encode()
-            tmp = path.with_suffix(".tmp")
+            # each writer its own: two servers on one folder, or two saves of one entry, never write one file
+            tmp = path.with_name(f"{path.stem}.{os.getpid()}-{uuid.uuid4().hex}.tmp")
             with open(tmp, "wb") as f:
                 f.write(MAGIC + struct.pack("<II", VERSION, len(header)) + header + payload)
             os.replace(tmp, path)
@@ -235,8 +239,15 @@ class PromptCache:
         return json.loads(f.read(length))
 
     def _scan(self) -> None:
-        """The folder's entries of this model and cache layout, headers only (oldest first)."""
+        """The folder's entries of this model and cache layout, headers only (oldest first); files a dead writer
+        left half-written are swept."""
         assert self.folder is not None
+        for tmp in self.folder.glob("*.tmp"):
+            try:
+                if time.time() - tmp.stat().st_mtime > STALE_TMP_S:
+                    tmp.unlink()
+            except OSError:  # (another start swept it first)
+                pass
         files = sorted(self.folder.glob(f"*{SUFFIX}"), key=lambda p: p.stat().st_mtime)
         for path in files:
             try:

@@ -154,3 +154,61 @@ def test_the_budget_follows_a_containers_limit(monkeypatch):
 
     monkeypatch.setattr(P, "read_text", read_text)
     assert prompt_cache.cache_bytes(-1) == min(4 << 30, prompt_cache.memory_limit() // 4) == 896 << 20
+
+
+def test_two_writers_of_one_entry_leave_a_whole_file(tmp_path: Path, monkeypatch):
+    """Two servers on one folder (or two saves of one prefix) write the same entry at once: each writes its own
+    temporary file, so the entry left is whole and served. Here the second writer runs all through while the first
+    is half-way through its bytes; a shared temporary file would leave the first's tail over the second's."""
+    from inference_api.engine import prompt_cache
+
+    tokens = tuple(STORY.encode())
+    caches = [PromptCache(64 << 20, tmp_path, fingerprint="m") for _ in range(2)]
+    tensors = [[torch.full((4096,), i, dtype=torch.int64)] for i in (1, 2)]
+    real_open, interleaved = open, []
+
+    class HalfThenOther:
+        def __init__(self, f):
+            self.f = f
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.f.close()
+
+        def write(self, data: bytes) -> None:
+            self.f.write(data[: len(data) // 2])
+            self.f.flush()
+            if not interleaved:
+                interleaved.append(True)
+                caches[1]._write(path, "a", tokens, tensors[1])
+            self.f.write(data[len(data) // 2 :])
+
+    def opening(file, mode="r", *args, **kwargs):
+        f = real_open(file, mode, *args, **kwargs)
+        return HalfThenOther(f) if "w" in mode and not interleaved else f
+
+    path = tmp_path / f"{prompt_cache._key('a', tokens)}{prompt_cache.SUFFIX}"
+    monkeypatch.setattr(prompt_cache, "open", opening, raising=False)
+    caches[0]._write(path, "a", tokens, tensors[0])
+    monkeypatch.undo()
+    assert interleaved and not list(tmp_path.glob("*.tmp"))
+    fresh = PromptCache(64 << 20, tmp_path, fingerprint="m")
+    key, n = fresh.longest(tokens + (1,), "a", 10_000)
+    assert key is not None and n == len(tokens)
+    loaded = fresh.load(key)
+    assert loaded is not None and any(torch.equal(loaded[0], t[0]) for t in tensors)
+
+
+def test_a_dead_writers_temporary_files_are_swept_at_start(tmp_path: Path):
+    import os
+    import time
+
+    from inference_api.engine.prompt_cache import STALE_TMP_S
+
+    old, fresh = tmp_path / "x.1-2.tmp", tmp_path / "y.1-2.tmp"
+    old.write_bytes(b"half"), fresh.write_bytes(b"being written")
+    os.utime(old, (time.time() - STALE_TMP_S - 60,) * 2)
+    PromptCache(64 << 20, tmp_path, fingerprint="m")
+    assert not old.exists() and fresh.exists()

@@ -241,7 +241,7 @@ class QuantLinear:
             if not lookups:  # every row count now reads the packing: the codes' place is held by untouched pages
                 self.weight = dataclasses.replace(weight, q=untouched(weight.q))
         elif int8_inputs and isinstance(weight, BlockWeight):
-            packed = kernels.pack_k8(weight.raw, weight.ggml_type)  # k-quants, Q5_0, Q5_1; else empty
+            packed = kernels.pack_k8(weight.raw, weight.ggml_type)  # k-quants, IQ4_XS, Q5_0, Q5_1, IQ4_NL; else empty
             if packed.numel():
                 self.vnni = (packed, None)
                 if not lookups:

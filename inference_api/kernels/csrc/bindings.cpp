@@ -24,8 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_gguf", &linear_gguf, "x @ W^T for W a GGUF tensor's rows in their own blocks (raw [N, row bytes])",
         py::arg("x"), py::arg("raw"), py::arg("type"), py::arg("bias"), py::arg("int8_inputs") = false,
         py::arg("packed") = py::none());
-  m.def("pack_k8", &pack_k8,
-        "Q4_K, Q5_K or Q6_K rows (and Q5_0 or Q5_1 at the AVX2 level) packed for the tiles (else empty)",
+  m.def("pack_k8", &pack_k8, "k-quant, IQ4_XS, Q5_0, Q5_1 or IQ4_NL rows packed for the tiles (else empty)",
         py::arg("raw"), py::arg("type"));
   m.def("dequantize_gguf", &dequantize_gguf, "rows of a GGUF tensor's blocks as float32 [R, K]", py::arg("raw"),
         py::arg("type"));

@@ -277,8 +277,8 @@ int64_t k8_packed_bytes(int64_t type, int64_t N, int64_t row_bytes) {
   return bytes;
 }
 
-// Q4_K, Q5_K or Q6_K rows packed for the tiles (k8_pack.h: K8Pack), and Q5_0 or Q5_1 rows (B32Pack): uint8
-// [groups of 16 rows, blocks * PB]; an empty tensor for other types
+// k-quant (Q2_K to Q6_K) or IQ4_XS rows packed for the tiles (k8_pack.h: K8Pack), and Q5_0, Q5_1 or IQ4_NL rows
+// (B32Pack): uint8 [groups of 16 rows, blocks * PB]; an empty tensor for other types
 at::Tensor pack_k8(const at::Tensor& raw, int64_t type) {
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(), "GGUF rows: uint8 [N, bytes]");
   const int64_t N = raw.size(0), bytes = k8_packed_bytes(type, N, raw.size(1)), groups = (N + 15) / 16;

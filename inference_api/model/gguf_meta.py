@@ -191,10 +191,11 @@ def read_header(path) -> dict:
     sizes = {t.name: int(t.n_elements) for t in tensors}
     by_bytes: Counter[str] = Counter()  # the matrices' types, most bytes first
     float_params = 0  # the matrices' weights served as float32 (a type the kernels lack, or F32)
+    served = INT4_TYPES | BLOCK_TYPES
     for t in tensors:
         if len(t.shape) == 2:
             by_bytes[t.tensor_type.name] += int(t.n_bytes)
-            if t.tensor_type.name not in INT4_TYPES | BLOCK_TYPES:
+            if t.tensor_type.name not in served:
                 float_params += int(t.n_elements)
     return {
         "arch": arch,

@@ -344,7 +344,8 @@ struct BlockForm {
           // signed codes went plus 128 (unsigned_codes); their minimums' integers are the scales
           if constexpr (B::SIGNED) isum[i] = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(imin, 7));
           acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum[i]), acc[i]);
-          acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(mv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(imin), acc[i]);
+          if constexpr (B::MINS)
+            acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(mv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(imin), acc[i]);
         }
       }
       const __mmask16 keep = static_cast<__mmask16>((1u << g.rows) - 1);
@@ -534,9 +535,10 @@ struct BlockForm {
           const __m256i bs = _mm256_loadu_si256((const __m256i*)(x.bsum.data() + ((i + ii) * nb + blk) * 16));
           const float dx = x.d[(i + ii) * nb + blk];
           for (int r = 0; r < RW; ++r) {
-            const int32_t is = hsum_i32(isum[r][ii]), im = hsum_i32(_mm256_madd_epi16(bs, mins[r]));
-            acc[r][ii] = std::fma(D[r] * dx, static_cast<float>(is), acc[r][ii]);
-            acc[r][ii] = std::fma(M[r] * dx, static_cast<float>(im), acc[r][ii]);
+            acc[r][ii] = std::fma(D[r] * dx, static_cast<float>(hsum_i32(isum[r][ii])), acc[r][ii]);
+            if constexpr (B::MINS)  // (IQ4_XS: signed levels, no minimums)
+              acc[r][ii] =
+                  std::fma(M[r] * dx, static_cast<float>(hsum_i32(_mm256_madd_epi16(bs, mins[r]))), acc[r][ii]);
           }
         }
       }

@@ -141,6 +141,8 @@ struct IQ4_NL : Scale32<0, false> {
   static __m128i levels() {
     return _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
   }
+  // the levels plus 128, as bytes: vpdpbusd's unsigned side
+  static __m128i unsigned_levels() { return _mm_xor_si128(levels(), _mm_set1_epi8(static_cast<char>(0x80))); }
   template <typename V>  // the nibbles: indices into the levels
   static typename V::T indices(const uint8_t* a, const uint8_t* b, int) {
     return V::nibbles(a + 2, b + 2);

@@ -123,44 +123,31 @@ inline void pack_codes2(const uint8_t* codes, int64_t stride, uint8_t* low, uint
 // bit k of each byte of v as that byte's bit 2 (the third bit of a code)
 template <typename V>
 inline typename V::T third_bit(typename V::T v, int k) {
-  const auto four = V::set1_epi8(4);
-  return k >= 2 ? V::and_(V::srli16(v, k - 2), four) : V::and_(V::slli16(v, 2 - k), four);
+  return V::and_(k >= 2 ? V::srli(v, k - 2) : V::slli(v, 2 - k), V::set1(4));
 }
-struct V256i {
-  using T = __m256i;
-  static T set1_epi8(char c) { return _mm256_set1_epi8(c); }
-  static T and_(T a, T b) { return _mm256_and_si256(a, b); }
-  static T or_(T a, T b) { return _mm256_or_si256(a, b); }
-  static T srli16(T a, int k) { return _mm256_srli_epi16(a, k); }
-  static T slli16(T a, int k) { return _mm256_slli_epi16(a, k); }
-  static T load(const uint8_t* p) { return _mm256_loadu_si256((const __m256i*)p); }
-};
-#ifdef WOQ_VNNI
-struct V512i {
-  using T = __m512i;
-  static T set1_epi8(char c) { return _mm512_set1_epi8(c); }
-  static T and_(T a, T b) { return _mm512_and_si512(a, b); }
-  static T or_(T a, T b) { return _mm512_or_si512(a, b); }
-  static T srli16(T a, int k) { return _mm512_srli_epi16(a, k); }
-  static T slli16(T a, int k) { return _mm512_slli_epi16(a, k); }
-  static T load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-};
-#endif
-
-// inputs 8p .. 8p + 3 and 8p + 4 .. 8p + 7 of the two-bit layout as two steps of codes, [rows][4 inputs] each: the
-// whole vector's 16 rows (V512i, off 0) or half h's 8 (V256i, off 32 h)
+// inputs 8p .. 8p + 3 and 8p + 4 .. 8p + 7 of the two-bit layout as two steps of codes, [rows][4 inputs] each: v, the
+// low bits' vector p / 2 (the whole vector's 16 rows with V512, half a vector's 8 with V256), and hv, the third
+// bits' vector p / 4 (HB = 1)
 template <int HB, typename V>
-inline void codes2(const uint8_t* low, const uint8_t* high, int p, int off, typename V::T& w0, typename V::T& w1) {
-  const auto v = V::load(low + (p / 2) * 64 + off), three = V::set1_epi8(3);
+inline void codes2(typename V::T v, typename V::T hv, int p, typename V::T& w0, typename V::T& w1) {
   const int sh = 4 * (p % 2);
-  w0 = V::and_(V::srli16(v, sh), three);
-  w1 = V::and_(V::srli16(v, sh + 2), three);
+  w0 = V::and_(V::srli(v, sh), V::set1(3));
+  w1 = V::and_(V::srli(v, sh + 2), V::set1(3));
   if constexpr (HB > 0) {
-    const auto hv = V::load(high + (p / 4) * 64 + off);
     const int k = 2 * (p % 4);
     w0 = V::or_(w0, third_bit<V>(hv, k));
     w1 = V::or_(w1, third_bit<V>(hv, k + 1));
   }
+}
+
+// The AVX2 tiles' products of IQ4_NL's levels (IQ4_XS's too) by a step's inputs: the indices w0 and w1 of two steps
+// looked up as the signed levels, multiplied by the inputs' 4 bytes x0 and x1 broadcast by the sign trick (pairs of
+// at most 2 x 127 x 127, no saturation), each step's pairs into int32 at once by the rows' scales sc (int16 pairs)
+inline __m256i level_products(__m256i w0, __m256i w1, int32_t x0, int32_t x1, __m256i sc) {
+  w0 = V256::lookup(IQ4_NL::levels(), w0), w1 = V256::lookup(IQ4_NL::levels(), w1);
+  const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(_mm256_set1_epi32(x0), w0)),
+                p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(_mm256_set1_epi32(x1), w1));
+  return _mm256_add_epi32(_mm256_madd_epi16(p0, sc), _mm256_madd_epi16(p1, sc));
 }
 
 template <typename B>
@@ -242,19 +229,19 @@ struct K8Pack {
   static void dm_half(const uint8_t* o, int h, __m256& d, __m256& m) {
     d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + DM + 16 * h)));
     if constexpr (OWN_MINS) m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + DM + 32 + 16 * h)));
-    else if constexpr (LUT) m = _mm256_setzero_ps();
     else m = _mm256_mul_ps(d, _mm256_set1_ps(M_OF_D));
   }
 
 #ifdef WOQ_VNNI
   // vector p's two steps of codes (inputs 8p .. 8p + 3 and 8p + 4 .. 8p + 7 of the 16 rows) from a super-block
   static void step_pair(const uint8_t* o, int p, __m512i& w0, __m512i& w1) {
-    if constexpr (CB == 2) codes2<(HB > 0 ? HB : 0), V512i>(o, o + HIGH, p, 0, w0, w1);
+    if constexpr (CB == 2)
+      codes2<(HB > 0 ? HB : 0), V512>(_mm512_loadu_si512(o + (p / 2) * 64),
+                                      HB > 0 ? _mm512_loadu_si512(o + HIGH + (p / 4) * 64) : _mm512_setzero_si512(), p,
+                                      w0, w1);
     else step_codes<(HB > 0 ? HB : 0)>(o, o + HIGH, p, w0, w1);
-    if constexpr (LUT) {  // the levels plus 128, unsigned
-      const __m512i t = _mm512_broadcast_i32x4(_mm_xor_si128(IQ4_NL::levels(), _mm_set1_epi8(static_cast<char>(0x80))));
-      w0 = _mm512_shuffle_epi8(t, w0), w1 = _mm512_shuffle_epi8(t, w1);
-    }
+    if constexpr (LUT)
+      w0 = V512::lookup(IQ4_NL::unsigned_levels(), w0), w1 = V512::lookup(IQ4_NL::unsigned_levels(), w1);
   }
 
   // y[i * ldy + r] for the MR input rows from i0 (Q8_K inputs) and the rows r of the group packed at g (its first
@@ -307,7 +294,8 @@ struct K8Pack {
         }
         if constexpr (LUT) isum[i] = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(imin, 7));  // the levels' + 128
         acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum[i]), acc[i]);
-        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(mv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(imin), acc[i]);
+        if constexpr (B::MINS)
+          acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(mv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(imin), acc[i]);
       }
     }
     const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
@@ -317,7 +305,11 @@ struct K8Pack {
 
   // half h of vector p (rows 8h .. 8h + 7): its two steps of codes, [8 rows][4 inputs] each
   static void half_pair(const uint8_t* o, int p, int h, __m256i& w0, __m256i& w1) {
-    if constexpr (CB == 2) codes2<(HB > 0 ? HB : 0), V256i>(o, o + HIGH, p, 32 * h, w0, w1);
+    if constexpr (CB == 2)
+      codes2<(HB > 0 ? HB : 0), V256>(
+          _mm256_loadu_si256((const __m256i*)(o + (p / 2) * 64 + 32 * h)),
+          HB > 0 ? _mm256_loadu_si256((const __m256i*)(o + HIGH + (p / 4) * 64 + 32 * h)) : _mm256_setzero_si256(), p,
+          w0, w1);
     else half_codes<(HB > 0 ? HB : 0)>(o, o + HIGH, p, h, w0, w1);
   }
 
@@ -346,21 +338,15 @@ struct K8Pack {
         for (int j = 0; j < NS; ++j) {
           const __m128i s8 = h ? _mm_unpackhi_epi64(scales(o, j), scales(o, j)) : scales(o, j);
           const __m256i sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s8, s8));  // each row's scale in both its lanes
-          if constexpr (LUT) {  // the signed levels by the sign trick, each step's pairs into int32 at once
-            const __m256i levels = _mm256_broadcastsi128_si256(IQ4_NL::levels());
+          if constexpr (LUT) {  // the signed levels: each step's pairs into int32 at once
             for (int s = 0; s < VP; ++s) {
               const int p = j * VP + s;
               __m256i w0, w1;
               half_pair(o, p, h, w0, w1);
-              w0 = _mm256_shuffle_epi8(levels, w0), w1 = _mm256_shuffle_epi8(levels, w1);
-              const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
               for (int i = 0; i < MR; ++i) {
                 int32_t v[2];
                 std::memcpy(v, xq + i * K + p * 8, 8);
-                const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(_mm256_set1_epi32(v[0]), w0)),
-                              p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(_mm256_set1_epi32(v[1]), w1));
-                isum[i] =
-                    _mm256_add_epi32(isum[i], _mm256_add_epi32(_mm256_madd_epi16(p0, sc), _mm256_madd_epi16(p1, sc)));
+                isum[i] = _mm256_add_epi32(isum[i], level_products(w0, w1, v[0], v[1], sc));
               }
             }
             continue;
@@ -384,22 +370,26 @@ struct K8Pack {
         }
         __m256 dv, mv;
         dm_half(o, h, dv, mv);
-        __m256i mn[NP];  // the minimums of sub-blocks 2q and 2q + 1 as int16 pairs
-        for (int q = 0; q < NP; ++q) {
-          const __m256i pairs = min_pairs(o, q);
-          mn[q] = _mm256_cvtepi8_epi16(h ? _mm256_extracti128_si256(pairs, 1) : _mm256_castsi256_si128(pairs));
-        }
+        __m256i mn[NP];  // the minimums of sub-blocks 2q and 2q + 1 as int16 pairs (IQ4_XS: none)
+        if constexpr (B::MINS)
+          for (int q = 0; q < NP; ++q) {
+            const __m256i pairs = min_pairs(o, q);
+            mn[q] = _mm256_cvtepi8_epi16(h ? _mm256_extracti128_si256(pairs, 1) : _mm256_castsi256_si128(pairs));
+          }
         for (int i = 0; i < MR; ++i) {
           const __m256 dx = _mm256_set1_ps(x.d[(i0 + i) * nb + blk]);
           __m256 a = _mm256_fmadd_ps(_mm256_mul_ps(dv, dx), _mm256_cvtepi32_ps(isum[i]), _mm256_load_ps(acc[h][i]));
-          const int16_t* bs = xs + (i * nb + blk) * NS;
-          __m256i imin = _mm256_setzero_si256();
-          for (int q = 0; q < NP; ++q) {
-            int32_t pair;
-            std::memcpy(&pair, bs + 2 * q, 4);
-            imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn[q], _mm256_set1_epi32(pair)));
+          if constexpr (B::MINS) {
+            const int16_t* bs = xs + (i * nb + blk) * NS;
+            __m256i imin = _mm256_setzero_si256();
+            for (int q = 0; q < NP; ++q) {
+              int32_t pair;
+              std::memcpy(&pair, bs + 2 * q, 4);
+              imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn[q], _mm256_set1_epi32(pair)));
+            }
+            a = _mm256_fmadd_ps(_mm256_mul_ps(mv, dx), _mm256_cvtepi32_ps(imin), a);
           }
-          _mm256_store_ps(acc[h][i], _mm256_fmadd_ps(_mm256_mul_ps(mv, dx), _mm256_cvtepi32_ps(imin), a));
+          _mm256_store_ps(acc[h][i], a);
         }
       }
     }
@@ -452,10 +442,8 @@ struct B32Pack {
   // vector p's two steps of codes (inputs 4p .. 4p + 3 and 16 + 4p .. of the 16 rows) as vpdpbusd takes them
   static void step_pair(const uint8_t* o, int p, __m512i& w0, __m512i& w1) {
     step_codes<HB>(o, o + HIGH, p, w0, w1);
-    if constexpr (LUT) {  // the levels plus 128, unsigned
-      const __m512i t = _mm512_broadcast_i32x4(_mm_xor_si128(IQ4_NL::levels(), _mm_set1_epi8(static_cast<char>(0x80))));
-      w0 = _mm512_shuffle_epi8(t, w0), w1 = _mm512_shuffle_epi8(t, w1);
-    }
+    if constexpr (LUT)
+      w0 = V512::lookup(IQ4_NL::unsigned_levels(), w0), w1 = V512::lookup(IQ4_NL::unsigned_levels(), w1);
   }
 #endif
 
@@ -514,41 +502,36 @@ struct B32Pack {
         if (i0 == 0 && h == 0)  // the group's first tile
           for (int64_t l = 0; l < PB; l += 64) _mm_prefetch((const char*)(o + AHEAD * PB + l), _MM_HINT_T1);
         __m256i isum[MR];
-        if constexpr (LUT) {  // the signed levels by the sign trick, each step's pairs into int32 at once
-          const __m256i levels = _mm256_broadcastsi128_si256(IQ4_NL::levels());
+        if constexpr (LUT) {  // the signed levels: each step's pairs into int32 at once
           for (int i = 0; i < MR; ++i) isum[i] = _mm256_setzero_si256();
           for (int p = 0; p < 4; ++p) {
             __m256i w0, w1;
             half_codes<0>(o, o + HIGH, p, h, w0, w1);
-            w0 = _mm256_shuffle_epi8(levels, w0), w1 = _mm256_shuffle_epi8(levels, w1);
-            const __m256i a0 = _mm256_sign_epi8(w0, w0), a1 = _mm256_sign_epi8(w1, w1);
             for (int i = 0; i < MR; ++i) {
               int32_t v[2];
               std::memcpy(v, x.q.data() + (i0 + i) * K + blk * 32 + p * 8, 8);
-              const __m256i p0 = _mm256_maddubs_epi16(a0, _mm256_sign_epi8(_mm256_set1_epi32(v[0]), w0)),
-                            p1 = _mm256_maddubs_epi16(a1, _mm256_sign_epi8(_mm256_set1_epi32(v[1]), w1));
-              isum[i] =
-                  _mm256_add_epi32(isum[i], _mm256_add_epi32(_mm256_madd_epi16(p0, ones), _mm256_madd_epi16(p1, ones)));
+              isum[i] = _mm256_add_epi32(isum[i], level_products(w0, w1, v[0], v[1], ones));
             }
           }
-        }
-        for (int f = 0; f < 2 && !LUT; ++f) {
-          __m256i d16[MR];
-          for (int s = 0; s < 2; ++s) {
-            const int p = 2 * f + s;
-            __m256i w0, w1;
-            half_codes<HB>(o, o + HIGH, p, h, w0, w1);
+        } else {
+          for (int f = 0; f < 2; ++f) {
+            __m256i d16[MR];
+            for (int s = 0; s < 2; ++s) {
+              const int p = 2 * f + s;
+              __m256i w0, w1;
+              half_codes<HB>(o, o + HIGH, p, h, w0, w1);
+              for (int i = 0; i < MR; ++i) {
+                int32_t v[2];
+                std::memcpy(v, x.q.data() + (i0 + i) * K + blk * 32 + p * 8, 8);
+                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(v[0])),
+                                                   _mm256_maddubs_epi16(w1, _mm256_set1_epi32(v[1])));
+                d16[i] = s == 0 ? t : _mm256_add_epi16(d16[i], t);
+              }
+            }
             for (int i = 0; i < MR; ++i) {
-              int32_t v[2];
-              std::memcpy(v, x.q.data() + (i0 + i) * K + blk * 32 + p * 8, 8);
-              const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(v[0])),
-                                                 _mm256_maddubs_epi16(w1, _mm256_set1_epi32(v[1])));
-              d16[i] = s == 0 ? t : _mm256_add_epi16(d16[i], t);
+              const __m256i part = _mm256_madd_epi16(d16[i], ones);
+              isum[i] = f == 0 ? part : _mm256_add_epi32(isum[i], part);
             }
-          }
-          for (int i = 0; i < MR; ++i) {
-            const __m256i part = _mm256_madd_epi16(d16[i], ones);
-            isum[i] = f == 0 ? part : _mm256_add_epi32(isum[i], part);
           }
         }
         const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + D + 16 * h)));

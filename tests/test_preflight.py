@@ -125,7 +125,8 @@ def test_too_large_refuses_unless_skipped(model_dir):
     head = 49152 * 576  # tied: the int8 head's rows are the embeddings; each has its bfloat16 copy where used
     here = model_plan(ServerConfig(model_cache_dir=Path(MODEL_CACHE)))  # this machine's plan for the default model
     bf16 = 2 if here.batch_dtype else 0
-    vnni4, vnni8 = (0.5 + 4 / 32, 1 + 4 / 32) if here.vnni else (0, 0)
+    vnni4 = 0.5 + 4 / 32 if here.vnni else 0
+    vnni8 = 1 + 4 / 32 if here.int8_inputs else 0  # the head packed at both levels, its codes kept for lookups
     assert default.weights_bytes == math.ceil(
         (134_515_008 - head) * (0.5 + 4 / 32 + bf16 + vnni4) + head * (1 + 4 / 32 + bf16 + vnni8)
     )

@@ -85,11 +85,11 @@ class ExecutionPlan:
         270M's bytes a token; and Q8_0 linears). Not Q5_0 nor IQ4_NL: both levels pack their blocks at load for
         their tiles (B32Pack: 22 and 18 bytes a row and block against the layout's 36; at the AVX-512 level SmolLM2
         Q4_K_M's one-row step 5.3 against 6.9 ms, Gemma 3's 11.6 against 12.7, its 32-row step 43.8 against 40.7,
-        minimums of 3 alternating runs, 2026-11-27 19:50). The few-row kernels (AVX2) read the
-        layout's aligned codes at 1.6x the blocks' speed for 6 % more bytes; the VNNI tiles run it packed at load
-        (7.3 against 12.0 ms at one row of Gemma's head, 32.5 against 42.6 at 32; SmolLM2's Q8_0 linears 7.4 against
-        9.9 ms a decode step; AMD EPYC with AVX-512, 2026-11-25), the unpacked codes let go except for a tied
-        head's embedding rows."""
+        minimums of 3 alternating runs, 2026-11-27 19:50). The tiles of both levels run the
+        layout packed at load (quant.vnni_int8; VNNI: 7.3 against 12.0 ms at one row of Gemma's head, 32.5 against
+        42.6 at 32, SmolLM2's Q8_0 linears 7.4 against 9.9 ms a decode step, AMD EPYC with AVX-512, 2026-11-25; AVX2:
+        avx2_i8_tile over the same packing, docs/performance.md), the unpacked codes let go except for a tied head's
+        embedding rows."""
         if not self.int8_inputs:
             return frozenset()
         return INT8_LAYOUT
@@ -130,7 +130,7 @@ class ExecutionPlan:
         inputs = (
             "every row's inputs int8 (VNNI tiles)"
             if self.vnni
-            else "every row's inputs int8 (AVX2 tiles for 4-bit and k-quant weights, integer row kernels else)"
+            else "every row's inputs int8 (AVX2 tiles)"
             if self.int8_inputs
             else f"inputs {self.dtype}"
         )

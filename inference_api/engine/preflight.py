@@ -35,7 +35,7 @@ DTYPE_BYTES = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
 # with a float16 scale d and a float16 minimum m per block of 32; int8 is a byte per weight and one float32 scale
 # per group: 32 weights from a GGUF (as Q8_0), one output channel (K weights) from a folder
 QUANT_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 4 / 32}
-VNNI_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 4 / 32}  # the weights packed for the VNNI tiles
+VNNI_BYTES = {"int4": 0.5 + 4 / 32, "int8": 1.0 + 4 / 32}  # the weights packed for the tiles
 HEAD_BYTES = 1.0 + 4 / 32  # a quantized model's output head: int8 groups of 32 (llama family)
 SHRINK_FLAGS = "--rows, --context-length, --dtype, --kv-dtype, --quantize or --cache-ram"
 TOKENIZER_DISK = 64 * 2**20  # a GGUF's tokenizer and config files in the model cache, at most
@@ -158,14 +158,17 @@ def estimate_bytes(
     return math.ceil(weights), kv
 
 
-def batch_copy_bytes(plan: ExecutionPlan, quantize: str | None = None) -> float:
+def batch_copy_bytes(plan: ExecutionPlan, quantize: str | None = None, head: bool = False) -> float:
     """Bytes per weight of the copies a quantized CPU layer holds beside its weights: the bfloat16 copy it runs
     several rows on where the CPU multiplies bfloat16 fastest (linear.SplitLinear), and the weights packed for
-    the VNNI tiles (quant.vnni_int4, vnni_int8: the same bytes, int8 with a float scale per 32 at most)."""
+    the tiles (quant.vnni_int4, vnni_int8: the same bytes, int8 with a float scale per 32 at most): counted for
+    every weight with AVX512-VNNI, and at the AVX2 level for the head (``head``), whose codes stay beside the
+    packing for the embedding's lookups (the other weights' codes are let go once packed)."""
     quantize = quantize or plan.quantize
     if not plan.cpu_kernels or quantize == "none":
         return 0.0
-    return (DTYPE_BYTES[plan.batch_dtype] if plan.batch_dtype else 0.0) + (VNNI_BYTES[quantize] if plan.vnni else 0.0)
+    packed = plan.vnni or (head and plan.int8_inputs)
+    return (DTYPE_BYTES[plan.batch_dtype] if plan.batch_dtype else 0.0) + (VNNI_BYTES[quantize] if packed else 0.0)
 
 
 def bytes_per_weight(plan: ExecutionPlan, quantize: str | None = None, in_features: int | None = None) -> float:
@@ -336,7 +339,7 @@ def estimate(config: ServerConfig) -> Estimate:
         dense_params=shape.vocab_params if quantized and not shape.tied else 0,
         bytes_per_dense=bytes_per_weight(plan, "none"),
         head_params=shape.vocab_params if quantized and compact else 0,
-        bytes_per_head=HEAD_BYTES + batch_copy_bytes(plan, "int8"),
+        bytes_per_head=HEAD_BYTES + batch_copy_bytes(plan, "int8", head=True),
         windows=shape.windows if plan.kv_ring else (),
         chunk=config.prefill_chunk,
         vocab_params=shape.vocab_params,

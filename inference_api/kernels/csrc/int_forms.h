@@ -255,6 +255,61 @@ inline void avx2_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, cons
     for (int i = 0; i < MR; ++i) store_half(accf[i], h, rows, y + i * ldy);
   }
 }
+
+// 8 scales of a half group's block, float or float16 (a GGUF's Q8_0 and IQ4_NL: float16 values)
+inline __m256 half_scales(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 half_scales(const c10::Half* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+
+// vnni_i8_tile's numbers on AVX2, over the same packing (quant.vnni_int8: each weight plus 128): each step's 8 rows x
+// 4 weights of a half group back to signed (xor 128) and their magnitudes, once for the MR input rows; per input row
+// the sign trick (vpsignb moves each weight's sign onto the input's broadcast bytes), vpmaddubsw and vpmaddwd by
+// ones into int32 per row (a pair of int8 products fills int16: no sums in int16 here). Up to 2 input rows take
+// both halves in one pass over the weights (one stream reads each byte once, ahead of use), more a half a pass.
+// Each block's integer sum is exact, so the floats after it are vnni_i8_tile's to the bit.
+template <int MR, typename T>
+inline void avx2_i8_tile(const uint8_t* wp, const T* sc, int64_t S, const int8_t* xq, const float* dx, int64_t K,
+                         float* y, int64_t ldy, int64_t rows, bool ahead) {
+  constexpr int HS = MR <= 2 ? 2 : 1;  // halves a pass
+  constexpr int64_t AHEAD_BLOCKS = 32;
+  const __m256i ones = _mm256_set1_epi16(1), plus128 = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int h0 = 0; h0 < 2; h0 += HS) {
+    __m256 accf[HS][MR];
+    for (int h = 0; h < HS; ++h)
+      for (int i = 0; i < MR; ++i) accf[h][i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < S; ++g) {
+      if (ahead && h0 == 0)
+        for (int l = 0; l < 512; l += 64) _mm_prefetch((const char*)(wp + (g + AHEAD_BLOCKS) * 512 + l), _MM_HINT_T0);
+      __m256i acc[HS][MR];
+      for (int h = 0; h < HS; ++h)
+        for (int i = 0; i < MR; ++i) acc[h][i] = _mm256_setzero_si256();
+      for (int a = 0; a < 8; ++a) {
+        __m256i xb[MR];
+        for (int i = 0; i < MR; ++i) {
+          int32_t x;
+          std::memcpy(&x, xq + i * K + g * 32 + 4 * a, 4);
+          xb[i] = _mm256_set1_epi32(x);
+        }
+        for (int h = 0; h < HS; ++h) {
+          const __m256i w =
+              _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(wp + (g * 8 + a) * 64 + (h0 + h) * 32)), plus128);
+          const __m256i aw = _mm256_abs_epi8(w);
+          for (int i = 0; i < MR; ++i) {
+            const __m256i p = _mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb[i], w));
+            acc[h][i] = _mm256_add_epi32(acc[h][i], _mm256_madd_epi16(p, ones));
+          }
+        }
+      }
+      for (int h = 0; h < HS; ++h) {
+        const __m256 s = half_scales(sc + g * 16 + 8 * (h0 + h));
+        for (int i = 0; i < MR; ++i)
+          accf[h][i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[h][i]), _mm256_mul_ps(s, _mm256_set1_ps(dx[i * S + g])),
+                                       accf[h][i]);
+      }
+    }
+    for (int h = 0; h < HS; ++h)
+      for (int i = 0; i < MR; ++i) store_half(accf[h][i], h0 + h, rows, y + i * ldy);
+  }
+}
 #endif  // !WOQ_VNNI
 
 #ifdef WOQ_VNNI
@@ -353,9 +408,9 @@ struct I8Form {
   const c10::Half* vsh = nullptr;
   static constexpr bool Q8 = true, VNNI = true, K8 = false;  // integer kernels for int8 inputs; VNNI tiles
   static constexpr bool ONE_ROW = false;                     // packed at load: one row goes through the tiles too
-  static constexpr bool HALVES = false, AVX2_TILE = false, B32 = false;
+  static constexpr bool HALVES = false, AVX2_TILE = true, B32 = false;  // the packing's tiles without VNNI too
   bool vnni_ready() const { return vq != nullptr; }
-  bool avx2_ready() const { return false; }
+  bool avx2_ready() const { return vq != nullptr; }
   void vnni_prepare(int64_t) const {}
   bool q8_ready() const { return G % 32 == 0; }
   bool vec_ready() const;
@@ -376,6 +431,16 @@ struct I8Form {
   }
   void dot_rows(const float* x, const std::vector<float>&, int64_t n, int64_t rows, float* y) const {
     dot_rows_i8(x, q + n * K, s + n * S, K, G, rows, y);
+  }
+#endif
+#if defined(WOQ_SIMD) && !defined(WOQ_VNNI)
+  template <int MR>
+  void avx2_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
+    const int64_t B = K / 32, rows = std::min<int64_t>(16, N - grp * 16);
+    const int8_t* xq = x.q.data() + i0 * K;
+    const float* dx = x.d.data() + i0 * B;
+    if (vsh != nullptr) avx2_i8_tile<MR>(vq + grp * B * 512, vsh + grp * B * 16, B, xq, dx, K, y, ldy, rows, i0 == 0);
+    else avx2_i8_tile<MR>(vq + grp * B * 512, vs + grp * B * 16, B, xq, dx, K, y, ldy, rows, i0 == 0);
   }
 #endif
 #ifdef WOQ_VNNI

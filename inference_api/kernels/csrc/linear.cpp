@@ -220,12 +220,10 @@ bool vnni() {
 }
 
 // Whether these kernels run every row count of quant.py's form (FORM_INT8, FORM_INT4) on tiles over a copy packed at
-// load (vnni_int8, vnni_int4): both forms with AVX512-VNNI, the 4-bit form with AVX2 too (avx2_i4_tile)
+// load (vnni_int8, vnni_int4): both forms at both levels (AVX2: avx2_i8_tile, avx2_i4_tile over the same packing)
 bool packed_tiles(int64_t form) {
-#ifdef WOQ_VNNI
+#ifdef WOQ_SIMD
   return form == FORM_INT8 || form == FORM_INT4;
-#elif defined(WOQ_SIMD)
-  return form == FORM_INT4;
 #else
   return false;
 #endif

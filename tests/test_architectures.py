@@ -69,6 +69,44 @@ def test_a_gguf_gives_llama_cpps_perplexity_and_next_tokens(name):
     assert agree >= 0.98
 
 
+@pytest.mark.parametrize("name", sorted(REFERENCE))
+def test_the_decoders_one_call_takes_a_step_as_the_layer_loop_does(name):
+    """A decode step through the kernels' Decoder (csrc/decoder.cpp: every family ModelSpec.fused names, with its
+    per-head and output norms, GELU gate, soft-capping, two rotary tables and sliding-window rings) equals forward's
+    one layer loop over the same kernels bit for bit: rows 0 and 2 decoding with row 1 idle between them, past the
+    wrap of the rings (prefill chunks of 16: rings of window + 16 slots), and the idle row's cache untouched."""
+    ref = REFERENCE[name]
+    config = ServerConfig(
+        model=str(ref.path), model_cache_dir=Path(MODEL_CACHE), rows=3, context_length=256, prefill_chunk=16
+    )
+    engine, _ = build_engine(config)
+    runner, model = engine.runner, engine.runner.model
+    if not model.spec.fused:  # falcon's parallel layers, a partial rotary: the loop runs them
+        assert model.fused is None and model.spec.family.parallel
+        return
+    assert model.fused is not None
+    tokens = list(ref.chunks[0].tokens)
+    cache = runner.cache
+    with torch.inference_mode():
+        for row, prompt in ((0, tokens[:40]), (1, tokens[40:70]), (2, tokens[70:103])):
+            for start in range(0, len(prompt), 16):
+                runner.prefill([row], [prompt[start : start + 16]], [start])
+        idle = runner.snapshot(1, 30)
+        ids, positions = [tokens[40], tokens[103]], [40, 33]
+        for _ in range(48):
+            fused = runner.decode([0, 2], ids, positions)
+            decoder, model.fused = model.fused, None
+            try:
+                loop = runner.decode([0, 2], ids, positions)
+            finally:
+                model.fused = decoder
+            assert torch.equal(fused, loop), (name, positions)
+            ids, positions = fused.argmax(-1).tolist(), [p + 1 for p in positions]
+    if any(model.spec.windows):
+        assert min(cache.layer_slots) < positions[1] - 16  # the rings wrapped
+    assert all(torch.equal(a, b) for a, b in zip(idle, runner.snapshot(1, 30)))
+
+
 def test_a_type_the_kernels_lack_is_served_dequantized_with_a_warning(monkeypatch, caplog):
     """A tensor type outside the kernels' list is never rounded again nor silently served wrong: its layers are
     served as float32 from gguf-py's dequantization, the start-up log names the tensors and the type, and the

@@ -5,7 +5,8 @@ table per rotary base: gemma3's sliding layers turn by their own), keys and valu
 preallocated cache, and linears of whichever kind ``make_linear`` picked (oneDNN-packed float32, 8-bit or
 4-bit weight groups, or dense on CUDA). The forward takes an explicit ForwardBatch; what differs between
 families (norms, activation, q/k norms, soft-capping, sliding windows) comes from the ModelSpec, not from
-branches per family. Llama-shaped models (``ModelSpec.plain``) decode through the fused CPU kernels.
+branches per family. A decode step of every family without parallel layers (``ModelSpec.fused``) runs through
+the kernels' Decoder, the loop's mirror in C++.
 transformers' own modules stay the fallback for every other architecture.
 """
 
@@ -168,10 +169,10 @@ class CompactLM:
         self.ropes = [tuple(t.to(dtype) for t in rotary_tables(c, length, device)) for c in spec.ropes]
         # rotary + cache write in one kernel call for any family whose rotary turns whole heads
         self.rope_kernel = self.kernels is not None and spec.rot_dim == spec.head_dim
-        # the Decoder runs a llama-shaped model's decode step in one C++ call: none where the sums go through an
-        # all-reduce
-        plain = self.kernels is not None and spec.plain and not self.split
-        self.fused, self.fused_max_rows = fused_decoder(self.kernels if plain else None, layers, self.heads, self.eps)
+        # the Decoder runs a decode step in one C++ call (the families ModelSpec.fused names): none where the sums
+        # go through an all-reduce
+        fits = self.kernels is not None and spec.fused and not self.split
+        self.fused, self.fused_max_rows = fused_decoder(self.kernels if fits else None, layers, spec)
         self.lora: LoraSlots | None = None  # the LoRA adapters held (ModelRunner.add_adapter), None: none ever
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -216,7 +217,7 @@ class CompactLM:
         return torch.tanh(logits / cap) * cap if cap else logits
 
     def forward(self, batch: ForwardBatch, cache) -> torch.Tensor | None:
-        """The one layer loop (every family, every batch); a llama-shaped decode step goes to the kernels'
+        """The one layer loop (every family, every batch); a decode step goes to the kernels'
         Decoder, its mirror in C++, where it takes the rows, with the rows' LoRA adapters' terms where the kernels
         add them (``LoraPairs``; else the loop adds them, giving the other rows the same numbers, bit for bit)."""
         lora: LoraPlan | None = None
@@ -329,18 +330,26 @@ class CompactLM:
 
     def _fused(self, batch: ForwardBatch, cache, lora: LoraPlan | None = None) -> torch.Tensor:
         """A decode step of rows 0..B-1 through the kernels' Decoder: the layers of ``forward``'s loop in one C++
-        call (csrc/decoder.cpp, its mirror for llama-shaped models, checked bit for bit against it by
-        tests/test_quality.py), with the LoRA terms of ``lora`` after each linear as the loop adds them. Returns
-        logits [B, V]."""
-        k, head = self.kernels, self.head
-        if k is None or head is None:  # (forward takes this path only with the Decoder and the head)
+        call (csrc/decoder.cpp, its mirror, checked bit for bit against it by tests/test_quality.py and
+        tests/test_architectures.py), with the LoRA terms of ``lora`` after each linear as the loop adds them.
+        Returns logits [B, V]."""
+        k, spec = self.kernels, self.spec
+        if k is None or self.head is None:  # (forward takes this path only with the Decoder and the head)
             raise RuntimeError("the Decoder runs on the CPU kernels, on the rank with the head")
-        cos, sin = (t[batch.positions[:, 0]] for t in self.ropes[0])
+        pos, write, real = batch.positions[:, 0], batch.write[:, 0], batch.real[:, 0]
+        tables = [(cos[pos], sin[pos]) for cos, sin in self.ropes]
+        # each cache geometry's slots: a ring's wrap, and its own scratch slot for an idle row (the loop never
+        # sees idle rows; here they compute and must not write into a ring's live slots)
+        slots = {n: write if n == cache.length else torch.where(real, write % n, n) for n in set(cache.layer_slots)}
+        starts = {w: None if w is None else (pos - (w - 1)).clamp(min=0) for w in set(spec.windows)}
+        layers = range(len(self.layers))
         args = (
             self._embed(batch.ids[:, 0]),
-            cos,
-            sin,
-            batch.write[:, 0],
+            [tables[spec.rope[i]][0] for i in layers],
+            [tables[spec.rope[i]][1] for i in layers],
+            [slots[cache.layer_slots[i]] for i in layers],
+            [starts[spec.windows[i]] for i in layers],
+            [cache.ring(i) for i in layers],
             batch.lengths(),
             cache.keys,
             cache.values,
@@ -352,10 +361,10 @@ class CompactLM:
             x = self.fused.forward_lora(*args, self.lora.pieces, rows, lora.places, lora.scales)
         else:
             x = self.fused.forward(*args)
-        return head(k.rms_norm(x, self.norm, self.eps))
+        return self._logits(x)
 
 
-def fused_decoder(kernels, layers: list[Layer], heads: int, eps: float) -> tuple[Any, float]:
+def fused_decoder(kernels, layers: list[Layer], spec: ModelSpec) -> tuple[Any, float]:
     """The kernels' Decoder (the decode step's layers in one C++ call) when every linear is quantized, and
     the most rows it may take: one where layers run several rows on a oneDNN copy (SplitLinear), else any."""
     if kernels is None:
@@ -368,11 +377,25 @@ def fused_decoder(kernels, layers: list[Layer], heads: int, eps: float) -> tuple
         return None, 0
     decoder = kernels.Decoder(
         [
-            (layer.attn_norm, qkv.parts(), o.parts(), layer.mlp_norm, gu.parts(), down.parts())
+            (
+                layer.attn_norm,
+                qkv.parts(),
+                o.parts(),
+                layer.mlp_norm,
+                gu.parts(),
+                down.parts(),
+                layer.q_norm,
+                layer.k_norm,
+                layer.post_attn_norm,
+                layer.post_mlp_norm,
+            )
             for layer, (qkv, o, gu, down) in zip(layers, quantized)
         ],
-        heads,
-        eps,
+        spec.heads,
+        spec.eps,
+        spec.activation == "gelu_tanh",
+        spec.attn_scale,
+        spec.attn_softcap or 0.0,
     )
     split = any(lin is not layer.qkv for layer, (lin, *_) in zip(layers, one_row))
     return decoder, 1 if split else math.inf

@@ -226,21 +226,17 @@ class ModelSpec:
     rot_dim: int  # the leading dims of each head that rotary turns (partial rotary: fewer than head_dim)
 
     @property
-    def plain(self) -> bool:
-        """A llama-shaped model: what the fused decode kernels (rope_store, decode_attention, Decoder) run."""
+    def fused(self) -> bool:
+        """Whether the kernels' Decoder (csrc/decoder.cpp) runs this model's decode step: RMSNorm, a gated MLP of
+        SiLU or GELU, the layer's parts one after the other, and a rotary over whole heads. Per-head and output
+        norms, soft-capping, sliding windows and a second rotary table are the Decoder's per-layer inputs."""
         f = self.family
         return (
-            self.activation == "silu"
-            and not (f.qk_norm or f.sandwich or f.embed_scale or f.norm_offset)
+            self.activation in ("silu", "gelu_tanh")
             and f.norm == "rms"
             and not f.parallel
             and f.gated
-            and self.attn_softcap is None
-            and self.final_softcap is None
-            and set(self.windows) == {None}
-            and len(self.ropes) == 1
             and self.rot_dim == self.head_dim
-            and math.isclose(self.attn_scale, self.head_dim**-0.5)
         )
 
 

@@ -9,10 +9,9 @@ using namespace woq;
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: the module may be imported again from another path in one process (a relative and an
   // absolute model cache), which would otherwise register the class twice and fail the import
-  py::class_<Decoder>(m, "Decoder", py::module_local(),
-                      "a llama-family decode step's layers over quantized weights, in one call")
-      .def(py::init<const std::vector<LayerParts>&, int64_t, double>(), py::arg("layers"), py::arg("heads"),
-           py::arg("eps"))
+  py::class_<Decoder>(m, "Decoder", py::module_local(), "a decode step's layers over quantized weights, in one call")
+      .def(py::init<const std::vector<LayerParts>&, int64_t, double, bool, double, double>(), py::arg("layers"),
+           py::arg("heads"), py::arg("eps"), py::arg("gelu"), py::arg("attn_scale"), py::arg("softcap"))
       .def("forward", &Decoder::forward)
       .def("forward_lora", &Decoder::forward_lora);
   m.def("linear_int8", &linear_int8, "x @ (q * s)^T, 8-bit weight groups", py::arg("x"), py::arg("q"), py::arg("s"),

@@ -154,6 +154,43 @@ def test_decode_attention_equals_sdpa_over_each_rows_length(kernels, dtype, head
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("heads", [(2, 6, 16), (1, 7, 24)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
+def test_a_prefill_chunks_queries_share_keys_and_each_gets_its_numbers_alone(kernels, dtype, heads):
+    """Consecutive queries of one row from one first position (a prefill chunk's: up to eight share each block of
+    keys converted once) give each query what it gets decoded alone, to the bit: a chunk of 21 queries across the
+    blocks of 64 positions, then another row's; from position 0, in a window (each query its own first position),
+    from one first position, and in a ring of 100 slots across its wrap."""
+    torch.manual_seed(2)
+    (hk, hq, dim), rows, length = heads, 3, 300
+    keys, key_scales, _ = _cache_form(torch.randn(rows, hk, length + 1, dim), dtype)
+    values, value_scales, _ = _cache_form(torch.randn(rows, hk, length + 1, dim), dtype)
+    q = torch.randn(21 + 9 + 12, hq, dim)
+    rows_of = torch.tensor([1] * 21 + [0] * 9 + [2] * 12)
+    lengths = torch.cat([torch.arange(50, 71), torch.arange(1, 10), torch.arange(200, 212)])
+    cases = [(None, 0, 0.0), (lengths - 40, 0, 5.0), (torch.full_like(lengths, 30), 0, 0.0)]
+    cases.append((torch.full_like(lengths, 150), 100, 0.0))  # row 2's positions 150 .. 211 in slots 50 .. 99, 0 .. 11
+    for starts, ring, cap in cases:
+        together = kernels.decode_attention(
+            q, keys, values, key_scales, value_scales, lengths, dim**-0.5, rows_of, starts, cap, ring
+        )
+        for i in range(len(q)):
+            alone = kernels.decode_attention(
+                q[i : i + 1],
+                keys,
+                values,
+                key_scales,
+                value_scales,
+                lengths[i : i + 1],
+                dim**-0.5,
+                rows_of[i : i + 1],
+                None if starts is None else starts[i : i + 1],
+                cap,
+                ring,
+            )
+            assert torch.equal(alone[0], together[i]), (i, starts is None)
+
+
 @pytest.mark.parametrize("heads", [(2, 6, 16), (1, 4, 64)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_decode_attention_reads_a_window_across_a_rings_wrap_with_the_same_numbers(kernels, dtype, heads):

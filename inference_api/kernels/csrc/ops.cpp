@@ -202,6 +202,10 @@ inline const c10::Half* run_scales(const c10::Half* base, const Runs& r, std::ve
   return tmp.data();
 }
 
+// queries of one row that share their first position (a prefill chunk's, outside a sliding window) taken
+// together: each block of their keys converted to float once for all of them
+constexpr int64_t QUERY_GROUP = 8;
+
 // One query token per entry b against cached positions starts[b] .. lengths[b] - 1 of its cache row rows[b]
 // (rows null: row b; starts null: from 0, else a sliding window's first position); each kv head's keys and
 // values are read once for all the query heads that share it (grouped-query attention). A row holds S slots
@@ -210,96 +214,135 @@ inline const c10::Half* run_scales(const c10::Half* base, const Runs& r, std::ve
 // and slot in ks and vs; other caches pass null. softcap > 0: scores become tanh(score / softcap) * softcap
 // (Gemma 2). A query's result depends only on its own row, positions and values: never on the other entries (the
 // same numbers for a token whether it is decoded alone, among 32 rows, or prefilled in any chunk), nor on where
-// a ring's runs split its positions.
+// a ring's runs split its positions. Consecutive entries of one row from one first position (QUERY_GROUP at most)
+// share each block of keys as floats: every query's scores are the calls a query alone makes, on the same floats.
 template <typename T>
 void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Half* ks, const c10::Half* vs,
                            const int64_t* lengths, const int64_t* rows, const int64_t* starts, float* out, int64_t B,
                            int64_t Hq, int64_t Hk, int64_t S, int64_t D, float scale, float softcap, int64_t ring) {
   const int64_t group = Hq / Hk, R = ring > 0 ? ring : S;
-  at::parallel_for(0, B * Hk, 1, [&](int64_t t0, int64_t t1) {
+  // each entry's first attended position and count, and the spans of entries that share keys
+  std::vector<int64_t> firsts(B), counts(B), spans;
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t end = std::max<int64_t>(1, ring > 0 ? lengths[b] : std::min(lengths[b], S));
+    int64_t first = starts ? std::min(std::max<int64_t>(0, starts[b]), end - 1) : 0;
+    firsts[b] = std::max(first, end - R);  // a ring holds the last R positions
+    counts[b] = end - firsts[b];
+    const int64_t row = rows ? rows[b] : b;
+    if (spans.empty() || b - spans.back() == QUERY_GROUP || firsts[b] != firsts[b - 1] ||
+        row != (rows ? rows[b - 1] : b - 1))
+      spans.push_back(b);
+  }
+  const int64_t nspans = static_cast<int64_t>(spans.size());
+  spans.push_back(B);
+  // the (span, kv head) tasks with the spans dealt round the threads (parallel_for hands each thread a
+  // contiguous range, and a prefill chunk's later queries read more positions than its first)
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  std::vector<int64_t> order;
+  order.reserve(nspans * Hk);
+  for (int64_t c = 0; c < threads; ++c)
+    for (int64_t s = c; s < nspans; s += threads)
+      for (int64_t kh = 0; kh < Hk; ++kh) order.push_back(s * Hk + kh);
+  at::parallel_for(0, nspans * Hk, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, vf;
     std::vector<c10::Half> kst, vst;
     std::vector<float> kf(D), acc(D);
-    for (int64_t t = t0; t < t1; ++t) {
-      const int64_t b = t / Hk, kh = t % Hk, row = rows ? rows[b] : b;
-      const int64_t end = std::max<int64_t>(1, ring > 0 ? lengths[b] : std::min(lengths[b], S));
-      int64_t first = starts ? std::min(std::max<int64_t>(0, starts[b]), end - 1) : 0;
-      first = std::max(first, end - R);  // a ring holds the last R positions
-      const int64_t n = end - first;
-      const Runs runs = runs_of(first, n, R);
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = order[i], b0 = spans[t / Hk], b1 = spans[t / Hk + 1], kh = t % Hk, row = rows ? rows[b0] : b0;
+      const int64_t first = firsts[b0], most = *std::max_element(counts.begin() + b0, counts.begin() + b1);
       const T* kp = k + (row * Hk + kh) * S * D;  // slot 0 of the row's head
       const T* vp = v + (row * Hk + kh) * S * D;
-      const c10::Half* ksp = run_scales(ks ? ks + (row * Hk + kh) * S : nullptr, runs, kst);
-      const c10::Half* vsp = run_scales(vs ? vs + (row * Hk + kh) * S : nullptr, runs, vst);
-      scores.assign(group * n, 0.f);
-      const float* qb = q + (b * Hq + kh * group) * D;  // the group's query heads, one after another
-      float* ob = out + (b * Hq + kh * group) * D;
-      auto cap = [&] {
+      // the span's positions in slot order (its longest query's: each query reads a prefix of them)
+      const Runs all = runs_of(first, most, R);
+      const c10::Half* ksp = run_scales(ks ? ks + (row * Hk + kh) * S : nullptr, all, kst);
+      const c10::Half* vsp = run_scales(vs ? vs + (row * Hk + kh) * S : nullptr, all, vst);
+      // each query's scores [group, n] one after another
+      std::vector<int64_t> at(b1 - b0 + 1, 0);
+      for (int64_t b = b0; b < b1; ++b) at[b - b0 + 1] = at[b - b0] + group * counts[b];
+      scores.assign(at.back(), 0.f);
+      auto cap = [&](float* sc, int64_t n) {
         if (softcap > 0.f)
-          for (int64_t i = 0; i < group * n; ++i) scores[i] = std::tanh(scores[i] / softcap) * softcap;
+          for (int64_t i = 0; i < group * n; ++i) sc[i] = std::tanh(sc[i] / softcap) * softcap;
       };
 #ifdef WOQ_SIMD
       if constexpr (vector_cache<T>) {
         if (vector_rows(D)) {
           vf.resize(POSITION_BLOCK * D);
-          for (int64_t l0 = 0; l0 < n; l0 += POSITION_BLOCK) {
-            const int64_t nb = std::min(POSITION_BLOCK, n - l0);
+          for (int64_t l0 = 0; l0 < most; l0 += POSITION_BLOCK) {
+            const int64_t nb = std::min(POSITION_BLOCK, most - l0);
             const float* kf = vf.data();
-            const int64_t split = runs.within(l0, nb) ? nb : runs.n0 - l0;  // positions before the ring's wrap
+            const int64_t split = all.within(l0, nb) ? nb : all.n0 - l0;  // positions before the ring's wrap
             if constexpr (std::is_same_v<T, float>) {
-              if (split == nb) kf = runs.at(kp, l0, D);
+              if (split == nb) kf = all.at(kp, l0, D);
               else {
-                std::copy(runs.at(kp, l0, D), runs.at(kp, l0, D) + split * D, vf.data());
+                std::copy(all.at(kp, l0, D), all.at(kp, l0, D) + split * D, vf.data());
                 std::copy(kp, kp + (nb - split) * D, vf.data() + split * D);
               }
             } else {
-              rows_to_float(runs.at(kp, l0, D), split, D, vf.data());
+              rows_to_float(all.at(kp, l0, D), split, D, vf.data());
               if (split < nb) rows_to_float(kp, nb - split, D, vf.data() + split * D);
             }
-            vector_scores(qb, kf, ksp ? ksp + l0 : nullptr, nb, n, D, group, scale, scores.data() + l0);
+            for (int64_t b = b0; b < b1; ++b) {
+              const int64_t n = counts[b];
+              if (n <= l0) continue;
+              vector_scores(q + (b * Hq + kh * group) * D, kf, ksp ? ksp + l0 : nullptr,
+                            std::min(POSITION_BLOCK, n - l0), n, D, group, scale, scores.data() + at[b - b0] + l0);
+            }
           }
-          cap();
-          for (int64_t g = 0; g < group; ++g) softmax_weights(scores.data() + g * n, vsp, n);
-          vector_values(scores.data(), n, runs.at(vp, 0, D), runs.n0, vp, n, D, group, ob);
+          for (int64_t b = b0; b < b1; ++b) {
+            const int64_t n = counts[b];
+            float* sc = scores.data() + at[b - b0];
+            cap(sc, n);
+            for (int64_t g = 0; g < group; ++g) softmax_weights(sc + g * n, vsp, n);
+            const Runs runs = runs_of(first, n, R);
+            vector_values(sc, n, runs.at(vp, 0, D), runs.n0, vp, n, D, group, out + (b * Hq + kh * group) * D);
+          }
           continue;
         }
       }
 #endif
-      for (int64_t l = 0; l < n; ++l) {
-        const float ksc = ksp ? static_cast<float>(ksp[l]) * scale : scale;
-        const T* kl = runs.at(kp, l, D);
-        for (int64_t d = 0; d < D; ++d) kf[d] = to_float(kl[d]);
-        for (int64_t g = 0; g < group; ++g) {
-          const float* qh = qb + g * D;
-          float dot = 0.f;
+      for (int64_t b = b0; b < b1; ++b) {
+        const int64_t n = counts[b];
+        const Runs runs = runs_of(first, n, R);
+        float* sc0 = scores.data() + at[b - b0];
+        const float* qb = q + (b * Hq + kh * group) * D;  // the group's query heads, one after another
+        float* ob = out + (b * Hq + kh * group) * D;
+        for (int64_t l = 0; l < n; ++l) {
+          const float ksc = ksp ? static_cast<float>(ksp[l]) * scale : scale;
+          const T* kl = runs.at(kp, l, D);
+          for (int64_t d = 0; d < D; ++d) kf[d] = to_float(kl[d]);
+          for (int64_t g = 0; g < group; ++g) {
+            const float* qh = qb + g * D;
+            float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < D; ++d) dot += qh[d] * kf[d];
-          scores[g * n + l] = dot * ksc;
+            for (int64_t d = 0; d < D; ++d) dot += qh[d] * kf[d];
+            sc0[g * n + l] = dot * ksc;
+          }
         }
-      }
-      cap();
-      for (int64_t g = 0; g < group; ++g) {
-        float* sc = scores.data() + g * n;
-        float mx = sc[0];
-        for (int64_t l = 1; l < n; ++l) mx = std::max(mx, sc[l]);
-        float sum = 0.f;
-        for (int64_t l = 0; l < n; ++l) {
-          sc[l] = fast_exp(sc[l] - mx);
-          sum += sc[l];
+        cap(sc0, n);
+        for (int64_t g = 0; g < group; ++g) {
+          float* sc = sc0 + g * n;
+          float mx = sc[0];
+          for (int64_t l = 1; l < n; ++l) mx = std::max(mx, sc[l]);
+          float sum = 0.f;
+          for (int64_t l = 0; l < n; ++l) {
+            sc[l] = fast_exp(sc[l] - mx);
+            sum += sc[l];
+          }
+          const float inv = 1.f / sum;
+          for (int64_t l = 0; l < n; ++l) sc[l] *= inv;
         }
-        const float inv = 1.f / sum;
-        for (int64_t l = 0; l < n; ++l) sc[l] *= inv;
-      }
-      for (int64_t g = 0; g < group; ++g) {
-        std::fill(acc.begin(), acc.end(), 0.f);
-        const float* sc = scores.data() + g * n;
-        for (int64_t l = 0; l < n; ++l) {
-          const float p = vsp ? sc[l] * static_cast<float>(vsp[l]) : sc[l];
-          const T* vl = runs.at(vp, l, D);
+        for (int64_t g = 0; g < group; ++g) {
+          std::fill(acc.begin(), acc.end(), 0.f);
+          const float* sc = sc0 + g * n;
+          for (int64_t l = 0; l < n; ++l) {
+            const float p = vsp ? sc[l] * static_cast<float>(vsp[l]) : sc[l];
+            const T* vl = runs.at(vp, l, D);
 #pragma omp simd
-          for (int64_t d = 0; d < D; ++d) acc[d] += p * to_float(vl[d]);
+            for (int64_t d = 0; d < D; ++d) acc[d] += p * to_float(vl[d]);
+          }
+          std::copy(acc.begin(), acc.end(), ob + g * D);
         }
-        std::copy(acc.begin(), acc.end(), ob + g * D);
       }
     }
   });

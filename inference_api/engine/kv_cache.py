@@ -90,9 +90,11 @@ class RowKVCache:
         return n if n < self.length else 0
 
     def slots_of(self, slots: int, positions: torch.Tensor) -> torch.Tensor:
-        """The slots positions are written at in layers of ``slots`` slots (a ring wraps; the scratch position
-        stays the scratch slot of the full layers)."""
-        return positions if slots == self.length else positions % slots
+        """The slots positions are written at in layers of ``slots`` slots: a ring wraps, and the scratch position
+        (an idle row's in a decode step) stays each layer's own scratch slot, never a ring's live one."""
+        if slots == self.length:
+            return positions
+        return torch.where(positions == self.length, slots, positions % slots)
 
     def holds(self, cached: int, length: int) -> bool:
         """Whether a row that has written ``cached`` positions still holds what a request reusing its first

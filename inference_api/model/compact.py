@@ -244,7 +244,7 @@ class CompactLM:
         rope_k = k if self.rope_kernel else None  # the rotary + cache write kernel
         if per_token:
             lengths = pos + 1
-            starts = {w: None if w is None else (pos - (w - 1)).clamp(min=0) for w in set(spec.windows)}
+            starts = self._window_starts(pos)
         else:  # SDPA over the padded [B, T] layout
             masks = {w: _additive(batch.visible(w)[:, None], self.dtype) for w in set(spec.windows)}  # [B, 1, T, L]
         parallel = spec.family.parallel
@@ -328,6 +328,10 @@ class CompactLM:
             return self._logits(x if batch.static else x[batch.last])
         return _pad(self._logits(x), tokens, b * t).view(b, t, -1)
 
+    def _window_starts(self, pos: torch.Tensor) -> dict[int | None, torch.Tensor | None]:
+        """Each sliding window's first attended position for queries at positions pos (None: the whole context)."""
+        return {w: None if w is None else (pos - (w - 1)).clamp(min=0) for w in set(self.spec.windows)}
+
     def _fused(self, batch: ForwardBatch, cache, lora: LoraPlan | None = None) -> torch.Tensor:
         """A decode step of rows 0..B-1 through the kernels' Decoder: the layers of ``forward``'s loop in one C++
         call (csrc/decoder.cpp, its mirror, checked bit for bit against it by tests/test_quality.py and
@@ -336,12 +340,12 @@ class CompactLM:
         k, spec = self.kernels, self.spec
         if k is None or self.head is None:  # (forward takes this path only with the Decoder and the head)
             raise RuntimeError("the Decoder runs on the CPU kernels, on the rank with the head")
-        pos, write, real = batch.positions[:, 0], batch.write[:, 0], batch.real[:, 0]
+        pos, write = batch.positions[:, 0], batch.write[:, 0]
         tables = [(cos[pos], sin[pos]) for cos, sin in self.ropes]
-        # each cache geometry's slots: a ring's wrap, and its own scratch slot for an idle row (the loop never
-        # sees idle rows; here they compute and must not write into a ring's live slots)
-        slots = {n: write if n == cache.length else torch.where(real, write % n, n) for n in set(cache.layer_slots)}
-        starts = {w: None if w is None else (pos - (w - 1)).clamp(min=0) for w in set(spec.windows)}
+        # each cache geometry's slots (idle rows compute here, the loop never sees them: slots_of keeps them in
+        # each ring's own scratch slot)
+        slots = {n: cache.slots_of(n, write) for n in set(cache.layer_slots)}
+        starts = self._window_starts(pos)
         layers = range(len(self.layers))
         args = (
             self._embed(batch.ids[:, 0]),

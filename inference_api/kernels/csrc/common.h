@@ -82,9 +82,17 @@ struct Vec {
   static T sub(T a, T b) { return _mm512_sub_ps(a, b); }
   static T fma(T a, T b, T c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(T v) { return _mm512_reduce_add_ps(v); }
-  // the sums of four vectors into out[0..4)
+  // the sums of four vectors into out[0..4), each the same additions in the same order as sum (GCC's
+  // _mm512_reduce_add_ps: lane i + lane i + 8, then + 4, then + 2, then + 1), done for the four at once
   static void sum4(T a, T b, T c, T d, float* out) {
-    out[0] = sum(a), out[1] = sum(b), out[2] = sum(c), out[3] = sum(d);
+    const T ab = add(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)), _mm512_shuffle_f32x4(a, b, 0x44));
+    const T cd = add(_mm512_shuffle_f32x4(c, d, _MM_SHUFFLE(3, 2, 3, 2)), _mm512_shuffle_f32x4(c, d, 0x44));
+    // [a b c d], four lanes each: lanes i + 4 k of each vector summed, as sum sums them
+    const T q = add(_mm512_shuffle_f32x4(ab, cd, _MM_SHUFFLE(3, 1, 3, 1)), _mm512_shuffle_f32x4(ab, cd, 0x88));
+    const T h = add(q, _mm512_permute_ps(q, _MM_SHUFFLE(1, 0, 3, 2)));
+    const T s = add(h, _mm512_permute_ps(h, _MM_SHUFFLE(2, 3, 0, 1)));
+    const __m512i firsts = _mm512_setr_epi32(0, 4, 8, 12, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);  // lanes 0, 4, 8, 12
+    _mm_storeu_ps(out, _mm512_castps512_ps128(_mm512_permutexvar_ps(firsts, s)));
   }
   static T halves(const c10::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
   static T bf16s(const c10::BFloat16* p) {

@@ -80,8 +80,42 @@ inline void rows_to_float(const T* p, int64_t n, int64_t D, float* out) {
 
 // scores[g * stride + l] = (q_g . k_l) * scale * (ks[l], or 1) for the group's query heads q [group, D] and
 // float keys kf [n, D], four positions at a time (one horizontal reduction for the four)
+// a query head of NQ vectors (D = NQ W) held in registers: the same products and sums as vector_scores
+template <int NQ>
+inline void vector_scores_held(const float* qg, const float* kf, int64_t n, float* sg) {
+  Vec::T qv[NQ];
+  for (int u = 0; u < NQ; ++u) qv[u] = Vec::load(qg + u * W);
+  constexpr int64_t D = NQ * W;
+  int64_t l = 0;
+  for (; l + 4 <= n; l += 4) {
+    const float* k0 = kf + l * D;
+    Vec::T a0 = Vec::zero(), a1 = Vec::zero(), a2 = Vec::zero(), a3 = Vec::zero();
+    for (int u = 0; u < NQ; ++u) {
+      a0 = Vec::fma(Vec::load(k0 + u * W), qv[u], a0);
+      a1 = Vec::fma(Vec::load(k0 + D + u * W), qv[u], a1);
+      a2 = Vec::fma(Vec::load(k0 + 2 * D + u * W), qv[u], a2);
+      a3 = Vec::fma(Vec::load(k0 + 3 * D + u * W), qv[u], a3);
+    }
+    Vec::sum4(a0, a1, a2, a3, sg + l);
+  }
+  for (; l < n; ++l) {
+    Vec::T acc = Vec::zero();
+    for (int u = 0; u < NQ; ++u) acc = Vec::fma(Vec::load(kf + l * D + u * W), qv[u], acc);
+    sg[l] = Vec::sum(acc);
+  }
+}
+
 inline void vector_scores(const float* q, const float* kf, const c10::Half* ks, int64_t n, int64_t stride, int64_t D,
                           int64_t group, float scale, float* scores) {
+  if (D == 4 * W || D == 8 * W) {  // the common head sizes (64 and 128 floats) in registers
+    for (int64_t g = 0; g < group; ++g) {
+      float* sg = scores + g * stride;
+      if (D == 4 * W) vector_scores_held<4>(q + g * D, kf, n, sg);
+      else vector_scores_held<8>(q + g * D, kf, n, sg);
+      for (int64_t l = 0; l < n; ++l) sg[l] *= ks ? scale * half_to_float(ks[l]) : scale;
+    }
+    return;
+  }
   for (int64_t g = 0; g < group; ++g) {
     const float* qg = q + g * D;
     float* sg = scores + g * stride;
@@ -133,40 +167,47 @@ inline void softmax_weights(float* p, const c10::Half* vs, int64_t n) {
   for (; l < n; ++l) p[l] *= vs ? inv * half_to_float(vs[l]) : inv;
 }
 
-// out[g, j .. j + MV W) = sum over l of p[g * stride + l] * value l [j .. j + MV W) for G heads, the values the
-// ring's two runs (v0: values 0 .. n0 - 1, v1: the rest); each value converted once, in registers, for all G heads
-// (G * MV accumulators, at most 12), in position order whatever the runs
+// out[r][j .. j + MV W) = sum over l < n[r] of p[r][l] * value l [j .. j + MV W) for G weight rows r (the query
+// heads of one query, or of several queries of a span, which read a prefix of the same positions), the values the
+// ring's two runs (v0: values 0 .. n0 - 1, v1: the rest); each value converted once, in registers, for all G rows
+// (G * MV accumulators), every row's sum in position order, whatever the rows beside it
 template <int G, int MV, typename T>
-inline void weighted_values(const float* p, int64_t stride, const T* v0, int64_t n0, const T* v1, int64_t n, int64_t D,
-                            int64_t j, float* out) {
+inline void weighted_values(const float* const* p, const int64_t* n, const T* v0, int64_t n0, const T* v1, int64_t D,
+                            int64_t j, float* const* out) {
   Vec::T acc[G][MV];
   for (int g = 0; g < G; ++g)
     for (int u = 0; u < MV; ++u) acc[g][u] = Vec::zero();
-  for (int64_t l = 0; l < n; ++l) {
+  int64_t common = n[0], most = n[0];
+  for (int g = 1; g < G; ++g) common = std::min(common, n[g]), most = std::max(most, n[g]);
+  auto add = [&](int64_t l, auto every) {
     const T* v = l < n0 ? v0 + l * D : v1 + (l - n0) * D;
     Vec::T vv[MV];
     for (int u = 0; u < MV; ++u) vv[u] = cache_vec(v + j + u * W);
     for (int g = 0; g < G; ++g) {
-      const Vec::T pl = Vec::set1(p[g * stride + l]);
+      if (!decltype(every)::value && l >= n[g]) continue;
+      const Vec::T pl = Vec::set1(p[g][l]);
       for (int u = 0; u < MV; ++u) acc[g][u] = Vec::fma(pl, vv[u], acc[g][u]);
     }
-  }
+  };
+  int64_t l = 0;
+  for (; l < common; ++l) add(l, std::true_type{});
+  for (; l < most; ++l) add(l, std::false_type{});  // the positions only the later queries of a span read
   for (int g = 0; g < G; ++g)
-    for (int u = 0; u < MV; ++u) Vec::store(out + g * D + j + u * W, acc[g][u]);
+    for (int u = 0; u < MV; ++u) Vec::store(out[g] + j + u * W, acc[g][u]);
 }
 
-// the group's outputs [group, D] from its weights p [group, stride] and the values (two runs, as weighted_values
-// reads them): heads six at a time, two vectors of each value at a time
+// the outputs of R weight rows (weighted_values): rows six at a time, as many vectors of each value at a time as
+// the registers hold (four with AVX-512's 32, two with AVX2's 16)
 template <typename T>
-inline void vector_values(const float* p, int64_t stride, const T* v0, int64_t n0, const T* v1, int64_t n, int64_t D,
-                          int64_t group, float* out) {
-  for (int64_t g0 = 0; g0 < group; g0 += 6)
-    with_count<6>(std::min<int64_t>(6, group - g0), [&](auto heads) {
-      constexpr int G = decltype(heads)::value;
+inline void vector_values(const float* const* p, const int64_t* n, float* const* out, int64_t R, const T* v0,
+                          int64_t n0, const T* v1, int64_t D) {
+  constexpr int MV = W == 16 ? 4 : 2;
+  for (int64_t r0 = 0; r0 < R; r0 += 6)
+    with_count<6>(std::min<int64_t>(6, R - r0), [&](auto rows) {
+      constexpr int G = decltype(rows)::value;
       int64_t j = 0;
-      for (; j + 2 * W <= D; j += 2 * W)
-        weighted_values<G, 2>(p + g0 * stride, stride, v0, n0, v1, n, D, j, out + g0 * D);
-      if (j < D) weighted_values<G, 1>(p + g0 * stride, stride, v0, n0, v1, n, D, j, out + g0 * D);
+      for (; j + MV * W <= D; j += MV * W) weighted_values<G, MV>(p + r0, n + r0, v0, n0, v1, D, j, out + r0);
+      for (; j < D; j += W) weighted_values<G, 1>(p + r0, n + r0, v0, n0, v1, D, j, out + r0);
     });
 }
 
@@ -246,6 +287,9 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
   at::parallel_for(0, nspans * Hk, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores, vf;
     std::vector<c10::Half> kst, vst;
+    std::vector<const float*> weights;
+    std::vector<int64_t> reads;
+    std::vector<float*> outs;
     std::vector<float> kf(D), acc(D);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = order[i], b0 = spans[t / Hk], b1 = spans[t / Hk + 1], kh = t % Hk, row = rows ? rows[b0] : b0;
@@ -289,14 +333,19 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
                             std::min(POSITION_BLOCK, n - l0), n, D, group, scale, scores.data() + at[b - b0] + l0);
             }
           }
+          // every query head's weights, then the values once for the span's heads together
+          weights.clear(), reads.clear(), outs.clear();
           for (int64_t b = b0; b < b1; ++b) {
             const int64_t n = counts[b];
             float* sc = scores.data() + at[b - b0];
             cap(sc, n);
-            for (int64_t g = 0; g < group; ++g) softmax_weights(sc + g * n, vsp, n);
-            const Runs runs = runs_of(first, n, R);
-            vector_values(sc, n, runs.at(vp, 0, D), runs.n0, vp, n, D, group, out + (b * Hq + kh * group) * D);
+            for (int64_t g = 0; g < group; ++g) {
+              softmax_weights(sc + g * n, vsp, n);
+              weights.push_back(sc + g * n), reads.push_back(n), outs.push_back(out + (b * Hq + kh * group + g) * D);
+            }
           }
+          vector_values(weights.data(), reads.data(), outs.data(), static_cast<int64_t>(weights.size()),
+                        all.at(vp, 0, D), all.n0, vp, D);
           continue;
         }
       }

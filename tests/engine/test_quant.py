@@ -135,9 +135,13 @@ def _cache_form(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torc
     return q, s, q.float() * s.float()[..., None]
 
 
-# (kv heads, query heads, head dim): groups of 3; and of 7 (the vector path's six heads and one more) on a
-# head of 24 (AVX2's two vectors and one more)
-@pytest.mark.parametrize("heads", [(2, 6, 16), (1, 7, 24)])
+# (kv heads, query heads, head dim): groups of 3; and of 7 (the value pass's six weight rows and one more) on a
+# head of 24 (AVX2's two vectors and one more); heads of 64 and 128 floats, which the scores hold in registers
+# (AVX-512: 4 and 8 vectors, AVX2: 8) and whose values AVX-512 reads four vectors at a time
+HEADS = [(2, 6, 16), (1, 7, 24), (2, 6, 64), (1, 4, 128)]
+
+
+@pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_decode_attention_equals_sdpa_over_each_rows_length(kernels, dtype, heads):
     torch.manual_seed(0)
@@ -154,7 +158,7 @@ def test_decode_attention_equals_sdpa_over_each_rows_length(kernels, dtype, head
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("heads", [(2, 6, 16), (1, 7, 24)])
+@pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int8])
 def test_a_prefill_chunks_queries_share_keys_and_each_gets_its_numbers_alone(kernels, dtype, heads):
     """Consecutive queries of one row from one first position (a prefill chunk's: up to eight share each block of

@@ -159,7 +159,7 @@ struct K8Pack {
                                                                                        : -1;
   static constexpr bool ON = HB >= 0;  // the types packed (the others pack a group per call)
   static constexpr int CB = TY == Q2_K::TYPE || TY == Q3_K::TYPE ? 2 : 4;  // the codes' low bits: two or a nibble
-  static constexpr int64_t AHEAD = 16;  // how many super-blocks ahead few rows prefetch
+  static constexpr int64_t AHEAD = 40;  // how many super-blocks ahead few rows prefetch
   static constexpr int64_t QK = 256;    // inputs a packed block covers
   static constexpr int NS = 256 / B::SUB, NP = NS / 2;
   static constexpr bool NIB_SC = TY == Q2_K::TYPE;  // scale and minimum nibbles in one byte, as the file's

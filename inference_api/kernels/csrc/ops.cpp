@@ -78,9 +78,8 @@ inline void rows_to_float(const T* p, int64_t n, int64_t D, float* out) {
   for (int64_t j = 0; j < n * D; j += W) Vec::store(out + j, cache_vec(p + j));
 }
 
-// scores[g * stride + l] = (q_g . k_l) * scale * (ks[l], or 1) for the group's query heads q [group, D] and
-// float keys kf [n, D], four positions at a time (one horizontal reduction for the four)
-// a query head of NQ vectors (D = NQ W) held in registers: the same products and sums as vector_scores
+// sg[l] = q . k_l for a query head of NQ vectors (D = NQ W) held in registers across the positions and float keys
+// kf [n, D]: the same products and sums as vector_scores' loop (the common 64- and 128-float heads)
 template <int NQ>
 inline void vector_scores_held(const float* qg, const float* kf, int64_t n, float* sg) {
   Vec::T qv[NQ];
@@ -105,6 +104,8 @@ inline void vector_scores_held(const float* qg, const float* kf, int64_t n, floa
   }
 }
 
+// scores[g * stride + l] = (q_g . k_l) * scale * (ks[l], or 1) for the group's query heads q [group, D] and
+// float keys kf [n, D], four positions at a time (one horizontal reduction for the four)
 inline void vector_scores(const float* q, const float* kf, const c10::Half* ks, int64_t n, int64_t stride, int64_t D,
                           int64_t group, float scale, float* scores) {
   if (D == 4 * W || D == 8 * W) {  // the common head sizes (64 and 128 floats) in registers
@@ -288,7 +289,7 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
     std::vector<float> scores, vf;
     std::vector<c10::Half> kst, vst;
     std::vector<const float*> weights;
-    std::vector<int64_t> reads;
+    std::vector<int64_t> reads, offsets;
     std::vector<float*> outs;
     std::vector<float> kf(D), acc(D);
     for (int64_t i = i0; i < i1; ++i) {
@@ -300,10 +301,10 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
       const Runs all = runs_of(first, most, R);
       const c10::Half* ksp = run_scales(ks ? ks + (row * Hk + kh) * S : nullptr, all, kst);
       const c10::Half* vsp = run_scales(vs ? vs + (row * Hk + kh) * S : nullptr, all, vst);
-      // each query's scores [group, n] one after another
-      std::vector<int64_t> at(b1 - b0 + 1, 0);
-      for (int64_t b = b0; b < b1; ++b) at[b - b0 + 1] = at[b - b0] + group * counts[b];
-      scores.assign(at.back(), 0.f);
+      // each query's scores [group, n] one after another, query b's from offsets[b - b0]
+      offsets.assign(b1 - b0 + 1, 0);
+      for (int64_t b = b0; b < b1; ++b) offsets[b - b0 + 1] = offsets[b - b0] + group * counts[b];
+      scores.assign(offsets.back(), 0.f);
       auto cap = [&](float* sc, int64_t n) {
         if (softcap > 0.f)
           for (int64_t i = 0; i < group * n; ++i) sc[i] = std::tanh(sc[i] / softcap) * softcap;
@@ -330,14 +331,14 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
               const int64_t n = counts[b];
               if (n <= l0) continue;
               vector_scores(q + (b * Hq + kh * group) * D, kf, ksp ? ksp + l0 : nullptr,
-                            std::min(POSITION_BLOCK, n - l0), n, D, group, scale, scores.data() + at[b - b0] + l0);
+                            std::min(POSITION_BLOCK, n - l0), n, D, group, scale, scores.data() + offsets[b - b0] + l0);
             }
           }
           // every query head's weights, then the values once for the span's heads together
           weights.clear(), reads.clear(), outs.clear();
           for (int64_t b = b0; b < b1; ++b) {
             const int64_t n = counts[b];
-            float* sc = scores.data() + at[b - b0];
+            float* sc = scores.data() + offsets[b - b0];
             cap(sc, n);
             for (int64_t g = 0; g < group; ++g) {
               softmax_weights(sc + g * n, vsp, n);
@@ -353,7 +354,7 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
       for (int64_t b = b0; b < b1; ++b) {
         const int64_t n = counts[b];
         const Runs runs = runs_of(first, n, R);
-        float* sc0 = scores.data() + at[b - b0];
+        float* sc0 = scores.data() + offsets[b - b0];
         const float* qb = q + (b * Hq + kh * group) * D;  // the group's query heads, one after another
         float* ob = out + (b * Hq + kh * group) * D;
         for (int64_t l = 0; l < n; ++l) {

@@ -47,7 +47,9 @@ def test_first_chunk_arrives_while_upstream_still_generating(proxy, stub, conten
     first = next(pieces)  # the stub holds the rest until the gate opens: a proxy that buffered would never send it
     record = stub.record(stream_id)
     assert first == b"tok 0\n"
-    assert record.sent == 1 and not record.done, "the proxy buffered the stream"
+    # (the stub counts a chunk just after its write returns, which can be after the client has read it; the gate
+    # keeps it from writing a second one or finishing)
+    assert wait_for(lambda: record.sent == 1, 10) and not record.done, "the proxy buffered the stream"
     stub.gate(stream_id).set()
     assert first + b"".join(pieces) == expected_body(3)
     assert wait_for(lambda: record.done, 10)  # the stub marks it done just after its last write

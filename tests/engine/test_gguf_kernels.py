@@ -133,10 +133,10 @@ def test_a_rows_numbers_do_not_depend_on_the_rows_beside_it(kernels, t):
 def test_blocks_packed_at_load_give_the_unpacked_numbers(kernels, t):
     """At both levels the k-quants and IQ4_XS are packed once at load (pack_k8: nibbles or pairs of bits and high
     bits in the tiles' order, Q2_K's scale bytes as the file's, IQ4_XS's nibbles as indices of its levels) and every
-    row count reads only the packing: with VNNI few rows unpack each vector in the tile, more rows each group once per
-    call; with AVX2 each tile of up to 4 rows unpacks each half vector of 8 weight rows. Either
-    way a row's numbers are those of the blocks as the file holds them, to the bit (and so the same whatever the
-    batch). Q5_0, Q5_1 and IQ4_NL are packed too (B32Pack): with VNNI the tiles' numbers of the blocks packed per
+    row count reads only the packing: with VNNI each tile of up to 8 rows unpacks each vector of 16 weight rows, with
+    AVX2 each tile of up to 4 rows each half vector of 8. Either way a row's numbers are those of the blocks as the
+    file holds them (the unpacked blocks' tiles with VNNI, the row kernels with AVX2), to the bit (and so the same
+    whatever the batch). Q5_0, Q5_1 and IQ4_NL are packed too (B32Pack): with VNNI the tiles' numbers of the blocks packed per
     call, to the bit; at the AVX2 level the row kernels' sums in another order, each row's numbers the same alone as
     in any batch. Other types are not packed."""
     raw = torch.from_numpy(_raw(t, 40, 512, seed=5))  # two groups of 16 and a part group
@@ -160,7 +160,7 @@ def test_blocks_packed_at_load_give_the_unpacked_numbers(kernels, t):
     assert packed.shape[0] == 3
     per_row = {T.Q2_K: 84, T.Q3_K: 114, T.Q4_K: 148, T.Q5_K: 180, T.Q6_K: 210, T.IQ4_XS: 138}[t]
     assert packed.shape[1] == 2 * 16 * per_row  # a group's two super-blocks
-    for rows in (1, 2, 3, 5, 9, 24, 25, 70):  # VNNI: packed_tile up to 24 rows, then each group unpacked once
+    for rows in (1, 2, 3, 5, 9, 24, 25, 70):
         want = kernels.linear_gguf(x[:rows], raw, int(t), b, True)
         assert torch.equal(kernels.linear_gguf(x[:rows], raw, int(t), b, True, packed), want)
     with pytest.raises(RuntimeError, match="packed wrongly"):

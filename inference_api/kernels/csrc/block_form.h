@@ -243,8 +243,6 @@ struct BlockForm {
   }
 
   void vnni_prepare(int64_t grp) const {
-    if constexpr (B32)
-      if (packed) return b32p_prepare(grp);
     if constexpr (Q8) {
       constexpr int CH = B::QK / 32, NS = B::QK / B::SUB;
       Group& g = group_buffer();
@@ -322,9 +320,8 @@ struct BlockForm {
           for (int s = 0; s < STEPS; ++s) {
             const __m512i wv = _mm512_loadu_si512(g.codes.data() + ((blk * NS + j) * STEPS + s) * 64);
             for (int i = 0; i < MR; ++i) {
-              int32_t v;
-              std::memcpy(&v, x.q.data() + (i0 + i) * K + blk * 256 + j * B::SUB + s * 4, 4);
-              dot[i] = _mm512_dpbusd_epi32(dot[i], wv, _mm512_set1_epi32(v));
+              dot[i] = _mm512_dpbusd_epi32(dot[i], wv,
+                                           bcast4_512(x.q.data() + (i0 + i) * K + blk * 256 + j * B::SUB + s * 4));
             }
           }
           const __m512i sc = _mm512_loadu_si512(g.isc.data() + (blk * NS + j) * 16);
@@ -353,52 +350,6 @@ struct BlockForm {
     }
   }
 
-  // Many input rows over a group packed at load: the group's codes unpacked into the tiles' buffer once (the layout
-  // vnni_prepare makes), so that k8_tile reads bytes where packed_tile would unpack each vector for every tile of rows
-  void k8p_prepare(int64_t grp) const {
-    if constexpr (K8Pack<B>::ON) {
-      using P = K8Pack<B>;
-      constexpr int NS = P::NS;
-      Group& g = group_buffer();
-      const int64_t nb = K / 256;
-      const uint8_t* base = packed + grp * nb * P::PB;
-      g.rows = std::min<int64_t>(16, N - grp * 16);
-      g.codes.resize(K * 16), g.d.resize(nb * 16), g.m.resize(nb * 16), g.isc.resize(nb * NS * 16);
-      g.imn.resize(nb * 8 * 16);
-      for (int64_t blk = 0; blk < nb; ++blk) {
-        const uint8_t* o = base + blk * P::PB;
-        for (int p = 0; p < 32; ++p) {
-          __m512i w0, w1;
-          P::step_pair(o, p, w0, w1);
-          _mm512_storeu_si512(g.codes.data() + (blk * 64 + 2 * p) * 64, w0);
-          _mm512_storeu_si512(g.codes.data() + (blk * 64 + 2 * p + 1) * 64, w1);
-        }
-        for (int j = 0; j < NS; ++j)
-          _mm512_storeu_si512(g.isc.data() + (blk * NS + j) * 16, _mm512_cvtepi8_epi32(P::scales(o, j)));
-        for (int q = 0; q < 8; ++q) {  // k8_tile's pairs: the minimums of inputs 32q .. 32q + 15 and 32q + 16 ..
-          int32_t* out = g.imn.data() + (blk * 8 + q) * 16;
-          if constexpr (B::SUB == 16) {
-            _mm512_storeu_si512(out, _mm512_cvtepi8_epi16(P::min_pairs(o, q)));
-          } else {  // one minimum for both 16s of sub-block q
-            alignas(32) int8_t pairs[32];
-            _mm256_store_si256((__m256i*)pairs, P::min_pairs(o, q / 2));
-            for (int r = 0; r < 16; ++r) {
-              const int16_t v = pairs[r * 2 + q % 2];
-              out[r] = static_cast<int32_t>(static_cast<uint16_t>(v) | static_cast<uint32_t>(static_cast<uint16_t>(v))
-                                                                           << 16);
-            }
-          }
-        }
-        for (int h = 0; h < 2; ++h) {
-          __m256 d, m;
-          P::dm_half(o, h, d, m);
-          _mm256_storeu_ps(g.d.data() + blk * 16 + 8 * h, d);
-          _mm256_storeu_ps(g.m.data() + blk * 16 + 8 * h, m);
-        }
-      }
-    }
-  }
-
   // y[i * ldy + r] for the MR input rows from i0 and the group's rows r (its first g.rows written)
   template <int MR>
   void vnni_tile(const Q8Rows& x, int64_t, int64_t i0, float* y, int64_t ldy) const {
@@ -417,9 +368,7 @@ struct BlockForm {
         for (int s = 0; s < STEPS; ++s) {
           const __m512i wv = _mm512_loadu_si512(g.codes.data() + (j * STEPS + s) * 64);
           for (int i = 0; i < MR; ++i) {
-            int32_t v;
-            std::memcpy(&v, x.q.data() + (i0 + i) * K + j * B::SUB + s * 4, 4);
-            dot[i] = _mm512_dpbusd_epi32(dot[i], wv, _mm512_set1_epi32(v));
+            dot[i] = _mm512_dpbusd_epi32(dot[i], wv, bcast4_512(x.q.data() + (i0 + i) * K + j * B::SUB + s * 4));
           }
         }
         const __m512 dv = _mm512_loadu_ps(g.d.data() + j * 16), mv = _mm512_loadu_ps(g.m.data() + j * 16);
@@ -437,35 +386,6 @@ struct BlockForm {
   template <int MR>
   void avx2_tile(const Q8Rows& x, int64_t grp, int64_t i0, float* y, int64_t ldy) const {
     packed_tile<MR>(x, grp, i0, y, ldy);
-  }
-#endif
-
-#ifdef WOQ_VNNI
-  // Q5_0 and Q5_1 packed at load, many input rows: the group's codes unpacked from the packing once into the group
-  // buffer, as vnni_prepare lays them (step_codes gives two of its steps a vector), its d and m beside them (called
-  // only where B32 holds)
-  void b32p_prepare(int64_t grp) const {
-    using P = B32Pack<B>;
-    Group& g = group_buffer();
-    const int64_t nb = K / 32;
-    const uint8_t* pk = packed + grp * nb * P::PB;
-    g.rows = std::min<int64_t>(16, N - grp * 16);
-    g.codes.resize(K * 16), g.d.resize(nb * 16), g.m.resize(nb * 16);
-    for (int64_t blk = 0; blk < nb; ++blk) {
-      const uint8_t* o = pk + blk * P::PB;
-      uint8_t* out = g.codes.data() + blk * 512;
-      for (int p = 0; p < 4; ++p) {
-        __m512i w0, w1;
-        P::step_pair(o, p, w0, w1);
-        _mm512_storeu_si512(out + 2 * p * 64, w0);
-        _mm512_storeu_si512(out + (2 * p + 1) * 64, w1);
-      }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + P::D)));
-      _mm512_storeu_ps(g.d.data() + blk * 16, d);
-      _mm512_storeu_ps(g.m.data() + blk * 16, P::OWN_MINS
-                                                  ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + P::D + 32)))
-                                                  : _mm512_mul_ps(d, _mm512_set1_ps(P::M_OF_D)));
-    }
   }
 #endif
 

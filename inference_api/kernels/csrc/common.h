@@ -61,6 +61,20 @@ inline float sum8(__m256 v) {
   return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
 }
 
+// the 4 bytes at p in every 32-bit lane, each 4 loaded on their own, so that the broadcast is a load (vpbroadcastd
+// from memory): an input's 8 bytes loaded into a general register and split, as a memcpy of two int32 compiles to,
+// move each half into a vector on the one port that does that, one a cycle, where a Zen 5 runs two vpdpbusd a cycle
+// (Qwen2.5 1.5B's Q4_K gate through the packed tile at 16 rows on the AVX512-VNNI level: 0.49 -> 0.33 ms)
+inline int32_t load4(const void* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+inline __m256i bcast4_256(const void* p) { return _mm256_set1_epi32(load4(p)); }
+#ifdef __AVX512F__
+inline __m512i bcast4_512(const void* p) { return _mm512_set1_epi32(load4(p)); }
+#endif
+
 // the sum of 8 int32 lanes (exact, in any order)
 inline int32_t hsum_i32(__m256i v) {
   __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));

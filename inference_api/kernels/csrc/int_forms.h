@@ -237,10 +237,8 @@ inline void avx2_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, cons
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int i = 0; i < MR; ++i) {
           const int8_t* x = xq + i * K + g * 32 + 4 * a;
-          int32_t x0, x1;
-          std::memcpy(&x0, x, 4), std::memcpy(&x1, x + 16, 4);
-          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)),
-                                             _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+          const __m256i t =
+              _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4_256(x)), _mm256_maddubs_epi16(hi, bcast4_256(x + 16)));
           acc[i] = a == 0 ? t : _mm256_add_epi16(acc[i], t);
         }
       }
@@ -284,11 +282,7 @@ inline void avx2_i8_tile(const uint8_t* wp, const T* sc, int64_t S, const int8_t
         for (int i = 0; i < MR; ++i) acc[h][i] = _mm256_setzero_si256();
       for (int a = 0; a < 8; ++a) {
         __m256i xb[MR];
-        for (int i = 0; i < MR; ++i) {
-          int32_t x;
-          std::memcpy(&x, xq + i * K + g * 32 + 4 * a, 4);
-          xb[i] = _mm256_set1_epi32(x);
-        }
+        for (int i = 0; i < MR; ++i) xb[i] = bcast4_256(xq + i * K + g * 32 + 4 * a);
         for (int h = 0; h < HS; ++h) {
           const __m256i w =
               _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(wp + (g * 8 + a) * 64 + (h0 + h) * 32)), plus128);
@@ -322,12 +316,6 @@ inline void avx2_i8_tile(const uint8_t* wp, const T* sc, int64_t S, const int8_t
 // how many blocks of 32 ahead a group's first tile prefetches (about 32 KB of a group's weights)
 constexpr int64_t TILE_AHEAD = 64;
 
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
 // y[i * ldy + 0 .. 16) for MR input rows and one group of 16 weight rows of 4-bit blocks: wp [S, 4, 16, 4]
 // bytes (byte j of step a: weight 4a + j in its low nibble, 16 + 4a + j in its high), dm [S, 2, 16]
 // float16 (scales, minimums); xq [MR, K] int8, dx and xs [MR, S]; ahead: the group's first tile (it prefetches)
@@ -349,8 +337,8 @@ inline void vnni_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, cons
       const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
       for (int i = 0; i < MR; ++i) {
         const int8_t* x = xq + i * K + g * 32 + 4 * a;
-        acc[i] = _mm512_dpbusd_epi32(acc[i], lo, broadcast4(x));
-        acc[i] = _mm512_dpbusd_epi32(acc[i], hi, broadcast4(x + 16));
+        acc[i] = _mm512_dpbusd_epi32(acc[i], lo, bcast4_512(x));
+        acc[i] = _mm512_dpbusd_epi32(acc[i], hi, bcast4_512(x + 16));
       }
     }
     const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(dm + g * 32)));
@@ -385,7 +373,7 @@ inline void vnni_i8_tile(const uint8_t* wp, const T* sc, int64_t S, const int8_t
     }
     for (int a = 0; a < 8; ++a) {
       const __m512i w = _mm512_loadu_si512(wp + (g * 8 + a) * 64);
-      for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, broadcast4(xq + i * K + g * 32 + 4 * a));
+      for (int i = 0; i < MR; ++i) acc[i] = _mm512_dpbusd_epi32(acc[i], w, bcast4_512(xq + i * K + g * 32 + 4 * a));
     }
     const __m512 s = load_scales(sc + g * 16);
     for (int i = 0; i < MR; ++i)

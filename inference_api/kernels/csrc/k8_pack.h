@@ -141,12 +141,12 @@ inline void codes2(typename V::T v, typename V::T hv, int p, typename V::T& w0, 
 }
 
 // The AVX2 tiles' products of IQ4_NL's levels (IQ4_XS's too) by a step's inputs: the indices w0 and w1 of two steps
-// looked up as the signed levels, multiplied by the inputs' 4 bytes x0 and x1 broadcast by the sign trick (pairs of
+// looked up as the signed levels, multiplied by the inputs' 4 bytes x0 and x1 (broadcast) by the sign trick (pairs of
 // at most 2 x 127 x 127, no saturation), each step's pairs into int32 at once by the rows' scales sc (int16 pairs)
-inline __m256i level_products(__m256i w0, __m256i w1, int32_t x0, int32_t x1, __m256i sc) {
+inline __m256i level_products(__m256i w0, __m256i w1, __m256i x0, __m256i x1, __m256i sc) {
   w0 = V256::lookup(IQ4_NL::levels(), w0), w1 = V256::lookup(IQ4_NL::levels(), w1);
-  const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(_mm256_set1_epi32(x0), w0)),
-                p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(_mm256_set1_epi32(x1), w1));
+  const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)),
+                p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));
   return _mm256_add_epi32(_mm256_madd_epi16(p0, sc), _mm256_madd_epi16(p1, sc));
 }
 
@@ -266,10 +266,9 @@ struct K8Pack {
           __m512i w0, w1;
           step_pair(o, p, w0, w1);
           for (int i = 0; i < MR; ++i) {
-            int32_t v[2];
-            std::memcpy(v, x.q.data() + (i0 + i) * K + blk * 256 + p * 8, 8);
-            dot[i] = _mm512_dpbusd_epi32(dot[i], w0, _mm512_set1_epi32(v[0]));
-            dot[i] = _mm512_dpbusd_epi32(dot[i], w1, _mm512_set1_epi32(v[1]));
+            const int8_t* v = x.q.data() + (i0 + i) * K + blk * 256 + p * 8;
+            dot[i] = _mm512_dpbusd_epi32(dot[i], w0, bcast4_512(v));
+            dot[i] = _mm512_dpbusd_epi32(dot[i], w1, bcast4_512(v + 4));
           }
         }
         const __m512i sc = _mm512_cvtepi8_epi32(scales(o, j));
@@ -344,9 +343,9 @@ struct K8Pack {
               __m256i w0, w1;
               half_pair(o, p, h, w0, w1);
               for (int i = 0; i < MR; ++i) {
-                int32_t v[2];
-                std::memcpy(v, xq + i * K + p * 8, 8);
-                isum[i] = _mm256_add_epi32(isum[i], level_products(w0, w1, v[0], v[1], sc));
+                const int8_t* v = xq + i * K + p * 8;
+                const __m256i x0 = bcast4_256(v), x1 = bcast4_256(v + 4);
+                isum[i] = _mm256_add_epi32(isum[i], level_products(w0, w1, x0, x1, sc));
               }
             }
             continue;
@@ -358,10 +357,9 @@ struct K8Pack {
               __m256i w0, w1;
               half_pair(o, p, h, w0, w1);
               for (int i = 0; i < MR; ++i) {
-                int32_t v[2];
-                std::memcpy(v, xq + i * K + p * 8, 8);
-                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(v[0])),
-                                                   _mm256_maddubs_epi16(w1, _mm256_set1_epi32(v[1])));
+                const int8_t* v = xq + i * K + p * 8;
+                const __m256i x0 = bcast4_256(v), x1 = bcast4_256(v + 4);
+                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
                 d16[i] = s == 0 ? t : _mm256_add_epi16(d16[i], t);
               }
             }
@@ -466,10 +464,9 @@ struct B32Pack {
         __m512i w0, w1;
         step_pair(o, p, w0, w1);
         for (int i = 0; i < MR; ++i) {
-          int32_t v[2];
-          std::memcpy(v, x.q.data() + (i0 + i) * K + blk * 32 + p * 8, 8);
-          dot[i] = _mm512_dpbusd_epi32(dot[i], w0, _mm512_set1_epi32(v[0]));
-          dot[i] = _mm512_dpbusd_epi32(dot[i], w1, _mm512_set1_epi32(v[1]));
+          const int8_t* v = x.q.data() + (i0 + i) * K + blk * 32 + p * 8;
+          dot[i] = _mm512_dpbusd_epi32(dot[i], w0, bcast4_512(v));
+          dot[i] = _mm512_dpbusd_epi32(dot[i], w1, bcast4_512(v + 4));
         }
       }
       const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + D)));
@@ -508,9 +505,9 @@ struct B32Pack {
             __m256i w0, w1;
             half_codes<0>(o, o + HIGH, p, h, w0, w1);
             for (int i = 0; i < MR; ++i) {
-              int32_t v[2];
-              std::memcpy(v, x.q.data() + (i0 + i) * K + blk * 32 + p * 8, 8);
-              isum[i] = _mm256_add_epi32(isum[i], level_products(w0, w1, v[0], v[1], ones));
+              const int8_t* v = x.q.data() + (i0 + i) * K + blk * 32 + p * 8;
+              const __m256i x0 = bcast4_256(v), x1 = bcast4_256(v + 4);
+              isum[i] = _mm256_add_epi32(isum[i], level_products(w0, w1, x0, x1, ones));
             }
           }
         } else {
@@ -521,10 +518,9 @@ struct B32Pack {
               __m256i w0, w1;
               half_codes<HB>(o, o + HIGH, p, h, w0, w1);
               for (int i = 0; i < MR; ++i) {
-                int32_t v[2];
-                std::memcpy(v, x.q.data() + (i0 + i) * K + blk * 32 + p * 8, 8);
-                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(v[0])),
-                                                   _mm256_maddubs_epi16(w1, _mm256_set1_epi32(v[1])));
+                const int8_t* v = x.q.data() + (i0 + i) * K + blk * 32 + p * 8;
+                const __m256i x0 = bcast4_256(v), x1 = bcast4_256(v + 4);
+                const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1));
                 d16[i] = s == 0 ? t : _mm256_add_epi16(d16[i], t);
               }
             }

@@ -22,17 +22,13 @@
 namespace woq {
 namespace {
 
-// input rows up to which the k-quants packed at load run on packed_tile (each weight vector unpacked per tile of rows)
-// rather than unpacking each group once per call (Qwen2.5 1.5B on a 2-core EPYC, Q4_K gate_up and Q6_K down: 16 rows
-// 1.82 against 2.19 ms and 1.22 against 1.61; 24 rows even; 32 rows 4.12 against 3.69 and 2.80 against 2.30)
-constexpr int64_t K8P_ROWS = 24;
-// input rows up to which Q5_0 and Q5_1 packed at load run on packed_tile rather than unpacking each group once per
-// call: one tile of rows (a check of up to 7 drafted tokens; SmolLM2 Q4_K_M's step with 4 drafted tokens 8.3
-// against 9.6 ms with 4 rows here, 2026-11-27)
-constexpr int64_t B32P_ROWS = VNNI_MR;
-
+#ifdef WOQ_VNNI
+constexpr int PACKED_MR = VNNI_MR;
+#else
+constexpr int PACKED_MR = AVX2_MR;
+#endif
 // every row count's tiles over a weight packed at load (F::packed_tile: K8Pack or B32Pack), MR input rows a tile
-template <int MR = VNNI_MR, typename F, typename Rows>
+template <int MR = PACKED_MR, typename F, typename Rows>
 at::Tensor packed_rows(const F& f, const Rows& xr, const at::Tensor& x2, const Bias& bias) {
   return vnni_rows<MR>(
       x2, f.N, bias, [](int64_t) {},
@@ -53,16 +49,11 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
   if constexpr (F::K8) {  // the k-quants against Q8_K inputs: the tiles for several rows, else passes of rows
     if (int8_inputs) {
       const Q8KRows xr(xp, M, K);
+      // packed at load: the tiles unpack each vector where they use it, for every row count (on a Zen 5, with
+      // AVX512-VNNI, faster than unpacking each group once a call from 1 to 512 rows: Qwen2.5 1.5B's Q4_K gate at 32
+      // rows 0.63 against 1.21 ms, its Q6_K down 0.86 against 1.24, the same at 512)
+      if (f.packed) return packed_rows(f, xr, x2, bias).reshape(shape);
 #ifdef WOQ_VNNI
-      if (f.packed && M <= K8P_ROWS)  // packed at load: the tiles unpack each vector where they use it
-        return packed_rows(f, xr, x2, bias).reshape(shape);
-      if (f.packed)  // more rows: each group unpacked once for all of them (the same numbers)
-        return vnni_rows(
-                   x2, N, bias, [&](int64_t grp) { f.k8p_prepare(grp); },
-                   [&](auto mr, int64_t, int64_t i0, float* out) {
-                     f.template k8_tile<decltype(mr)::value>(xr, i0, out, N);
-                   })
-            .reshape(shape);
       if (M > 1)
         return vnni_rows(
                    x2, N, bias, [&](int64_t grp) { f.vnni_prepare(grp); },
@@ -70,9 +61,6 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
                      f.template k8_tile<decltype(mr)::value>(xr, i0, out, N);
                    })
             .reshape(shape);
-#else
-      if (f.packed)  // packed at load: the AVX2 tiles, every row count
-        return packed_rows<AVX2_MR>(f, xr, x2, bias).reshape(shape);
 #endif
       auto pass = [&](auto rw, int64_t n, int64_t rows, float* out, int64_t i0, int64_t i1) {
         row_groups(i0, i1, [&](auto mr, int64_t i) {
@@ -88,7 +76,7 @@ at::Tensor run_linear(const F& f, const at::Tensor& x, const Bias& bias, bool in
     if (int8_inputs && f.vnni_ready()) {
       const Q8Rows xr(xp, M, K, F::HALVES);
       if constexpr (F::B32)
-        if (f.packed && M <= B32P_ROWS)  // Q5_0, Q5_1 packed at load: few rows unpack each vector in the tile
+        if (f.packed)  // Q5_0, Q5_1 packed at load: every row count unpacks each vector in the tile
           return packed_rows(f, xr, x2, bias).reshape(shape);
       if constexpr (F::ONE_ROW)
         if (M == 1)  // no packing for one input row: the tiles' numbers, read from the rows' own layout

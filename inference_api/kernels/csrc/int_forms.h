@@ -233,8 +233,7 @@ inline void avx2_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, cons
     for (int64_t g = 0; g < S; ++g) {
       __m256i acc[MR];
       for (int i = 0; i < MR; ++i) acc[i] = _mm256_setzero_si256();
-#pragma GCC unroll 1  // one step at a time, as K8Pack::tile_avx2
-      for (int a = 0; a < 4; ++a) {
+      avx2_steps<MR, 4>([&](int a) {
         const __m256i v = _mm256_loadu_si256((const __m256i*)(wp + (g * 4 + a) * 64 + h * 32));
         const __m256i lo = _mm256_and_si256(v, low), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
         for (int i = 0; i < MR; ++i) {
@@ -242,7 +241,7 @@ inline void avx2_i4_tile(const uint8_t* wp, const c10::Half* dm, int64_t S, cons
           acc[i] = _mm256_add_epi16(acc[i], _mm256_add_epi16(_mm256_maddubs_epi16(lo, bcast4_256(x)),
                                                              _mm256_maddubs_epi16(hi, bcast4_256(x + 16))));
         }
-      }
+      });
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dm + g * 32 + 8 * h)));
       const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(dm + g * 32 + 16 + 8 * h)));
       for (int i = 0; i < MR; ++i) {

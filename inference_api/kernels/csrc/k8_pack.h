@@ -353,11 +353,7 @@ struct K8Pack {
           for (int f = 0; f < VP; f += FLUSH) {
             __m256i d16[MR];
             for (int i = 0; i < MR; ++i) d16[i] = _mm256_setzero_si256();
-            // one step pair at a time: unrolled, GCC computes every product of the flush first and spills them all
-            // (16 registers), each product then a store and a load (the AVX2 level, Qwen2.5 1.5B's Q4_K gate at 32
-            // rows: 2.26 -> 1.82 ms)
-#pragma GCC unroll 1
-            for (int s = 0; s < FLUSH; ++s) {
+            avx2_steps<MR, FLUSH>([&](int s) {
               const int p = j * VP + f + s;
               __m256i w0, w1;
               half_pair(o, p, h, w0, w1);
@@ -367,7 +363,7 @@ struct K8Pack {
                 d16[i] = _mm256_add_epi16(d16[i],
                                           _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)));
               }
-            }
+            });
             for (int i = 0; i < MR; ++i) isum[i] = _mm256_add_epi32(isum[i], _mm256_madd_epi16(d16[i], sc));
           }
         }
@@ -519,8 +515,7 @@ struct B32Pack {
           for (int f = 0; f < 2; ++f) {
             __m256i d16[MR];
             for (int i = 0; i < MR; ++i) d16[i] = _mm256_setzero_si256();
-#pragma GCC unroll 1  // one step pair at a time, as K8Pack::tile_avx2
-            for (int s = 0; s < 2; ++s) {
+            avx2_steps<MR, 2>([&](int s) {
               const int p = 2 * f + s;
               __m256i w0, w1;
               half_codes<HB>(o, o + HIGH, p, h, w0, w1);
@@ -530,7 +525,7 @@ struct B32Pack {
                 d16[i] = _mm256_add_epi16(d16[i],
                                           _mm256_add_epi16(_mm256_maddubs_epi16(w0, x0), _mm256_maddubs_epi16(w1, x1)));
               }
-            }
+            });
             for (int i = 0; i < MR; ++i) {
               const __m256i part = _mm256_madd_epi16(d16[i], ones);
               isum[i] = f == 0 ? part : _mm256_add_epi32(isum[i], part);

@@ -136,9 +136,9 @@ def test_blocks_packed_at_load_give_the_unpacked_numbers(kernels, t):
     row count reads only the packing: with VNNI each tile of up to 8 rows unpacks each vector of 16 weight rows, with
     AVX2 each tile of up to 4 rows each half vector of 8. Either way a row's numbers are those of the blocks as the
     file holds them (the unpacked blocks' tiles with VNNI, the row kernels with AVX2), to the bit (and so the same
-    whatever the batch). Q5_0, Q5_1 and IQ4_NL are packed too (B32Pack): with VNNI the tiles' numbers of the blocks packed per
-    call, to the bit; at the AVX2 level the row kernels' sums in another order, each row's numbers the same alone as
-    in any batch. Other types are not packed."""
+    whatever the batch). Q5_0, Q5_1 and IQ4_NL are packed too (B32Pack): with VNNI the tiles' numbers of the blocks
+    packed per call, to the bit; at the AVX2 level the row kernels' sums in another order, each row's numbers the same
+    alone as in any batch. Other types are not packed."""
     raw = torch.from_numpy(_raw(t, 40, 512, seed=5))  # two groups of 16 and a part group
     packed = kernels.pack_k8(raw, int(t))
     torch.manual_seed(5)

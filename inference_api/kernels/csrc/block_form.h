@@ -332,12 +332,9 @@ struct BlockForm {
           const float dx = x.d[(i0 + i) * nb + blk];
           const int16_t* bs = x.bsum.data() + ((i0 + i) * nb + blk) * 16;
           __m512i imin = _mm512_setzero_si512();
-          for (int p = 0; p < 8; ++p) {  // two 16s of inputs' sums against their minimums per vpdpwssd
-            int32_t pair;
-            std::memcpy(&pair, bs + 2 * p, 4);
+          for (int p = 0; p < 8; ++p)  // two 16s of inputs' sums against their minimums per vpdpwssd
             imin = _mm512_dpwssd_epi32(imin, _mm512_loadu_si512(g.imn.data() + (blk * 8 + p) * 16),
-                                       _mm512_set1_epi32(pair));
-          }
+                                       bcast4_512(bs + 2 * p));
           // signed codes went plus 128 (unsigned_codes); their minimums' integers are the scales
           if constexpr (B::SIGNED) isum[i] = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(imin, 7));
           acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum[i]), acc[i]);

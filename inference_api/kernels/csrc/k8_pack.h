@@ -286,11 +286,7 @@ struct K8Pack {
         const float dx = x.d[(i0 + i) * nb + blk];
         const int16_t* bs = xs + (i * nb + blk) * NS;
         __m512i imin = _mm512_setzero_si512();
-        for (int q = 0; q < NP; ++q) {
-          int32_t pair;
-          std::memcpy(&pair, bs + 2 * q, 4);
-          imin = _mm512_dpwssd_epi32(imin, mn[q], _mm512_set1_epi32(pair));
-        }
+        for (int q = 0; q < NP; ++q) imin = _mm512_dpwssd_epi32(imin, mn[q], bcast4_512(bs + 2 * q));
         if constexpr (LUT) isum[i] = _mm512_sub_epi32(isum[i], _mm512_slli_epi32(imin, 7));  // the levels' + 128
         acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(dv, _mm512_set1_ps(dx)), _mm512_cvtepi32_ps(isum[i]), acc[i]);
         if constexpr (B::MINS)
@@ -381,11 +377,8 @@ struct K8Pack {
           if constexpr (B::MINS) {
             const int16_t* bs = xs + (i * nb + blk) * NS;
             __m256i imin = _mm256_setzero_si256();
-            for (int q = 0; q < NP; ++q) {
-              int32_t pair;
-              std::memcpy(&pair, bs + 2 * q, 4);
-              imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn[q], _mm256_set1_epi32(pair)));
-            }
+            for (int q = 0; q < NP; ++q)
+              imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mn[q], bcast4_256(bs + 2 * q)));
             a = _mm256_fmadd_ps(_mm256_mul_ps(mv, dx), _mm256_cvtepi32_ps(imin), a);
           }
           _mm256_store_ps(acc[h][i], a);

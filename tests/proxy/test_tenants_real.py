@@ -57,21 +57,28 @@ def test_no_team_finds_another_teams_prompt_in_the_prefix_cache(tenants, model_n
     """Team B guesses the token after a known prefix of team A's prompt (the probe that recovered an SSN in 197
     tries): no guess, the right one included, finds a cached token, while team A's row still holds its prompt and
     after it is freed; the same prompt sent again by team A reuses its own cache, with another cache_salt it
-    does not."""
+    does not. Team A's request is a long stream, read after the probes to show it was still in its row: a freed
+    row is the next request's (the lowest free row is taken), so a request that ended early would prove nothing."""
     url, server = tenants
     a, b = team("team-a"), team("team-b")
     known = "My SSN is 987-65-"
     server.wait_idle()
-    with ThreadPoolExecutor(1) as pool:
-        holding = pool.submit(complete, url, a, model_name, SECRET_PROMPT, max_tokens=200, ignore_eos=True)
-        assert wait_for(lambda: server.health()["rows_in_use"] > 0, 60)  # team A's request is in its row
+    body = {"model": model_name, "prompt": SECRET_PROMPT, "max_tokens": 900, "temperature": 0, "stream": True}
+    with requests.post(
+        f"{url}/v1/completions", json={**body, "ignore_eos": True}, headers=a, stream=True, timeout=300
+    ) as holding:
+        assert holding.status_code == 200, holding.text
+        events = (line for line in holding.iter_lines() if line.startswith(b"data: "))
+        assert next(events).startswith(b"data: {")  # team A's prompt is in its row, decoding
         for guess in ["4321", "1234", "0000"]:  # each in a namespace of its own: only A's rows could answer
             probe = f"{known}{guess}, keep it secret. filler"
             assert cached(complete(url, b, model_name, probe, cache_salt=f"probe-{guess}")) == 0
         assert cached(complete(url, b, model_name, SECRET_PROMPT)) == 0
         assert cached(complete(url, a, model_name, SECRET_PROMPT, cache_salt="other")) == 0
         assert cached(complete(url, a, model_name, SECRET_PROMPT)) > 10  # the team's own reuse stays
-        assert holding.result().status_code == 200
+        still = [json.loads(next(events)[6:])["choices"][0]["finish_reason"] for _ in range(3)]
+        assert still == [None] * 3, still  # A's stream had not ended: its row held the prompt throughout
+    server.wait_idle()  # the stream closed: its row is free, its cache kept
     assert cached(complete(url, team("team-c"), model_name, SECRET_PROMPT)) == 0  # A's rows are free now
 
 

@@ -63,10 +63,8 @@ def test_no_team_finds_another_teams_prompt_in_the_prefix_cache(tenants, model_n
     a, b = team("team-a"), team("team-b")
     known = "My SSN is 987-65-"
     server.wait_idle()
-    body = {"model": model_name, "prompt": SECRET_PROMPT, "max_tokens": 900, "temperature": 0, "stream": True}
-    with requests.post(
-        f"{url}/v1/completions", json={**body, "ignore_eos": True}, headers=a, stream=True, timeout=300
-    ) as holding:
+    body = {"model": model_name, "prompt": SECRET_PROMPT, "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with requests.post(f"{url}/v1/completions", json=body, headers=a, stream=True, timeout=300) as holding:
         assert holding.status_code == 200, holding.text
         events = (line for line in holding.iter_lines() if line.startswith(b"data: "))
         assert next(events).startswith(b"data: {")  # team A's prompt is in its row, decoding

@@ -9,7 +9,7 @@
 // - HB high bits of each code (Q5_K one, Q6_K two; Q3_K its third bit):
 //   - over nibbles, 16 * HB bytes per vector: the HB bits of both codes of byte t side by side (2 HB bits),
 //     8 / (2 HB) bytes t to a byte, t + 64 / G * g at bits 2 HB (G - 1 - g) (G groups): Q6_K's t at bits 4 .. 7,
-//     where the codes take them, Q5_K's t + 16 at bits 4 and 5, the other groups a shift or rotation away;
+//     where the codes take them, Q5_K's t + 16 at bits 4 and 5, the other groups a shift away;
 //   - over two bits, 8 vectors: byte 4r + e of vector u holds the bit of input 32u + 4b + e at bit b;
 // - each sub-block's integer scale per row, int8 [NS][16] (Q2_K: the file's byte, scale and minimum nibbles);
 // - Q4_K and Q5_K: the minimums' integers as int16 pairs per row for vpdpwssd, int8 [NS / 2][16][2] (widened at

@@ -2,9 +2,9 @@
 
 Each step takes inputs round-robin over the open requests (one input of each in turn, so a request of a thousand
 inputs never holds another's one input back for more than a step) until the step holds ``batch_tokens`` tokens
-with their padding, runs one forward of the encoder (model/encoder.py) and sends each input's vector (or score)
-as its own event. An input's numbers do not depend on what shares its forward (its padding is masked out of
-attention and pooling). A generation request gets a clear error: this model does not generate.
+(packed, no padding), runs one forward of the encoder (model/encoder.py) and sends each input's vector (or score)
+as its own event. An input's numbers do not depend on what shares its forward (attention keeps each input to its
+own tokens). A generation request gets a clear error: this model does not generate.
 """
 
 from __future__ import annotations
@@ -53,16 +53,16 @@ class Embedder:
     def step(self) -> list[TokenEvent]:
         events, self.refused = self.refused, []
         batch: list[tuple[str, int, tuple[int, ...], bool]] = []
-        width = 0
+        tokens = 0
         while self.pending:
             took = False
             for sid, queue in list(self.pending.items()):
                 i, ids, normalize = queue[0]
-                if batch and max(width, len(ids)) * (len(batch) + 1) > self.batch_tokens:
+                if batch and tokens + len(ids) > self.batch_tokens:
                     continue
                 queue.popleft()
                 batch.append((sid, i, ids, normalize))
-                width, took = max(width, len(ids)), True
+                tokens, took = tokens + len(ids), True
                 if not queue:
                     del self.pending[sid]
             if not took:

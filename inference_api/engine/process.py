@@ -211,7 +211,7 @@ def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineRe
     kernels = load_kernels(config.model_cache_dir) if config.device in ("auto", "cpu") else None
     cpu = torch.device("cpu")
     make_linear = linear_factory(cpu, torch.float32, "int8", kernels, None, True) if kernels is not None else None
-    model = BertEncoder(gguf, make_linear, INT8_LAYOUT)
+    model = BertEncoder(gguf, make_linear, INT8_LAYOUT, kernels)
     log.info("embedding model %s: %d dims, pooling %s", gguf, model.dims, model.pooling)
     ready = EngineReady(
         str(folder),

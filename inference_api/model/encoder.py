@@ -1,13 +1,15 @@
 """Embedding models from a GGUF, as llama.cpp's bert graph runs them (``ENCODERS``: bert, and nomic-bert as
 nomic-embed-text converts): tokens and token types (BERT also learned positions) embedded and normalized, then
-per layer bidirectional attention (nomic-bert: NEOX rotary on q and k) and an MLP (BERT: GELU; nomic-bert: SwiGLU),
-each added to the residual and layer-normalized after (post-norm), and the token vectors pooled as the file says
-(``<arch>.pooling_type``: mean, cls, last; rank: a cross-encoder's classifier head gives one score).
+per layer bidirectional attention (nomic-bert: NEOX rotary on q and k) and an MLP (BERT: GELU in its tanh form;
+nomic-bert: SwiGLU), each added to the residual and layer-normalized after (post-norm), and the token vectors pooled
+as the file says (``<arch>.pooling_type``: mean, cls, last; rank: a cross-encoder's classifier head gives one
+score).
 
 The weights are read from the file by llama.cpp's tensor names: a quantized file's linears run on its own blocks
 through the CPU kernels (int8 inputs, as llama.cpp rounds its activations), a float file's dense in float32; the
-rest is torch's, the attention SDPA with each input's padding masked out, so an input's vector does not depend on
-what else shares its batch (the kernels compute each row alone).
+rest is torch's but attention: the inputs' tokens are packed one after another without padding, and attention
+(the kernels' ``encoder_attention``, else torch's SDPA an input at a time) keeps each input to its own tokens, so
+an input's vector does not depend on what else shares its batch (the kernels compute each row alone).
 """
 
 from __future__ import annotations
@@ -53,10 +55,15 @@ class EncoderLayer:
 class BertEncoder:
     """``make_linear`` (linear.linear_factory's, with the CPU kernels): the linears of a quantized file run on its
     own blocks through the kernels (``int8_layout``: the types served in the int8 layout), as the decoders'; None,
-    or a float file's, dense float32."""
+    or a float file's, dense float32. ``kernels`` (the loaded CPU kernels): attention through their
+    ``encoder_attention``; None, torch's."""
 
     def __init__(
-        self, path: str | Path, make_linear: Callable | None = None, int8_layout: frozenset[str] = frozenset()
+        self,
+        path: str | Path,
+        make_linear: Callable | None = None,
+        int8_layout: frozenset[str] = frozenset(),
+        kernels=None,
     ):
         from ..kernels.quant import stack
         from .gguf_blocks import packed
@@ -72,6 +79,7 @@ class BertEncoder:
             return fields.get(f"{arch}.{name}", default)
 
         self.arch = ENCODERS[arch]
+        self.kernels = kernels
 
         self.hidden = int(key("embedding_length"))
         self.heads = int(key("attention.head_count"))
@@ -134,43 +142,34 @@ class BertEncoder:
 
     @torch.inference_mode()
     def forward(self, inputs: list[list[int]]) -> torch.Tensor:
-        """Each input's pooled vector [B, hidden] (a reranker: its scores [B, 1]), unnormalized."""
-        width = max(len(ids) for ids in inputs)
-        ids = torch.zeros(len(inputs), width, dtype=torch.long)
-        real = torch.zeros(len(inputs), width, dtype=torch.bool)
-        for i, row in enumerate(inputs):
-            ids[i, : len(row)] = torch.tensor(row)
-            real[i, : len(row)] = True
+        """Each input's pooled vector [B, hidden] (a reranker: its scores [B, 1]), unnormalized. The inputs' tokens
+        packed one after another (no padding): every step but attention is per token, and attention keeps each
+        input to itself (``_attention``)."""
+        lengths = [len(ids) for ids in inputs]
+        ids = torch.tensor([t for row in inputs for t in row], dtype=torch.long)
+        positions = torch.cat([torch.arange(n) for n in lengths])
+        offsets = [0]
+        for n in lengths:
+            offsets.append(offsets[-1] + n)
         x = self.token[ids] + self.token_type
         if self.position is not None:
-            x = x + self.position[:width][None]
+            x = x + self.position[positions]
         x = F.layer_norm(x, (self.hidden,), *self.embed_norm, self.eps)
-        b, t, d = x.shape
+        tokens, d = x.shape
         hd = d // self.heads
-        rotary = self._rotary(t, hd) if self.arch.rope else None
-        padded = not bool(real.all())
-        mask = torch.zeros(b, 1, 1, t).masked_fill_(~real[:, None, None, :], float("-inf")) if padded else None
-        x = x.reshape(b * t, d)  # (the linears take rows)
+        rotary = [r[positions][:, None] for r in self._rotary(max(lengths), hd)] if self.arch.rope else None
         for layer in self.layers:
-            q, k, v = layer.qkv(x).view(b, t, 3, self.heads, hd).permute(2, 0, 3, 1, 4)
+            q, k, v = layer.qkv(x).split(d, dim=-1)
             if rotary is not None:
-                q, k = apply_rope(q, *rotary), apply_rope(k, *rotary)
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).reshape(b * t, d)
-            x = F.layer_norm(x + layer.o(a), (d,), *layer.attn_norm, self.eps)
-            if self.arch.gated:
-                gate, up = layer.up(x).chunk(2, dim=-1)
-                hidden = F.silu(gate) * up
-            else:
-                hidden = F.gelu(layer.up(x))
-            x = F.layer_norm(x + layer.down(hidden), (d,), *layer.out_norm, self.eps)
-        x = x.view(b, t, d)
-        lengths = real.sum(1)
+                q, k = (apply_rope(t.view(tokens, self.heads, hd), *rotary).view(tokens, d) for t in (q, k))
+            x = F.layer_norm(x + layer.o(self._attention(q, k, v, offsets)), (d,), *layer.attn_norm, self.eps)
+            x = F.layer_norm(x + layer.down(self._activation(layer.up(x))), (d,), *layer.out_norm, self.eps)
         if self.pooling == "cls" or self.pooling == "rank":
-            pooled = x[:, 0]
+            pooled = x[offsets[:-1]]
         elif self.pooling == "last":
-            pooled = x[torch.arange(b), lengths - 1]
+            pooled = x[[end - 1 for end in offsets[1:]]]
         else:  # mean (and none: a vector for the input as a whole is what the routes return)
-            pooled = (x * real[..., None]).sum(1) / lengths[:, None]
+            pooled = torch.stack([row.mean(0) for row in x.split(lengths)])
         if self.pooling != "rank":
             return pooled
         w, bias = self.cls
@@ -180,6 +179,29 @@ class BertEncoder:
         if w is None:
             raise ValueError("a reranker's file has no classifier (cls.output)")
         return F.linear(pooled, w, bias)
+
+    def _activation(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP's activation of its up projection: SwiGLU (silu(gate) * up of [gate | up]) or GELU in its tanh
+        form, as llama.cpp's bert graph (ggml_gelu); the kernels' one pass, else torch's."""
+        if self.arch.gated:
+            if self.kernels is not None:
+                return self.kernels.silu_mul(x)
+            gate, up = x.chunk(2, dim=-1)
+            return F.silu(gate) * up
+        return self.kernels.gelu(x) if self.kernels is not None else F.gelu(x, approximate="tanh")
+
+    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+        """Bidirectional attention of the packed inputs (q, k, v [tokens, hidden]; input i's tokens the rows
+        offsets[i] .. offsets[i + 1] - 1), each over its own tokens alone: the kernels' (one call for every input
+        and head), else torch's SDPA an input at a time."""
+        hd = q.shape[-1] // self.heads
+        if self.kernels is not None:
+            return self.kernels.encoder_attention(q, k, v, torch.tensor(offsets), self.heads, hd**-0.5)
+        out = torch.empty(q.shape)
+        for start, end in zip(offsets, offsets[1:]):
+            qi, ki, vi = (t[start:end].reshape(1, end - start, self.heads, hd).transpose(1, 2) for t in (q, k, v))
+            out[start:end] = F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).reshape(end - start, -1)
+        return out
 
     def _rotary(self, length: int, dims: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin [length, dims] of NEOX rotary over every position (llama.cpp's rope_ext, no scaling)."""

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 from gguf_reference import GGUF_DIR
 
 from inference_api.engine.embedder import Embedder
@@ -38,6 +39,58 @@ def test_an_inputs_vector_is_the_same_whatever_shares_its_forward():
     together = model.forward(ids)
     for a, b in zip(alone, together):
         assert torch.allclose(a, b, atol=1e-5)
+
+
+@pytest.mark.parametrize("dims", [32, 12])  # 12: no whole vector of floats, the scalar loops
+def test_the_kernels_encoder_attention_is_sdpa_over_each_input_alone(kernels, dims):
+    """encoder_attention over inputs packed one after another (rows of q, k and v views of one qkv output, as the
+    encoder passes them): each input's rows those of torch's SDPA over that input alone, and the same to the bit
+    whatever is packed beside it; an empty input is allowed."""
+    torch.manual_seed(0)
+    heads, lengths = 3, [1, 7, 0, 40, 16]
+    offsets = [0]
+    for n in lengths:
+        offsets.append(offsets[-1] + n)
+    qkv = torch.randn(offsets[-1], 3 * heads * dims)
+    q, k, v = qkv.split(heads * dims, dim=1)
+    got = kernels.encoder_attention(q, k, v, torch.tensor(offsets), heads, dims**-0.5)
+    assert got.shape == (offsets[-1], heads * dims)
+    for start, end in zip(offsets, offsets[1:]):
+        if start == end:
+            continue
+        qi, ki, vi = (t[start:end].reshape(1, end - start, heads, dims).transpose(1, 2) for t in (q, k, v))
+        want = F.scaled_dot_product_attention(qi, ki, vi).transpose(1, 2).reshape(end - start, -1)
+        torch.testing.assert_close(got[start:end], want, rtol=1e-5, atol=1e-6)
+        alone = kernels.encoder_attention(
+            q[start:end], k[start:end], v[start:end], torch.tensor([0, end - start]), heads, dims**-0.5
+        )
+        assert torch.equal(alone, got[start:end])
+    with pytest.raises(RuntimeError, match="offsets"):
+        kernels.encoder_attention(q, k, v, torch.tensor([0, 5]), heads, dims**-0.5)
+
+
+@pytest.mark.parametrize("name", ["bert-q8_0.gguf", "nomic-bert-q8_0.gguf", "bert-rerank-f32.gguf"])
+def test_an_encoder_on_the_kernels_gives_torchs_numbers_and_each_input_its_own(kernels, name):
+    """The encoder as the server builds it (linears and attention on the kernels) against torch's alone, inputs of
+    different lengths packed together; a quantized file's vector of each input the same to the bit alone or beside
+    others (nomic-bert: rotary positions counted within each input; a float file's linears are torch's dense ones,
+    whose sums may follow the rows' count)."""
+    from inference_api.engine.plan import INT8_LAYOUT
+    from inference_api.model.linear import linear_factory
+
+    torch.manual_seed(1)
+    inputs = [torch.randint(1, 512, (n,)).tolist() for n in (3, 25, 1, 64, 9)]
+    make_linear = linear_factory(torch.device("cpu"), torch.float32, "int8", kernels, None, True)
+    model = BertEncoder(GGUF_DIR / name, make_linear, INT8_LAYOUT, kernels)
+    together = model.forward(inputs)
+    dense = BertEncoder(GGUF_DIR / name).forward(inputs)  # torch's attention, the linears' inputs in float
+    if model.scores:  # a float file: float linears on both sides
+        torch.testing.assert_close(together, dense, rtol=1e-4, atol=1e-5)
+    else:  # int8 inputs against float ones
+        assert bool((F.cosine_similarity(together, dense) > 0.999).all())
+    for i, ids in enumerate(inputs):
+        alone = model.forward([ids])[0]
+        assert torch.equal(alone, together[i]) if "q8_0" in name else torch.allclose(alone, together[i], atol=1e-5)
 
 
 def test_the_embedder_takes_requests_in_turn_and_refuses_generation():

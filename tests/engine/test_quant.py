@@ -268,7 +268,7 @@ def test_int8_cache_rounds_each_head_to_its_own_scale():
 
 
 @pytest.mark.parametrize("rows", [1, 32, 450])  # 450: split between the threads, as a prefill's rows are
-def test_norm_and_silu_gate_over_rows(kernels, rows):
+def test_norm_silu_gate_and_gelu_over_rows(kernels, rows):
     torch.manual_seed(0)
     x, w = torch.randn(rows, 576) * 3, torch.randn(576)
     torch.testing.assert_close(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5))
@@ -278,6 +278,7 @@ def test_norm_and_silu_gate_over_rows(kernels, rows):
     got = kernels.silu_mul(gate_up)
     assert got.shape == (2, rows, 96)
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(kernels.gelu(gate_up), F.gelu(gate_up, approximate="tanh"), rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("rows", [None, [4, 0, 4]])  # None: a decode step's rows 0..B-1; else a prefill's tokens

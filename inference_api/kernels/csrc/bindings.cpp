@@ -37,8 +37,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention, "one query token per entry over its row's cached positions",
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("ks"), py::arg("vs"), py::arg("lengths"), py::arg("scale"),
         py::arg("rows") = py::none(), py::arg("starts") = py::none(), py::arg("softcap") = 0.0, py::arg("ring") = 0);
+  m.def("encoder_attention", &encoder_attention, "an encoder's inputs packed one after another, each over itself",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("offsets"), py::arg("heads"), py::arg("scale"));
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
   m.def("silu_mul", &silu_mul, "silu(gate) * up over the last dimension's halves [gate | up]");
+  m.def("gelu", &gelu, "GELU in its tanh form (llama.cpp's)");
   m.def("rope_store", &rope_store, "rotary embedding, each token's key and value into the cache", py::arg("qkv"),
         py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("key_scales"),
         py::arg("value_scales"), py::arg("positions"), py::arg("heads"), py::arg("rows") = py::none());

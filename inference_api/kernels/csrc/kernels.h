@@ -32,8 +32,11 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
                             const Scales& vs, const at::Tensor& lengths, double scale,
                             const c10::optional<at::Tensor>& rows, const c10::optional<at::Tensor>& starts,
                             double softcap, int64_t ring);
+at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets,
+                             int64_t heads, double scale);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& x);
+at::Tensor gelu(const at::Tensor& x);
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
                       at::Tensor& values, const Scales& key_scales, const Scales& value_scales,
                       const at::Tensor& positions, int64_t heads, const c10::optional<at::Tensor>& rows);

@@ -1,6 +1,7 @@
 // The decode step's other kernels: attention of one query token per entry over its cache row (grouped-query,
-// float32, bfloat16, float16 or int8 caches), RMSNorm, silu(gate) * up, the rotary embedding with each
-// token's key and value stored into the cache, and LoRA adapters' low-rank terms.
+// float32, bfloat16, float16 or int8 caches), an encoder's bidirectional attention over its packed inputs, RMSNorm,
+// silu(gate) * up, GELU, the rotary embedding with each token's key and value stored into the cache, and LoRA adapters'
+// low-rank terms.
 #include "common.h"
 #include "kernels.h"
 
@@ -472,6 +473,101 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return out;
 }
 
+namespace {
+
+// One head of one encoder input (encoder_attention): n queries q, keys k and values v (rows ldq, ldk, ldv apart,
+// D floats each), every query over every key -> out (rows ldo apart). The keys transposed into kt [D, n rounded up
+// to W], so a query's scores are W keys a vector; the values copied into vh [n, D] for vector_values.
+void encoder_head(const float* q, int64_t ldq, const float* k, int64_t ldk, const float* v, int64_t ldv, int64_t n,
+                  int64_t D, float scale, float* out, int64_t ldo, std::vector<float>& kt, std::vector<float>& vh,
+                  std::vector<float>& scores) {
+#ifdef WOQ_SIMD
+  if (vector_rows(D)) {
+    const int64_t np = (n + W - 1) / W * W;
+    kt.assign(D * np, 0.f);
+    vh.resize(n * D);
+    scores.resize(n * np);
+    for (int64_t j = 0; j < n; ++j) {
+      for (int64_t d = 0; d < D; ++d) kt[d * np + j] = k[j * ldk + d];
+      std::copy(v + j * ldv, v + j * ldv + D, vh.data() + j * D);
+    }
+    const Vec::T sv = Vec::set1(scale);
+    int64_t i = 0;
+    auto rows = [&](auto count) {  // count queries' scores at a time, each key vector loaded once for them
+      constexpr int G = decltype(count)::value;
+      for (int64_t jb = 0; jb < np; jb += W) {
+        Vec::T acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = Vec::zero();
+        for (int64_t d = 0; d < D; ++d) {
+          const Vec::T kv = Vec::load(kt.data() + d * np + jb);
+          for (int g = 0; g < G; ++g) acc[g] = Vec::fma(Vec::set1(q[(i + g) * ldq + d]), kv, acc[g]);
+        }
+        for (int g = 0; g < G; ++g) Vec::store(scores.data() + (i + g) * np + jb, Vec::mul(acc[g], sv));
+      }
+    };
+    for (; i + 4 <= n; i += 4) rows(Int<4>{});
+    for (; i < n; ++i) rows(Int<1>{});
+    std::vector<const float*> weights(n);
+    std::vector<int64_t> reads(n, n);
+    std::vector<float*> outs(n);
+    for (int64_t r = 0; r < n; ++r) {
+      softmax_weights(scores.data() + r * np, nullptr, n);
+      weights[r] = scores.data() + r * np, outs[r] = out + r * ldo;
+    }
+    vector_values(weights.data(), reads.data(), outs.data(), n, vh.data(), n, vh.data(), D);
+    return;
+  }
+#endif
+  scores.resize(n);
+  for (int64_t i = 0; i < n; ++i) {
+    float mx = -INFINITY, sum = 0.f;
+    for (int64_t j = 0; j < n; ++j) {
+      float dot = 0.f;
+      for (int64_t d = 0; d < D; ++d) dot += q[i * ldq + d] * k[j * ldk + d];
+      scores[j] = dot * scale, mx = std::max(mx, scores[j]);
+    }
+    for (int64_t j = 0; j < n; ++j) sum += scores[j] = fast_exp(scores[j] - mx);
+    float* o = out + i * ldo;
+    std::fill(o, o + D, 0.f);
+    for (int64_t j = 0; j < n; ++j)
+      for (int64_t d = 0; d < D; ++d) o[d] += scores[j] / sum * v[j * ldv + d];
+  }
+}
+
+}  // namespace
+
+// Bidirectional attention over an encoder's inputs packed one after another (model/encoder.py): q, k and v
+// [N, heads * D] (rows of any stride: views of one qkv output), input b's tokens the rows offsets[b] ..
+// offsets[b + 1] - 1. Each token attends to every token of its own input and to nothing else (no padding, no
+// mask), so an input's numbers never depend on what shares its batch -> [N, heads * D]
+at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets,
+                             int64_t heads, double scale) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat);
+  TORCH_CHECK(q.dim() == 2 && q.sizes() == k.sizes() && q.sizes() == v.sizes(), "q, k and v: [tokens, heads * D]");
+  TORCH_CHECK(q.stride(1) == 1 && k.stride(1) == 1 && v.stride(1) == 1, "rows of contiguous heads");
+  TORCH_CHECK(offsets.scalar_type() == at::kLong && offsets.dim() == 1 && offsets.numel() >= 1);
+  const int64_t N = q.size(0), HD = q.size(1), H = heads, B = offsets.numel() - 1;
+  TORCH_CHECK(H > 0 && HD % H == 0, "heads must divide the row");
+  auto oc = offsets.contiguous();
+  const int64_t* off = oc.data_ptr<int64_t>();
+  TORCH_CHECK(off[0] == 0 && off[B] == N, "offsets run from 0 to the tokens");
+  for (int64_t b = 0; b < B; ++b) TORCH_CHECK(off[b] <= off[b + 1], "offsets never decrease");
+  const int64_t D = HD / H, ldq = q.stride(0), ldk = k.stride(0), ldv = v.stride(0);
+  auto out = at::empty({N, HD}, q.options());
+  const float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, B * H, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<float> kt, vh, scores;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t b = t / H, h = t % H, o = off[b], n = off[b + 1] - o;
+      if (n > 0)
+        encoder_head(qp + o * ldq + h * D, ldq, kp + o * ldk + h * D, ldk, vp + o * ldv + h * D, ldv, n, D,
+                     static_cast<float>(scale), op + o * HD + h * D, HD, kt, vh, scores);
+    }
+  });
+  return out;
+}
+
 // elements per piece of a parallel elementwise pass: a decode step's rows stay on one thread
 constexpr int64_t ELEMENTWISE_GRAIN = 32768;
 
@@ -522,6 +618,39 @@ at::Tensor silu_mul(const at::Tensor& x) {
     }
   });
   return y.view(out_shape(x, F));
+}
+
+// GELU over the rows of x (float32) in its tanh form, as llama.cpp's ggml_gelu: x * sigmoid(2 u) for u = sqrt(2 /
+// pi) (x + 0.044715 x^3), which is 0.5 x (1 + tanh(u)); the sigmoid from one exponential of -|2 u| (silu_mul's).
+// Row by row, so where a row's elements take the vector or the scalar steps never follows the rows beside it.
+at::Tensor gelu(const at::Tensor& x) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat);
+  auto x2 = flat(x);
+  const int64_t M = x2.size(0), F = x2.size(1);
+  auto y = at::empty_like(x2);
+  const float* xp = x2.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  constexpr float a = 2.f * 0.7978845608f, b = 0.044715f;
+  at::parallel_for(0, M, std::max<int64_t>(1, ELEMENTWISE_GRAIN / F), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* r = xp + i * F;
+      float* o = yp + i * F;
+      int64_t j = 0;
+#ifdef WOQ_SIMD
+      const Vec::T one = Vec::set1(1.f), av = Vec::set1(a), bv = Vec::set1(b);
+      for (; j + W <= F; j += W) {
+        const Vec::T v = Vec::load(r + j), t = Vec::mul(Vec::mul(av, v), Vec::fma(Vec::mul(bv, v), v, one));
+        const Vec::T e = fast_exp(Vec::sub(Vec::zero(), Vec::abs(t))), s = Vec::div(one, Vec::add(one, e));
+        Vec::store(o + j, Vec::mul(v, Vec::select_nonnegative(t, s, Vec::mul(e, s))));
+      }
+#endif
+      for (; j < F; ++j) {
+        const float v = r[j], t = a * v * (1.f + b * v * v), e = fast_exp(-std::fabs(t)), s = 1.f / (1.f + e);
+        o[j] = v * (t >= 0.f ? s : e * s);
+      }
+    }
+  });
+  return y.view(x.sizes());
 }
 
 namespace {

@@ -110,6 +110,26 @@ def test_the_embedder_takes_requests_in_turn_and_refuses_generation():
     assert refused.finish_reason is FinishReason.ERROR and "embedding model" in (refused.error or "")
 
 
+def test_the_embedder_leaves_a_core_to_the_web_worker_while_several_requests_are_open():
+    """One request's inputs take every configured thread; while several requests are open (many clients, whose
+    tokens and JSON the one web worker makes) the forward takes one fewer."""
+    model = BertEncoder(GGUF_DIR / "bert-q8_0.gguf")
+    ids = [tuple(i) for i in REFERENCE["files"]["bert-q8_0.gguf"]["tokens"]]
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        eng = Embedder(model, batch_tokens=4096)
+        threads = []
+        for sessions in (["a"], ["b", "c"], ["d"]):
+            for sid in sessions:
+                eng.embed(EmbedRequest(sid, tuple(ids)))
+            assert len(eng.step()) == len(ids) * len(sessions)
+            threads.append(torch.get_num_threads())
+        assert threads == [2, 1, 2]
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_a_rerankers_scores_are_llama_cpps():
     """The tiny random cross-encoder (a classifier on the first token, as llama-server --reranking scores it): the
     same order, each score within 1e-2."""

@@ -4,25 +4,27 @@ from __future__ import annotations
 
 import base64
 import math
-import struct
+from collections.abc import Sequence
+
+import numpy as np
 
 from .protocol import EmbedInputs, Rerank
 
 
-def vector(values: list[float], inputs: EmbedInputs) -> list[float] | str:
+def vector(values: Sequence[float], inputs: EmbedInputs) -> np.ndarray | str:
     """A vector as asked: its first ``dimensions`` values (L2-normalized again when the request normalizes), as
-    floats or little-endian float32 base64."""
+    float32 (``numbers_response`` writes each in its shortest form) or little-endian float32 base64."""
+    array = np.asarray(values, dtype=np.float32)
     if inputs.dimensions is not None:
-        values = values[: inputs.dimensions]
+        array = array[: inputs.dimensions]
         if inputs.normalize:
-            norm = math.sqrt(sum(v * v for v in values)) or 1.0
-            values = [v / norm for v in values]
+            array = array / (np.linalg.norm(array) or np.float32(1.0))
     if inputs.base64:
-        return base64.b64encode(struct.pack(f"<{len(values)}f", *values)).decode()
-    return values
+        return base64.b64encode(array.astype("<f4").tobytes()).decode()
+    return array
 
 
-def openai_embeddings(vectors: list[list[float]], inputs: EmbedInputs, model: str, tokens: int) -> dict:
+def openai_embeddings(vectors: Sequence[Sequence[float]], inputs: EmbedInputs, model: str, tokens: int) -> dict:
     data = [{"object": "embedding", "index": i, "embedding": vector(v, inputs)} for i, v in enumerate(vectors)]
     return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 

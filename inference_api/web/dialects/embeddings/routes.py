@@ -9,7 +9,7 @@ from lifecycle.error_shapes import OPENAI, TGI
 
 from ...errors import answer_as
 from ...serving import Serving
-from ..http import family_blueprint, json_body
+from ..http import family_blueprint, json_body, numbers_response
 from .format import openai_embeddings, rerank_body, vector
 from .protocol import parse_openai, parse_rerank, parse_tei
 
@@ -22,14 +22,14 @@ def embeddings_blueprint(serving: Serving) -> Blueprint:
         inputs = parse_openai(json_body(request), serving.ready().vocab_size)
         serving.check_model(inputs.model or "", placeholders=True)
         vectors, tokens = serving.embed(inputs.texts, inputs.ids, inputs.normalize, inputs.truncate, "input")
-        return jsonify(openai_embeddings(vectors, inputs, serving.model_name, tokens))
+        return numbers_response(openai_embeddings(vectors, inputs, serving.model_name, tokens))
 
     @api.post("/embed")
     def tei_route():
         answer_as(TGI)  # TEI's errors: {error, error_type}, 413/422 for bad input
         inputs = parse_tei(json_body(request))
         vectors, _ = serving.embed(inputs.texts, None, inputs.normalize, inputs.truncate, "inputs")
-        return jsonify([vector(v, inputs) for v in vectors])
+        return numbers_response([vector(v, inputs) for v in vectors])
 
     @api.post("/rerank")
     @api.post("/v1/rerank")

@@ -47,7 +47,7 @@ def test_the_kernels_encoder_attention_is_sdpa_over_each_input_alone(kernels, di
     encoder passes them): each input's rows those of torch's SDPA over that input alone, and the same to the bit
     whatever is packed beside it; an empty input is allowed."""
     torch.manual_seed(0)
-    heads, lengths = 3, [1, 7, 0, 40, 16]
+    heads, lengths = 3, [1, 7, 0, 70, 16]  # 70: two blocks of queries
     offsets = [0]
     for n in lengths:
         offsets.append(offsets[-1] + n)
@@ -79,7 +79,7 @@ def test_an_encoder_on_the_kernels_gives_torchs_numbers_and_each_input_its_own(k
     from inference_api.model.linear import linear_factory
 
     torch.manual_seed(1)
-    inputs = [torch.randint(1, 512, (n,)).tolist() for n in (3, 25, 1, 64, 9)]
+    inputs = [torch.randint(1, 512, (n,)).tolist() for n in (3, 25, 1, 100, 9)]
     make_linear = linear_factory(torch.device("cpu"), torch.float32, "int8", kernels, None, True)
     model = BertEncoder(GGUF_DIR / name, make_linear, INT8_LAYOUT, kernels)
     together = model.forward(inputs)

@@ -475,6 +475,9 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 
 namespace {
 
+// queries of one encoder input whose scores are held at a time (64 x 2,048 keys: 512 KB)
+constexpr int64_t ENCODER_QUERIES = 64;
+
 // One head of one encoder input (encoder_attention): n queries q, keys k and values v (rows ldq, ldk, ldv apart,
 // D floats each), every query over every key -> out (rows ldo apart). The keys transposed into kt [D, n rounded up
 // to W], so a query's scores are W keys a vector; the values copied into vh [n, D] for vector_values.
@@ -486,35 +489,40 @@ void encoder_head(const float* q, int64_t ldq, const float* k, int64_t ldk, cons
     const int64_t np = (n + W - 1) / W * W;
     kt.assign(D * np, 0.f);
     vh.resize(n * D);
-    scores.resize(n * np);
+    scores.resize(std::min(n, ENCODER_QUERIES) * np);
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t d = 0; d < D; ++d) kt[d * np + j] = k[j * ldk + d];
       std::copy(v + j * ldv, v + j * ldv + D, vh.data() + j * D);
     }
     const Vec::T sv = Vec::set1(scale);
-    int64_t i = 0;
-    auto rows = [&](auto count) {  // count queries' scores at a time, each key vector loaded once for them
-      constexpr int G = decltype(count)::value;
-      for (int64_t jb = 0; jb < np; jb += W) {
-        Vec::T acc[G];
-        for (int g = 0; g < G; ++g) acc[g] = Vec::zero();
-        for (int64_t d = 0; d < D; ++d) {
-          const Vec::T kv = Vec::load(kt.data() + d * np + jb);
-          for (int g = 0; g < G; ++g) acc[g] = Vec::fma(Vec::set1(q[(i + g) * ldq + d]), kv, acc[g]);
+    std::vector<const float*> weights;
+    std::vector<int64_t> reads;
+    std::vector<float*> outs;
+    for (int64_t i0 = 0; i0 < n; i0 += ENCODER_QUERIES) {  // (scores of a block of queries at a time: bounded memory)
+      const int64_t i1 = std::min(n, i0 + ENCODER_QUERIES);
+      int64_t i = i0;
+      auto rows = [&](auto count) {  // count queries' scores at a time, each key vector loaded once for them
+        constexpr int G = decltype(count)::value;
+        for (int64_t jb = 0; jb < np; jb += W) {
+          Vec::T acc[G];
+          for (int g = 0; g < G; ++g) acc[g] = Vec::zero();
+          for (int64_t d = 0; d < D; ++d) {
+            const Vec::T kv = Vec::load(kt.data() + d * np + jb);
+            for (int g = 0; g < G; ++g) acc[g] = Vec::fma(Vec::set1(q[(i + g) * ldq + d]), kv, acc[g]);
+          }
+          for (int g = 0; g < G; ++g) Vec::store(scores.data() + (i - i0 + g) * np + jb, Vec::mul(acc[g], sv));
         }
-        for (int g = 0; g < G; ++g) Vec::store(scores.data() + (i + g) * np + jb, Vec::mul(acc[g], sv));
+      };
+      for (; i + 4 <= i1; i += 4) rows(Int<4>{});
+      for (; i < i1; ++i) rows(Int<1>{});
+      weights.clear(), reads.assign(i1 - i0, n), outs.clear();
+      for (int64_t r = i0; r < i1; ++r) {
+        float* p = scores.data() + (r - i0) * np;
+        softmax_weights(p, nullptr, n);
+        weights.push_back(p), outs.push_back(out + r * ldo);
       }
-    };
-    for (; i + 4 <= n; i += 4) rows(Int<4>{});
-    for (; i < n; ++i) rows(Int<1>{});
-    std::vector<const float*> weights(n);
-    std::vector<int64_t> reads(n, n);
-    std::vector<float*> outs(n);
-    for (int64_t r = 0; r < n; ++r) {
-      softmax_weights(scores.data() + r * np, nullptr, n);
-      weights[r] = scores.data() + r * np, outs[r] = out + r * ldo;
+      vector_values(weights.data(), reads.data(), outs.data(), i1 - i0, vh.data(), n, vh.data(), D);
     }
-    vector_values(weights.data(), reads.data(), outs.data(), n, vh.data(), n, vh.data(), D);
     return;
   }
 #endif

@@ -200,7 +200,7 @@ def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineRe
 
     from ..model.encoder import BertEncoder
     from ..model.loader import model_name, resolve_model_dir
-    from .plan import INT8_LAYOUT
+    from .plan import INT8_LAYOUT, make_plan, model_facts, probe_machine
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
@@ -208,7 +208,8 @@ def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineRe
     from ..model.linear import linear_factory
 
     folder = resolve_model_dir(config, weights=False)  # its tokenizer, as llama.cpp reads the file's
-    kernels = load_kernels(config.model_cache_dir) if config.device in ("auto", "cpu") else None
+    plan = make_plan(config, model_facts(gguf, None), probe_machine(config.device))  # (the kernels' level)
+    kernels = load_kernels(config.model_cache_dir, level=plan.cpu_level) if plan.device == "cpu" else None
     cpu = torch.device("cpu")
     make_linear = linear_factory(cpu, torch.float32, "int8", kernels, None, True) if kernels is not None else None
     model = BertEncoder(gguf, make_linear, INT8_LAYOUT, kernels)

@@ -5,14 +5,18 @@ tokenized as llama-server tokenizes it and each vector within cosine 0.999 of ll
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from gguf_reference import GGUF_DIR
+from servers import MODEL_CACHE
 
+from inference_api.config import ServerConfig
 from inference_api.engine.embedder import Embedder
 from inference_api.engine.messages import EmbedRequest, FinishReason, GenerateRequest, SamplingParams
+from inference_api.engine.plan import LEVELS, cpu_flags
 from inference_api.model.encoder import BertEncoder
 from inference_api.model.gguf_vocab import gguf_tokenizer
 
@@ -128,6 +132,17 @@ def test_the_embedder_leaves_a_core_to_the_web_worker_while_several_requests_are
         assert threads == [2, 1, 2]
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(not LEVELS["avx2"][1] <= cpu_flags(), reason="the CPU runs no AVX2 level")
+def test_an_embedding_models_engine_runs_the_kernels_level_asked():
+    """--cpu-level reaches an embedding model's engine as it reaches a decoder's (make_plan's level)."""
+    from inference_api.engine.process import build_embedder
+
+    gguf = GGUF_DIR / "bert-q8_0.gguf"
+    config = ServerConfig(model=str(gguf), model_cache_dir=Path(MODEL_CACHE), cpu_level="avx2")
+    embedder, ready = build_embedder(config, gguf)
+    assert ready.task == "embed" and "avx2" in embedder.model.kernels.build
 
 
 def test_a_rerankers_scores_are_llama_cpps():

@@ -204,7 +204,7 @@ def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineRe
 
     if config.torch_threads:
         torch.set_num_threads(config.torch_threads)
-    from ..kernels import load_kernels
+    from ..kernels import WITHOUT_KERNELS, load_kernels
     from ..model.linear import linear_factory
 
     folder = resolve_model_dir(config, weights=False)  # its tokenizer, as llama.cpp reads the file's
@@ -221,6 +221,7 @@ def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineRe
         model.token.shape[0],
         "cpu",
         "float32",
+        kernels=kernels.build if kernels is not None else f"unavailable: {WITHOUT_KERNELS}",
         task="score" if model.scores else "embed",
         dims=model.dims,
     )

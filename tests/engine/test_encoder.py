@@ -136,13 +136,14 @@ def test_the_embedder_leaves_a_core_to_the_web_worker_while_several_requests_are
 
 @pytest.mark.skipif(not LEVELS["avx2"][1] <= cpu_flags(), reason="the CPU runs no AVX2 level")
 def test_an_embedding_models_engine_runs_the_kernels_level_asked():
-    """--cpu-level reaches an embedding model's engine as it reaches a decoder's (make_plan's level)."""
+    """--cpu-level reaches an embedding model's engine as it reaches a decoder's (make_plan's level), and its
+    ready message names the build (/health's ``kernels``, which bench.py prints)."""
     from inference_api.engine.process import build_embedder
 
     gguf = GGUF_DIR / "bert-q8_0.gguf"
     config = ServerConfig(model=str(gguf), model_cache_dir=Path(MODEL_CACHE), cpu_level="avx2")
     embedder, ready = build_embedder(config, gguf)
-    assert ready.task == "embed" and "avx2" in embedder.model.kernels.build
+    assert ready.task == "embed" and "avx2" in embedder.model.kernels.build and "avx2" in ready.kernels
 
 
 def test_a_rerankers_scores_are_llama_cpps():

@@ -208,8 +208,12 @@ def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineRe
     from ..model.linear import linear_factory
 
     folder = resolve_model_dir(config, weights=False)  # its tokenizer, as llama.cpp reads the file's
-    plan = make_plan(config, model_facts(gguf, None), probe_machine(config.device))  # (the kernels' level)
-    kernels = load_kernels(config.model_cache_dir, level=plan.cpu_level) if plan.device == "cpu" else None
+    # the encoder runs on the CPU, on the kernels unless another device is asked for: at the plan's level
+    # (--cpu-level, checked against this CPU as a decoder's; none where the plan takes a GPU: this CPU's own build)
+    on_cpu = config.device in ("auto", "cpu")
+    plan = make_plan(config, model_facts(gguf, None), probe_machine(config.device))
+    kernels = load_kernels(config.model_cache_dir, level=plan.cpu_level) if on_cpu else None
+    built = "" if not on_cpu else kernels.build if kernels is not None else f"unavailable: {WITHOUT_KERNELS}"
     cpu = torch.device("cpu")
     make_linear = linear_factory(cpu, torch.float32, "int8", kernels, None, True) if kernels is not None else None
     model = BertEncoder(gguf, make_linear, INT8_LAYOUT, kernels)
@@ -221,7 +225,7 @@ def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineRe
         model.token.shape[0],
         "cpu",
         "float32",
-        kernels=kernels.build if kernels is not None else f"unavailable: {WITHOUT_KERNELS}",
+        kernels=built,
         task="score" if model.scores else "embed",
         dims=model.dims,
     )

@@ -45,7 +45,7 @@ from .messages import (
     UnloadAdapter,
 )
 from .metrics import Metrics
-from .process import run_engine
+from .process import engine_environment, run_engine
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,13 @@ class EngineClient:
         self.process = process = self._ctx.Process(
             target=run_engine, args=(self.config, inbox, outbox), name="inference-engine", daemon=True
         )
-        process.start()
+        added = {k: v for k, v in engine_environment(self.config).items() if k not in os.environ}
+        os.environ.update(added)  # (the spawned process starts with this process's environment)
+        try:
+            process.start()
+        finally:
+            for key in added:
+                os.environ.pop(key, None)
         return process, outbox
 
     def _send(self, msg: object) -> None:

@@ -194,6 +194,26 @@ def load_adapters(config: ServerConfig, runner) -> Adapters | None:
     return adapters
 
 
+def engine_environment(config: ServerConfig) -> dict[str, str]:
+    """What an engine process's environment adds to the server's (libraries read it as they load: set before the
+    process starts). An embedding model's engine: libgomp's threads spin 10,000 rounds after a parallel region
+    before they sleep, where its default (300,000) keeps the second core from the web worker and the client
+    between one client's forwards. all-MiniLM-L6-v2 Q8_0 on 2 cores, 2026-11-29, alternating runs of bench.py
+    --embeddings: one client 235 to 332 texts/s against 216 to 279 (three pairs), 32 clients 499 to 529 against
+    519 to 543 (the same within the noise: there the forward runs on one thread). A decoder's engine keeps the
+    default (32 streams lost 5 to 11 % with it, 2026-11-27); a value the server's environment sets is kept."""
+    from ..model.gguf_meta import read_header
+    from ..model.loader import gguf_source
+    from .plan import is_encoder
+
+    gguf = None if config.mock else gguf_source(config)
+    try:
+        encoder = gguf is not None and gguf.is_file() and is_encoder(read_header(gguf)["arch"])
+    except Exception:  # a file the engine cannot read: its start says why
+        return {}
+    return {"GOMP_SPINCOUNT": "10000"} if encoder else {}
+
+
 def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineReady]:
     """The engine of an embedding model or a reranker (a GGUF of an encoder architecture)."""
     import torch

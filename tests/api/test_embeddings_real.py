@@ -9,6 +9,7 @@ import base64
 import json
 import struct
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import openai
@@ -114,6 +115,36 @@ def test_concurrent_clients_each_get_their_own_vectors(bert):
 def test_a_generating_model_does_not_embed(mock_server, model_name):
     r = requests.post(mock_server.url + "/v1/embeddings", json={"model": model_name, "input": "x"}, timeout=30)
     assert r.status_code == 400 and "does not embed" in r.json()["error"]["message"]
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
+
+
+def test_the_engine_process_starts_with_short_openmp_spins(bert):
+    """An embedding model's engine process starts with GOMP_SPINCOUNT=10000 (process.engine_environment: libgomp
+    reads it as torch loads, so the server sets it for the spawn alone)."""
+    engines = [
+        pid
+        for pid in _descendants(bert.proc.pid)
+        if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    ]
+    assert len(engines) == 1
+    assert b"GOMP_SPINCOUNT=10000" in Path(f"/proc/{engines[0]}/environ").read_bytes().split(b"\0")
 
 
 @pytest.fixture(scope="module")

@@ -146,6 +146,14 @@ def test_an_embedding_models_engine_runs_the_kernels_level_asked():
     assert ready.task == "embed" and "avx2" in embedder.model.kernels.build and "avx2" in ready.kernels
 
 
+def test_only_an_embedding_models_engine_gets_short_openmp_spins():
+    from inference_api.engine.process import engine_environment
+
+    assert engine_environment(ServerConfig(model=str(GGUF_DIR / "bert-q8_0.gguf"))) == {"GOMP_SPINCOUNT": "10000"}
+    assert engine_environment(ServerConfig(model=str(GGUF_DIR / "llama-q4_k_m.gguf"))) == {}
+    assert engine_environment(ServerConfig(mock=True)) == {}
+
+
 def test_a_rerankers_scores_are_llama_cpps():
     """The tiny random cross-encoder (a classifier on the first token, as llama-server --reranking scores it): the
     same order, each score within 1e-2."""

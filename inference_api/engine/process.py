@@ -82,13 +82,13 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
     import torch
 
     from ..kernels import WITHOUT_KERNELS, load_kernels
-    from ..model.gguf_meta import read_header
     from ..model.loader import eos_ids, gguf_source, gguf_target, resolve_model_dir
-    from .plan import is_encoder, make_plan, model_facts, probe_machine
+    from .plan import make_plan, model_facts, probe_machine
 
+    encoder = encoder_gguf(config)
+    if encoder is not None:
+        return build_embedder(config, encoder)
     gguf = gguf_source(config)
-    if gguf is not None and gguf.is_file() and is_encoder(read_header(gguf)["arch"]):
-        return build_embedder(config, gguf)
     from ..model.tokenizer import HFTokenizer
     from .constrain import for_hf_tokenizer
     from .model_runner import load_runner
@@ -202,16 +202,21 @@ def engine_environment(config: ServerConfig) -> dict[str, str]:
     --embeddings: one client 235 to 332 texts/s against 216 to 279 (three pairs), 32 clients 499 to 529 against
     519 to 543 (the same within the noise: there the forward runs on one thread). A decoder's engine keeps the
     default (32 streams lost 5 to 11 % with it, 2026-11-27); a value the server's environment sets is kept."""
+    try:
+        encoder = not config.mock and encoder_gguf(config) is not None
+    except Exception:  # a file the engine cannot read: its start says why
+        return {}
+    return {"GOMP_SPINCOUNT": "10000"} if encoder else {}
+
+
+def encoder_gguf(config: ServerConfig) -> Path | None:
+    """The served GGUF when it is an embedding model's or a reranker's (model/encoder.py runs it), else None."""
     from ..model.gguf_meta import read_header
     from ..model.loader import gguf_source
     from .plan import is_encoder
 
-    gguf = None if config.mock else gguf_source(config)
-    try:
-        encoder = gguf is not None and gguf.is_file() and is_encoder(read_header(gguf)["arch"])
-    except Exception:  # a file the engine cannot read: its start says why
-        return {}
-    return {"GOMP_SPINCOUNT": "10000"} if encoder else {}
+    gguf = gguf_source(config)
+    return gguf if gguf is not None and gguf.is_file() and is_encoder(read_header(gguf)["arch"]) else None
 
 
 def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineReady]:

@@ -158,11 +158,12 @@ class BertEncoder:
         tokens, d = x.shape
         hd = d // self.heads
         rotary = [r[positions][:, None] for r in self._rotary(max(lengths), hd)] if self.arch.rope else None
+        spans = torch.tensor(offsets)  # (the kernel's offsets, made once a forward)
         for layer in self.layers:
             q, k, v = layer.qkv(x).split(d, dim=-1)
             if rotary is not None:
                 q, k = (apply_rope(t.view(tokens, self.heads, hd), *rotary).view(tokens, d) for t in (q, k))
-            x = F.layer_norm(x + layer.o(self._attention(q, k, v, offsets)), (d,), *layer.attn_norm, self.eps)
+            x = F.layer_norm(x + layer.o(self._attention(q, k, v, offsets, spans)), (d,), *layer.attn_norm, self.eps)
             x = F.layer_norm(x + layer.down(self._activation(layer.up(x))), (d,), *layer.out_norm, self.eps)
         if self.pooling == "cls" or self.pooling == "rank":
             pooled = x[offsets[:-1]]
@@ -190,13 +191,15 @@ class BertEncoder:
             return F.silu(gate) * up
         return self.kernels.gelu(x) if self.kernels is not None else F.gelu(x, approximate="tanh")
 
-    def _attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: list[int]) -> torch.Tensor:
+    def _attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: list[int], spans: torch.Tensor
+    ) -> torch.Tensor:
         """Bidirectional attention of the packed inputs (q, k, v [tokens, hidden]; input i's tokens the rows
-        offsets[i] .. offsets[i + 1] - 1), each over its own tokens alone: the kernels' (one call for every input
-        and head), else torch's SDPA an input at a time."""
+        offsets[i] .. offsets[i + 1] - 1, ``spans`` the same as a tensor), each over its own tokens alone: the
+        kernels' (one call for every input and head), else torch's SDPA an input at a time."""
         hd = q.shape[-1] // self.heads
         if self.kernels is not None:
-            return self.kernels.encoder_attention(q, k, v, torch.tensor(offsets), self.heads, hd**-0.5)
+            return self.kernels.encoder_attention(q, k, v, spans, self.heads, hd**-0.5)
         out = torch.empty(q.shape)
         for start, end in zip(offsets, offsets[1:]):
             qi, ki, vi = (t[start:end].reshape(1, end - start, self.heads, hd).transpose(1, 2) for t in (q, k, v))

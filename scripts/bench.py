@@ -957,15 +957,27 @@ def main() -> None:
         help="finally time the plain prompts at each concurrency with speculation on and off",
     )
     ap.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="sample at this temperature (--api openai; each server's own defaults for what is not sent) instead of "
+        "the greedy answers",
+    )
+    ap.add_argument("--top-p", type=float, help="with --temperature: the nucleus sent too")
+    ap.add_argument(
         "--api",
         choices=["native", "openai"],
         help="native: /predictions; openai: /v1/completions (default: openai with --peer-url, else native)",
     )
     args = ap.parse_args()
     api = args.api or ("openai" if args.peer_url else "native")
-    if (args.ignore_eos or args.structured) and api != "openai":
-        sys.exit("--ignore-eos and --structured need --api openai")
-    extra = {"ignore_eos": True} if args.ignore_eos else None
+    if (args.ignore_eos or args.structured or args.temperature) and api != "openai":
+        sys.exit("--ignore-eos, --structured and --temperature need --api openai")
+    extra = ({"ignore_eos": True} if args.ignore_eos else {}) | (
+        {"temperature": args.temperature} | ({"top_p": args.top_p} if args.top_p is not None else {})
+        if args.temperature
+        else {}
+    ) or None
     for u in filter(None, [args.url, args.proxy_url, args.peer_url]):
         host = urlparse(u).hostname or ""
         if not (host == "localhost" or host.startswith("127.") or host == "::1"):

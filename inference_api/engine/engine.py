@@ -117,12 +117,14 @@ class Engine:
         drafter: ModelDrafter | None = None,
         pooling: str | None = None,
         adapters: Adapters | None = None,
+        kernels=None,
     ):
+        """kernels: the CPU kernels, for the sampler's draw (None: torch's)."""
         self.runner = runner
         self.tokenizer = tokenizer
         self.scheduler = Scheduler(rows, prefill_chunk, prefix_cache, context_length, runner.holds, prompt_cache)
         self.prompt_cache = self.scheduler.prompt_cache  # the caches beyond the rows (None: off)
-        self.sampler = Sampler(rows, runner.vocab_size, runner.device, eos_ids, tokenizer.decode, constraints)
+        self.sampler = Sampler(rows, runner.vocab_size, runner.device, eos_ids, tokenizer.decode, constraints, kernels)
         self.context_length = context_length
         self.eos_ids = eos_ids
         self.sessions: dict[str, list[Sequence]] = {}  # a request's choices not yet ended (n: SamplingParams.n)

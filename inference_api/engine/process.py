@@ -151,6 +151,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
         prompt_cache=make_prompt_cache(config, runner, gguf or model_dir, plan.tp),
         pooling=config.pooling if config.embedding else None,
         adapters=adapters,
+        kernels=kernels,
     )
     if config.embedding and not getattr(runner, "embeds", False):
         raise RuntimeError(f"--embedding: architecture {plan.arch!r} gives no token vectors (the compact decoder's do)")

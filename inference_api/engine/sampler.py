@@ -2,7 +2,8 @@
 
 In order, per step: repetition, presence and frequency penalties (rows that ask), the ``min_tokens`` mask (no end or
 stop token before it: ``Sequence.early``), a grammar's mask (rows with a matcher, outside a thought), then one
-vectorised draw with each row's temperature, top-k, top-p, min-p and seed (``sampling.sample``), and a thought's
+draw with each row's temperature, top-k, top-p, min-p and seed (``sampling.sample``: on the CPU the kernels' one
+call for every row, elsewhere torch's vectorised operations), and a thought's
 forced close in place of the draw (past its budget: ``reasoning.Thought``); the log-probs of the chosen tokens and
 of a prompt's tokens are read from the same logits. Each row's parameters live in ``RowParams`` on the device,
 set once when the row is admitted; a request's ``n`` choices draw from seeds derived from its one seed
@@ -36,8 +37,11 @@ class Sampler:
         eos_ids: frozenset[int],
         detokenize: Callable[[Seq[int]], str],
         constraints: Constraints | None = None,
+        kernels=None,
     ):
+        """kernels: the CPU kernels (their draw for logits on the CPU), or None (torch's)."""
         self.params = RowParams.allocate(rows, vocab_size, device)
+        self.kernels = kernels
         self.eos_ids = eos_ids
         self.detokenize = detokenize
         self.constraints = constraints  # None: no grammar support (a row with a matcher is an error)
@@ -76,7 +80,9 @@ class Sampler:
             logits = self.constraints.mask(logits, constrained, unmasked)
         steps = torch.tensor([s.num_output + j for s, j in zip(seqs, offsets)], device=logits.device)
         min_p = p.min_p[rows] if any(s.params.min_p for s in seqs) else None
-        tokens = sample(logits, p.temperature[rows], p.top_k[rows], p.top_p[rows], p.seed[rows], steps, min_p)
+        tokens = sample(
+            logits, p.temperature[rows], p.top_k[rows], p.top_p[rows], p.seed[rows], steps, min_p, self.kernels
+        )
         forced = [(i, s.forced) for i, s in enumerate(seqs) if s.forced is not None]
         if forced:  # a thought past its budget: its close, in place of the draw (on the device, for a launch ahead)
             at, ids = zip(*forced)

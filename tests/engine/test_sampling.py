@@ -16,58 +16,58 @@ def rows(n, **kw):
     )
 
 
-def test_greedy_rows_take_the_argmax():
+def test_greedy_rows_take_the_argmax(draw):
     logits = torch.randn(4, 50)
     t, k, p, s, st = rows(4, temperature=0.0)
-    assert torch.equal(sample(logits, t, k, p, s, st), logits.argmax(-1))
+    assert torch.equal(draw(logits, t, k, p, s, st), logits.argmax(-1))
 
 
-def test_each_row_uses_its_own_parameters_in_one_call():
+def test_each_row_uses_its_own_parameters_in_one_call(draw):
     logits = torch.randn(3, 100).repeat(1, 1)
     t = torch.tensor([0.0, 1.0, 1.0])
     k = torch.tensor([100, 1, 100])  # row 1: top_k=1 is greedy too
     p = torch.tensor([1.0, 1.0, 1e-6])  # row 2: tiny top_p keeps only the best token
     s = torch.tensor([1, 2, 3])
-    out = sample(logits, t, k, p, s, torch.zeros(3, dtype=torch.long))
+    out = draw(logits, t, k, p, s, torch.zeros(3, dtype=torch.long))
     assert torch.equal(out, logits.argmax(-1))
 
 
-def test_top_k_limits_the_choice():
+def test_top_k_limits_the_choice(draw):
     logits = torch.arange(100, dtype=torch.float).repeat(200, 1)  # token 99 best
     t, k, p, _, st = rows(200, top_k=3)
     seeds = torch.arange(200)
-    out = sample(logits, t, k, p, seeds, st)
+    out = draw(logits, t, k, p, seeds, st)
     assert set(out.tolist()) == {97, 98, 99}
 
 
-def test_top_p_keeps_the_nucleus():
+def test_top_p_keeps_the_nucleus(draw):
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(300, 1)
     t, k, p, _, st = rows(300, top_p=0.7)
-    out = sample(logits, t, k, p, torch.arange(300), st)
+    out = draw(logits, t, k, p, torch.arange(300), st)
     assert set(out.tolist()) == {0, 1}
 
 
-def test_sampling_follows_the_distribution():
+def test_sampling_follows_the_distribution(draw):
     probs = torch.tensor([0.6, 0.3, 0.1])
     n = 4000
     t, k, p, _, st = rows(n)
-    out = sample(torch.log(probs).repeat(n, 1), t, k, p, torch.arange(n), st)
+    out = draw(torch.log(probs).repeat(n, 1), t, k, p, torch.arange(n), st)
     freq = torch.bincount(out, minlength=3).float() / n
     assert torch.allclose(freq, probs, atol=0.03)
 
 
-def test_same_seed_and_step_give_the_same_draw_whatever_the_batch():
+def test_same_seed_and_step_give_the_same_draw_whatever_the_batch(draw):
     logits = torch.randn(1, 1000)
     t, k, p, _, st = rows(1)
-    alone = sample(logits, t, k, p, torch.tensor([42]), st)
+    alone = draw(logits, t, k, p, torch.tensor([42]), st)
     others = torch.randn(5, 1000)
     batch = torch.cat([others[:2], logits, others[2:]])
     t5, k5, p5, _, st5 = rows(6)
     seeds = torch.tensor([1, 2, 42, 3, 4, 5])
-    assert sample(batch, t5, k5, p5, seeds, st5)[2] == alone[0]
+    assert draw(batch, t5, k5, p5, seeds, st5)[2] == alone[0]
 
 
-def test_a_rows_draw_does_not_depend_on_the_truncation_of_the_rows_beside_it():
+def test_a_rows_draw_does_not_depend_on_the_truncation_of_the_rows_beside_it(draw):
     """Rows without top_k, top_p or min_p draw from the whole vocabulary in token order (no sort), the others from
     their sorted tokens: which way a row goes is its own, so a batch that mixes both changes no row's draw, and
     the unsorted draw still follows the distribution."""
@@ -75,15 +75,15 @@ def test_a_rows_draw_does_not_depend_on_the_truncation_of_the_rows_beside_it():
     logits = torch.randn(6, 1000)
     t, k, p, _, st = rows(6)
     seeds = torch.arange(6) + 7
-    alone = torch.cat([sample(logits[i : i + 1], t[:1], k[:1], p[:1], seeds[i : i + 1], st[:1]) for i in range(6)])
+    alone = torch.cat([draw(logits[i : i + 1], t[:1], k[:1], p[:1], seeds[i : i + 1], st[:1]) for i in range(6)])
     p_mixed = torch.tensor([1.0, 0.5, 1.0, 0.9, 1.0, 1.0])
-    mixed = sample(logits, t, k, p_mixed, seeds, st)
+    mixed = draw(logits, t, k, p_mixed, seeds, st)
     whole = p_mixed >= 1
     assert torch.equal(mixed[whole], alone[whole])
     probs = torch.tensor([0.6, 0.3, 0.1])
     n = 4000
     t, k, p, _, st = rows(n, top_k=3)  # top_k = the vocabulary: the unsorted draw
-    out = sample(torch.log(probs).repeat(n, 1), t, k, p, torch.arange(n), st)
+    out = draw(torch.log(probs).repeat(n, 1), t, k, p, torch.arange(n), st)
     assert torch.allclose(torch.bincount(out, minlength=3).float() / n, probs, atol=0.03)
 
 
@@ -99,7 +99,7 @@ def _sorted_reference(logits, top_k, top_p, seeds, steps):
     return indices.gather(1, pick).squeeze(1)
 
 
-def test_a_nucleus_within_the_most_likely_tokens_draws_as_the_whole_sort_does():
+def test_a_nucleus_within_the_most_likely_tokens_draws_as_the_whole_sort_does(draw):
     """top_p without top_k sorts only the CANDIDATES most likely tokens where their mass reaches top_p (peaked rows),
     and the whole row where it does not (flat rows); top_k beyond the candidates sorts the row too. Every row draws
     the token a sort of its whole vocabulary draws."""
@@ -109,7 +109,7 @@ def test_a_nucleus_within_the_most_likely_tokens_draws_as_the_whole_sort_does():
     t, k, p, _, st = rows(n, top_k=vocab, top_p=0.9)
     k[::7] = 300  # some rows with a top_k past the candidates
     seeds = torch.arange(n) * 31
-    assert torch.equal(sample(logits, t, k, p, seeds, st), _sorted_reference(logits, k, p, seeds, st))
+    assert torch.equal(draw(logits, t, k, p, seeds, st), _sorted_reference(logits, k, p, seeds, st))
 
 
 def test_hash_uniform_is_deterministic_and_in_range():
@@ -130,12 +130,12 @@ def test_penalties():
     assert out[1].tolist() == [1, 1, 1, 0.5, 1]  # the prompt token is penalised
 
 
-def test_min_p_drops_tokens_below_a_share_of_the_best():
+def test_min_p_drops_tokens_below_a_share_of_the_best(draw):
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
     t, k, p, _, st = rows(400)
-    assert set(sample(logits, t, k, p, torch.arange(400), st, torch.full((400,), 0.25)).tolist()) == {0, 1, 2}
-    assert set(sample(logits, t, k, p, torch.arange(400), st, torch.full((400,), 0.5)).tolist()) == {0, 1}
-    assert set(sample(logits, t, k, p, torch.arange(400), st, torch.zeros(400)).tolist()) == {0, 1, 2, 3}
+    assert set(draw(logits, t, k, p, torch.arange(400), st, torch.full((400,), 0.25)).tolist()) == {0, 1, 2}
+    assert set(draw(logits, t, k, p, torch.arange(400), st, torch.full((400,), 0.5)).tolist()) == {0, 1}
+    assert set(draw(logits, t, k, p, torch.arange(400), st, torch.zeros(400)).tolist()) == {0, 1, 2, 3}
 
 
 def test_mask_tokens_only_in_each_rows_own_cells():
@@ -145,3 +145,37 @@ def test_mask_tokens_only_in_each_rows_own_cells():
     assert out.argmax(-1).tolist() == [3, 4, 0]
     assert logits[0, 4] == 10.0  # the caller's logits are untouched
     assert torch.equal(mask_tokens(logits, torch.zeros(0, 2, dtype=torch.long)), logits)
+
+
+def test_the_kernels_draw_the_tokens_torch_draws(kernels):
+    """The CPU's draw (the kernels' sample_rows) against torch's: the same token for every row and step, from flat to
+    peaked rows of a large vocabulary, greedy and hot rows side by side, every kind of truncation; a masked token
+    (a row's end token before min_tokens, a grammar's) is never drawn, even where the truncation reaches every token."""
+    torch.manual_seed(5)
+    vocab, n = 20000, 48
+    logits = torch.randn(n, vocab) * torch.linspace(0.5, 10.0, n)[:, None]
+    masked = torch.zeros(n, vocab, dtype=torch.bool)
+    masked[::5, : vocab // 2] = True
+    masked[7, :-1] = True  # one token left
+    logits[masked] = float("-inf")
+    t = torch.linspace(0.3, 1.5, n)
+    t[::9] = 0.0
+    seeds = torch.arange(n) * 13
+    for top_k, top_p, min_p in (
+        (vocab, 1.0, 0.0),
+        (40, 1.0, 0.0),
+        (vocab, 0.9, 0.0),
+        (vocab, 0.999, 0.0),
+        (vocab, 1.0, 0.05),
+        (40, 0.95, 0.05),
+        (1000, 0.9, 0.0),
+        (vocab, 0.8, 0.2),
+    ):
+        k, p = torch.full((n,), top_k), torch.full((n,), top_p)
+        m = torch.full((n,), min_p) if min_p else None
+        for step in range(3):
+            st = torch.full((n,), step)
+            ours = sample(logits, t, k, p, seeds, st, m, kernels)
+            assert torch.equal(ours, sample(logits, t, k, p, seeds, st, m)), (top_k, top_p, min_p, step)
+            assert not masked[torch.arange(n), ours].any()
+            assert ours[7] == vocab - 1

@@ -45,6 +45,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_store", &rope_store, "rotary embedding, each token's key and value into the cache", py::arg("qkv"),
         py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("key_scales"),
         py::arg("value_scales"), py::arg("positions"), py::arg("heads"), py::arg("rows") = py::none());
+  m.def("sample_rows", &sample_rows,
+        "each row's token: the argmax (temperature <= 0), else a draw by its uniform number after top-k, top-p, min-p",
+        py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
+        py::arg("uniforms"));
   m.def("lora_add", &lora_add,
         "y[t] += scale * (x[t] . a[s]) b[s] for each (token t, slot s, scale): LoRA adapters' low-rank terms",
         py::arg("x"), py::arg("a"), py::arg("b"), py::arg("tokens"), py::arg("slots"), py::arg("scales"), py::arg("y"));

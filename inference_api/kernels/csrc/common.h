@@ -2,9 +2,9 @@
 // helpers over it, and the tensors' flattening. The units: common.h (this), q8.h (int8 inputs), drivers.h
 // (how rows of inputs pass over rows of weights), int_forms.h (the 4-bit and 8-bit layouts of quant.py),
 // gguf_legacy.h, gguf_kquants.h and gguf_float.h (a GGUF tensor's own blocks), block_form.h (the kernels over
-// any of those blocks), linear.cpp (the one kernel-choice ladder), ops.cpp (attention, norms, rotary),
-// decoder.h and decoder.cpp (a decode step's layers in one call) and bindings.cpp (the only unit that reads
-// torch/extension.h: the others read ATen alone, which compiles in a quarter of the time).
+// any of those blocks), linear.cpp (the one kernel-choice ladder), ops.cpp (attention, norms, rotary), sample.cpp (the
+// sampler's draw), decoder.h and decoder.cpp (a decode step's layers in one call) and bindings.cpp (the only unit that
+// reads torch/extension.h: the others read ATen alone, which compiles in a quarter of the time).
 #pragma once
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -226,5 +226,39 @@ inline void store_half(__m256 acc, int h, int64_t rows, float* y) {
   for (int64_t r = 8 * h; r < std::min<int64_t>(rows, 8 * h + 8); ++r) y[r] = out[r - 8 * h];
 }
 #endif  // WOQ_SIMD
+
+// exp(x) for x <= 0 (softmax after subtracting the maximum): Cephes' expf, 2 ** n times a degree-6
+// polynomial on [-ln 2 / 2, ln 2 / 2], about 1e-7 relative; plain code the compiler vectorizes.
+struct ExpConstants {
+  static constexpr float lowest = -87.f, log2e = 1.44269504f, ln2_hi = 0.693359375f, ln2_lo = -2.12194440e-4f;
+  static constexpr float poly[6] = {1.9875691500e-4f, 1.3981999507e-3f, 8.3334519073e-3f,
+                                    4.1665795894e-2f, 1.6666665459e-1f, 5.0000001201e-1f};
+};
+
+inline float fast_exp(float x) {
+  using C = ExpConstants;
+  x = std::max(x, C::lowest);
+  const float n = std::floor(x * C::log2e + 0.5f);
+  const float r = x - n * C::ln2_hi - n * C::ln2_lo;
+  float p = C::poly[0];
+  for (int i = 1; i < 6; ++i) p = p * r + C::poly[i];
+  p = p * r * r + r + 1.f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
+  return p * __builtin_bit_cast(float, bits);
+}
+
+#ifdef WOQ_SIMD
+// fast_exp over a vector, the same steps
+inline Vec::T fast_exp(Vec::T x) {
+  using C = ExpConstants;
+  x = Vec::max(x, Vec::set1(C::lowest));
+  const Vec::T n = Vec::floor(Vec::fma(x, Vec::set1(C::log2e), Vec::set1(0.5f)));
+  const Vec::T r = Vec::fma(n, Vec::set1(-C::ln2_lo), Vec::fma(n, Vec::set1(-C::ln2_hi), x));
+  Vec::T p = Vec::set1(C::poly[0]);
+  for (int i = 1; i < 6; ++i) p = Vec::fma(p, r, Vec::set1(C::poly[i]));
+  p = Vec::add(Vec::fma(Vec::mul(p, r), r, r), Vec::set1(1.f));
+  return Vec::mul(p, Vec::pow2(n));
+}
+#endif
 
 }  // namespace woq

@@ -40,6 +40,8 @@ at::Tensor gelu(const at::Tensor& x);
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,
                       at::Tensor& values, const Scales& key_scales, const Scales& value_scales,
                       const at::Tensor& positions, int64_t heads, const c10::optional<at::Tensor>& rows);
+at::Tensor sample_rows(const at::Tensor& logits, const at::Tensor& temperature, const at::Tensor& top_k,
+                       const at::Tensor& top_p, const at::Tensor& min_p, const at::Tensor& uniforms);
 void lora_add(const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, const at::Tensor& tokens,
               const at::Tensor& slots, const at::Tensor& scales, at::Tensor y);
 

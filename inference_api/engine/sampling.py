@@ -71,6 +71,10 @@ class RowParams:
     repetition: torch.Tensor
     output_counts: torch.Tensor  # [rows, vocab] how often each token was generated
     seen: torch.Tensor  # [rows, vocab] token appears in prompt or output (repetition penalty)
+    # each row's seen tokens as a list (the first seen_len[row] of seen_ids[row], grown by doubling): the only
+    # logits the penalties change, so they read no row's whole vocabulary
+    seen_ids: list[torch.Tensor]
+    seen_len: list[int]
 
     @classmethod
     def allocate(cls, rows: int, vocab: int, device: torch.device) -> RowParams:
@@ -86,6 +90,8 @@ class RowParams:
             repetition=torch.ones(rows, **f),
             output_counts=torch.zeros(rows, vocab, **f),
             seen=torch.zeros(rows, vocab, dtype=torch.bool, device=device),
+            seen_ids=[torch.zeros(0, dtype=torch.int64, device=device) for _ in range(rows)],
+            seen_len=[0] * rows,
         )
 
     def set_row(self, row: int, params: SamplingParams, seed: int, prompt_ids: list[int]) -> None:
@@ -100,21 +106,52 @@ class RowParams:
         self.repetition[row] = params.repetition_penalty
         self.output_counts[row].zero_()
         self.seen[row].zero_()
+        self.seen_len[row] = 0
         if prompt_ids:
-            self.seen[row, torch.tensor(prompt_ids, device=self.seen.device).clamp_(0, vocab - 1)] = True
+            ids = torch.tensor(prompt_ids, device=self.seen.device).clamp_(0, vocab - 1).unique()
+            self.seen[row, ids] = True
+            self._remember(row, ids)
 
     def record(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        fresh = ~self.seen[rows, tokens]
         self.output_counts.index_put_((rows, tokens), torch.ones(len(rows), device=rows.device), accumulate=True)
         self.seen[rows, tokens] = True
+        if bool(fresh.any()):
+            for row, token in sorted(set(zip(rows[fresh].tolist(), tokens[fresh].tolist()))):
+                self._remember(row, torch.tensor([token], device=self.seen.device))
+
+    def seen_tokens(self, row: int) -> torch.Tensor:
+        """The row's distinct prompt and output tokens."""
+        return self.seen_ids[row][: self.seen_len[row]]
+
+    def _remember(self, row: int, ids: torch.Tensor) -> None:
+        have, store = self.seen_len[row], self.seen_ids[row]
+        if have + len(ids) > len(store):
+            grown = torch.empty(max(2 * len(store), have + len(ids), 64), dtype=torch.int64, device=store.device)
+            grown[:have] = store[:have]
+            self.seen_ids[row] = store = grown
+        store[have : have + len(ids)] = ids
+        self.seen_len[row] = have + len(ids)
 
 
 def apply_penalties(logits: torch.Tensor, rows: torch.Tensor, p: RowParams) -> torch.Tensor:
-    """OpenAI presence/frequency penalties over output tokens; HF repetition penalty over prompt and output."""
-    counts = p.output_counts[rows]
-    logits = logits - p.frequency[rows, None] * counts - p.presence[rows, None] * (counts > 0)
-    rep = p.repetition[rows, None]
-    penalised = torch.where(logits > 0, logits / rep, logits * rep)
-    return torch.where(p.seen[rows], penalised, logits)
+    """OpenAI presence/frequency penalties over output tokens; HF repetition penalty over prompt and output. Only
+    the logits of the tokens each row has seen change (its prompt's and output's; the caller's logits are left as
+    they are): a copy of the logits and a few operations over those tokens, not over rows x vocabulary (32 rows of
+    151,936 tokens took 19 ms that way)."""
+    ids = [p.seen_tokens(r) for r in rows.tolist()]
+    cols = torch.cat(ids)
+    if cols.numel() == 0:
+        return logits
+    at = torch.repeat_interleave(
+        torch.arange(len(ids), device=logits.device), torch.tensor([len(x) for x in ids], device=logits.device)
+    )
+    r = rows[at]
+    counts = p.output_counts[r, cols]
+    values = logits[at, cols].float() - p.frequency[r] * counts - p.presence[r] * (counts > 0)
+    rep = p.repetition[r]
+    values = torch.where(values > 0, values / rep, values * rep)
+    return logits.index_put((at, cols), values.to(logits.dtype))
 
 
 def mask_tokens(logits: torch.Tensor, cells: torch.Tensor) -> torch.Tensor:

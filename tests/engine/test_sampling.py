@@ -130,6 +130,45 @@ def test_penalties():
     assert out[1].tolist() == [1, 1, 1, 0.5, 1]  # the prompt token is penalised
 
 
+def test_penalties_change_only_each_rows_seen_tokens_as_over_the_whole_vocabulary():
+    """The penalties read each row's list of seen tokens, not its whole vocabulary: the same logits as the dense
+    rule (counts and a seen mask over rows x vocabulary) after prompts, repeated and fresh outputs and a row's
+    reuse by another request; a row without penalties and the caller's logits unchanged."""
+    torch.manual_seed(2)
+    vocab, rows = 500, 4
+    params = RowParams.allocate(rows, vocab, torch.device("cpu"))
+    asks = [
+        SamplingParams(presence_penalty=0.7, frequency_penalty=0.3, repetition_penalty=1.3),
+        SamplingParams(repetition_penalty=1.5),
+        SamplingParams(),
+        SamplingParams(frequency_penalty=-0.4),
+    ]
+    prompts = [torch.randint(0, vocab, (40,)).tolist() for _ in range(rows)]
+    for row in range(rows):
+        params.set_row(row, SamplingParams(repetition_penalty=3.0), 0, list(range(200)))  # an earlier request's
+        params.record(torch.tensor([row]), torch.tensor([450]))
+        params.set_row(row, asks[row], 0, prompts[row])
+    outputs = [[] for _ in range(rows)]
+    for _ in range(30):
+        picked = torch.randint(0, vocab // 4, (rows,))
+        params.record(torch.arange(rows), picked)
+        for row in range(rows):
+            outputs[row].append(int(picked[row]))
+    logits = torch.randn(rows, vocab) * 3
+    before = logits.clone()
+    out = apply_penalties(logits, torch.arange(rows), params)
+    assert torch.equal(logits, before)
+    for row, ask in enumerate(asks):
+        counts = torch.bincount(torch.tensor(outputs[row]), minlength=vocab).float()
+        seen = torch.zeros(vocab, dtype=torch.bool)
+        seen[torch.tensor(prompts[row] + outputs[row])] = True
+        want = before[row] - ask.frequency_penalty * counts - ask.presence_penalty * (counts > 0)
+        rep = ask.repetition_penalty
+        want = torch.where(seen, torch.where(want > 0, want / rep, want * rep), want)
+        assert torch.allclose(out[row], want, rtol=0, atol=1e-6), row
+    assert torch.equal(out[2], before[2])
+
+
 def test_min_p_drops_tokens_below_a_share_of_the_best(draw):
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).repeat(400, 1)
     t, k, p, _, st = rows(400)

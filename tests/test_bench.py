@@ -159,6 +159,17 @@ def test_fresh_prompts_start_with_a_tag_of_their_own_in_every_run(mock_server, m
     assert len({p[:10] for p in tagged}) == 64 and all(p.endswith(q) for p, q in zip(tagged, module.prompts(32) * 2))
 
 
+def test_a_temperature_reaches_the_server(mock_server):
+    """--temperature samples instead of the greedy answers (an out-of-range one is the server's 400, so the value is
+    what the requests carry); it needs the OpenAI API."""
+    args = ("--url", mock_server.url, "--concurrency", "2", "--max-tokens", "8", "--api", "openai", "--top-p", "0.9")
+    sampled = bench(*args, "--temperature", "0.8")
+    assert sampled.returncode == 0, sampled.stderr
+    assert "ERRORS" not in sampled.stdout and len(rows(sampled.stdout)) == 2  # the run and its medians
+    assert "ERRORS" in bench(*args, "--temperature", "3").stdout  # OpenAI's range ends at 2
+    assert bench("--url", mock_server.url, "--temperature", "0.8").returncode != 0  # not the native API
+
+
 def test_real_server_with_baseline_counts_model_tokens(real_server):
     result = bench("--url", real_server.url, "--concurrency", "1", "32", "--max-tokens", "4", "--baseline")
     assert result.returncode == 0, result.stderr

@@ -218,3 +218,7 @@ def test_the_kernels_draw_the_tokens_torch_draws(kernels):
             assert torch.equal(ours, sample(logits, t, k, p, seeds, st, m)), (top_k, top_p, min_p, step)
             assert not masked[torch.arange(n), ours].any()
             assert ours[7] == vocab - 1
+    # a min_p past 1 keeps no token: the argmax, not a fault (the APIs refuse one; the offline one may pass it)
+    k, p = torch.full((n,), vocab), torch.ones(n)
+    ours = sample(logits, t, k, p, seeds, torch.zeros(n, dtype=torch.long), torch.full((n,), 1.5), kernels)
+    assert torch.equal(ours, logits.argmax(-1))

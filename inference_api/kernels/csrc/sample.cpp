@@ -149,6 +149,7 @@ int64_t sample_row(const float* x, int64_t V, float t, int64_t top_k, float top_
   cand.clear();
   for (int64_t i = 0; i < V; ++i)
     if (e[i] >= threshold) cand.emplace_back(e[i], i);
+  if (cand.empty()) return first_of(x, V, mx);  // (a min_p past 1 keeps nothing: the API refuses one)
   std::sort(cand.begin(), cand.end(), [](const auto& a, const auto& b) {
     return a.first > b.first || (a.first == b.first && a.second < b.second);
   });

@@ -320,14 +320,16 @@ def returning(model: str | None, length: int, others: int, rows: int) -> None:
 
 def embeddings_bench(url: str, peer_url: str | None, model: str, repeat: int) -> None:
     """--embeddings: texts embedded per second through /v1/embeddings, one client at a time (64 texts) and 32
-    concurrent clients (8 texts each), on the server and the peer (llama-server --embedding), interleaved; each
-    client keeping its connection open between requests (as the official clients' connection pools do), and, at
-    one client, also a new connection for every request."""
+    concurrent clients (32 texts each: long enough that the clients' start and the last answers weigh little), on
+    the server and the peer (llama-server --embedding), interleaved; each client keeping its connection open
+    between requests (as the official clients' connection pools do), and, at one client, also a new connection for
+    every request."""
     from concurrent.futures import ThreadPoolExecutor
 
     texts = [
-        f"{SUBJECTS[i % len(SUBJECTS)]}: a sentence of about twenty words to embed, number {i}." for i in range(512)
+        f"{SUBJECTS[i % len(SUBJECTS)]}: a sentence of about twenty words to embed, number {i}." for i in range(1024)
     ]
+    clients, each = 32, 32
 
     def one(http, u: str, text: str) -> None:
         r = http.post(f"{u}/v1/embeddings", json={"model": model, "input": text}, timeout=120)
@@ -342,14 +344,14 @@ def embeddings_bench(url: str, peer_url: str | None, model: str, repeat: int) ->
 
     def client(u: str, i: int) -> None:
         with requests.Session() as session:
-            for t in texts[i * 8 : i * 8 + 8]:
+            for t in texts[i * each : (i + 1) * each]:
                 one(session, u, t)
 
     def concurrent(u: str) -> float:
         started = time.perf_counter()
-        with ThreadPoolExecutor(32) as pool:
-            list(pool.map(lambda i: client(u, i), range(32)))
-        return 256 / (time.perf_counter() - started)
+        with ThreadPoolExecutor(clients) as pool:
+            list(pool.map(lambda i: client(u, i), range(clients)))
+        return clients * each / (time.perf_counter() - started)
 
     sides = [("server", url)] + ([("peer", peer_url)] if peer_url else [])
     results: dict[tuple[str, str], list[float]] = defaultdict(list)

@@ -14,7 +14,7 @@ from collections import OrderedDict, deque
 
 import torch
 
-from .messages import EmbedRequest, EngineStats, FinishReason, GenerateRequest, TokenEvent, refusal
+from .messages import EmbedRequest, EngineStats, FinishReason, GenerateRequest, TokenEvent, packed_vector, refusal
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +101,7 @@ class Embedder:
                     finish_reason=FinishReason.STOP,
                     prompt_tokens=len(ids),
                     index=i,
-                    embedding=tuple(vector.tolist()),
+                    embedding=packed_vector(vector),
                 )
             )
         self.embedded += len(batch)

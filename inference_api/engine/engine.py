@@ -27,6 +27,7 @@ from .messages import (
     TokenEvent,
     TokenLogprob,
     UnloadAdapter,
+    packed_vector,
     refusal,
     step_rows_bucket,
 )
@@ -258,7 +259,7 @@ class Engine:
             finish_reason=FinishReason.STOP,
             prompt_tokens=seq.num_prompt,
             index=seq.index,
-            embedding=tuple(vector.float().tolist()),
+            embedding=packed_vector(vector),
         )
         self._forget(seq)
         self.scheduler.release(seq)

@@ -11,7 +11,7 @@ from ..config import ServerConfig
 from .adapters import Adapters
 from .embedder import Embedder
 from .engine import Engine
-from .lifeline import die_with_parent, release_free_memory
+from .lifeline import die_with_parent, release_free_memory, scheduling_class
 from .messages import (
     AdapterReply,
     CancelRequest,
@@ -321,6 +321,7 @@ IDLE_TRIM_AFTER = 0.5  # seconds without work before the engine returns freed me
 
 def run_engine(config: ServerConfig, inbox, outbox) -> None:
     """Process entry point. Blocks on the inbox while idle; drains it between steps while busy."""
+    scheduling_class(web_worker=False)  # (started by the web worker, whose class it inherits)
     die_with_parent()
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
     try:

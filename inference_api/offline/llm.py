@@ -260,7 +260,7 @@ class LLM:
                 event = session.events.get(timeout=600)
                 if event.error is not None:
                     raise EngineError(event.error)
-                vectors[event.index] = list(event.embedding or ())
+                vectors[event.index] = event.vector.tolist()
             return vectors
         finally:
             self._client.release(session)

@@ -12,6 +12,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 from flask import g, has_request_context, request
 
 from lifecycle.drain import RETRY_AFTER, Drain
@@ -198,7 +199,7 @@ class Serving:
         normalize: bool,
         truncate: bool,
         field: str,
-    ) -> tuple[list[list[float]], int]:
+    ) -> tuple[list[np.ndarray], int]:
         """Each input's vector, and the tokens they took: texts tokenized (or token ids as given), each within
         the model's context (cut to it with ``truncate``, else a 400)."""
         if self.ready().task != "embed":
@@ -216,7 +217,7 @@ class Serving:
         tok = self.tokenizer
         pairs = [tok.encode_pair(self.tokenizable(query, "query"), self.tokenizable(d, "documents")) for d in documents]
         scores, tokens = self._submit_inputs(pairs, False, truncate, "documents")
-        return [s[0] for s in scores], tokens
+        return [float(s[0]) for s in scores], tokens
 
     def _task(self) -> str:
         return {
@@ -227,7 +228,7 @@ class Serving:
 
     def _submit_inputs(
         self, inputs: list[list[int]], normalize: bool, truncate: bool, field: str
-    ) -> tuple[list[list[float]], int]:
+    ) -> tuple[list[np.ndarray], int]:
         inputs = fit_inputs(inputs, self.ready().context_length, truncate, field)
         self._refuse_while_draining()
         tokens = sum(len(i) for i in inputs)
@@ -235,11 +236,11 @@ class Serving:
         self._reserve(team, 0, tokens)
         session = self.client.embed(inputs, normalize, team)
         events = session_events(self.client, session, request.environ)
-        vectors: list[list[float]] = [[] for _ in inputs]
+        vectors: list[np.ndarray] = [np.empty(0, np.float32) for _ in inputs]
         for event in all_events(first_event(events), events):
             if event.finish_reason is FinishReason.ERROR:
                 raise Unavailable(event.error or "embedding failed", retry_after=5)
-            vectors[event.index] = list(event.embedding or ())
+            vectors[event.index] = event.vector
         return vectors, tokens
 
     # submission

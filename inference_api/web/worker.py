@@ -13,6 +13,8 @@ from gunicorn.workers.gthread import ThreadWorker
 from lifecycle.deadlines import Watchdog
 from lifecycle.raw_errors import JsonErrors
 
+from ..engine.lifeline import scheduling_class
+
 if TYPE_CHECKING:
     from flask import Flask
 
@@ -23,6 +25,7 @@ def _shut_read(sock: socket.socket) -> None:
 
 class ServerWorker(JsonErrors, ThreadWorker):
     def init_process(self):
+        scheduling_class(web_worker=True)  # before any thread of the worker starts: they all inherit it
         self._deadlines = Watchdog()
         self._header_deadline = threading.local()
         super().init_process()

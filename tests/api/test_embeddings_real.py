@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -134,17 +135,37 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def test_the_engine_process_starts_with_short_openmp_spins(bert):
-    """An embedding model's engine process starts with GOMP_SPINCOUNT=10000 (process.engine_environment: libgomp
-    reads it as torch loads, so the server sets it for the spawn alone)."""
-    engines = [
+def _engines(server: ServerProcess) -> list[int]:
+    return [
         pid
-        for pid in _descendants(bert.proc.pid)
+        for pid in _descendants(server.proc.pid)
         if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()
         and b"resource_tracker" not in Path(f"/proc/{pid}/cmdline").read_bytes()
     ]
+
+
+def test_the_engine_process_starts_with_short_openmp_spins(bert):
+    """An embedding model's engine process starts with GOMP_SPINCOUNT=10000 (process.engine_environment: libgomp
+    reads it as torch loads, so the server sets it for the spawn alone)."""
+    engines = _engines(bert)
     assert len(engines) == 1
     assert b"GOMP_SPINCOUNT=10000" in Path(f"/proc/{engines[0]}/environ").read_bytes().split(b"\0")
+
+
+def _policies(pid: int) -> set[int]:
+    """The kernel's scheduling class of each of the process's threads (the 41st field of their stat)."""
+    return {int((t / "stat").read_text().rsplit(")", 1)[1].split()[38]) for t in Path(f"/proc/{pid}/task").iterdir()}
+
+
+def test_the_web_worker_runs_in_the_batch_scheduling_class_and_the_engine_in_the_default(bert):
+    """lifeline.scheduling_class: every thread of the gunicorn worker in SCHED_BATCH (a woken thread never preempts
+    the one holding the GIL), every thread of the engine process it started back in SCHED_OTHER."""
+    engines = _engines(bert)
+    workers = [p for p in _descendants(bert.proc.pid) if p not in engines and p not in _descendants(engines[0])]
+    workers = [p for p in workers if b"resource_tracker" not in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(engines) == 1 and len(workers) == 1
+    assert _policies(workers[0]) == {os.SCHED_BATCH}
+    assert _policies(engines[0]) == {os.SCHED_OTHER}
 
 
 @pytest.fixture(scope="module")

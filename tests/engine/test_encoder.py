@@ -180,7 +180,7 @@ def test_a_generating_models_token_vectors_pooled_with_embedding():
         out = {}
         for _ in range(100):
             for event in eng.step():
-                out[event.index] = list(event.embedding or ())
+                out[event.index] = event.vector.tolist()
             if not eng.has_work:
                 break
         assert not eng.scheduler.running and eng.scheduler.rows.num_free == 2

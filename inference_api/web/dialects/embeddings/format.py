@@ -11,7 +11,7 @@ import numpy as np
 from .protocol import EmbedInputs, Rerank
 
 
-def vector(values: Sequence[float], inputs: EmbedInputs) -> np.ndarray | str:
+def vector(values: np.ndarray, inputs: EmbedInputs) -> np.ndarray | str:
     """A vector as asked: its first ``dimensions`` values (L2-normalized again when the request normalizes), as
     float32 (``numbers_response`` writes each in its shortest form) or little-endian float32 base64."""
     array = np.asarray(values, dtype=np.float32)
@@ -24,7 +24,7 @@ def vector(values: Sequence[float], inputs: EmbedInputs) -> np.ndarray | str:
     return array
 
 
-def openai_embeddings(vectors: Sequence[Sequence[float]], inputs: EmbedInputs, model: str, tokens: int) -> dict:
+def openai_embeddings(vectors: Sequence[np.ndarray], inputs: EmbedInputs, model: str, tokens: int) -> dict:
     data = [{"object": "embedding", "index": i, "embedding": vector(v, inputs)} for i, v in enumerate(vectors)]
     return {"object": "list", "data": data, "model": model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 

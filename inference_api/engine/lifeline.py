@@ -58,9 +58,10 @@ def scheduling_class(web_worker: bool) -> None:
     A request passes between the web worker's threads (the connection loop, the request's thread, the feeder to
     the engine, the reader of the engine's answers), each waking the next; in the default class a woken thread may
     preempt the one that woke it, which then waits off the CPU holding the GIL that the woken thread needs. A woken
-    thread of the batch class never preempts the running one (the scheduler's tick does). On 2 cores, all-MiniLM-L6-v2 Q8_0, 32
-    kept-alive embedding clients: 566 to 592 texts/s -> 680 to 696 (2026-11-29); 32 generating streams of the
-    embedded model the same as before (1.01x, one stream 1.05x). Where the kernel refuses, nothing changes."""
+    thread of the batch class never preempts the running one (the scheduler's tick does). On 2 cores,
+    all-MiniLM-L6-v2 Q8_0, 32 kept-alive embedding clients, alternating 8 s loads: 604 to 703 texts/s against 536
+    to 614 with the worker in the default class (2026-11-29); 32 generating streams of the embedded model the same
+    as before (1.01x, one stream 1.05x). Where the kernel refuses, nothing changes."""
     policy = getattr(os, "SCHED_BATCH" if web_worker else "SCHED_OTHER", None)
     if policy is None or not hasattr(os, "sched_setscheduler"):
         return

@@ -14,7 +14,7 @@ from gguf_reference import GGUF_DIR
 from servers import MODEL_CACHE
 
 from inference_api.config import ServerConfig
-from inference_api.engine.embedder import Embedder
+from inference_api.engine.embedder import SHARED_STEP_TOKENS, Embedder
 from inference_api.engine.messages import EmbedRequest, FinishReason, GenerateRequest, SamplingParams
 from inference_api.engine.plan import LEVELS, cpu_flags
 from inference_api.model.encoder import BertEncoder
@@ -127,11 +127,35 @@ def test_the_embedder_leaves_a_core_to_the_web_worker_while_several_requests_are
         for sessions in (["a"], ["b", "c"], ["d"]):
             for sid in sessions:
                 eng.embed(EmbedRequest(sid, tuple(ids)))
-            assert len(eng.step()) == len(ids) * len(sessions)
+            events = eng.step()
             threads.append(torch.get_num_threads())
+            while eng.has_work:
+                events += eng.step()
+            assert len(events) == len(ids) * len(sessions)
         assert threads == [2, 1, 2]
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_step_shared_by_several_requests_holds_fewer_tokens():
+    """One request's inputs fill a step up to ``batch_tokens``; while several are open a step holds
+    SHARED_STEP_TOKENS at most (short forwards, so the web worker's answers flow while the next one runs), inputs
+    of each in turn."""
+    model = BertEncoder(GGUF_DIR / "bert-q8_0.gguf")
+    ids = [tuple(i) for i in REFERENCE["files"]["bert-q8_0.gguf"]["tokens"]] * 20
+    assert sum(map(len, ids)) > 2 * SHARED_STEP_TOKENS
+    eng = Embedder(model, batch_tokens=4096)
+    eng.embed(EmbedRequest("one", tuple(ids)))
+    assert len(eng.step()) == len(ids) and not eng.has_work
+    eng.embed(EmbedRequest("a", tuple(ids)))
+    eng.embed(EmbedRequest("b", tuple(ids)))
+    shared = eng.step()
+    assert sum(e.prompt_tokens for e in shared) <= SHARED_STEP_TOKENS
+    assert {e.session_id for e in shared} == {"a", "b"}
+    events = shared
+    while eng.has_work:
+        events += eng.step()
+    assert sorted(e.index for e in events if e.session_id == "b") == list(range(len(ids)))
 
 
 @pytest.mark.skipif(not LEVELS["avx2"][1] <= cpu_flags(), reason="the CPU runs no AVX2 level")

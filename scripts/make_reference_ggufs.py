@@ -138,7 +138,10 @@ ARCHS: dict[str, dict] = {
     "llama": dict(
         family="llama",
         config=_LLAMA,
-        quants=["Q4_K_M", "Q8_0", "Q4_0", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL"],
+        quants=[
+            *("Q4_K_M", "Q8_0", "Q4_0", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL"),
+            *("IQ3_XXS", "IQ3_S", "IQ2_XXS"),
+        ],
     ),
     "llama3rope": dict(
         family="llama",
@@ -785,12 +788,36 @@ def convert(src: Path, model_dir: Path, out: Path, tmp: Path, model_name: str, s
     ]
 
 
-def quantize(llama_dir: Path, f32: Path, out: Path, qtype: str) -> list[str]:
-    cmd = [str(llama_dir / "llama-quantize"), str(f32), str(out), qtype, "2"]
+# the types llama-quantize makes only with an importance matrix (llama-imatrix's, over english.txt on the f32 model)
+NEEDS_IMATRIX = {"IQ3_XXS", "IQ2_XXS"}
+
+
+def importance_matrix(llama_dir: Path, f32: Path, tmp: Path) -> Path:
+    """llama-imatrix over english.txt's chunks of 128 on the f32 model, once a model (the same file each run)."""
+    out = tmp / f"{f32.stem}-imatrix.gguf"
+    if out.exists():
+        return out
+    tool = llama_dir / "llama-imatrix"
+    if not tool.exists():
+        raise RuntimeError(
+            f"{tool} is missing: build it beside llama-quantize (in {llama_dir}/src/vendor/llama.cpp: cmake --build "
+            f"build-native --target llama-imatrix, then copy build-native/bin/llama-imatrix to {llama_dir})"
+        )
+    cmd = [str(tool), "-m", str(f32), "-f", str(TEXT_FILE), "-o", str(out), "-c", "128", "-t", "2", "--no-ppl"]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0 or not out.exists():
+        raise RuntimeError(f"llama-imatrix failed: {r.stdout[-2000:]}\n{r.stderr[-4000:]}")
+    return out
+
+
+def quantize(llama_dir: Path, f32: Path, out: Path, qtype: str, tmp: Path) -> list[str]:
+    imatrix = ["--imatrix", str(importance_matrix(llama_dir, f32, tmp))] if qtype in NEEDS_IMATRIX else []
+    cmd = [str(llama_dir / "llama-quantize"), *imatrix, str(f32), str(out), qtype, "2"]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"llama-quantize failed: {r.stdout[-2000:]}\n{r.stderr[-4000:]}")
-    return ["llama-quantize", "<f32.gguf>", out.name, qtype, "2"]
+    shown = ["--imatrix", "<llama-imatrix -f english.txt -c 128>"] if imatrix else []
+    return ["llama-quantize", *shown, "<f32.gguf>", out.name, qtype, "2"]
 
 
 def tensor_types(path: Path, gguf_src: Path) -> tuple[dict, dict]:
@@ -1315,7 +1342,7 @@ def build_tiny(args, llama_dir: Path, src: Path, out_dir: Path, tmp: Path):
             for q in spec["quants"]:
                 fname = f"{name}-{q.lower()}.gguf"
                 dst = out_dir / fname
-                q_cmd = quantize(llama_dir, f32, dst, q)
+                q_cmd = quantize(llama_dir, f32, dst, q, tmp)
                 counts, per_tensor = tensor_types(dst, src)
                 ppl = run_perplexity(llama_dir, dst, tmp)
                 meta = gguf_meta(dst, src)

@@ -53,6 +53,7 @@ def test_the_reference_files_cover_every_described_family():
     assert any("rope" in ref.arch for ref in REFERENCE.values())  # Llama 3's rope scaling
     types = {t for ref in REFERENCE.values() for t in ref.tensor_types}
     assert {"Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "IQ4_NL"} <= types
+    assert {"IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_S"} <= types  # (IQ2_S: float32, IQ3_XXS's file's fallback)
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE))
@@ -137,22 +138,34 @@ def test_the_file_decides_bos_and_the_tokenizer_splits_as_llama_cpp():
     assert ids[: ref.n_ctx] == list(ref.chunks[0].tokens)
 
 
-@pytest.mark.parametrize("kind", ["Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "IQ4_NL"])
+@pytest.mark.parametrize(
+    "kind", ["Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "IQ4_NL", "IQ2_XXS", "IQ3_XXS", "IQ3_S"]
+)
 def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
     """The tensors of llama-quantize's files are served in their own blocks without rounding a weight again:
-    equal to gguf-py's dequantization, through gguf-py's and through the kernels' own dequantization."""
+    equal to gguf-py's dequantization, through gguf-py's and through the kernels' own dequantization. The
+    i-quants of blocks of 32 (IQ_INT8_TYPES) in the int8 layout where the kernels take int8 inputs (INT8_LAYOUT),
+    not float32."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
     from servers import MODEL_CACHE
 
+    from inference_api.engine.plan import INT8_LAYOUT
     from inference_api.kernels import load_kernels
+    from inference_api.kernels.quant import Int8Weight
     from inference_api.model.gguf_blocks import packed
+    from inference_api.model.gguf_meta import IQ_INT8_TYPES
 
     files = [ref.path for ref in REFERENCE.values() if kind in ref.tensor_types]
     tensor = next(
         t for f in files for t in GGUFReader(str(f)).tensors if t.tensor_type.name == kind and len(t.shape) == 2
     )
     want = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).reshape(int(tensor.shape[1]), -1)
+    if kind in IQ_INT8_TYPES:
+        assert packed(tensor) is None  # (without the int8 inputs: float32)
+        assert isinstance(packed(tensor, INT8_LAYOUT), Int8Weight)
+        assert torch.equal(packed(tensor, INT8_LAYOUT).dequantize(), want)
+        return
     assert torch.equal(packed(tensor).dequantize(), want)
     assert torch.equal(packed(tensor).dequantize(load_kernels(Path(MODEL_CACHE))), want)
 

@@ -268,3 +268,29 @@ def test_a_conversion_another_start_finished_meanwhile_is_kept(tmp_path, monkeyp
     assert gguf_folder(gguf, target, weights=False) == target
     assert is_converted(gguf, target, weights=False) and not (target / "marker").exists()
     assert [p.name for p in target.parent.iterdir()] == [target.name]
+
+
+def test_a_ggufs_pages_leave_the_resident_set_once_a_layer_is_built():
+    """GGUFWeights.drop_layer: the file's pages a layer was read from leave the process's resident set (they stay
+    in the page cache), so a load's resident peak is the weights made, not the weights and the mapped file."""
+    from gguf_reference import GGUF_DIR
+
+    from inference_api.model.gguf_model import GGUFModel
+
+    path = GGUF_DIR / "llama-q8_0.gguf"
+    src = GGUFModel(path, torch.device("cpu"), torch.float32).weights()
+
+    def resident_kb() -> int:  # this process's pages of the file's mapping, from /proc/self/smaps
+        kb, inside = 0, False
+        for line in Path("/proc/self/smaps").read_text().splitlines():
+            if "-" in line.split(" ", 1)[0] and len(line.split()) >= 5:
+                inside = line.rstrip().endswith(str(path))
+            elif inside and line.startswith("Rss:"):
+                kb += int(line.split()[1])
+        return kb
+
+    src.layer(0)
+    assert resident_kb() > 0
+    src.drop_layer(0)
+    assert resident_kb() == 0
+    assert src.layer(1)["qkv"] is not None  # (the next layer reads its pages again)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, overload
 
 from ..config import ServerConfig
 from ..kernels import LEVELS, cpu_flags
+from ..model.gguf_meta import IQ_INT8_TYPES
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +54,7 @@ class ModelFacts:
 
 
 # the GGUF block types served in quant.py's int8 layout where the kernels take int8 inputs (ExecutionPlan.int8_layout)
-INT8_LAYOUT = frozenset({"Q8_0"})
+INT8_LAYOUT = frozenset({"Q8_0"} | IQ_INT8_TYPES)
 
 
 @dataclass(frozen=True)
@@ -89,7 +90,8 @@ class ExecutionPlan:
         layout packed at load (quant.vnni_int8; VNNI: 7.3 against 12.0 ms at one row of Gemma's head, 32.5 against
         42.6 at 32, SmolLM2's Q8_0 linears 7.4 against 9.9 ms a decode step, AMD EPYC with AVX-512, 2026-11-25; AVX2:
         avx2_i8_tile over the same packing, docs/performance.md), the unpacked codes let go except for a tied head's
-        embedding rows."""
+        embedding rows. And the i-quants whose blocks of 32 are int8 codes times a scale (IQ_INT8_TYPES), which
+        have no tiles of their own (float32 else: four times the bytes)."""
         if not self.int8_inputs:
             return frozenset()
         return INT8_LAYOUT

@@ -56,6 +56,7 @@ class ModelShape:
     hidden: int = 0
     windows: tuple = ()  # each layer's sliding window (None: the whole context); empty: none slides
     float_params: int = 0  # a GGUF's matrix weights served as float32 (types the kernels lack), whatever the mode
+    iq_params: int = 0  # a GGUF's matrix weights of IQ_INT8_TYPES: int8 with the kernels' int8 inputs, else float32
 
 
 @dataclass(frozen=True)
@@ -246,6 +247,7 @@ def shape_from_header(header: dict) -> ModelShape:
         header["hidden"],
         tuple(header.get("windows") or ()),
         header.get("float_params", 0),
+        header.get("iq_params", 0),
     )
 
 
@@ -349,7 +351,8 @@ def estimate(config: ServerConfig) -> Estimate:
     # a GGUF's matrices of a type the kernels lack are served dense (gguf_model: dequantized, mode none), not at the
     # mode's bytes
     dense_extra = bytes_per_weight(plan, "none") - bytes_per_weight(plan, in_features=per_channel)
-    weights += math.ceil(shape.float_params * max(0.0, dense_extra) / plan.tp)
+    dense = shape.float_params + (0 if plan.int8_inputs else shape.iq_params)
+    weights += math.ceil(dense * max(0.0, dense_extra) / plan.tp)
     if config.draft_model:  # its weights and its own rows' cache beside the model's
         draft = estimate(dataclasses.replace(config, model=config.draft_model, draft_model=None, cache_ram=0))
         weights, kv = weights + draft.weights_bytes, kv + draft.kv_cache_bytes

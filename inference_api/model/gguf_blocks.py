@@ -9,7 +9,8 @@
   Q5_0, Q5_1 and IQ4_NL are packed at load for the tiles instead). The symmetric blocks of 32 the plan names
   (``ExecutionPlan.int8_layout``: wherever the kernels take int8 inputs, Q8_0) map onto quant.py's int8 layout
   instead (``int8_weight``, which takes Q5_0 and IQ4_NL too: each weight's code as an int8, Q5_0's less 16 and
-  IQ4_NL's looked up, each block's float16 scale as a float32; exact).
+  IQ4_NL's looked up, each block's float16 scale as a float32; exact). So do the i-quants whose blocks of 32 are
+  each a whole number times a scale of their own (IQ_INT8_TYPES: IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S; exact too).
 - F32 and any other type are served as float32, dequantized by gguf-py; a type gguf-py cannot read stops the
   start with its name.
 """
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from ..kernels.quant import BlockWeight, Int4Weight, Int8Weight
-from .gguf_meta import BLOCK_TYPES, INT4_TYPES  # the types taken as they are (int4 layout, own blocks)
+from .gguf_meta import BLOCK_TYPES, INT4_TYPES, IQ_INT8_TYPES  # the types taken as they are (int4 layout, own blocks)
 
 
 def _rows(t) -> tuple[int, int, np.ndarray]:
@@ -54,28 +55,57 @@ def int4_weight(t) -> Int4Weight:
     )
 
 
-INT8_TYPES = {"Q8_0", "Q5_0", "IQ4_NL"}  # symmetric blocks of 32: w = d * code, code an int8
+INT8_TYPES = {"Q8_0", "Q5_0", "IQ4_NL"} | IQ_INT8_TYPES  # blocks of 32: w = d * code, code an int8
+_SUPER_BYTES = {"IQ2_XXS": 66, "IQ3_XXS": 98, "IQ3_S": 110, "IQ1_S": 50}  # an i-quant's super-block of 256 weights
+# the weights gguf-py dequantizes at a time into int8_weight's codes: the temporaries of a whole large tensor took
+# 2 GB beside the weights (Qwen2.5 1.5B's IQ3_S token embedding, 151,936 x 1,536)
+DEQUANTIZE_WEIGHTS = 1 << 22
+
+
+def _iq_scales(kind: str, raw: np.ndarray) -> np.ndarray:
+    """The scale of each block of 32 [N, K / 32] of an IQ_INT8_TYPES tensor's super-blocks of 256 ([N, bytes]),
+    computed as gguf-py's dequantization computes it (so that each weight over it is its whole number exactly)."""
+    n = raw.shape[0]
+    sb = raw.reshape(n, -1, _SUPER_BYTES[kind])
+    d = _f16(sb[..., 0:2]).astype(np.float32)[..., None]
+    if kind in ("IQ2_XXS", "IQ3_XXS"):  # each block's 4-bit scale in the top bits of its uint32 of signs
+        words = np.ascontiguousarray(sb[..., 2:] if kind == "IQ2_XXS" else sb[..., 66:]).view(np.uint32)
+        ls = (words.reshape(n, -1, 8, 2)[..., 1] if kind == "IQ2_XXS" else words) >> 28
+        scale = d * (np.float32(0.5) + ls.astype(np.float32)) * np.float32(0.25 if kind == "IQ2_XXS" else 0.5)
+    elif kind == "IQ3_S":  # d, 64 bytes of grid indices, 8 of their high bits, 32 of signs, 4 of 4-bit scales
+        nibbles = sb[..., 106:110, None] >> np.array([0, 4], dtype=np.uint8)
+        scale = d * (1 + 2 * (nibbles & 0x0F).reshape(n, -1, 8)).astype(np.float32)
+    else:  # IQ1_S: d, 32 bytes of grid indices, per block a uint16 (3-bit scale, the sign of its 1/8 shift)
+        qh = np.ascontiguousarray(sb[..., 34:50]).view(np.uint16)
+        scale = d * (2 * ((qh >> 12) & 7) + 1).astype(np.float32) / np.float32(8)  # (a code: 8 x grid +- 1)
+    return np.ascontiguousarray(scale.reshape(n, -1), dtype=np.float32)
 
 
 def int8_weight(t) -> Int8Weight:
-    """A Q8_0, Q5_0 or IQ4_NL tensor [N, K] as an Int8Weight of groups of 32: each weight's code (Q8_0's as it is,
-    Q5_0's 5-bit value less 16, IQ4_NL's level) contiguous and 32-byte aligned per block, the scales apart; the
-    same numbers (each block is d * code, d its leading float16)."""
+    """A Q8_0, Q5_0, IQ4_NL or IQ_INT8_TYPES tensor [N, K] as an Int8Weight of groups of 32: each weight's code
+    (Q8_0's as it is, Q5_0's 5-bit value less 16, IQ4_NL's level, an i-quant's grid value with its sign)
+    contiguous and 32-byte aligned per block, the scales apart; the same numbers (each block is d * code, d its
+    leading float16, or the i-quant block's own scale)."""
     n, k, raw = _rows(t)
     kind = t.tensor_type.name
     if kind not in INT8_TYPES:
-        raise ValueError(f"{kind} is not a symmetric block type of 32 ({', '.join(sorted(INT8_TYPES))})")
-    blocks = raw.reshape(n, k // 32, -1)
-    d = _f16(blocks[..., 0:2]).astype(np.float32)
+        raise ValueError(f"{kind} is not a block type of 32 int8 codes ({', '.join(sorted(INT8_TYPES))})")
+    if kind in IQ_INT8_TYPES:
+        d = _iq_scales(kind, raw)
+    else:
+        d = _f16(raw.reshape(n, k // 32, -1)[..., 0:2]).astype(np.float32)
     if kind == "Q8_0":
-        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+        q = np.ascontiguousarray(raw.reshape(n, k // 32, -1)[..., 2:]).view(np.int8).reshape(n, k)
     else:  # gguf-py's weights over their block's scale: whole numbers, exactly (a small integer times d)
         from gguf import GGMLQuantizationType
         from gguf.quants import dequantize
 
-        w = np.asarray(dequantize(raw, GGMLQuantizationType[kind]), dtype=np.float32).reshape(n, k // 32, 32)
+        q = np.empty((n, k), dtype=np.int8)
         safe = np.where(d == 0, 1, d)[..., None]
-        q = np.rint(w / safe).astype(np.int8).reshape(n, k)
+        step = max(1, DEQUANTIZE_WEIGHTS // k)
+        for a in range(0, n, step):  # a few MB of float32 at a time, not the whole tensor's (and gguf-py's own)
+            w = np.asarray(dequantize(raw[a : a + step], GGMLQuantizationType[kind]), dtype=np.float32)
+            q[a : a + step] = np.rint(w.reshape(-1, k // 32, 32) / safe[a : a + step]).reshape(-1, k)
     return Int8Weight(torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // 32)))
 
 

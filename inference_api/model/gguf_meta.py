@@ -24,6 +24,10 @@ FLOAT_TYPES = {"F32", "F16", "BF16"}
 INT4_TYPES = {"Q4_0", "Q4_1"}
 BLOCK_TYPES = {"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "Q5_1", "IQ4_NL", "F16", "BF16"}
 FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"}  # held as int4; 5 bits and more as int8
+# the i-quants whose every block of 32 weights is a whole number (at most 62) times that block's own scale: served in
+# quant.py's int8 layout wherever the kernels take int8 inputs (gguf_blocks.int8_weight: exact), else dequantized to
+# float32. (IQ2_XS, IQ2_S and IQ1_M scale blocks of 16: float32.)
+IQ_INT8_TYPES = {"IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ1_S"}
 
 
 def mode_of(types: list[str]) -> str:
@@ -191,11 +195,14 @@ def read_header(path) -> dict:
     sizes = {t.name: int(t.n_elements) for t in tensors}
     by_bytes: Counter[str] = Counter()  # the matrices' types, most bytes first
     float_params = 0  # the matrices' weights served as float32 (a type the kernels lack, or F32)
+    iq_params = 0  # the matrices' weights of IQ_INT8_TYPES (int8 with the kernels' int8 inputs, else float32)
     served = INT4_TYPES | BLOCK_TYPES
     for t in tensors:
         if len(t.shape) == 2:
             by_bytes[t.tensor_type.name] += int(t.n_bytes)
-            if t.tensor_type.name not in served:
+            if t.tensor_type.name in IQ_INT8_TYPES:
+                iq_params += int(t.n_elements)
+            elif t.tensor_type.name not in served:
                 float_params += int(t.n_elements)
     return {
         "arch": arch,
@@ -204,6 +211,7 @@ def read_header(path) -> dict:
         "types": [k for k, _ in by_bytes.most_common()],
         "num_params": sum(sizes.values()),
         "float_params": float_params,
+        "iq_params": iq_params,
         "num_layers": field(f"{arch}.block_count"),
         "heads": heads,
         "num_kv_heads": field(f"{arch}.attention.head_count_kv") or heads,

@@ -11,6 +11,7 @@ other float tensors are read as float32.
 from __future__ import annotations
 
 import logging
+import mmap
 from pathlib import Path
 from typing import Any
 
@@ -202,7 +203,12 @@ class GGUFWeights:
         )
 
     def drop_layer(self, i: int) -> None:
-        """Nothing held: each tensor is read when asked for."""
+        """Nothing held: each tensor is read when asked for. The file's pages read so far leave the process's
+        resident set (they stay in the system's page cache): without it a load's resident peak counts the whole
+        mapped file beside the weights made of it (Qwen2.5 1.5B IQ3_S: 3.4 GB at the last layer, 2.5 after)."""
+        mapping = getattr(getattr(self.m.reader, "data", None), "_mmap", None)
+        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            mapping.madvise(mmap.MADV_DONTNEED)
 
 
 def gguf_config(m: GGUFModel):

@@ -36,6 +36,8 @@ LAYOUT = {
 }
 FLOATS = (T.F16, T.BF16)
 TYPES = [*LAYOUT, *FLOATS]
+# the i-quants served in the int8 layout alone (gguf_meta.IQ_INT8_TYPES): their super-block's float16 scale first
+IQ_INT8 = {T.IQ2_XXS: [0], T.IQ3_XXS: [0], T.IQ3_S: [0], T.IQ1_S: [0]}
 
 
 def _raw(t: T, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -45,7 +47,7 @@ def _raw(t: T, n: int, k: int, seed: int = 0) -> np.ndarray:
         return (w.half() if t == T.F16 else w.bfloat16()).view(torch.uint8).numpy().reshape(n, -1)
     size, block = GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, size=(n, k // size, block), dtype=np.uint8)
-    for i, at in enumerate(LAYOUT[t]):  # scales in [0.001, 0.021); Q4_1 and Q5_1's minimums negative
+    for i, at in enumerate({**LAYOUT, **IQ_INT8}[t]):  # scales in [0.001, 0.021); Q4_1 and Q5_1's minimums negative
         scale = (rng.random(raw.shape[:2]) * 0.02 + 0.001) * (-1 if i == 1 and t in (T.Q4_1, T.Q5_1) else 1)
         raw[..., at : at + 2] = scale.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
     return raw.reshape(n, -1)
@@ -167,15 +169,17 @@ def test_blocks_packed_at_load_give_the_unpacked_numbers(kernels, t):
         kernels.linear_gguf(x[:1], raw[:32], int(t), b[:32], True, packed)
 
 
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q5_0, T.IQ4_NL], ids=lambda t: t.name)
-def test_a_symmetric_block_type_maps_onto_the_int8_layout_exactly(kernels, t):
-    """ExecutionPlan.int8_layout: a Q8_0, Q5_0 or IQ4_NL tensor as an Int8Weight (groups of 32) holds the same
-    numbers as its blocks, and its linear with int8 inputs is the weight against the inputs rounded to int8 blocks
-    of 32, for one row and several, the one row's numbers the same alone or beside others (the tiles where the
-    CPU has VNNI: the unpacked codes are let go)."""
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q5_0, T.IQ4_NL, *IQ_INT8], ids=lambda t: t.name)
+def test_a_symmetric_block_type_maps_onto_the_int8_layout_exactly(kernels, t, monkeypatch):
+    """ExecutionPlan.int8_layout: a Q8_0, Q5_0, IQ4_NL, IQ2_XXS, IQ3_XXS, IQ3_S or IQ1_S tensor as an Int8Weight
+    (groups of 32) holds the same numbers as its blocks (every code and scale reached: random blocks), and its
+    linear with int8 inputs is the weight against the inputs rounded to int8 blocks of 32, for one row and several,
+    the one row's numbers the same alone or beside others (the tiles where the CPU has VNNI: the unpacked codes are
+    let go)."""
     from types import SimpleNamespace
 
     from inference_api.kernels.quant import QuantLinear
+    from inference_api.model import gguf_blocks
     from inference_api.model.gguf_blocks import int8_weight
 
     n, k = 48, 256
@@ -183,6 +187,8 @@ def test_a_symmetric_block_type_maps_onto_the_int8_layout_exactly(kernels, t):
     w = int8_weight(SimpleNamespace(shape=(k, n), data=raw, tensor_type=t))
     expected = torch.from_numpy(dequantize(raw, t).reshape(n, k))
     assert torch.equal(w.dequantize(), expected)
+    monkeypatch.setattr(gguf_blocks, "DEQUANTIZE_WEIGHTS", 5 * k)  # a few rows at a time: the same codes
+    assert torch.equal(int8_weight(SimpleNamespace(shape=(k, n), data=raw, tensor_type=t)).q, w.q)
     layer = QuantLinear(w, None, kernels, int8_inputs=True)
     x = torch.randn(5, k)
     several = layer(x)

@@ -56,7 +56,6 @@ def int4_weight(t) -> Int4Weight:
 
 
 INT8_TYPES = {"Q8_0", "Q5_0", "IQ4_NL"} | IQ_INT8_TYPES  # blocks of 32: w = d * code, code an int8
-_SUPER_BYTES = {"IQ2_XXS": 66, "IQ3_XXS": 98, "IQ3_S": 110, "IQ1_S": 50}  # an i-quant's super-block of 256 weights
 # the weights gguf-py dequantizes at a time into int8_weight's codes: the temporaries of a whole large tensor took
 # 2 GB beside the weights (Qwen2.5 1.5B's IQ3_S token embedding, 151,936 x 1,536)
 DEQUANTIZE_WEIGHTS = 1 << 22
@@ -65,8 +64,10 @@ DEQUANTIZE_WEIGHTS = 1 << 22
 def _iq_scales(kind: str, raw: np.ndarray) -> np.ndarray:
     """The scale of each block of 32 [N, K / 32] of an IQ_INT8_TYPES tensor's super-blocks of 256 ([N, bytes]),
     computed as gguf-py's dequantization computes it (so that each weight over it is its whole number exactly)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     n = raw.shape[0]
-    sb = raw.reshape(n, -1, _SUPER_BYTES[kind])
+    sb = raw.reshape(n, -1, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1])  # super-blocks of 256 weights
     d = _f16(sb[..., 0:2]).astype(np.float32)[..., None]
     if kind in ("IQ2_XXS", "IQ3_XXS"):  # each block's 4-bit scale in the top bits of its uint32 of signs
         words = np.ascontiguousarray(sb[..., 2:] if kind == "IQ2_XXS" else sb[..., 66:]).view(np.uint32)

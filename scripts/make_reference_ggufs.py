@@ -140,7 +140,7 @@ ARCHS: dict[str, dict] = {
         config=_LLAMA,
         quants=[
             *("Q4_K_M", "Q8_0", "Q4_0", "Q5_K_M", "Q6_K", "Q3_K_M", "Q2_K", "IQ4_XS", "IQ4_NL"),
-            *("IQ3_XXS", "IQ3_S", "IQ2_XXS"),
+            *("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ1_M"),
         ],
     ),
     "llama3rope": dict(
@@ -789,7 +789,7 @@ def convert(src: Path, model_dir: Path, out: Path, tmp: Path, model_name: str, s
 
 
 # the types llama-quantize makes only with an importance matrix (llama-imatrix's, over english.txt on the f32 model)
-NEEDS_IMATRIX = {"IQ3_XXS", "IQ2_XXS"}
+NEEDS_IMATRIX = {"IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ1_M"}
 
 
 def importance_matrix(llama_dir: Path, f32: Path, tmp: Path) -> Path:

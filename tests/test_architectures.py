@@ -53,7 +53,7 @@ def test_the_reference_files_cover_every_described_family():
     assert any("rope" in ref.arch for ref in REFERENCE.values())  # Llama 3's rope scaling
     types = {t for ref in REFERENCE.values() for t in ref.tensor_types}
     assert {"Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "IQ4_NL"} <= types
-    assert {"IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_S"} <= types  # (IQ2_S: float32, IQ3_XXS's file's fallback)
+    assert {"IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_S", "IQ2_XS", "IQ1_M"} <= types  # (IQ2_S: IQ3_XXS's file's fallback)
 
 
 @pytest.mark.parametrize("name", sorted(REFERENCE))
@@ -139,13 +139,18 @@ def test_the_file_decides_bos_and_the_tokenizer_splits_as_llama_cpp():
 
 
 @pytest.mark.parametrize(
-    "kind", ["Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "IQ4_NL", "IQ2_XXS", "IQ3_XXS", "IQ3_S"]
+    "kind",
+    [
+        *("Q4_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS", "IQ4_NL"),
+        *("IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ2_XS", "IQ2_S", "IQ1_M"),
+    ],
 )
 def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
     """The tensors of llama-quantize's files are served in their own blocks without rounding a weight again:
     equal to gguf-py's dequantization, through gguf-py's and through the kernels' own dequantization. The
-    i-quants of blocks of 32 (IQ_INT8_TYPES) in the int8 layout where the kernels take int8 inputs (INT8_LAYOUT),
-    not float32."""
+    i-quants (IQ_INT8_TYPES) in the int8 layout where the kernels take int8 inputs (INT8_LAYOUT), not float32:
+    those that scale blocks of 16 (IQ_SCALES_OF_16) exactly where a block's numbers fit an int8, else rounded once
+    (each weight at most 1/254 of its block's largest off)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
     from servers import MODEL_CACHE
@@ -154,7 +159,7 @@ def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
     from inference_api.kernels import load_kernels
     from inference_api.kernels.quant import Int8Weight
     from inference_api.model.gguf_blocks import packed
-    from inference_api.model.gguf_meta import IQ_INT8_TYPES
+    from inference_api.model.gguf_meta import IQ_INT8_TYPES, IQ_SCALES_OF_16
 
     files = [ref.path for ref in REFERENCE.values() if kind in ref.tensor_types]
     tensor = next(
@@ -164,7 +169,13 @@ def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
     if kind in IQ_INT8_TYPES:
         assert packed(tensor) is None  # (without the int8 inputs: float32)
         assert isinstance(packed(tensor, INT8_LAYOUT), Int8Weight)
-        assert torch.equal(packed(tensor, INT8_LAYOUT).dequantize(), want)
+        got = packed(tensor, INT8_LAYOUT).dequantize()
+        if kind not in IQ_SCALES_OF_16:
+            assert torch.equal(got, want)
+            return
+        blocks, got = want.view(want.shape[0], -1, 32), got.view(want.shape[0], -1, 32)
+        assert ((got - blocks).abs().amax(-1) <= blocks.abs().amax(-1) / 254 * 1.0001).all()
+        assert (got == blocks).all(-1).any()
         return
     assert torch.equal(packed(tensor).dequantize(), want)
     assert torch.equal(packed(tensor).dequantize(load_kernels(Path(MODEL_CACHE))), want)

@@ -90,8 +90,8 @@ class ExecutionPlan:
         layout packed at load (quant.vnni_int8; VNNI: 7.3 against 12.0 ms at one row of Gemma's head, 32.5 against
         42.6 at 32, SmolLM2's Q8_0 linears 7.4 against 9.9 ms a decode step, AMD EPYC with AVX-512, 2026-11-25; AVX2:
         avx2_i8_tile over the same packing, docs/performance.md), the unpacked codes let go except for a tied head's
-        embedding rows. And the i-quants whose blocks of 32 are int8 codes times a scale (IQ_INT8_TYPES), which
-        have no tiles of their own (float32 else: four times the bytes)."""
+        embedding rows. And the i-quants (IQ_INT8_TYPES: blocks of 32 int8 codes times a scale, or rounded so where
+        they scale blocks of 16), which have no tiles of their own (float32 else: four times the bytes)."""
         if not self.int8_inputs:
             return frozenset()
         return INT8_LAYOUT

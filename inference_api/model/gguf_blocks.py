@@ -10,7 +10,9 @@
   (``ExecutionPlan.int8_layout``: wherever the kernels take int8 inputs, Q8_0) map onto quant.py's int8 layout
   instead (``int8_weight``, which takes Q5_0 and IQ4_NL too: each weight's code as an int8, Q5_0's less 16 and
   IQ4_NL's looked up, each block's float16 scale as a float32; exact). So do the i-quants whose blocks of 32 are
-  each a whole number times a scale of their own (IQ_INT8_TYPES: IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S; exact too).
+  each a whole number times a scale of their own (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S; exact too), and those that scale
+  blocks of 16 (IQ_SCALES_OF_16: IQ2_XS, IQ2_S, IQ1_M, ``_whole_blocks``): a block of 32 whose two scales give whole
+  numbers that fit an int8 exactly, another rounded once as Q8_0 rounds (at most 1/254 of its largest weight off).
 - F32 and any other type are served as float32, dequantized by gguf-py; a type gguf-py cannot read stops the
   start with its name.
 """
@@ -23,7 +25,12 @@ import numpy as np
 import torch
 
 from ..kernels.quant import BlockWeight, Int4Weight, Int8Weight
-from .gguf_meta import BLOCK_TYPES, INT4_TYPES, IQ_INT8_TYPES  # the types taken as they are (int4 layout, own blocks)
+from .gguf_meta import (  # the types taken as they are (int4 layout, own blocks), or in the int8 layout
+    BLOCK_TYPES,
+    INT4_TYPES,
+    IQ_INT8_TYPES,
+    IQ_SCALES_OF_16,
+)
 
 
 def _rows(t) -> tuple[int, int, np.ndarray]:
@@ -82,16 +89,52 @@ def _iq_scales(kind: str, raw: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(scale.reshape(n, -1), dtype=np.float32)
 
 
+def _units(kind: str, raw: np.ndarray) -> np.ndarray:
+    """Each super-block's unit [N, K / 256] of an IQ_SCALES_OF_16 tensor ([N, bytes]): its d / 8, of which every
+    weight is a whole number (IQ2_XS and IQ2_S: d (2 s + 1) / 8 times a grid value; IQ1_M: d (2 s + 1) (8 grid +- 1)
+    / 8, its float16 d in the top 4 bits of its 4 scale words)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    n = raw.shape[0]
+    sb = raw.reshape(n, -1, GGML_QUANT_SIZES[GGMLQuantizationType[kind]][1])
+    if kind == "IQ1_M":
+        words = np.ascontiguousarray(sb[..., 48:56]).view(np.uint16) & np.uint16(0xF000)
+        d = words >> np.array([12, 8, 4, 0], dtype=np.uint16)
+        d = (d[..., 0] | d[..., 1] | d[..., 2] | d[..., 3]).view(np.float16)
+    else:
+        d = _f16(sb[..., 0:2])
+    return d.astype(np.float32) / np.float32(8)
+
+
+def _whole_blocks(w: np.ndarray, units: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Int8 codes [R, K] and scales [R, K / 32] of weights [R, K] that are whole numbers of their super-block's unit
+    ([R, K / 256]). A block of 32 whose whole numbers over their greatest common divisor fit an int8 keeps them (its
+    scale the unit times that divisor: exact); another, whose halves' scales differ too much for that, is rounded to
+    127 steps of its largest weight, as llama.cpp's Q8_0 rounds (each weight at most 1/254 of the largest off)."""
+    r, k = w.shape
+    unit = np.repeat(units, 8, axis=1)[..., None]  # [R, K / 32, 1]
+    whole = np.rint(w.reshape(r, -1, 32) / np.where(unit == 0, 1, unit)).astype(np.int32)
+    divisor = np.maximum(np.gcd.reduce(whole, axis=-1, keepdims=True), 1)
+    top = np.abs(whole).max(-1, keepdims=True)
+    exact = top <= 127 * divisor
+    q = np.where(exact, whole // divisor, np.rint(whole * (127 / np.maximum(top, 1))))
+    scale = np.where(exact, unit * divisor, unit * top / 127)
+    return q.astype(np.int8).reshape(r, k), scale[..., 0].astype(np.float32)
+
+
 def int8_weight(t) -> Int8Weight:
     """A Q8_0, Q5_0, IQ4_NL or IQ_INT8_TYPES tensor [N, K] as an Int8Weight of groups of 32: each weight's code
     (Q8_0's as it is, Q5_0's 5-bit value less 16, IQ4_NL's level, an i-quant's grid value with its sign)
     contiguous and 32-byte aligned per block, the scales apart; the same numbers (each block is d * code, d its
-    leading float16, or the i-quant block's own scale)."""
+    leading float16, or the i-quant block's own scale), but for IQ_SCALES_OF_16's blocks whose two scales do not
+    fit one int8 block (``_whole_blocks``: rounded once)."""
     n, k, raw = _rows(t)
     kind = t.tensor_type.name
     if kind not in INT8_TYPES:
         raise ValueError(f"{kind} is not a block type of 32 int8 codes ({', '.join(sorted(INT8_TYPES))})")
-    if kind in IQ_INT8_TYPES:
+    if kind in IQ_SCALES_OF_16:
+        d = np.empty((n, k // 32), dtype=np.float32)  # each block's own: filled with the codes
+    elif kind in IQ_INT8_TYPES:
         d = _iq_scales(kind, raw)
     else:
         d = _f16(raw.reshape(n, k // 32, -1)[..., 0:2]).astype(np.float32)
@@ -102,11 +145,14 @@ def int8_weight(t) -> Int8Weight:
         from gguf.quants import dequantize
 
         q = np.empty((n, k), dtype=np.int8)
-        safe = np.where(d == 0, 1, d)[..., None]
         step = max(1, DEQUANTIZE_WEIGHTS // k)
         for a in range(0, n, step):  # a few MB of float32 at a time, not the whole tensor's (and gguf-py's own)
             w = np.asarray(dequantize(raw[a : a + step], GGMLQuantizationType[kind]), dtype=np.float32)
-            q[a : a + step] = np.rint(w.reshape(-1, k // 32, 32) / safe[a : a + step]).reshape(-1, k)
+            if kind in IQ_SCALES_OF_16:
+                q[a : a + step], d[a : a + step] = _whole_blocks(w.reshape(-1, k), _units(kind, raw[a : a + step]))
+            else:
+                safe = np.where(d[a : a + step] == 0, 1, d[a : a + step])[..., None]
+                q[a : a + step] = np.rint(w.reshape(-1, k // 32, 32) / safe).reshape(-1, k)
     return Int8Weight(torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // 32)))
 
 

@@ -38,6 +38,9 @@ FLOATS = (T.F16, T.BF16)
 TYPES = [*LAYOUT, *FLOATS]
 # the i-quants served in the int8 layout alone (gguf_meta.IQ_INT8_TYPES): their super-block's float16 scale first
 IQ_INT8 = {T.IQ2_XXS: [0], T.IQ3_XXS: [0], T.IQ3_S: [0], T.IQ1_S: [0]}
+# ... and those that scale blocks of 16 (gguf_meta.IQ_SCALES_OF_16; IQ1_M's float16 d: the top 4 bits of its 4 words
+# of scales at 48, set by _raw)
+IQ_INT8_16 = {T.IQ2_XS: [0], T.IQ2_S: [0], T.IQ1_M: []}
 
 
 def _raw(t: T, n: int, k: int, seed: int = 0) -> np.ndarray:
@@ -47,9 +50,16 @@ def _raw(t: T, n: int, k: int, seed: int = 0) -> np.ndarray:
         return (w.half() if t == T.F16 else w.bfloat16()).view(torch.uint8).numpy().reshape(n, -1)
     size, block = GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, size=(n, k // size, block), dtype=np.uint8)
-    for i, at in enumerate({**LAYOUT, **IQ_INT8}[t]):  # scales in [0.001, 0.021); Q4_1 and Q5_1's minimums negative
+    for i, at in enumerate({**LAYOUT, **IQ_INT8, **IQ_INT8_16}[t]):  # scales in [0.001, 0.021); Q4_1 and Q5_1's
+        # minimums negative
         scale = (rng.random(raw.shape[:2]) * 0.02 + 0.001) * (-1 if i == 1 and t in (T.Q4_1, T.Q5_1) else 1)
         raw[..., at : at + 2] = scale.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
+    if t == T.IQ1_M:
+        d = (rng.random(raw.shape[:2]) * 0.02 + 0.001).astype(np.float16).view(np.uint16)
+        words = raw[..., 48:56].copy().view(np.uint16)
+        for i in range(4):
+            words[..., i] = (words[..., i] & 0x0FFF) | (((d >> (4 * i)) & 0xF) << 12)
+        raw[..., 48:56] = words.view(np.uint8)
     return raw.reshape(n, -1)
 
 
@@ -195,3 +205,36 @@ def test_a_symmetric_block_type_maps_onto_the_int8_layout_exactly(kernels, t, mo
     scale = expected.abs().max().item()
     torch.testing.assert_close(several, F.linear(_int8_blocks(x), expected), rtol=1e-5, atol=1e-5 * scale * k**0.5)
     assert torch.equal(layer(x[2:3]), several[2:3])
+
+
+@pytest.mark.parametrize("t", list(IQ_INT8_16), ids=lambda t: t.name)
+def test_an_i_quant_that_scales_blocks_of_16_maps_onto_the_int8_layout(kernels, t, monkeypatch):
+    """IQ2_XS, IQ2_S and IQ1_M (random blocks: every code and scale) as an Int8Weight of groups of 32: a block whose
+    whole numbers of d / 8 fit an int8 holds gguf-py's numbers exactly (most of IQ1_M's, some of the others': where the
+    two halves' scales share a divisor), another is rounded once as Q8_0 rounds, each weight at most 1/254 of the
+    block's largest off; the linear with int8 inputs is that weight against the inputs rounded to int8 blocks."""
+    from types import SimpleNamespace
+
+    from inference_api.kernels.quant import QuantLinear
+    from inference_api.model import gguf_blocks
+    from inference_api.model.gguf_blocks import int8_weight
+
+    n, k = 48, 512
+    raw = _raw(t, n, k, seed=4)
+    w = int8_weight(SimpleNamespace(shape=(k, n), data=raw, tensor_type=t))
+    want = torch.from_numpy(dequantize(raw, t).reshape(n, k)).view(n, -1, 32)
+    got = w.dequantize().view(n, -1, 32)
+    top = want.abs().amax(-1)
+    assert ((got - want).abs().amax(-1) <= top / 254 * 1.0001).all()
+    exact = (got == want).all(-1).float().mean().item()
+    assert exact > (0.75 if t == T.IQ1_M else 0.03), exact  # (random 4-bit scales: 1/16 of IQ2's halves equal)
+    assert exact < 1
+    monkeypatch.setattr(gguf_blocks, "DEQUANTIZE_WEIGHTS", 5 * k)  # a few rows at a time: the same codes and scales
+    again = int8_weight(SimpleNamespace(shape=(k, n), data=raw, tensor_type=t))
+    assert torch.equal(again.q, w.q) and torch.equal(again.dequantize(), w.dequantize())
+    layer = QuantLinear(w, None, kernels, int8_inputs=True)
+    x = torch.randn(5, k)
+    scale = top.max().item()
+    torch.testing.assert_close(
+        layer(x), F.linear(_int8_blocks(x), got.reshape(n, k)), rtol=1e-5, atol=1e-5 * scale * k**0.5
+    )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf_reference import load_reference
@@ -148,7 +149,8 @@ def test_the_file_decides_bos_and_the_tokenizer_splits_as_llama_cpp():
 def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
     """The tensors of llama-quantize's files are served in their own blocks without rounding a weight again:
     equal to gguf-py's dequantization, through gguf-py's and through the kernels' own dequantization. The
-    i-quants (IQ_INT8_TYPES) in the int8 layout where the kernels take int8 inputs (INT8_LAYOUT), not float32:
+    i-quants (IQ_INT8_TYPES) in the int8 layout where the kernels take int8 inputs (INT8_LAYOUT), not float32, and
+    IQ3_S in the int4 layout:
     those that scale blocks of 16 (IQ_SCALES_OF_16) exactly where a block's numbers fit an int8, else rounded once
     (each weight at most 1/254 of its block's largest off)."""
     from gguf import GGUFReader
@@ -166,6 +168,13 @@ def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
         t for f in files for t in GGUFReader(str(f)).tensors if t.tensor_type.name == kind and len(t.shape) == 2
     )
     want = torch.from_numpy(dequantize(tensor.data, tensor.tensor_type).copy()).reshape(int(tensor.shape[1]), -1)
+    if kind == "IQ3_S":  # the int4 layout: d = 2 b and m = -15 b in float16 (each weight within 45 / 2048 b)
+        from inference_api.model.gguf_blocks import _iq_scales
+
+        b = torch.from_numpy(_iq_scales(kind, np.asarray(tensor.data).view(np.uint8).reshape(want.shape[0], -1)))
+        blocks, got = want.view(want.shape[0], -1, 32), packed(tensor).dequantize().view(want.shape[0], -1, 32)
+        assert ((got - blocks).abs().amax(-1) <= b * 45 / 2048).all()
+        return
     if kind in IQ_INT8_TYPES:
         assert packed(tensor) is None  # (without the int8 inputs: float32)
         assert isinstance(packed(tensor, INT8_LAYOUT), Int8Weight)

@@ -2,15 +2,18 @@
 
 - Q4_0 and Q4_1 map onto quant.py's int4 layout (per 32 weights a float16 scale d, a float16 minimum m and 16
   bytes of nibbles, weights 0..15 in the low nibbles and 16..31 in the high ones; w = d * nibble + m): Q4_0 is
-  d (nibble - 8), so m = -8 d, exact in float16; Q4_1 is the layout itself. That layout has VNNI tiles over a
-  copy packed at load.
+  d (nibble - 8), so m = -8 d, exact in float16; Q4_1 is the layout itself. So does IQ3_S, whose every weight is
+  its block's scale b times an odd number -15..15 (the grid's 1, 3, .. 15 with a sign): nibble (v + 15) / 2,
+  d = 2 b and m = -15 b in float16 (b = d (1 + 2 s) has up to 16 significant bits: each rounded to float16's 11
+  where it has more, a weight at most 45 / 2048 b off, 1 % of the step 2 b between two levels). That layout has
+  VNNI and AVX2 tiles over a copy packed at load.
 - Q8_0, the k-quants (Q2_K to Q6_K), IQ4_XS, Q5_0, Q5_1, IQ4_NL, F16 and BF16 stay in the file's own bytes
   (BlockWeight): the kernels read them as they are (csrc/block_form.h), no copy beside them (the k-quants, IQ4_XS,
   Q5_0, Q5_1 and IQ4_NL are packed at load for the tiles instead). The symmetric blocks of 32 the plan names
   (``ExecutionPlan.int8_layout``: wherever the kernels take int8 inputs, Q8_0) map onto quant.py's int8 layout
   instead (``int8_weight``, which takes Q5_0 and IQ4_NL too: each weight's code as an int8, Q5_0's less 16 and
   IQ4_NL's looked up, each block's float16 scale as a float32; exact). So do the i-quants whose blocks of 32 are
-  each a whole number times a scale of their own (IQ2_XXS, IQ3_XXS, IQ3_S, IQ1_S; exact too), and those that scale
+  each a whole number times a scale of their own (IQ2_XXS, IQ3_XXS, IQ1_S; exact too), and those that scale
   blocks of 16 (IQ_SCALES_OF_16: IQ2_XS, IQ2_S, IQ1_M, ``_whole_blocks``): a block of 32 whose two scales give whole
   numbers that fit an int8 exactly, another rounded once as Q8_0 rounds (at most 1/254 of its largest weight off).
 - F32 and any other type are served as float32, dequantized by gguf-py; a type gguf-py cannot read stops the
@@ -44,9 +47,11 @@ def _f16(b: np.ndarray) -> np.ndarray:
 
 
 def int4_weight(t) -> Int4Weight:
-    """A Q4_0 or Q4_1 tensor [N, K] as an Int4Weight."""
+    """A Q4_0, Q4_1 or IQ3_S tensor [N, K] as an Int4Weight."""
     n, k, raw = _rows(t)
     kind = t.tensor_type.name
+    if kind == "IQ3_S":
+        return _iq3s_int4(raw, n, k)
     if kind in ("Q4_0", "Q4_1"):
         size = 18 if kind == "Q4_0" else 20
         blocks = raw.reshape(n, k // 32, size)
@@ -62,6 +67,28 @@ def int4_weight(t) -> Int4Weight:
     )
 
 
+def _iq3s_int4(raw: np.ndarray, n: int, k: int) -> Int4Weight:
+    """An IQ3_S tensor's rows ([N, bytes]) in the int4 layout: each block's weights over its scale b (as gguf-py
+    computes it) are odd numbers v in -15..15, whose nibbles (v + 15) / 2 give w = 2 b nibble - 15 b (a few MB of
+    gguf-py's float32 weights at a time)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    b = _iq_scales("IQ3_S", raw)
+    q = np.empty((n, k // 32, 16), dtype=np.uint8)
+    safe = np.where(b == 0, 1, b)[..., None]
+    step = max(1, DEQUANTIZE_WEIGHTS // k)
+    for a in range(0, n, step):
+        w = np.asarray(dequantize(raw[a : a + step], GGMLQuantizationType.IQ3_S), dtype=np.float32)
+        nib = ((np.rint(w.reshape(-1, k // 32, 32) / safe[a : a + step]).astype(np.int16) + 15) >> 1).astype(np.uint8)
+        q[a : a + step] = nib[..., :16] | (nib[..., 16:] << 4)
+    return Int4Weight(
+        torch.from_numpy(q.reshape(n, k // 2)),
+        torch.from_numpy((2 * b).astype(np.float16)),
+        torch.from_numpy((-15 * b).astype(np.float16)),
+    )
+
+
 INT8_TYPES = {"Q8_0", "Q5_0", "IQ4_NL"} | IQ_INT8_TYPES  # blocks of 32: w = d * code, code an int8
 # the weights gguf-py dequantizes at a time into int8_weight's codes: the temporaries of a whole large tensor took
 # 2 GB beside the weights (Qwen2.5 1.5B's IQ3_S token embedding, 151,936 x 1,536)
@@ -69,7 +96,7 @@ DEQUANTIZE_WEIGHTS = 1 << 22
 
 
 def _iq_scales(kind: str, raw: np.ndarray) -> np.ndarray:
-    """The scale of each block of 32 [N, K / 32] of an IQ_INT8_TYPES tensor's super-blocks of 256 ([N, bytes]),
+    """The scale of each block of 32 [N, K / 32] of an IQ_INT8_TYPES or IQ3_S tensor's super-blocks of 256 ([N, bytes]),
     computed as gguf-py's dequantization computes it (so that each weight over it is its whole number exactly)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 

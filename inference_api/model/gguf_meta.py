@@ -21,15 +21,16 @@ FLOAT_TYPES = {"F32", "F16", "BF16"}
 # the types the kernels serve without dequantizing (model/gguf_blocks.py): taken as they are into the int4 layout, and
 # served in their own blocks (csrc/block_form.h; tests/engine/test_gguf_kernels.py checks every one). Any other type
 # is dequantized to float32 at load.
-INT4_TYPES = {"Q4_0", "Q4_1"}
+INT4_TYPES = {"Q4_0", "Q4_1", "IQ3_S"}  # (IQ3_S: its odd levels -15..15, its block scale rounded to float16)
 BLOCK_TYPES = {"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "Q5_1", "IQ4_NL", "F16", "BF16"}
-FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K"}  # held as int4; 5 bits and more as int8
+# held as int4; 5 bits and more as int8
+FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "IQ3_S"}
 # the i-quants served in quant.py's int8 layout wherever the kernels take int8 inputs (gguf_blocks.int8_weight), else
 # dequantized to float32: those whose every block of 32 weights is a whole number (at most 62) times that block's own
 # scale (exact), and those that scale blocks of 16 (IQ_SCALES_OF_16: each weight a whole number of its super-block's
 # d / 8; a block of 32 kept exactly where its numbers fit an int8, else rounded as Q8_0 rounds)
 IQ_SCALES_OF_16 = {"IQ2_XS", "IQ2_S", "IQ1_M"}
-IQ_INT8_TYPES = {"IQ2_XXS", "IQ3_XXS", "IQ3_S", "IQ1_S"} | IQ_SCALES_OF_16
+IQ_INT8_TYPES = {"IQ2_XXS", "IQ3_XXS", "IQ1_S"} | IQ_SCALES_OF_16  # (IQ3_S: the int4 layout, INT4_TYPES)
 
 
 def mode_of(types: list[str]) -> str:

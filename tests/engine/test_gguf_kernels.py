@@ -37,7 +37,7 @@ LAYOUT = {
 FLOATS = (T.F16, T.BF16)
 TYPES = [*LAYOUT, *FLOATS]
 # the i-quants served in the int8 layout alone (gguf_meta.IQ_INT8_TYPES): their super-block's float16 scale first
-IQ_INT8 = {T.IQ2_XXS: [0], T.IQ3_XXS: [0], T.IQ3_S: [0], T.IQ1_S: [0]}
+IQ_INT8 = {T.IQ2_XXS: [0], T.IQ3_XXS: [0], T.IQ1_S: [0]}
 # ... and those that scale blocks of 16 (gguf_meta.IQ_SCALES_OF_16; IQ1_M's float16 d: the top 4 bits of its 4 words
 # of scales at 48, set by _raw)
 IQ_INT8_16 = {T.IQ2_XS: [0], T.IQ2_S: [0], T.IQ1_M: []}
@@ -50,8 +50,8 @@ def _raw(t: T, n: int, k: int, seed: int = 0) -> np.ndarray:
         return (w.half() if t == T.F16 else w.bfloat16()).view(torch.uint8).numpy().reshape(n, -1)
     size, block = GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, size=(n, k // size, block), dtype=np.uint8)
-    for i, at in enumerate({**LAYOUT, **IQ_INT8, **IQ_INT8_16}[t]):  # scales in [0.001, 0.021); Q4_1 and Q5_1's
-        # minimums negative
+    # scales in [0.001, 0.021); Q4_1 and Q5_1's minimums negative
+    for i, at in enumerate({**LAYOUT, **IQ_INT8, **IQ_INT8_16, T.IQ3_S: [0]}[t]):
         scale = (rng.random(raw.shape[:2]) * 0.02 + 0.001) * (-1 if i == 1 and t in (T.Q4_1, T.Q5_1) else 1)
         raw[..., at : at + 2] = scale.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
     if t == T.IQ1_M:
@@ -181,7 +181,7 @@ def test_blocks_packed_at_load_give_the_unpacked_numbers(kernels, t):
 
 @pytest.mark.parametrize("t", [T.Q8_0, T.Q5_0, T.IQ4_NL, *IQ_INT8], ids=lambda t: t.name)
 def test_a_symmetric_block_type_maps_onto_the_int8_layout_exactly(kernels, t, monkeypatch):
-    """ExecutionPlan.int8_layout: a Q8_0, Q5_0, IQ4_NL, IQ2_XXS, IQ3_XXS, IQ3_S or IQ1_S tensor as an Int8Weight
+    """ExecutionPlan.int8_layout: a Q8_0, Q5_0, IQ4_NL, IQ2_XXS, IQ3_XXS or IQ1_S tensor as an Int8Weight
     (groups of 32) holds the same numbers as its blocks (every code and scale reached: random blocks), and its
     linear with int8 inputs is the weight against the inputs rounded to int8 blocks of 32, for one row and several,
     the one row's numbers the same alone or beside others (the tiles where the CPU has VNNI: the unpacked codes are
@@ -205,6 +205,40 @@ def test_a_symmetric_block_type_maps_onto_the_int8_layout_exactly(kernels, t, mo
     scale = expected.abs().max().item()
     torch.testing.assert_close(several, F.linear(_int8_blocks(x), expected), rtol=1e-5, atol=1e-5 * scale * k**0.5)
     assert torch.equal(layer(x[2:3]), several[2:3])
+
+
+def test_iq3_s_maps_onto_the_int4_layout(kernels, monkeypatch):
+    """IQ3_S (random blocks: every grid value, sign and scale) as an Int4Weight: each block's odd levels -15..15 as
+    nibbles (exact: a level times the block's scale b is gguf-py's weight), d = 2 b and m = -15 b in float16, so
+    each weight is gguf-py's within 45 / 2048 b (d and m each rounded by 2^-11 at most: 1 % of the step 2 b between
+    two levels); its linear, with int8 inputs or not, is that weight's (the int4 tiles)."""
+    from types import SimpleNamespace
+
+    from inference_api.kernels.quant import Int4Weight, QuantLinear
+    from inference_api.model import gguf_blocks
+    from inference_api.model.gguf_blocks import packed
+
+    n, k = 48, 512
+    raw = _raw(T.IQ3_S, n, k, seed=5)
+    tensor = SimpleNamespace(shape=(k, n), data=raw, tensor_type=T.IQ3_S)
+    w = packed(tensor)
+    assert isinstance(w, Int4Weight)
+    want = torch.from_numpy(dequantize(raw, T.IQ3_S).reshape(n, k)).view(n, -1, 32)
+    got = w.dequantize().view(n, -1, 32)
+    top = want.abs().amax(-1)
+    b = torch.from_numpy(gguf_blocks._iq_scales("IQ3_S", raw))
+    assert ((got - want).abs().amax(-1) <= b * 45 / 2048).all()  # d's and m's float16 rounding: 2^-11 of each
+    q = w.q.view(n, -1, 16)
+    levels = 2 * torch.cat([q & 15, q >> 4], dim=-1).float() - 15  # the codes exact: level x b is gguf-py's weight
+    assert torch.equal(levels * b[..., None], want)
+    monkeypatch.setattr(gguf_blocks, "DEQUANTIZE_WEIGHTS", 5 * k)  # a few rows at a time: the same nibbles
+    assert torch.equal(packed(tensor).q, w.q)
+    x = torch.randn(5, k)
+    scale = top.max().item()
+    for int8_inputs in (False, True):
+        layer = QuantLinear(w, None, kernels, int8_inputs=int8_inputs)
+        inputs = _int8_blocks(x) if int8_inputs else x
+        torch.testing.assert_close(layer(x), F.linear(inputs, got.reshape(n, k)), rtol=1e-5, atol=1e-5 * scale * k**0.5)
 
 
 @pytest.mark.parametrize("t", list(IQ_INT8_16), ids=lambda t: t.name)

@@ -16,6 +16,7 @@ from inference_api.engine.preflight import (
     bytes_per_kv,
     bytes_per_weight,
     estimate_bytes,
+    layer_kv_bytes,
     model_plan,
     preflight,
     safetensors_params,
@@ -87,9 +88,35 @@ def test_the_plan_decides_device_dtypes_kv_and_kernels_once():
     fallback = plan(model=ModelFacts("gpt2", gguf=True, gguf_quantize="int8"))
     assert (fallback.model, fallback.kv_dtype) == ("transformers", "float32")
     assert plan(model=ModelFacts("gemma3_text", gguf=True, gguf_quantize="int8")).model == "compact"
-    # a family whose keys do not survive int8 keeps a float16 cache (Qwen2.5's outlier key channels), unless asked
-    qwen2 = ModelFacts("qwen2", gguf=True, gguf_quantize="int4")
-    assert plan(model=qwen2).kv_dtype == "float16" and plan(model=qwen2, kv_dtype="int8").kv_dtype == "int8"
+    # the layers whose keys carry outlier channels (Qwen2.5's first layers' key biases) keep float16 in an int8
+    # cache, unless a cache type is asked for
+    qwen2 = ModelFacts("qwen2", gguf=True, gguf_quantize="int4", key_outliers=(0, 1, 7))
+    assert (plan(model=qwen2).kv_dtype, plan(model=qwen2).kv_float_layers) == ("int8", (0, 1, 7))
+    assert "KV cache int8 (layers 0, 1, 7 float16)" in plan(model=qwen2).describe()
+    assert plan(model=qwen2, kv_dtype="int8").kv_float_layers == () == plan(CUDA, model=qwen2).kv_float_layers
+    assert plan().kv_float_layers == ()
+
+
+def test_a_key_bias_far_above_its_median_marks_its_layer(tmp_path):
+    """gguf_meta.key_outliers: a layer whose key bias has a channel over KEY_OUTLIER times the bias's median
+    magnitude (Qwen2.5-Coder 1.5B's layer 0: 354 against 0.69); read into the header (and the conversion's stamp),
+    from which pre-flight and the plan take it."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from gguf import GGMLQuantizationType
+    from gguf_reference import GGUF_DIR
+
+    from inference_api.model.gguf_meta import KEY_OUTLIER, key_outliers, read_header
+
+    def bias(layer: int, top: float):
+        data = np.full(64, 0.5, dtype=np.float32)
+        data[3] = top
+        return SimpleNamespace(name=f"blk.{layer}.attn_k.bias", tensor_type=GGMLQuantizationType.F32, data=data)
+
+    tensors = [bias(0, 0.5 * KEY_OUTLIER * 1.5), bias(1, 0.5 * KEY_OUTLIER * 0.9), bias(2, -400.0)]
+    assert key_outliers(tensors) == [0, 2]
+    assert read_header(GGUF_DIR / "qwen2-q4_k_m.gguf")["key_outliers"] == []  # a random model's small biases
 
 
 def test_bytes_follow_dtype_quantization_and_kv_dtype():
@@ -111,6 +138,10 @@ def test_bytes_follow_dtype_quantization_and_kv_dtype():
     # int8 next to quantized weights on CPU: a byte per value and a float16 scale per head vector
     assert bytes_per_kv(plan(), head_dim=64) == 1 + 2 / 64 and bytes_per_kv(plan(quantize="none")) == 4
     assert bytes_per_kv(plan(CUDA)) == 2  # the model's dtype on CUDA
+    outliers = plan(model=ModelFacts("qwen2", gguf=True, gguf_quantize="int4", key_outliers=(1,)))
+    assert layer_kv_bytes(outliers, 3, head_dim=64) == [1 + 2 / 64, 2, 1 + 2 / 64]
+    full = estimate_bytes(0, 0, [1.0, 2.0], num_layers=2, num_kv_heads=1, head_dim=4, rows=1, context_length=9)[1]
+    assert full == 2 * 1 * 10 * 4 * (1 + 2)  # keys and values, 9 positions and the scratch, each layer's bytes
 
 
 def test_too_large_refuses_unless_skipped(model_dir):

@@ -5,7 +5,8 @@ or, for a sliding-window layer when the plan says so (``ExecutionPlan.kv_ring``)
 prefill chunk (position p at slot p % slots), as llama.cpp keeps its SWA layers; the attention kernel reads a
 window's positions across the ring's wrap in position order. An int8 cache also
 holds one float16 scale per row, head and position ([rows, kv_heads, length], for keys and for values):
-each head vector is stored as round(x / s) with s = max |x| / 127, and read back as q * s. Nothing is bound to
+each head vector is stored as round(x / s) with s = max |x| / 127, and read back as q * s; the layers it names
+(``float_layers``: keys with outlier channels) stay float16, their scales empty. Nothing is bound to
 the cache between calls: each forward passes its rows, the position each new token is written to and how many
 positions attention reads (forward_batch.ForwardBatch). The last position is a scratch slot: rows in a decode
 batch that have no token this step write there, and no row ever attends to it.
@@ -26,11 +27,11 @@ from .plan import kv_slots
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device) -> torch.Tensor:
     """A zeroed tensor. On CPU it lies in an anonymous memory map, which the kernel gives zeroed pages
     on first touch: a row's cache takes memory as its positions fill, not all at start-up."""
-    if torch.device(device).type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
     count = 1
     for n in shape:
         count *= n
+    if torch.device(device).type != "cpu" or count == 0:  # (a memory map cannot be empty)
+        return torch.zeros(shape, dtype=dtype, device=device)
     buffer = mmap.mmap(-1, count * dtype.itemsize)
     return torch.frombuffer(buffer, dtype=dtype, count=count).view(shape)
 
@@ -47,23 +48,27 @@ class RowKVCache:
         device: torch.device,
         windows: Sequence[int | None] | None = None,
         chunk: int = 0,
+        float_layers: Sequence[int] = (),
     ):
         """windows: each layer's sliding window, to keep those layers in rings of window + chunk slots (chunk:
         the most tokens one forward writes into a row: a prefill chunk's queries still read the window before
-        it while the chunk is written); None: every layer as long as the context."""
+        it while the chunk is written); None: every layer as long as the context. float_layers: the layers of an
+        int8 cache kept in float16 (their scales empty: [rows, kv_heads, 0], which nothing reads)."""
         self.windows = list(windows) if windows else [None] * num_layers
         # a ring's slots (position p at slot p % n), or the context's length
         self.layer_slots = kv_slots(self.windows, length, chunk)
         self.chunk = chunk if any(n < length for n in self.layer_slots) else 0
         self.keys, self.values, self.key_scales, self.value_scales = [], [], [], []
         scaled = dtype == torch.int8
-        for n in self.layer_slots:
+        self.layer_dtypes = [torch.float16 if scaled and i in float_layers else dtype for i in range(num_layers)]
+        for n, layer_dtype in zip(self.layer_slots, self.layer_dtypes):
             shape = (rows, kv_heads, n + 1, head_dim)  # +1: the scratch slot
-            self.keys.append(_zeros(shape, dtype, device))
-            self.values.append(_zeros(shape, dtype, device))
+            self.keys.append(_zeros(shape, layer_dtype, device))
+            self.values.append(_zeros(shape, layer_dtype, device))
             if scaled:
-                self.key_scales.append(_zeros(shape[:3], torch.float16, device))
-                self.value_scales.append(_zeros(shape[:3], torch.float16, device))
+                scales = shape[:3] if layer_dtype == torch.int8 else (rows, kv_heads, 0)
+                self.key_scales.append(_zeros(scales, torch.float16, device))
+                self.value_scales.append(_zeros(scales, torch.float16, device))
         self.length = length
         self.dtype = dtype
 
@@ -79,8 +84,8 @@ class RowKVCache:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def scales(self, layer_idx: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The key and value scales of an int8 cache's layer; (None, None) for other caches."""
-        if not self.key_scales:
+        """The key and value scales of an int8 cache's layer; (None, None) for other caches and layers."""
+        if not self.key_scales or self.keys[layer_idx].dtype != torch.int8:
             return None, None
         return self.key_scales[layer_idx], self.value_scales[layer_idx]
 

@@ -154,6 +154,7 @@ class ModelRunner:
             self.device,
             windows,
             prefill_chunk,
+            plan.kv_float_layers,
         )
         # the decode step replayed from CUDA graphs where the plan says so (one process: no rank beside it)
         captured = plan.cuda_graphs and isinstance(self.model, CompactLM) and shard is None

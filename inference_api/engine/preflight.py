@@ -16,6 +16,7 @@ import os
 import shutil
 import struct
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -117,7 +118,7 @@ def _gib(n: float) -> str:
 def estimate_bytes(
     num_params: int,
     bytes_per_weight: float,
-    bytes_per_kv: float,
+    bytes_per_kv: float | Sequence[float],
     num_layers: int,
     num_kv_heads: int,
     head_dim: int,
@@ -136,12 +137,12 @@ def estimate_bytes(
     """(weights, KV cache) in bytes: ``dense_params`` of the parameters (an untied token embedding, which
     quantization leaves alone) at ``bytes_per_dense``, ``head_params`` (a quantized model's output head) at
     ``bytes_per_head``, the others at ``bytes_per_weight``; keys and values for every layer, row and position
-    (plus the cache's one scratch position) at ``bytes_per_kv``, a sliding-window layer's positions as its ring
-    holds them (``windows``: each layer's window, where the plan keeps rings; plan.kv_slots). The KV cache is the
-    worst case: on CPU it is lazily resident (anonymous memory), so a server whose rows never fill their context
-    uses less. With ``ranks`` tensor-parallel ranks: one rank's share, the layers' weights and the KV cache split in
-    ``ranks``, the token embedding and the output head (``vocab_params`` each, ``vocab_copies`` of them: 1 when
-    tied) whole on every rank."""
+    (plus the cache's one scratch position) at ``bytes_per_kv`` (or each layer's), a sliding-window layer's
+    positions as its ring holds them (``windows``: each layer's window, where the plan keeps rings;
+    plan.kv_slots). The KV cache is the worst case: on CPU it is lazily resident (anonymous memory), so a server
+    whose rows never fill their context uses less. With ``ranks`` tensor-parallel ranks: one rank's share, the
+    layers' weights and the KV cache split in ``ranks``, the token embedding and the output head (``vocab_params``
+    each, ``vocab_copies`` of them: 1 when tied) whole on every rank."""
     weights = (
         (num_params - dense_params - head_params) * bytes_per_weight
         + dense_params * bytes_per_dense
@@ -154,8 +155,10 @@ def estimate_bytes(
             + max(0, vocab_params * vocab_copies - dense_params - head_params) * bytes_per_weight
         )
         weights = replicated + (weights - replicated) / ranks
-    positions = sum(n + 1 for n in kv_slots(windows or (None,) * num_layers, context_length, chunk))
-    kv = math.ceil(2 * rows * num_kv_heads * positions * head_dim * bytes_per_kv / ranks)
+    per_layer = [bytes_per_kv] * num_layers if isinstance(bytes_per_kv, (int, float)) else list(bytes_per_kv)
+    slots = kv_slots(windows or (None,) * num_layers, context_length, chunk)
+    positions = sum((n + 1) * b for n, b in zip(slots, per_layer))  # (in bytes a value)
+    kv = math.ceil(2 * rows * num_kv_heads * positions * head_dim / ranks)
     return math.ceil(weights), kv
 
 
@@ -188,6 +191,13 @@ def bytes_per_weight(plan: ExecutionPlan, quantize: str | None = None, in_featur
 def bytes_per_kv(plan: ExecutionPlan, head_dim: int = 64) -> float:
     """Per cached value: an int8 cache adds a float16 scale per head vector of head_dim values."""
     return 1.0 + 2 / head_dim if plan.kv_dtype == "int8" else DTYPE_BYTES[plan.kv_dtype]
+
+
+def layer_kv_bytes(plan: ExecutionPlan, layers: int, head_dim: int = 64) -> list[float]:
+    """Per cached value, each layer's: the plan's, but for the layers of an int8 cache it keeps in float16."""
+    return [
+        DTYPE_BYTES["float16"] if i in plan.kv_float_layers else bytes_per_kv(plan, head_dim) for i in range(layers)
+    ]
 
 
 # model shapes, from metadata only
@@ -332,7 +342,7 @@ def estimate(config: ServerConfig) -> Estimate:
     weights, kv = estimate_bytes(
         shape.num_params,
         bytes_per_weight(plan, in_features=per_channel),
-        bytes_per_kv(plan, shape.head_dim),
+        layer_kv_bytes(plan, shape.num_layers, shape.head_dim),
         shape.num_layers,
         shape.num_kv_heads,
         shape.head_dim,

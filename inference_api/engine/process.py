@@ -294,7 +294,7 @@ def make_prompt_cache(config: ServerConfig, runner, model, ranks: int = 1) -> Pr
     cache = getattr(runner, "cache", None)
     if cache is None:  # the mock: its rows hold tokens
         return PromptCache(budget, folder, fingerprint("mock", [config.context_length]))
-    layout = [cache.dtype, cache.length, cache.layer_slots, cache.keys[0].shape[1:], bool(cache.key_scales)]
+    layout = [cache.layer_dtypes, cache.length, cache.layer_slots, cache.keys[0].shape[1:], bool(cache.key_scales)]
     return PromptCache(budget, folder, fingerprint(_model_identity(config, model), layout))
 
 

@@ -33,10 +33,6 @@ class Family:
     parallel: bool = False  # attention and the MLP both read the layer's input, their outputs added together (falcon)
     gated: bool = True  # the MLP is act(gate) * up; else act(up) (falcon)
     gguf_only: bool = False  # run from a GGUF's tensors only (a transformers folder of it keeps transformers' layers)
-    # the default KV cache next to quantized weights on CPU is int8 (each head's vector in 127 steps of its own
-    # scale); a family whose keys carry outlier channels keeps float16 instead (Qwen2.5's k biases: Qwen2.5-Coder
-    # 1.5B Q4_K_M's perplexity 1.9 % below llama-perplexity's with int8 keys, 0.2 % with float32 ones)
-    kv_int8: bool = True
     # the sliding-window layers where neither a config's layer_types nor a GGUF's per-layer key says: llama.cpp's
     # pattern n (layer i slides unless i % n == n - 1; 0: every layer slides); None: no layer slides
     swa_pattern: int | None = None
@@ -123,7 +119,7 @@ FAMILIES: dict[str, Family] = dict(
         _family("llama", gguf="llama", permuted_qk=True),
         _family("mistral", permuted_qk=True, swa_pattern=0),  # llama.cpp writes Mistral's files as "llama"
         # q/k/v biases, taken where the weights have them; the keys' outlier channels keep a float16 KV cache
-        _family("qwen2", gguf="qwen2", kv_int8=False, gguf_config=lambda gguf, kw: {**kw, "use_sliding_window": False}),
+        _family("qwen2", gguf="qwen2", gguf_config=lambda gguf, kw: {**kw, "use_sliding_window": False}),
         _family("qwen3", gguf="qwen3", qk_norm=True),
         _family("phi3", gguf="phi3", names=_names(qkv="self_attn.qkv_proj", gate_up="mlp.gate_up_proj")),
         _family("gemma", gguf="gemma", gguf_config=_gemma_gguf, **_GEMMA),

@@ -107,7 +107,7 @@ def resolve_model_dir(config: ServerConfig, weights: bool = True) -> Path:
         raise RuntimeError(f"model {spec!r} is not available locally{hint}: {exc}") from exc
 
 
-CONVERSION = 8  # bumped when a conversion's output changes: older folders are converted again
+CONVERSION = 9  # bumped when a conversion's output changes: older folders are converted again
 STAMP = "gguf_source.json"
 
 

@@ -118,7 +118,8 @@ FAMILIES: dict[str, Family] = dict(
     [
         _family("llama", gguf="llama", permuted_qk=True),
         _family("mistral", permuted_qk=True, swa_pattern=0),  # llama.cpp writes Mistral's files as "llama"
-        # q/k/v biases, taken where the weights have them; the keys' outlier channels keep a float16 KV cache
+        # q/k/v biases, taken where the weights have them (the layers whose key biases make outlier channels keep
+        # float16 in the int8 KV cache: gguf_meta.key_outliers)
         _family("qwen2", gguf="qwen2", gguf_config=lambda gguf, kw: {**kw, "use_sliding_window": False}),
         _family("qwen3", gguf="qwen3", qk_norm=True),
         _family("phi3", gguf="phi3", names=_names(qkv="self_attn.qkv_proj", gate_up="mlp.gate_up_proj")),

@@ -283,6 +283,9 @@ class PromptCache:
             tensors, at = [], 0
             for shape, dtype in header["tensors"]:
                 n = _nbytes(shape, dtype)
+                if n == 0:  # (an int8 cache's float16 layer's empty scales: frombuffer takes no empty buffer)
+                    tensors.append(torch.empty(shape, dtype=getattr(torch, dtype)))
+                    continue
                 raw = torch.frombuffer(bytearray(payload[at : at + n]), dtype=torch.uint8)
                 tensors.append(raw.view(getattr(torch, dtype)).view(shape))
                 at += n

@@ -111,6 +111,20 @@ def test_on_disk_it_survives_a_restart(tmp_path: Path):
     assert again == run(cold, ask("c", STORY + first + " Next."))["c"]
 
 
+def test_a_file_holds_empty_tensors_too(tmp_path: Path):
+    """A snapshot of an int8 cache with float16 layers holds their empty scales ([heads, 0]): written and read back
+    whole, not refused as damaged."""
+    saved = [torch.arange(12, dtype=torch.int8).view(2, 6), torch.empty(2, 0, dtype=torch.float16), torch.ones(2, 3)]
+    cache = PromptCache(64 << 20, tmp_path, fingerprint="model-1")
+    cache.save("team", tuple(range(300)), saved)
+    cache.flush()
+    again = PromptCache(64 << 20, tmp_path, fingerprint="model-1")
+    [key] = list(again.entries)
+    got = again.load(key)
+    assert got is not None and [t.shape for t in got] == [t.shape for t in saved]
+    assert all(torch.equal(a, b) and a.dtype == b.dtype for a, b in zip(got, saved))
+
+
 def test_another_models_files_and_damaged_ones_are_never_served(tmp_path: Path, caplog):
     cache = PromptCache(64 << 20, tmp_path, fingerprint="model-1")
     cache.save("a", tuple(STORY.encode()), [torch.tensor(list(STORY.encode()), dtype=torch.int64)])

@@ -291,18 +291,18 @@ def test_matrices_of_a_type_the_kernels_lack_count_at_the_dense_bytes_they_are_s
     assert lacking.weights_bytes - served.weights_bytes == math.ceil(header["float_params"] * (dense - quantized))
 
 
-def test_the_i_quants_of_blocks_of_32_count_at_the_int8_layouts_bytes(tmp_path, monkeypatch):
-    """IQ2_XXS (IQ_INT8_TYPES) is served in the int8 layout where the kernels take int8 inputs: pre-flight counts its
+def test_the_i_quants_that_scale_blocks_of_16_count_at_the_int8_layouts_bytes(tmp_path, monkeypatch):
+    """IQ2_XS (IQ_INT8_TYPES) is served in the int8 layout where the kernels take int8 inputs: pre-flight counts its
     weights at the mode's bytes, where a type the kernels lack counts at float32's."""
     from gguf_reference import GGUF_DIR
 
     from inference_api.model import gguf_meta
 
     config = ServerConfig(
-        model=str(GGUF_DIR / "llama-iq2_xxs.gguf"), model_cache_dir=tmp_path, rows=2, context_length=256
+        model=str(GGUF_DIR / "llama-iq2_xs.gguf"), model_cache_dir=tmp_path, rows=2, context_length=256
     )
     plan = model_plan(config)
-    assert plan.int8_inputs and "IQ2_XXS" in plan.int8_layout
+    assert plan.int8_inputs and "IQ2_XS" in plan.int8_layout
     header = gguf_meta.read_header(config.model)
     assert header["float_params"] == 0 and header["iq_params"] >= header["num_params"] // 2
     served = preflight(config)

@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from ..kernels.quant import BlockWeight, Int4Weight, Int8Weight, StackedWeight
+from ..kernels.quant import BlockWeight, Int4Weight, Int8Weight, StackedWeight, block_type
 from .plan import tp_refusal
 
 log = logging.getLogger(__name__)
@@ -92,9 +92,8 @@ def block_of(w, dense: tuple[int, str] | None = None) -> tuple[int, str]:
     if isinstance(w, Int8Weight):
         k, groups = w.q.shape[1], w.s.shape[1]
         return (1 if groups == 1 else k // groups), "int8"  # one scale per output channel: any input split keeps it
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    return GGML_QUANT_SIZES[GGMLQuantizationType(w.ggml_type)][0], w.type_name
+    name, weights = block_type(w.ggml_type)
+    return weights, name
 
 
 def take_columns(w, start: int, end: int, name: str, size: int, dense: tuple[int, str] | None = None):

@@ -62,9 +62,41 @@ class Int4Weight:
         return Int4Weight(fn(self.q), fn(self.d), fn(self.m))
 
 
+# The i-quants whose blocks of 32 take at most 16 levels, served in IQ4_NL's bytes (per 32 weights a float16 scale
+# d, then 16 bytes of nibbles, weights 0..15 in the low ones, each indexing the type's levels: w = d * level) under
+# type numbers of their own past ggml's: name -> (number, levels). csrc/gguf_legacy.h holds the same numbers.
+LEVEL_TYPES: dict[str, tuple[int, tuple[int, ...]]] = {
+    "IQ3_XXS": (120, (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)),
+    "IQ2_XXS": (121, (-43, -25, -8, 8, 25, 43)),
+    "IQ1_S": (122, (-9, -7, -1, 1, 7, 9)),
+}
+
+
+def block_type(ggml_type: int) -> tuple[str, int]:
+    """A served block type's name and weights a block: ggml's, or a level type's (its i-quant's name)."""
+    for name, (number, _) in LEVEL_TYPES.items():
+        if number == ggml_type:
+            return name, 32
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    kind = GGMLQuantizationType(ggml_type)
+    return kind.name, GGML_QUANT_SIZES[kind][0]
+
+
+def level_dequantize(raw: np.ndarray, levels: tuple[int, ...]) -> np.ndarray:
+    """Float32 weights [N, K] of rows [N, bytes] in IQ4_NL's bytes over these levels."""
+    blocks = raw.reshape(raw.shape[0], -1, 18)
+    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16).astype(np.float32)  # [N, K / 32, 1]
+    nibbles = np.concatenate([blocks[..., 2:] & 15, blocks[..., 2:] >> 4], axis=-1)
+    table = np.zeros(16, dtype=np.float32)
+    table[: len(levels)] = levels
+    return (table[nibbles] * d).reshape(raw.shape[0], -1)
+
+
 @dataclass
 class BlockWeight:
-    """A GGUF tensor [N, K] in its own blocks: ``raw`` [N, bytes per row] uint8, ``ggml_type`` its type's number."""
+    """A GGUF tensor [N, K] in its own blocks: ``raw`` [N, bytes per row] uint8, ``ggml_type`` its type's number (or
+    a level type's, LEVEL_TYPES)."""
 
     raw: torch.Tensor
     ggml_type: int
@@ -72,9 +104,7 @@ class BlockWeight:
 
     @property
     def type_name(self) -> str:
-        from gguf import GGMLQuantizationType
-
-        return GGMLQuantizationType(self.ggml_type).name
+        return block_type(self.ggml_type)[0]
 
     def dequantize(self, kernels=None) -> torch.Tensor:
         return self.rows(slice(None), kernels)
@@ -84,8 +114,11 @@ class BlockWeight:
         given, else gguf-py's (the same numbers)."""
         raw = self.raw[ids]
         flat = raw.reshape(-1, raw.shape[-1]).contiguous()
+        levels = next((lv for n, lv in LEVEL_TYPES.values() if n == self.ggml_type), None)
         if kernels is not None:
             out = kernels.dequantize_gguf(flat, self.ggml_type)
+        elif levels is not None:
+            out = torch.from_numpy(level_dequantize(flat.numpy(), levels))
         else:
             from gguf import GGMLQuantizationType
             from gguf.quants import dequantize

@@ -12,10 +12,13 @@
   Q5_0, Q5_1 and IQ4_NL are packed at load for the tiles instead). The symmetric blocks of 32 the plan names
   (``ExecutionPlan.int8_layout``: wherever the kernels take int8 inputs, Q8_0) map onto quant.py's int8 layout
   instead (``int8_weight``, which takes Q5_0 and IQ4_NL too: each weight's code as an int8, Q5_0's less 16 and
-  IQ4_NL's looked up, each block's float16 scale as a float32; exact). So do the i-quants whose blocks of 32 are
-  each a whole number times a scale of their own (IQ2_XXS, IQ3_XXS, IQ1_S; exact too), and those that scale
-  blocks of 16 (IQ_SCALES_OF_16: IQ2_XS, IQ2_S, IQ1_M, ``_whole_blocks``): a block of 32 whose two scales give whole
-  numbers that fit an int8 exactly, another rounded once as Q8_0 rounds (at most 1/254 of its largest weight off).
+  IQ4_NL's looked up, each block's float16 scale as a float32; exact). So do the i-quants that scale blocks of 16
+  (IQ_SCALES_OF_16: IQ2_XS, IQ2_S, IQ1_M, ``_whole_blocks``): a block of 32 whose two scales give whole numbers
+  that fit an int8 exactly, another rounded once as Q8_0 rounds (at most 1/254 of its largest weight off).
+- IQ3_XXS, IQ2_XXS and IQ1_S, whose blocks of 32 are a scale of their own times one of at most 16 levels (their
+  grid's values with a sign: 16, 6 and 6 of them), go into IQ4_NL's bytes over their type's levels
+  (``level_weight``, quant.LEVEL_TYPES: type numbers of their own, the kernels' IQ4_NL tiles over another table;
+  the codes exact, the scale in float16: each weight at most 2^-11 of itself off).
 - F32 and any other type are served as float32, dequantized by gguf-py; a type gguf-py cannot read stops the
   start with its name.
 """
@@ -27,7 +30,7 @@ from collections.abc import Collection
 import numpy as np
 import torch
 
-from ..kernels.quant import BlockWeight, Int4Weight, Int8Weight
+from ..kernels.quant import LEVEL_TYPES, BlockWeight, Int4Weight, Int8Weight
 from .gguf_meta import (  # the types taken as they are (int4 layout, own blocks), or in the int8 layout
     BLOCK_TYPES,
     INT4_TYPES,
@@ -183,6 +186,33 @@ def int8_weight(t) -> Int8Weight:
     return Int8Weight(torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // 32)))
 
 
+def level_weight(t) -> BlockWeight:
+    """An IQ3_XXS, IQ2_XXS or IQ1_S tensor [N, K] in IQ4_NL's bytes over its type's levels (quant.LEVEL_TYPES): each
+    block's weights over its scale b (as gguf-py computes it) are its grid's values with their signs, looked up as
+    nibbles; b in float16 (rounded where its up to 16 significant bits exceed 11: each weight at most 2^-11 of
+    itself off). A few MB of gguf-py's float32 weights at a time."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    n, k, raw = _rows(t)
+    kind = t.tensor_type.name
+    number, levels = LEVEL_TYPES[kind]
+    table = np.asarray(levels, dtype=np.float32)
+    b = _iq_scales(kind, raw)
+    safe = np.where(b == 0, 1, b)[..., None]
+    out = np.empty((n, k // 32, 18), dtype=np.uint8)
+    out[..., :2] = b.astype(np.float16)[..., None].view(np.uint8)
+    step = max(1, DEQUANTIZE_WEIGHTS // k)
+    for a in range(0, n, step):
+        w = np.asarray(dequantize(raw[a : a + step], GGMLQuantizationType[kind]), dtype=np.float32)
+        v = np.rint(w.reshape(-1, k // 32, 32) / safe[a : a + step])
+        idx = np.searchsorted(table, v).clip(0, len(levels) - 1).astype(np.uint8)
+        if not np.array_equal(table[idx], v):
+            raise ValueError(f"{kind}: a weight off its type's levels")
+        out[a : a + step, :, 2:] = idx[..., :16] | (idx[..., 16:] << 4)
+    return BlockWeight(torch.from_numpy(out.reshape(n, -1)), number, k)
+
+
 def block_weight(t) -> BlockWeight:
     """A tensor [N, K] of a BLOCK_TYPES type in its own bytes, row by row."""
     n, k, raw = _rows(t)
@@ -193,6 +223,8 @@ def packed(t, int8_layout: Collection[str] = ()) -> Int4Weight | Int8Weight | Bl
     """The tensor's blocks as the kernels take them, or None when its type is served as float32; ``int8_layout``: the
     types (of INT8_TYPES) served in the int8 layout (``int8_weight``)."""
     kind = t.tensor_type.name
+    if kind in LEVEL_TYPES:
+        return level_weight(t)
     if kind in INT8_TYPES and kind in int8_layout:
         return int8_weight(t)
     if kind in INT4_TYPES:

@@ -24,13 +24,13 @@ FLOAT_TYPES = {"F32", "F16", "BF16"}
 INT4_TYPES = {"Q4_0", "Q4_1", "IQ3_S"}  # (IQ3_S: its odd levels -15..15, its block scale rounded to float16)
 BLOCK_TYPES = {"Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS", "Q5_0", "Q5_1", "IQ4_NL", "F16", "BF16"}
 # held as int4; 5 bits and more as int8
-FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "IQ3_S"}
-# the i-quants served in quant.py's int8 layout wherever the kernels take int8 inputs (gguf_blocks.int8_weight), else
-# dequantized to float32: those whose every block of 32 weights is a whole number (at most 62) times that block's own
-# scale (exact), and those that scale blocks of 16 (IQ_SCALES_OF_16: each weight a whole number of its super-block's
-# d / 8; a block of 32 kept exactly where its numbers fit an int8, else rounded as Q8_0 rounds)
+FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ1_S"}
+# the i-quants that scale blocks of 16, served in quant.py's int8 layout wherever the kernels take int8 inputs
+# (gguf_blocks.int8_weight), else dequantized to float32: each weight a whole number of its super-block's d / 8; a
+# block of 32 kept exactly where its numbers fit an int8, else rounded as Q8_0 rounds. (IQ3_S: the int4 layout,
+# INT4_TYPES; IQ3_XXS, IQ2_XXS and IQ1_S: blocks of 32 of at most 16 levels, quant.LEVEL_TYPES.)
 IQ_SCALES_OF_16 = {"IQ2_XS", "IQ2_S", "IQ1_M"}
-IQ_INT8_TYPES = {"IQ2_XXS", "IQ3_XXS", "IQ1_S"} | IQ_SCALES_OF_16  # (IQ3_S: the int4 layout, INT4_TYPES)
+IQ_INT8_TYPES = set(IQ_SCALES_OF_16)
 
 
 def mode_of(types: list[str]) -> str:
@@ -199,6 +199,8 @@ def key_outliers(tensors) -> list[int]:
 def read_header(path) -> dict:
     """The header's summary (architecture, weight types and mode, shape, chat template), by a GGUFIndex: no
     vocabulary parsed (a fraction of a second, where gguf-py's GGUFReader takes seconds)."""
+    from ..kernels.quant import LEVEL_TYPES
+
     index = GGUFIndex(path)
 
     def field(key: str, default=None):
@@ -219,7 +221,7 @@ def read_header(path) -> dict:
     by_bytes: Counter[str] = Counter()  # the matrices' types, most bytes first
     float_params = 0  # the matrices' weights served as float32 (a type the kernels lack, or F32)
     iq_params = 0  # the matrices' weights of IQ_INT8_TYPES (int8 with the kernels' int8 inputs, else float32)
-    served = INT4_TYPES | BLOCK_TYPES
+    served = INT4_TYPES | BLOCK_TYPES | set(LEVEL_TYPES)
     for t in tensors:
         if len(t.shape) == 2:
             by_bytes[t.tensor_type.name] += int(t.n_bytes)

@@ -36,10 +36,11 @@ LAYOUT = {
 }
 FLOATS = (T.F16, T.BF16)
 TYPES = [*LAYOUT, *FLOATS]
-# the i-quants served in the int8 layout alone (gguf_meta.IQ_INT8_TYPES): their super-block's float16 scale first
-IQ_INT8 = {T.IQ2_XXS: [0], T.IQ3_XXS: [0], T.IQ1_S: [0]}
-# ... and those that scale blocks of 16 (gguf_meta.IQ_SCALES_OF_16; IQ1_M's float16 d: the top 4 bits of its 4 words
-# of scales at 48, set by _raw)
+# the i-quants served in IQ4_NL's bytes over levels of their own (quant.LEVEL_TYPES): their super-block's float16
+# scale first
+IQ_LEVELS = {T.IQ2_XXS: [0], T.IQ3_XXS: [0], T.IQ1_S: [0]}
+# the i-quants served in the int8 layout alone, which scale blocks of 16 (gguf_meta.IQ_SCALES_OF_16; IQ1_M's float16
+# d: the top 4 bits of its 4 words of scales at 48, set by _raw)
 IQ_INT8_16 = {T.IQ2_XS: [0], T.IQ2_S: [0], T.IQ1_M: []}
 
 
@@ -51,7 +52,7 @@ def _raw(t: T, n: int, k: int, seed: int = 0) -> np.ndarray:
     size, block = GGML_QUANT_SIZES[t]
     raw = rng.integers(0, 256, size=(n, k // size, block), dtype=np.uint8)
     # scales in [0.001, 0.021); Q4_1 and Q5_1's minimums negative
-    for i, at in enumerate({**LAYOUT, **IQ_INT8, **IQ_INT8_16, T.IQ3_S: [0]}[t]):
+    for i, at in enumerate({**LAYOUT, **IQ_LEVELS, **IQ_INT8_16, T.IQ3_S: [0]}[t]):
         scale = (rng.random(raw.shape[:2]) * 0.02 + 0.001) * (-1 if i == 1 and t in (T.Q4_1, T.Q5_1) else 1)
         raw[..., at : at + 2] = scale.astype(np.float16).view(np.uint8).reshape(*raw.shape[:2], 2)
     if t == T.IQ1_M:
@@ -179,9 +180,9 @@ def test_blocks_packed_at_load_give_the_unpacked_numbers(kernels, t):
         kernels.linear_gguf(x[:1], raw[:32], int(t), b[:32], True, packed)
 
 
-@pytest.mark.parametrize("t", [T.Q8_0, T.Q5_0, T.IQ4_NL, *IQ_INT8], ids=lambda t: t.name)
+@pytest.mark.parametrize("t", [T.Q8_0, T.Q5_0, T.IQ4_NL], ids=lambda t: t.name)
 def test_a_symmetric_block_type_maps_onto_the_int8_layout_exactly(kernels, t, monkeypatch):
-    """ExecutionPlan.int8_layout: a Q8_0, Q5_0, IQ4_NL, IQ2_XXS, IQ3_XXS or IQ1_S tensor as an Int8Weight
+    """ExecutionPlan.int8_layout: a Q8_0, Q5_0 or IQ4_NL tensor as an Int8Weight
     (groups of 32) holds the same numbers as its blocks (every code and scale reached: random blocks), and its
     linear with int8 inputs is the weight against the inputs rounded to int8 blocks of 32, for one row and several,
     the one row's numbers the same alone or beside others (the tiles where the CPU has VNNI: the unpacked codes are
@@ -205,6 +206,49 @@ def test_a_symmetric_block_type_maps_onto_the_int8_layout_exactly(kernels, t, mo
     scale = expected.abs().max().item()
     torch.testing.assert_close(several, F.linear(_int8_blocks(x), expected), rtol=1e-5, atol=1e-5 * scale * k**0.5)
     assert torch.equal(layer(x[2:3]), several[2:3])
+
+
+@pytest.mark.parametrize("t", list(IQ_LEVELS), ids=lambda t: t.name)
+def test_an_i_quant_of_few_levels_runs_in_iq4_nls_bytes_over_its_own(kernels, t, monkeypatch):
+    """IQ3_XXS, IQ2_XXS and IQ1_S (random blocks: every grid value, sign and scale) in IQ4_NL's bytes over their
+    type's levels (quant.LEVEL_TYPES, the kernels' own: gguf_legacy.h): each nibble's level times the block's
+    scale b is gguf-py's weight (the codes exact), b in float16 (each weight within 2^-11 of itself); the kernels'
+    dequantization and numpy's agree; the linear, with int8 inputs (the tiles at every row count) or not, is
+    that weight's."""
+    from types import SimpleNamespace
+
+    from inference_api.kernels.quant import LEVEL_TYPES, BlockWeight
+    from inference_api.model import gguf_blocks
+    from inference_api.model.gguf_blocks import packed
+
+    n, k = 70, 512
+    raw = _raw(t, n, k, seed=6)
+    tensor = SimpleNamespace(shape=(k, n), data=raw, tensor_type=t)
+    w = packed(tensor)
+    assert isinstance(w, BlockWeight) and w.ggml_type == LEVEL_TYPES[t.name][0] and w.type_name == t.name
+    want = torch.from_numpy(dequantize(raw, t).reshape(n, k))
+    got = w.dequantize()
+    assert torch.equal(w.dequantize(kernels), got)
+    assert ((got - want).abs() <= want.abs() / 2048 + 1e-12).all()
+    levels = torch.tensor(LEVEL_TYPES[t.name][1], dtype=torch.float32)
+    blocks = w.raw.view(n, -1, 18)
+    idx = torch.cat([blocks[..., 2:] & 15, blocks[..., 2:] >> 4], dim=-1).long()
+    b = torch.from_numpy(gguf_blocks._iq_scales(t.name, raw))
+    assert torch.equal(levels[idx] * b[..., None], want.view(n, -1, 32))  # the codes exact
+    monkeypatch.setattr(gguf_blocks, "DEQUANTIZE_WEIGHTS", 5 * k)  # a few rows at a time: the same bytes
+    assert torch.equal(packed(tensor).raw, w.raw)
+    torch.manual_seed(6)
+    x, bias = torch.randn(33, k), torch.randn(n)
+    scale = want.abs().max().item()
+    packing = kernels.pack_k8(w.raw, w.ggml_type)
+    assert packing.numel()  # packed at load for the tiles, as IQ4_NL
+    for rows in (1, 2, 3, 5, 16, 33):
+        plain = kernels.linear_gguf(x[:rows], w.raw, w.ggml_type, bias, False)
+        torch.testing.assert_close(plain, F.linear(x[:rows], got, bias), rtol=1e-5, atol=1e-5 * scale * k**0.5)
+        rounded = F.linear(_int8_blocks(x[:rows]), got, bias)
+        for tiles in (None, packing):
+            y = kernels.linear_gguf(x[:rows], w.raw, w.ggml_type, bias, True, tiles)
+            torch.testing.assert_close(y, rounded, rtol=1e-5, atol=1e-5 * scale * k**0.5)
 
 
 def test_iq3_s_maps_onto_the_int4_layout(kernels, monkeypatch):

@@ -526,7 +526,8 @@ struct BlockForm {
 };
 
 // The block types served in their own blocks, and f(Block{}) for one of them by ggml's type number (false if none)
-using BlockTypes = std::tuple<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16, BF16>;
+using BlockTypes = std::tuple<Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, F16, BF16,
+                              IQ3_XXS_L, IQ2_XXS_L, IQ1_S_L>;
 
 template <typename F>
 inline bool with_block(int64_t type, F f) {

@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 // the BLAS that torch links (MKL in the x86 wheels): Fortran sgemm, column-major

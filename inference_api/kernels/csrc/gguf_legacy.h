@@ -134,13 +134,15 @@ struct Q8_0 : Scale32<0, false> {
   }
 };
 
-// IQ4_NL: each nibble indexes llama.cpp's 16 non-linear int8 levels
-struct IQ4_NL : Scale32<0, false> {
-  static constexpr int TYPE = 20, QK = 32, BYTES = 18, SUB = 32;
-  static constexpr bool SIGNED = true, MINS = false;
-  static __m128i levels() {
-    return _mm_setr_epi8(-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113);
-  }
+// Blocks of 32 whose nibbles index 16 int8 levels of the type (w = d * level, d a float16 first): IQ4_NL, and
+// the i-quants whose blocks of 32 take few enough levels, in IQ4_NL's bytes (model/gguf_blocks.py writes them from
+// the file's blocks: type numbers of their own, past ggml's). NL4: the trait the tiles look for.
+template <int Type, int8_t... L>
+struct NonLinear4 : Scale32<0, false> {
+  static_assert(sizeof...(L) == 16, "16 levels");
+  static constexpr int TYPE = Type, QK = 32, BYTES = 18, SUB = 32;
+  static constexpr bool SIGNED = true, MINS = false, NL4 = true;
+  static __m128i levels() { return _mm_setr_epi8(static_cast<char>(L)...); }
   // the levels plus 128, as bytes: vpdpbusd's unsigned side
   static __m128i unsigned_levels() { return _mm_xor_si128(levels(), _mm_set1_epi8(static_cast<char>(0x80))); }
   template <typename V>  // the nibbles: indices into the levels
@@ -152,6 +154,20 @@ struct IQ4_NL : Scale32<0, false> {
     return V::lookup(levels(), indices<V>(a, b, c));
   }
 };
+
+// IQ4_NL: llama.cpp's 16 non-linear int8 levels
+using IQ4_NL = NonLinear4<20, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113>;
+// IQ3_XXS: its grid's values with a sign (gguf_meta.LEVEL_TYPES holds the same numbers)
+using IQ3_XXS_L = NonLinear4<120, -62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62>;
+// IQ2_XXS: its grid's 8, 25, 43 with a sign (ten levels unused)
+using IQ2_XXS_L = NonLinear4<121, -43, -25, -8, 8, 25, 43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0>;
+// IQ1_S: 8 x grid +- 1 (its shift of 1/8 a block's sign), grid -1, 0, 1
+using IQ1_S_L = NonLinear4<122, -9, -7, -1, 1, 7, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0>;
+
+template <typename B, typename = void>
+struct is_nl4 : std::false_type {};
+template <typename B>
+struct is_nl4<B, std::void_t<decltype(B::NL4)>> : std::true_type {};
 
 #endif  // WOQ_SIMD
 }  // namespace woq

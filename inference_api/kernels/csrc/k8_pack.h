@@ -146,8 +146,9 @@ inline void codes2(typename V::T v, typename V::T hv, int p, typename V::T& w0, 
 // The AVX2 tiles' products of IQ4_NL's levels (IQ4_XS's too) by a step's inputs: the indices w0 and w1 of two steps
 // looked up as the signed levels, multiplied by the inputs' 4 bytes x0 and x1 (broadcast) by the sign trick (pairs of
 // at most 2 x 127 x 127, no saturation), each step's pairs into int32 at once by the rows' scales sc (int16 pairs)
+template <typename L = IQ4_NL>
 inline __m256i level_products(__m256i w0, __m256i w1, __m256i x0, __m256i x1, __m256i sc) {
-  w0 = V256::lookup(IQ4_NL::levels(), w0), w1 = V256::lookup(IQ4_NL::levels(), w1);
+  w0 = V256::lookup(L::levels(), w0), w1 = V256::lookup(L::levels(), w1);
   const __m256i p0 = _mm256_maddubs_epi16(_mm256_sign_epi8(w0, w0), _mm256_sign_epi8(x0, w0)),
                 p1 = _mm256_maddubs_epi16(_mm256_sign_epi8(w1, w1), _mm256_sign_epi8(x1, w1));
   return _mm256_add_epi32(_mm256_madd_epi16(p0, sc), _mm256_madd_epi16(p1, sc));
@@ -402,7 +403,7 @@ struct K8Pack {
 // each block's sum starts at -128 times the input block's: vnni_i8_tile's numbers too); the AVX2 tile's the same way.
 template <typename B>
 struct B32Pack {
-  static constexpr bool LUT = B::TYPE == IQ4_NL::TYPE;
+  static constexpr bool LUT = is_nl4<B>::value;  // IQ4_NL and the i-quants in its bytes
   static constexpr bool ON = B::TYPE == Q5_0::TYPE || B::TYPE == Q5_1::TYPE || LUT;
   static constexpr bool OWN_MINS = B::TYPE == Q5_1::TYPE;
   static constexpr int HB = LUT ? 0 : 1;  // high bits a code beside its nibble
@@ -437,8 +438,7 @@ struct B32Pack {
   // vector p's two steps of codes (inputs 4p .. 4p + 3 and 16 + 4p .. of the 16 rows) as vpdpbusd takes them
   static void step_pair(const uint8_t* o, int p, __m512i& w0, __m512i& w1) {
     step_codes<HB>(o, o + HIGH, p, w0, w1);
-    if constexpr (LUT)
-      w0 = V512::lookup(IQ4_NL::unsigned_levels(), w0), w1 = V512::lookup(IQ4_NL::unsigned_levels(), w1);
+    if constexpr (LUT) w0 = V512::lookup(B::unsigned_levels(), w0), w1 = V512::lookup(B::unsigned_levels(), w1);
   }
 #endif
 
@@ -504,7 +504,7 @@ struct B32Pack {
             for (int i = 0; i < MR; ++i) {
               const int8_t* v = x.q.data() + (i0 + i) * K + blk * 32 + p * 8;
               const __m256i x0 = bcast4_256(v), x1 = bcast4_256(v + 4);
-              isum[i] = _mm256_add_epi32(isum[i], level_products(w0, w1, x0, x1, ones));
+              isum[i] = _mm256_add_epi32(isum[i], level_products<B>(w0, w1, x0, x1, ones));
             }
           }
         } else {

@@ -92,7 +92,7 @@ def block_of(w, dense: tuple[int, str] | None = None) -> tuple[int, str]:
     if isinstance(w, Int8Weight):
         k, groups = w.q.shape[1], w.s.shape[1]
         return (1 if groups == 1 else k // groups), "int8"  # one scale per output channel: any input split keeps it
-    name, weights = block_type(w.ggml_type)
+    name, weights, _ = block_type(w.ggml_type)
     return weights, name
 
 
@@ -126,9 +126,7 @@ def take_columns(w, start: int, end: int, name: str, size: int, dense: tuple[int
     if isinstance(w, Int8Weight):
         s = w.s if w.s.shape[1] == 1 else w.s[:, start // block : end // block]
         return Int8Weight(w.q[:, start:end].contiguous(), s.contiguous())
-    from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    per_block = GGML_QUANT_SIZES[GGMLQuantizationType(w.ggml_type)][1]
+    per_block = block_type(w.ggml_type)[2]
     raw = w.raw[:, start // block * per_block : end // block * per_block].contiguous()
     return BlockWeight(raw, w.ggml_type, end - start)
 

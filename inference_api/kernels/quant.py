@@ -72,15 +72,16 @@ LEVEL_TYPES: dict[str, tuple[int, tuple[int, ...]]] = {
 }
 
 
-def block_type(ggml_type: int) -> tuple[str, int]:
-    """A served block type's name and weights a block: ggml's, or a level type's (its i-quant's name)."""
+def block_type(ggml_type: int) -> tuple[str, int, int]:
+    """A served block type's name, weights and bytes a block: ggml's, or a level type's (its i-quant's name, IQ4_NL's
+    blocks)."""
     for name, (number, _) in LEVEL_TYPES.items():
         if number == ggml_type:
-            return name, 32
+            return name, 32, 18
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     kind = GGMLQuantizationType(ggml_type)
-    return kind.name, GGML_QUANT_SIZES[kind][0]
+    return kind.name, *GGML_QUANT_SIZES[kind]
 
 
 def level_dequantize(raw: np.ndarray, levels: tuple[int, ...]) -> np.ndarray:

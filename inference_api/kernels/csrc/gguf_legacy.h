@@ -157,7 +157,7 @@ struct NonLinear4 : Scale32<0, false> {
 
 // IQ4_NL: llama.cpp's 16 non-linear int8 levels
 using IQ4_NL = NonLinear4<20, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113>;
-// IQ3_XXS: its grid's values with a sign (gguf_meta.LEVEL_TYPES holds the same numbers)
+// IQ3_XXS: its grid's values with a sign (quant.LEVEL_TYPES holds the same numbers)
 using IQ3_XXS_L = NonLinear4<120, -62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62>;
 // IQ2_XXS: its grid's 8, 25, 43 with a sign (ten levels unused)
 using IQ2_XXS_L = NonLinear4<121, -43, -25, -8, 8, 25, 43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0>;

@@ -143,9 +143,10 @@ inline void codes2(typename V::T v, typename V::T hv, int p, typename V::T& w0, 
   }
 }
 
-// The AVX2 tiles' products of IQ4_NL's levels (IQ4_XS's too) by a step's inputs: the indices w0 and w1 of two steps
-// looked up as the signed levels, multiplied by the inputs' 4 bytes x0 and x1 (broadcast) by the sign trick (pairs of
-// at most 2 x 127 x 127, no saturation), each step's pairs into int32 at once by the rows' scales sc (int16 pairs)
+// The AVX2 tiles' products of a NonLinear4 type's levels L (IQ4_NL's for IQ4_XS) by a step's inputs: the indices
+// w0 and w1 of two steps looked up as the signed levels, multiplied by the inputs' 4 bytes x0 and x1 (broadcast) by
+// the sign trick (pairs of at most 2 x 127 x 127, no saturation), each step's pairs into int32 at once by the rows'
+// scales sc (int16 pairs)
 template <typename L = IQ4_NL>
 inline __m256i level_products(__m256i w0, __m256i w1, __m256i x0, __m256i x1, __m256i sc) {
   w0 = V256::lookup(L::levels(), w0), w1 = V256::lookup(L::levels(), w1);

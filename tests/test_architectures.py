@@ -151,7 +151,7 @@ def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
     equal to gguf-py's dequantization, through gguf-py's and through the kernels' own dequantization. The
     i-quants (IQ_INT8_TYPES) in the int8 layout where the kernels take int8 inputs (INT8_LAYOUT), not float32, and
     IQ3_S in the int4 layout:
-    those that scale blocks of 16 (IQ_SCALES_OF_16) exactly where a block's numbers fit an int8, else rounded once
+    those that scale blocks of 16 (IQ_INT8_TYPES) exactly where a block's numbers fit an int8, else rounded once
     (each weight at most 1/254 of its block's largest off)."""
     from gguf import GGUFReader
     from gguf.quants import dequantize
@@ -161,7 +161,7 @@ def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
     from inference_api.kernels import load_kernels
     from inference_api.kernels.quant import LEVEL_TYPES, Int8Weight
     from inference_api.model.gguf_blocks import packed
-    from inference_api.model.gguf_meta import IQ_INT8_TYPES, IQ_SCALES_OF_16
+    from inference_api.model.gguf_meta import IQ_INT8_TYPES
 
     files = [ref.path for ref in REFERENCE.values() if kind in ref.tensor_types]
     tensor = next(
@@ -184,9 +184,6 @@ def test_a_ggufs_own_blocks_are_taken_as_gguf_py_dequantizes_them(kind):
         assert packed(tensor) is None  # (without the int8 inputs: float32)
         assert isinstance(packed(tensor, INT8_LAYOUT), Int8Weight)
         got = packed(tensor, INT8_LAYOUT).dequantize()
-        if kind not in IQ_SCALES_OF_16:
-            assert torch.equal(got, want)
-            return
         blocks, got = want.view(want.shape[0], -1, 32), got.view(want.shape[0], -1, 32)
         assert ((got - blocks).abs().amax(-1) <= blocks.abs().amax(-1) / 254 * 1.0001).all()
         assert (got == blocks).all(-1).any()

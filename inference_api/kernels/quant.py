@@ -21,6 +21,8 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
+from . import LEVEL_TYPES
+
 MODES = ("none", "int8", "int4")
 
 
@@ -60,16 +62,6 @@ class Int4Weight:
 
     def map_rows(self, fn) -> Int4Weight:
         return Int4Weight(fn(self.q), fn(self.d), fn(self.m))
-
-
-# The i-quants whose blocks of 32 take at most 16 levels, served in IQ4_NL's bytes (per 32 weights a float16 scale
-# d, then 16 bytes of nibbles, weights 0..15 in the low ones, each indexing the type's levels: w = d * level) under
-# type numbers of their own past ggml's: name -> (number, levels). csrc/gguf_legacy.h holds the same numbers.
-LEVEL_TYPES: dict[str, tuple[int, tuple[int, ...]]] = {
-    "IQ3_XXS": (120, (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)),
-    "IQ2_XXS": (121, (-43, -25, -8, 8, 25, 43)),
-    "IQ1_S": (122, (-9, -7, -1, 1, 7, 9)),
-}
 
 
 def block_type(ggml_type: int) -> tuple[str, int, int]:
@@ -115,10 +107,9 @@ class BlockWeight:
         given, else gguf-py's (the same numbers)."""
         raw = self.raw[ids]
         flat = raw.reshape(-1, raw.shape[-1]).contiguous()
-        levels = next((lv for n, lv in LEVEL_TYPES.values() if n == self.ggml_type), None)
         if kernels is not None:
             out = kernels.dequantize_gguf(flat, self.ggml_type)
-        elif levels is not None:
+        elif (levels := next((lv for n, lv in LEVEL_TYPES.values() if n == self.ggml_type), None)) is not None:
             out = torch.from_numpy(level_dequantize(flat.numpy(), levels))
         else:
             from gguf import GGMLQuantizationType

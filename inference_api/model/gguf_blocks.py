@@ -13,7 +13,7 @@
   (``ExecutionPlan.int8_layout``: wherever the kernels take int8 inputs, Q8_0) map onto quant.py's int8 layout
   instead (``int8_weight``, which takes Q5_0 and IQ4_NL too: each weight's code as an int8, Q5_0's less 16 and
   IQ4_NL's looked up, each block's float16 scale as a float32; exact). So do the i-quants that scale blocks of 16
-  (IQ_SCALES_OF_16: IQ2_XS, IQ2_S, IQ1_M, ``_whole_blocks``): a block of 32 whose two scales give whole numbers
+  (IQ_INT8_TYPES: IQ2_XS, IQ2_S, IQ1_M, ``_whole_blocks``): a block of 32 whose two scales give whole numbers
   that fit an int8 exactly, another rounded once as Q8_0 rounds (at most 1/254 of its largest weight off).
 - IQ3_XXS, IQ2_XXS and IQ1_S, whose blocks of 32 are a scale of their own times one of at most 16 levels (their
   grid's values with a sign: 16, 6 and 6 of them), go into IQ4_NL's bytes over their type's levels
@@ -31,12 +31,7 @@ import numpy as np
 import torch
 
 from ..kernels.quant import LEVEL_TYPES, BlockWeight, Int4Weight, Int8Weight
-from .gguf_meta import (  # the types taken as they are (int4 layout, own blocks), or in the int8 layout
-    BLOCK_TYPES,
-    INT4_TYPES,
-    IQ_INT8_TYPES,
-    IQ_SCALES_OF_16,
-)
+from .gguf_meta import BLOCK_TYPES, INT4_TYPES, IQ_INT8_TYPES  # taken as they are, or in the int8 layout
 
 
 def _rows(t) -> tuple[int, int, np.ndarray]:
@@ -70,21 +65,28 @@ def int4_weight(t) -> Int4Weight:
     )
 
 
+def _dequantized(raw: np.ndarray, kind: str, k: int):
+    """gguf-py's float32 weights of rows [N, bytes] of a ``kind`` tensor, DEQUANTIZE_WEIGHTS at a time: (first row,
+    weights [rows, K]) for each piece, not the whole tensor's temporaries (and gguf-py's own) at once."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    step = max(1, DEQUANTIZE_WEIGHTS // k)
+    for a in range(0, raw.shape[0], step):
+        w = dequantize(raw[a : a + step], GGMLQuantizationType[kind])
+        yield a, np.asarray(w, dtype=np.float32).reshape(-1, k)
+
+
 def _iq3s_int4(raw: np.ndarray, n: int, k: int) -> Int4Weight:
     """An IQ3_S tensor's rows ([N, bytes]) in the int4 layout: each block's weights over its scale b (as gguf-py
     computes it) are odd numbers v in -15..15, whose nibbles (v + 15) / 2 give w = 2 b nibble - 15 b (a few MB of
     gguf-py's float32 weights at a time)."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     b = _iq_scales("IQ3_S", raw)
     q = np.empty((n, k // 32, 16), dtype=np.uint8)
     safe = np.where(b == 0, 1, b)[..., None]
-    step = max(1, DEQUANTIZE_WEIGHTS // k)
-    for a in range(0, n, step):
-        w = np.asarray(dequantize(raw[a : a + step], GGMLQuantizationType.IQ3_S), dtype=np.float32)
-        nib = ((np.rint(w.reshape(-1, k // 32, 32) / safe[a : a + step]).astype(np.int16) + 15) >> 1).astype(np.uint8)
-        q[a : a + step] = nib[..., :16] | (nib[..., 16:] << 4)
+    for a, w in _dequantized(raw, "IQ3_S", k):
+        nib = ((np.rint(w.reshape(-1, k // 32, 32) / safe[a : a + len(w)]).astype(np.int16) + 15) >> 1).astype(np.uint8)
+        q[a : a + len(w)] = nib[..., :16] | (nib[..., 16:] << 4)
     return Int4Weight(
         torch.from_numpy(q.reshape(n, k // 2)),
         torch.from_numpy((2 * b).astype(np.float16)),
@@ -99,7 +101,7 @@ DEQUANTIZE_WEIGHTS = 1 << 22
 
 
 def _iq_scales(kind: str, raw: np.ndarray) -> np.ndarray:
-    """The scale of each block of 32 [N, K / 32] of an IQ_INT8_TYPES or IQ3_S tensor's super-blocks of 256 ([N, bytes]),
+    """The scale of each block of 32 [N, K / 32] of a LEVEL_TYPES or IQ3_S tensor's super-blocks of 256 ([N, bytes]),
     computed as gguf-py's dequantization computes it (so that each weight over it is its whole number exactly)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
@@ -120,7 +122,7 @@ def _iq_scales(kind: str, raw: np.ndarray) -> np.ndarray:
 
 
 def _units(kind: str, raw: np.ndarray) -> np.ndarray:
-    """Each super-block's unit [N, K / 256] of an IQ_SCALES_OF_16 tensor ([N, bytes]): its d / 8, of which every
+    """Each super-block's unit [N, K / 256] of an IQ_INT8_TYPES tensor ([N, bytes]): its d / 8, of which every
     weight is a whole number (IQ2_XS and IQ2_S: d (2 s + 1) / 8 times a grid value; IQ1_M: d (2 s + 1) (8 grid +- 1)
     / 8, its float16 d in the top 4 bits of its 4 scale words)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -154,35 +156,29 @@ def _whole_blocks(w: np.ndarray, units: np.ndarray) -> tuple[np.ndarray, np.ndar
 
 def int8_weight(t) -> Int8Weight:
     """A Q8_0, Q5_0, IQ4_NL or IQ_INT8_TYPES tensor [N, K] as an Int8Weight of groups of 32: each weight's code
-    (Q8_0's as it is, Q5_0's 5-bit value less 16, IQ4_NL's level, an i-quant's grid value with its sign)
+    (Q8_0's as it is, Q5_0's 5-bit value less 16, IQ4_NL's level, an i-quant's whole number of its block's scale)
     contiguous and 32-byte aligned per block, the scales apart; the same numbers (each block is d * code, d its
-    leading float16, or the i-quant block's own scale), but for IQ_SCALES_OF_16's blocks whose two scales do not
-    fit one int8 block (``_whole_blocks``: rounded once)."""
+    leading float16, or the i-quant block's own scale), but for the i-quant blocks whose two scales do not fit one
+    int8 block (``_whole_blocks``: rounded once)."""
     n, k, raw = _rows(t)
     kind = t.tensor_type.name
     if kind not in INT8_TYPES:
         raise ValueError(f"{kind} is not a block type of 32 int8 codes ({', '.join(sorted(INT8_TYPES))})")
-    if kind in IQ_SCALES_OF_16:
+    if kind in IQ_INT8_TYPES:
         d = np.empty((n, k // 32), dtype=np.float32)  # each block's own: filled with the codes
-    elif kind in IQ_INT8_TYPES:
-        d = _iq_scales(kind, raw)
     else:
         d = _f16(raw.reshape(n, k // 32, -1)[..., 0:2]).astype(np.float32)
     if kind == "Q8_0":
         q = np.ascontiguousarray(raw.reshape(n, k // 32, -1)[..., 2:]).view(np.int8).reshape(n, k)
     else:  # gguf-py's weights over their block's scale: whole numbers, exactly (a small integer times d)
-        from gguf import GGMLQuantizationType
-        from gguf.quants import dequantize
-
         q = np.empty((n, k), dtype=np.int8)
-        step = max(1, DEQUANTIZE_WEIGHTS // k)
-        for a in range(0, n, step):  # a few MB of float32 at a time, not the whole tensor's (and gguf-py's own)
-            w = np.asarray(dequantize(raw[a : a + step], GGMLQuantizationType[kind]), dtype=np.float32)
-            if kind in IQ_SCALES_OF_16:
-                q[a : a + step], d[a : a + step] = _whole_blocks(w.reshape(-1, k), _units(kind, raw[a : a + step]))
+        for a, w in _dequantized(raw, kind, k):
+            rows = slice(a, a + len(w))
+            if kind in IQ_INT8_TYPES:
+                q[rows], d[rows] = _whole_blocks(w, _units(kind, raw[rows]))
             else:
-                safe = np.where(d[a : a + step] == 0, 1, d[a : a + step])[..., None]
-                q[a : a + step] = np.rint(w.reshape(-1, k // 32, 32) / safe).reshape(-1, k)
+                safe = np.where(d[rows] == 0, 1, d[rows])[..., None]
+                q[rows] = np.rint(w.reshape(-1, k // 32, 32) / safe).reshape(-1, k)
     return Int8Weight(torch.from_numpy(q), torch.from_numpy(np.ascontiguousarray(d).reshape(n, k // 32)))
 
 
@@ -191,9 +187,6 @@ def level_weight(t) -> BlockWeight:
     block's weights over its scale b (as gguf-py computes it) are its grid's values with their signs, looked up as
     nibbles; b in float16 (rounded where its up to 16 significant bits exceed 11: each weight at most 2^-11 of
     itself off). A few MB of gguf-py's float32 weights at a time."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
     n, k, raw = _rows(t)
     kind = t.tensor_type.name
     number, levels = LEVEL_TYPES[kind]
@@ -202,14 +195,12 @@ def level_weight(t) -> BlockWeight:
     safe = np.where(b == 0, 1, b)[..., None]
     out = np.empty((n, k // 32, 18), dtype=np.uint8)
     out[..., :2] = b.astype(np.float16)[..., None].view(np.uint8)
-    step = max(1, DEQUANTIZE_WEIGHTS // k)
-    for a in range(0, n, step):
-        w = np.asarray(dequantize(raw[a : a + step], GGMLQuantizationType[kind]), dtype=np.float32)
-        v = np.rint(w.reshape(-1, k // 32, 32) / safe[a : a + step])
+    for a, w in _dequantized(raw, kind, k):
+        v = np.rint(w.reshape(-1, k // 32, 32) / safe[a : a + len(w)])
         idx = np.searchsorted(table, v).clip(0, len(levels) - 1).astype(np.uint8)
         if not np.array_equal(table[idx], v):
             raise ValueError(f"{kind}: a weight off its type's levels")
-        out[a : a + step, :, 2:] = idx[..., :16] | (idx[..., 16:] << 4)
+        out[a : a + len(w), :, 2:] = idx[..., :16] | (idx[..., 16:] << 4)
     return BlockWeight(torch.from_numpy(out.reshape(n, -1)), number, k)
 
 

@@ -29,8 +29,7 @@ FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "IQ3_S",
 # (gguf_blocks.int8_weight), else dequantized to float32: each weight a whole number of its super-block's d / 8; a
 # block of 32 kept exactly where its numbers fit an int8, else rounded as Q8_0 rounds. (IQ3_S: the int4 layout,
 # INT4_TYPES; IQ3_XXS, IQ2_XXS and IQ1_S: blocks of 32 of at most 16 levels, quant.LEVEL_TYPES.)
-IQ_SCALES_OF_16 = {"IQ2_XS", "IQ2_S", "IQ1_M"}
-IQ_INT8_TYPES = set(IQ_SCALES_OF_16)
+IQ_INT8_TYPES = {"IQ2_XS", "IQ2_S", "IQ1_M"}
 
 
 def mode_of(types: list[str]) -> str:
@@ -199,7 +198,7 @@ def key_outliers(tensors) -> list[int]:
 def read_header(path) -> dict:
     """The header's summary (architecture, weight types and mode, shape, chat template), by a GGUFIndex: no
     vocabulary parsed (a fraction of a second, where gguf-py's GGUFReader takes seconds)."""
-    from ..kernels.quant import LEVEL_TYPES
+    from ..kernels import LEVEL_TYPES
 
     index = GGUFIndex(path)
 

@@ -39,7 +39,7 @@ TYPES = [*LAYOUT, *FLOATS]
 # the i-quants served in IQ4_NL's bytes over levels of their own (quant.LEVEL_TYPES): their super-block's float16
 # scale first
 IQ_LEVELS = {T.IQ2_XXS: [0], T.IQ3_XXS: [0], T.IQ1_S: [0]}
-# the i-quants served in the int8 layout alone, which scale blocks of 16 (gguf_meta.IQ_SCALES_OF_16; IQ1_M's float16
+# the i-quants served in the int8 layout alone, which scale blocks of 16 (gguf_meta.IQ_INT8_TYPES; IQ1_M's float16
 # d: the top 4 bits of its 4 words of scales at 48, set by _raw)
 IQ_INT8_16 = {T.IQ2_XS: [0], T.IQ2_S: [0], T.IQ1_M: []}
 

@@ -196,7 +196,7 @@ def test_an_input_split_that_breaks_quantized_blocks_is_refused():
 
 
 def test_a_level_types_blocks_split_whole():
-    """An i-quant in IQ4_NL's bytes over its own levels (quant.LEVEL_TYPES: a type number past ggml's) splits by
+    """An i-quant in IQ4_NL's bytes over its own levels (kernels.LEVEL_TYPES: a type number past ggml's) splits by
     its blocks of 32 as any block type: each rank's columns are the whole weight's."""
     import numpy as np
     import torch

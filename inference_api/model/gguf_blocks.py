@@ -17,7 +17,7 @@
   that fit an int8 exactly, another rounded once as Q8_0 rounds (at most 1/254 of its largest weight off).
 - IQ3_XXS, IQ2_XXS and IQ1_S, whose blocks of 32 are a scale of their own times one of at most 16 levels (their
   grid's values with a sign: 16, 6 and 6 of them), go into IQ4_NL's bytes over their type's levels
-  (``level_weight``, quant.LEVEL_TYPES: type numbers of their own, the kernels' IQ4_NL tiles over another table;
+  (``level_weight``, kernels.LEVEL_TYPES: type numbers of their own, the kernels' IQ4_NL tiles over another table;
   the codes exact, the scale in float16: each weight at most 2^-11 of itself off).
 - F32 and any other type are served as float32, dequantized by gguf-py; a type gguf-py cannot read stops the
   start with its name.
@@ -183,7 +183,7 @@ def int8_weight(t) -> Int8Weight:
 
 
 def level_weight(t) -> BlockWeight:
-    """An IQ3_XXS, IQ2_XXS or IQ1_S tensor [N, K] in IQ4_NL's bytes over its type's levels (quant.LEVEL_TYPES): each
+    """An IQ3_XXS, IQ2_XXS or IQ1_S tensor [N, K] in IQ4_NL's bytes over its type's levels (kernels.LEVEL_TYPES): each
     block's weights over its scale b (as gguf-py computes it) are its grid's values with their signs, looked up as
     nibbles; b in float16 (rounded where its up to 16 significant bits exceed 11: each weight at most 2^-11 of
     itself off). A few MB of gguf-py's float32 weights at a time."""

@@ -28,7 +28,7 @@ FOUR_BIT = {"Q4_0", "Q4_1", "Q4_K", "IQ4_NL", "IQ4_XS", "Q3_K", "Q2_K", "IQ3_S",
 # the i-quants that scale blocks of 16, served in quant.py's int8 layout wherever the kernels take int8 inputs
 # (gguf_blocks.int8_weight), else dequantized to float32: each weight a whole number of its super-block's d / 8; a
 # block of 32 kept exactly where its numbers fit an int8, else rounded as Q8_0 rounds. (IQ3_S: the int4 layout,
-# INT4_TYPES; IQ3_XXS, IQ2_XXS and IQ1_S: blocks of 32 of at most 16 levels, quant.LEVEL_TYPES.)
+# INT4_TYPES; IQ3_XXS, IQ2_XXS and IQ1_S: blocks of 32 of at most 16 levels, kernels.LEVEL_TYPES.)
 IQ_INT8_TYPES = {"IQ2_XS", "IQ2_S", "IQ1_M"}
 
 

@@ -36,7 +36,7 @@ LAYOUT = {
 }
 FLOATS = (T.F16, T.BF16)
 TYPES = [*LAYOUT, *FLOATS]
-# the i-quants served in IQ4_NL's bytes over levels of their own (quant.LEVEL_TYPES): their super-block's float16
+# the i-quants served in IQ4_NL's bytes over levels of their own (kernels.LEVEL_TYPES): their super-block's float16
 # scale first
 IQ_LEVELS = {T.IQ2_XXS: [0], T.IQ3_XXS: [0], T.IQ1_S: [0]}
 # the i-quants served in the int8 layout alone, which scale blocks of 16 (gguf_meta.IQ_INT8_TYPES; IQ1_M's float16
@@ -211,7 +211,7 @@ def test_a_symmetric_block_type_maps_onto_the_int8_layout_exactly(kernels, t, mo
 @pytest.mark.parametrize("t", list(IQ_LEVELS), ids=lambda t: t.name)
 def test_an_i_quant_of_few_levels_runs_in_iq4_nls_bytes_over_its_own(kernels, t, monkeypatch):
     """IQ3_XXS, IQ2_XXS and IQ1_S (random blocks: every grid value, sign and scale) in IQ4_NL's bytes over their
-    type's levels (quant.LEVEL_TYPES, the kernels' own: gguf_legacy.h): each nibble's level times the block's
+    type's levels (kernels.LEVEL_TYPES, the kernels' own: gguf_legacy.h): each nibble's level times the block's
     scale b is gguf-py's weight (the codes exact), b in float16 (each weight within 2^-11 of itself); the kernels'
     dequantization and numpy's agree; the linear, with int8 inputs (the tiles at every row count) or not, is
     that weight's."""

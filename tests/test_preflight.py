@@ -311,3 +311,23 @@ def test_the_i_quants_that_scale_blocks_of_16_count_at_the_int8_layouts_bytes(tm
     dense, quantized = bytes_per_weight(plan, "none"), bytes_per_weight(plan)
     as_float = preflight(config)
     assert as_float.weights_bytes - served.weights_bytes == math.ceil(header["iq_params"] * (dense - quantized))
+
+
+def test_an_untied_token_embedding_left_in_the_file_counts_no_bytes_on_the_cpu(tmp_path):
+    """A GGUF's untied token embedding stays in the mapped file on the CPU (gguf_blocks.file_rows): pre-flight counts
+    the layers and the output head, not a copy of the table (it counted one in float32: 4 bytes a weight)."""
+    from gguf_reference import GGUF_DIR
+
+    from inference_api.engine.preflight import HEAD_BYTES, batch_copy_bytes
+    from inference_api.model import gguf_meta
+
+    config = ServerConfig(
+        model=str(GGUF_DIR / "llama-q4_k_m.gguf"), model_cache_dir=tmp_path, rows=2, context_length=256
+    )
+    header = gguf_meta.read_header(config.model)
+    assert not header["tied"] and header["float_params"] == 0
+    plan = model_plan(config)
+    vocab = header["vocab_params"]
+    head = HEAD_BYTES + batch_copy_bytes(plan, "int8", head=True)
+    want = (header["num_params"] - 2 * vocab) * bytes_per_weight(plan) + vocab * head
+    assert preflight(config).weights_bytes == math.ceil(want)

@@ -196,17 +196,18 @@ def test_an_input_split_that_breaks_quantized_blocks_is_refused():
 
 
 def test_a_level_types_blocks_split_whole():
-    """An i-quant in IQ4_NL's bytes over its own levels (kernels.LEVEL_TYPES: a type number past ggml's) splits by
-    its blocks of 32 as any block type: each rank's columns are the whole weight's."""
+    """An i-quant in IQ4_NL's nibbles over its own levels (kernels.LEVEL_TYPES: a type number past ggml's, a float32
+    scale a block) splits by its blocks of 32 as any block type: each rank's columns are the whole weight's."""
     import numpy as np
     import torch
 
     from inference_api.engine.parallel import take_columns
+    from inference_api.kernels import LEVEL_BLOCK
     from inference_api.kernels.quant import LEVEL_TYPES, BlockWeight
 
     rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, size=(4, 4, 18), dtype=np.uint8)  # 4 rows of 128 inputs
-    raw[..., :2] = np.full((4, 4, 1), 0.01, dtype=np.float16).view(np.uint8)
+    raw = rng.integers(0, 256, size=(4, 4, LEVEL_BLOCK), dtype=np.uint8)  # 4 rows of 128 inputs
+    raw[..., :4] = np.full((4, 4, 1), 0.01, dtype=np.float32).view(np.uint8)
     w = BlockWeight(torch.from_numpy(raw.reshape(4, -1)), LEVEL_TYPES["IQ2_XXS"][0], 128)
     whole = w.dequantize()
     assert take_columns(w, 64, 128, "w", 2).dequantize().equal(whole[:, 64:])

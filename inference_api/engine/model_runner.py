@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..kernels.quant import QUANTIZED
+from ..kernels.quant import QUANTIZED, FileRows
 from ..model.attention import use_row_attention
 from ..model.compact import CompactLM, build_compact
 from ..model.families import FAMILIES
@@ -77,8 +77,8 @@ def build_model(model, plan: ExecutionPlan, kernels, length: int, shard=None, al
             if tied and head is not None and hasattr(head, "rows"):
                 return head.rows, head if logits else None  # a tied quantized head: embeddings read from its rows
             head = head if logits else None
-            if isinstance(embed_w, QUANTIZED):
-                if model.device.type == "cpu":  # a GGUF's own blocks: rows dequantized when read
+            if isinstance(embed_w, (*QUANTIZED, FileRows)):
+                if model.device.type == "cpu":  # a GGUF's own blocks (or its file's): rows dequantized when read
                     return (lambda ids: embed_w.rows(ids, kernels)), head
                 embed_w = embed_w.dequantize(kernels)  # a GPU: one dense table in its memory
             table = embed_w.detach().to(model.device, model.dtype).clone()

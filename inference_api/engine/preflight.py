@@ -349,7 +349,8 @@ def estimate(config: ServerConfig) -> Estimate:
         0 if encoder else config.rows,
         config.context_length,
         dense_params=shape.vocab_params if quantized and not shape.tied else 0,
-        bytes_per_dense=bytes_per_weight(plan, "none"),
+        # (a GGUF's untied token embedding stays in the mapped file on the CPU: gguf_blocks.file_rows)
+        bytes_per_dense=0.0 if gguf is not None and plan.device == "cpu" else bytes_per_weight(plan, "none"),
         head_params=shape.vocab_params if quantized and compact else 0,
         bytes_per_head=HEAD_BYTES + batch_copy_bytes(plan, "int8", head=True),
         windows=shape.windows if plan.kv_ring else (),

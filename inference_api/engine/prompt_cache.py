@@ -41,7 +41,9 @@ if TYPE_CHECKING:  # (torch is imported where tensors are handled: pre-flight re
 log = logging.getLogger(__name__)
 
 MAGIC = b"IAPC"  # inference_api prompt cache
-VERSION = 1
+# the files' format and the numbers they hold: bumped when a model's weights are served in other forms (2: the
+# i-quants of few levels with float32 block scales and exact untied token embeddings, 2026-11-29)
+VERSION = 2
 MIN_TOKENS = 64  # shorter caches are not worth a snapshot: computing them again is as quick
 SUFFIX = ".kvc"
 STALE_TMP_S = 3600  # a file being written older than this was left by a writer that died: swept at start

@@ -45,15 +45,16 @@ NATIVE_KEY = (
 )
 # what a server without its kernels pays, measured on SmolLM2 (an AMD EPYC with AVX-512, 2026-11-23): said when they
 # are missing
-# The i-quants whose blocks of 32 take at most 16 levels, served in IQ4_NL's bytes (per 32 weights a float16 scale
-# d, then 16 bytes of nibbles, weights 0..15 in the low ones, each indexing the type's levels: w = d * level) under
-# type numbers of their own past ggml's: name -> (number, levels). csrc/gguf_legacy.h holds the same numbers (a
-# constant without torch: gguf_meta reads its names for pre-flight).
+# The i-quants whose blocks of 32 take at most 16 levels, served in IQ4_NL's bytes but for the scale (per 32 weights
+# a float32 scale d, then 16 bytes of nibbles, weights 0..15 in the low ones, each indexing the type's levels: w = d *
+# level; LEVEL_BLOCK bytes) under type numbers of their own past ggml's: name -> (number, levels).
+# csrc/gguf_legacy.h holds the same numbers (a constant without torch: gguf_meta reads its names for pre-flight).
 LEVEL_TYPES: dict[str, tuple[int, tuple[int, ...]]] = {
     "IQ3_XXS": (120, (-62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62)),
     "IQ2_XXS": (121, (-43, -25, -8, 8, 25, 43)),
     "IQ1_S": (122, (-9, -7, -1, 1, 7, 9)),
 }
+LEVEL_BLOCK = 20
 
 
 WITHOUT_KERNELS = "weights are served dequantized, about 8x slower per token (40 against 5 ms on SmolLM2)"

@@ -21,7 +21,7 @@ from dataclasses import dataclass, fields
 import numpy as np
 import torch
 
-from . import LEVEL_TYPES
+from . import LEVEL_BLOCK, LEVEL_TYPES
 
 MODES = ("none", "int8", "int4")
 
@@ -65,11 +65,11 @@ class Int4Weight:
 
 
 def block_type(ggml_type: int) -> tuple[str, int, int]:
-    """A served block type's name, weights and bytes a block: ggml's, or a level type's (its i-quant's name, IQ4_NL's
-    blocks)."""
+    """A served block type's name, weights and bytes a block: ggml's, or a level type's (its i-quant's name,
+    LEVEL_BLOCK bytes a block of 32)."""
     for name, (number, _) in LEVEL_TYPES.items():
         if number == ggml_type:
-            return name, 32, 18
+            return name, 32, LEVEL_BLOCK
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     kind = GGMLQuantizationType(ggml_type)
@@ -77,10 +77,11 @@ def block_type(ggml_type: int) -> tuple[str, int, int]:
 
 
 def level_dequantize(raw: np.ndarray, levels: tuple[int, ...]) -> np.ndarray:
-    """Float32 weights [N, K] of rows [N, bytes] in IQ4_NL's bytes over these levels."""
-    blocks = raw.reshape(raw.shape[0], -1, 18)
-    d = np.ascontiguousarray(blocks[..., :2]).view(np.float16).astype(np.float32)  # [N, K / 32, 1]
-    nibbles = np.concatenate([blocks[..., 2:] & 15, blocks[..., 2:] >> 4], axis=-1)
+    """Float32 weights [N, K] of rows [N, bytes] in a level type's blocks (a float32 scale, IQ4_NL's nibbles) over
+    these levels."""
+    blocks = raw.reshape(raw.shape[0], -1, LEVEL_BLOCK)
+    d = np.ascontiguousarray(blocks[..., :4]).view(np.float32)  # [N, K / 32, 1]
+    nibbles = np.concatenate([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], axis=-1)
     table = np.zeros(16, dtype=np.float32)
     table[: len(levels)] = levels
     return (table[nibbles] * d).reshape(raw.shape[0], -1)
@@ -124,6 +125,34 @@ class BlockWeight:
 
     def map_rows(self, fn) -> BlockWeight:
         return BlockWeight(fn(self.raw), self.ggml_type, self.k)
+
+
+@dataclass
+class FileRows:
+    """A GGUF tensor [N, K] left in the file's read-only memory map, only for lookups (an untied token embedding on
+    the CPU): rows copied out and dequantized when read, so the table is never resident beside the weights (Llama 3
+    8B's Q4_K one: 0.3 GB; an IQ3_S one, 0.1 GB in the file, would take 0.15 GB in the int4 layout); only the pages
+    of rows read are, and those are the file's own (the system's page cache, shared with other readers).
+    ``served``: the kernels dequantize the type (else gguf-py does)."""
+
+    raw: np.ndarray  # [N, bytes per row] uint8, a view of the file
+    ggml_type: int
+    k: int
+    served: bool
+
+    def rows(self, ids, kernels=None) -> torch.Tensor:
+        """Dequantized rows (a slice: all of them)."""
+        if isinstance(ids, torch.Tensor):
+            shape = ids.shape
+            ids = ids.reshape(-1).cpu().numpy()
+        else:
+            shape = None
+        flat = BlockWeight(torch.from_numpy(np.array(self.raw[ids])), self.ggml_type, self.k)  # (a copy)
+        out = flat.rows(slice(None), kernels if self.served else None)
+        return out if shape is None else out.view(*shape, self.k)
+
+    def dequantize(self, kernels=None) -> torch.Tensor:
+        return self.rows(slice(None), kernels)
 
 
 @dataclass

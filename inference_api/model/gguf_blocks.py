@@ -16,11 +16,13 @@
   (IQ_INT8_TYPES: IQ2_XS, IQ2_S, IQ1_M, ``_whole_blocks``): a block of 32 whose two scales give whole numbers
   that fit an int8 exactly, another rounded once as Q8_0 rounds (at most 1/254 of its largest weight off).
 - IQ3_XXS, IQ2_XXS and IQ1_S, whose blocks of 32 are a scale of their own times one of at most 16 levels (their
-  grid's values with a sign: 16, 6 and 6 of them), go into IQ4_NL's bytes over their type's levels
-  (``level_weight``, kernels.LEVEL_TYPES: type numbers of their own, the kernels' IQ4_NL tiles over another table;
-  the codes exact, the scale in float16: each weight at most 2^-11 of itself off).
+  grid's values with a sign: 16, 6 and 6 of them), go into IQ4_NL's nibbles over their type's levels and a float32
+  scale (``level_weight``, kernels.LEVEL_TYPES: type numbers of their own, the kernels' IQ4_NL tiles over another
+  table; exact).
 - F32 and any other type are served as float32, dequantized by gguf-py; a type gguf-py cannot read stops the
   start with its name.
+- A token embedding that is not also the output head, whatever its type, stays in the mapped file (``file_rows``):
+  its rows are dequantized when looked up.
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from collections.abc import Collection
 import numpy as np
 import torch
 
-from ..kernels.quant import LEVEL_TYPES, BlockWeight, Int4Weight, Int8Weight
+from ..kernels import LEVEL_BLOCK
+from ..kernels.quant import LEVEL_TYPES, BlockWeight, FileRows, Int4Weight, Int8Weight
 from .gguf_meta import BLOCK_TYPES, INT4_TYPES, IQ_INT8_TYPES  # taken as they are, or in the int8 layout
 
 
@@ -183,24 +186,24 @@ def int8_weight(t) -> Int8Weight:
 
 
 def level_weight(t) -> BlockWeight:
-    """An IQ3_XXS, IQ2_XXS or IQ1_S tensor [N, K] in IQ4_NL's bytes over its type's levels (kernels.LEVEL_TYPES): each
-    block's weights over its scale b (as gguf-py computes it) are its grid's values with their signs, looked up as
-    nibbles; b in float16 (rounded where its up to 16 significant bits exceed 11: each weight at most 2^-11 of
-    itself off). A few MB of gguf-py's float32 weights at a time."""
+    """An IQ3_XXS, IQ2_XXS or IQ1_S tensor [N, K] in IQ4_NL's nibbles over its type's levels (kernels.LEVEL_TYPES):
+    each block's weights over its scale b (as gguf-py computes it) are its grid's values with their signs, looked up
+    as nibbles; b a float32 before them (exact: a float16 times a factor of 4 bits). A few MB of gguf-py's float32
+    weights at a time."""
     n, k, raw = _rows(t)
     kind = t.tensor_type.name
     number, levels = LEVEL_TYPES[kind]
     table = np.asarray(levels, dtype=np.float32)
     b = _iq_scales(kind, raw)
     safe = np.where(b == 0, 1, b)[..., None]
-    out = np.empty((n, k // 32, 18), dtype=np.uint8)
-    out[..., :2] = b.astype(np.float16)[..., None].view(np.uint8)
+    out = np.empty((n, k // 32, LEVEL_BLOCK), dtype=np.uint8)
+    out[..., :4] = b.astype(np.float32)[..., None].view(np.uint8)
     for a, w in _dequantized(raw, kind, k):
         v = np.rint(w.reshape(-1, k // 32, 32) / safe[a : a + len(w)])
         idx = np.searchsorted(table, v).clip(0, len(levels) - 1).astype(np.uint8)
         if not np.array_equal(table[idx], v):
             raise ValueError(f"{kind}: a weight off its type's levels")
-        out[a : a + len(w), :, 2:] = idx[..., :16] | (idx[..., 16:] << 4)
+        out[a : a + len(w), :, 4:] = idx[..., :16] | (idx[..., 16:] << 4)
     return BlockWeight(torch.from_numpy(out.reshape(n, -1)), number, k)
 
 
@@ -208,6 +211,12 @@ def block_weight(t) -> BlockWeight:
     """A tensor [N, K] of a BLOCK_TYPES type in its own bytes, row by row."""
     n, k, raw = _rows(t)
     return BlockWeight(torch.from_numpy(raw.copy()), int(t.tensor_type), k)  # a copy: the file is mapped read-only
+
+
+def file_rows(t) -> FileRows:
+    """A tensor [N, K] of any type gguf-py reads, left in the mapped file for row lookups (quant.FileRows)."""
+    n, k, raw = _rows(t)
+    return FileRows(raw, int(t.tensor_type), k, t.tensor_type.name in BLOCK_TYPES)
 
 
 def packed(t, int8_layout: Collection[str] = ()) -> Int4Weight | Int8Weight | BlockWeight | None:

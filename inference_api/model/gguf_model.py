@@ -20,7 +20,7 @@ import torch
 
 from ..kernels.quant import BlockWeight, Int4Weight, Int8Weight, stack
 from .families import GGUF_FAMILIES, gguf_windows
-from .gguf_blocks import packed
+from .gguf_blocks import file_rows, packed
 from .gguf_meta import GGUFIndex
 
 log = logging.getLogger(__name__)
@@ -107,6 +107,10 @@ class GGUFWeights:
         return None if t is None else packed(t, self.m.int8_layout) or self.m.tensor(name)
 
     def embed(self):
+        """The token embedding: the head's blocks where it is the head too (tied), else left in the file for its
+        row lookups (gguf_blocks.file_rows: never a copy resident beside the weights)."""
+        if "output.weight" in self.m.tensors:
+            return file_rows(self.m.tensors["token_embd.weight"])
         return self._whole("token_embd.weight")
 
     def head(self):

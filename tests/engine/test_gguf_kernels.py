@@ -210,13 +210,13 @@ def test_a_symmetric_block_type_maps_onto_the_int8_layout_exactly(kernels, t, mo
 
 @pytest.mark.parametrize("t", list(IQ_LEVELS), ids=lambda t: t.name)
 def test_an_i_quant_of_few_levels_runs_in_iq4_nls_bytes_over_its_own(kernels, t, monkeypatch):
-    """IQ3_XXS, IQ2_XXS and IQ1_S (random blocks: every grid value, sign and scale) in IQ4_NL's bytes over their
-    type's levels (kernels.LEVEL_TYPES, the kernels' own: gguf_legacy.h): each nibble's level times the block's
-    scale b is gguf-py's weight (the codes exact), b in float16 (each weight within 2^-11 of itself); the kernels'
-    dequantization and numpy's agree; the linear, with int8 inputs (the tiles at every row count) or not, is
-    that weight's."""
+    """IQ3_XXS, IQ2_XXS and IQ1_S (random blocks: every grid value, sign and scale) in IQ4_NL's nibbles over their
+    type's levels (kernels.LEVEL_TYPES, the kernels' own: gguf_legacy.h) and a float32 scale b a block: each
+    nibble's level times b is gguf-py's weight exactly; the kernels' dequantization and numpy's agree; the linear,
+    with int8 inputs (the tiles at every row count, packed at load or not) or not, is that weight's."""
     from types import SimpleNamespace
 
+    from inference_api.kernels import LEVEL_BLOCK
     from inference_api.kernels.quant import LEVEL_TYPES, BlockWeight
     from inference_api.model import gguf_blocks
     from inference_api.model.gguf_blocks import packed
@@ -229,11 +229,12 @@ def test_an_i_quant_of_few_levels_runs_in_iq4_nls_bytes_over_its_own(kernels, t,
     want = torch.from_numpy(dequantize(raw, t).reshape(n, k))
     got = w.dequantize()
     assert torch.equal(w.dequantize(kernels), got)
-    assert ((got - want).abs() <= want.abs() / 2048 + 1e-12).all()
+    assert torch.equal(got, want)
     levels = torch.tensor(LEVEL_TYPES[t.name][1], dtype=torch.float32)
-    blocks = w.raw.view(n, -1, 18)
-    idx = torch.cat([blocks[..., 2:] & 15, blocks[..., 2:] >> 4], dim=-1).long()
+    blocks = w.raw.view(n, -1, LEVEL_BLOCK)
+    idx = torch.cat([blocks[..., 4:] & 15, blocks[..., 4:] >> 4], dim=-1).long()
     b = torch.from_numpy(gguf_blocks._iq_scales(t.name, raw))
+    assert torch.equal(blocks[..., :4].contiguous().view(torch.float32)[..., 0], b)
     assert torch.equal(levels[idx] * b[..., None], want.view(n, -1, 32))  # the codes exact
     monkeypatch.setattr(gguf_blocks, "DEQUANTIZE_WEIGHTS", 5 * k)  # a few rows at a time: the same bytes
     assert torch.equal(packed(tensor).raw, w.raw)
@@ -316,3 +317,27 @@ def test_an_i_quant_that_scales_blocks_of_16_maps_onto_the_int8_layout(kernels, 
     torch.testing.assert_close(
         layer(x), F.linear(_int8_blocks(x), got.reshape(n, k)), rtol=1e-5, atol=1e-5 * scale * k**0.5
     )
+
+
+@pytest.mark.parametrize("name", ["llama-iq3_s", "llama-q4_k_m"])
+def test_an_untied_token_embedding_stays_in_the_mapped_file(kernels, name):
+    """An untied file's token embedding is left in the file's read-only map (gguf_blocks.file_rows: no copy of the
+    table beside the weights, of a type the kernels serve (Q4_K) or not (IQ3_S)); its rows, looked up by a batch of
+    ids of any shape, are gguf-py's weights exactly; a tied file's embedding is the head's blocks as before."""
+    from pathlib import Path
+
+    from inference_api.kernels.quant import FileRows
+    from inference_api.model.gguf_model import GGUFModel
+
+    m = GGUFModel(Path(__file__).parents[1] / "data" / "gguf" / f"{name}.gguf")
+    t = m.tensors["token_embd.weight"]
+    rows = m.weights().embed()
+    assert isinstance(rows, FileRows) and np.shares_memory(rows.raw, m.reader.data)
+    assert rows.served == (t.tensor_type == T.Q4_K)
+    n, k = int(t.shape[1]), int(t.shape[0])
+    want = torch.from_numpy(np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32).reshape(n, k))
+    ids = torch.tensor([[3, 0, n - 1], [7, 7, 1]])
+    assert torch.equal(rows.rows(ids, kernels), want[ids])
+    assert torch.equal(rows.dequantize(kernels), want)
+    tied = GGUFModel(Path(__file__).parents[1] / "data" / "gguf" / "qwen2-q4_k_m.gguf")
+    assert not isinstance(tied.weights().embed(), FileRows)

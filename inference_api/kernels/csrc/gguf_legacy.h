@@ -134,20 +134,27 @@ struct Q8_0 : Scale32<0, false> {
   }
 };
 
-// Blocks of 32 whose nibbles index 16 int8 levels of the type (w = d * level, d a float16 first): IQ4_NL, and
-// the i-quants whose blocks of 32 take few enough levels, in IQ4_NL's bytes (model/gguf_blocks.py writes them from
+// Blocks of 32 whose nibbles index 16 int8 levels of the type (w = d * level, d first): IQ4_NL (d a float16),
+// and the i-quants whose blocks of 32 take few enough levels, in IQ4_NL's bytes but for d, a float32 (F32D: their
+// scales, a float16 times a factor of 4 bits, take up to 15 significant bits; model/gguf_blocks.py writes them from
 // the file's blocks: type numbers of their own, past ggml's). NL4: the trait the tiles look for.
 template <int Type, int8_t... L>
-struct NonLinear4 : Scale32<0, false> {
+struct NonLinear4 {
   static_assert(sizeof...(L) == 16, "16 levels");
-  static constexpr int TYPE = Type, QK = 32, BYTES = 18, SUB = 32;
+  static constexpr bool F32D = Type >= 120;
+  static constexpr int TYPE = Type, QK = 32, BYTES = F32D ? 20 : 18, SUB = 32;
   static constexpr bool SIGNED = true, MINS = false, NL4 = true;
+  static void scales(const uint8_t* b, float* d, float* m) {
+    if constexpr (F32D) std::memcpy(d, b, 4);
+    else d[0] = f16_at(b);
+    m[0] = 0.f;
+  }
   static __m128i levels() { return _mm_setr_epi8(static_cast<char>(L)...); }
   // the levels plus 128, as bytes: vpdpbusd's unsigned side
   static __m128i unsigned_levels() { return _mm_xor_si128(levels(), _mm_set1_epi8(static_cast<char>(0x80))); }
   template <typename V>  // the nibbles: indices into the levels
   static typename V::T indices(const uint8_t* a, const uint8_t* b, int) {
-    return V::nibbles(a + 2, b + 2);
+    return V::nibbles(a + BYTES - 16, b + BYTES - 16);
   }
   template <typename V>
   static typename V::T codes(const uint8_t* a, const uint8_t* b, int c) {
@@ -168,6 +175,11 @@ template <typename B, typename = void>
 struct is_nl4 : std::false_type {};
 template <typename B>
 struct is_nl4<B, std::void_t<decltype(B::NL4)>> : std::true_type {};
+// a NonLinear4 type whose block scale is a float32
+template <typename B, typename = void>
+struct f32_scale : std::false_type {};
+template <typename B>
+struct f32_scale<B, std::enable_if_t<B::F32D>> : std::true_type {};
 
 #endif  // WOQ_SIMD
 }  // namespace woq

@@ -397,8 +397,9 @@ struct K8Pack {
 
 // Q5_0, Q5_1 and IQ4_NL packed once at load for the tiles (the other blocks of 32 are packed a group per call with
 // VNNI): per group of 16 rows and block of 32 inputs, the codes as pack_codes lays them (4 vectors, then Q5's plane
-// of fifth bits; IQ4_NL's nibbles are indices of its levels, looked up where used), each row's d, float16 [16], then
-// Q5_1's m (Q5_0's is -16 d, IQ4_NL's 0): 384 bytes, 24 a row (Q5_1's own; Q5_0's 22, IQ4_NL's 18).
+// of fifth bits; IQ4_NL's nibbles are indices of its levels, looked up where used), each row's d, float16 [16] (the
+// level types' float32 [16]), then Q5_1's m (Q5_0's is -16 d, IQ4_NL's 0): 384 bytes, 24 a row (Q5_1's own; Q5_0's
+// 22, IQ4_NL's 18, the level types' 20).
 // The VNNI tile's numbers are BlockForm::vnni_tile's to the bit (each block's exact integer sum times d and the
 // input block's step, plus m times the input block's rounded sum, in that order; IQ4_NL's levels go in plus 128 and
 // each block's sum starts at -128 times the input block's: vnni_i8_tile's numbers too); the AVX2 tile's the same way.
@@ -407,9 +408,10 @@ struct B32Pack {
   static constexpr bool LUT = is_nl4<B>::value;  // IQ4_NL and the i-quants in its bytes
   static constexpr bool ON = B::TYPE == Q5_0::TYPE || B::TYPE == Q5_1::TYPE || LUT;
   static constexpr bool OWN_MINS = B::TYPE == Q5_1::TYPE;
-  static constexpr int HB = LUT ? 0 : 1;  // high bits a code beside its nibble
-  static constexpr int64_t QK = 32;       // inputs a packed block covers
-  static constexpr int64_t HIGH = 256, D = HIGH + 64 * HB, PB = D + (OWN_MINS ? 64 : 32);
+  static constexpr bool F32D = f32_scale<B>::value;  // each row's d a float32 (the level types'), else a float16
+  static constexpr int HB = LUT ? 0 : 1;             // high bits a code beside its nibble
+  static constexpr int64_t QK = 32;                  // inputs a packed block covers
+  static constexpr int64_t HIGH = 256, D = HIGH + 64 * HB, PB = D + (OWN_MINS || F32D ? 64 : 32);
   static constexpr int64_t AHEAD = 96;  // how many blocks ahead one or two rows prefetch (about K8Pack's distance)
 
   // the 16 rows of group grp (rows past N repeat the group's first) of raw [N, row_bytes] into out [K / 32][PB]
@@ -423,9 +425,10 @@ struct B32Pack {
         const uint8_t* b = raw + (n0 + (n0 + r < N ? r : 0)) * row_bytes + blk * B::BYTES;
         if constexpr (LUT) _mm256_store_si256((__m256i*)codes[r], B::template indices<V256>(b, b, 0));
         else _mm256_store_si256((__m256i*)codes[r], B::template codes<V256>(b, b, 0));
-        float d, m;  // d a float16 of the file; Q5_1's m too
+        float d, m;  // d a float16 of the file (the level types' a float32); Q5_1's m a float16 too
         B::scales(b, &d, &m);
-        dm[r] = _cvtss_sh(d, 0);
+        if constexpr (F32D) std::memcpy(o + D + 4 * r, &d, 4);
+        else dm[r] = _cvtss_sh(d, 0);
         if constexpr (OWN_MINS) dm[16 + r] = _cvtss_sh(m, 0);
       }
       pack_codes<HB>(&codes[0][0], 32, 4, o, o + HIGH);
@@ -467,7 +470,7 @@ struct B32Pack {
           dot[i] = _mm512_dpbusd_epi32(dot[i], w1, bcast4_512(v + 4));
         }
       }
-      const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + D)));
+      const __m512 d = F32D ? _mm512_loadu_ps(o + D) : _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + D)));
       const __m512 m = OWN_MINS ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(o + D + 32)))
                                 : _mm512_mul_ps(d, _mm512_set1_ps(M_OF_D));
       for (int i = 0; i < MR; ++i) {
@@ -529,7 +532,8 @@ struct B32Pack {
             }
           }
         }
-        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + D + 16 * h)));
+        const __m256 d = F32D ? _mm256_loadu_ps(reinterpret_cast<const float*>(o + D) + 8 * h)
+                              : _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + D + 16 * h)));
         const __m256 m = OWN_MINS ? _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(o + D + 32 + 16 * h)))
                                   : _mm256_mul_ps(d, _mm256_set1_ps(M_OF_D));
         for (int i = 0; i < MR; ++i) {

@@ -481,7 +481,8 @@ def build_compact(
     src = model.weights() if hasattr(model, "weights") else HFWeights(model, spec.family)
     # the head first, while little else is resident: its quantization passes hold a few float32 copies
     embed_w, head_w = src.embed(), src.head()
-    embed, head = embed_fn(embed_w, embed_w if config.tie_word_embeddings or head_w is None else head_w)
+    rows = src.file_rows() if hasattr(src, "file_rows") else None  # a GGUF's token embedding in its file
+    embed, head = embed_fn(embed_w, embed_w if config.tie_word_embeddings or head_w is None else head_w, rows)
     del head_w
 
     placed: dict[int, torch.Tensor] = {}  # the current layer's norms as placed, by the tensor read

@@ -107,11 +107,15 @@ class GGUFWeights:
         return None if t is None else packed(t, self.m.int8_layout) or self.m.tensor(name)
 
     def embed(self):
-        """The token embedding: the head's blocks where it is the head too (tied), else left in the file for its
-        row lookups (gguf_blocks.file_rows: never a copy resident beside the weights)."""
+        """The token embedding: the head's blocks where it is the head too (tied), else left in the file (only its
+        rows are read: never a copy resident beside the weights)."""
         if "output.weight" in self.m.tensors:
-            return file_rows(self.m.tensors["token_embd.weight"])
+            return self.file_rows()
         return self._whole("token_embd.weight")
+
+    def file_rows(self):
+        """The token embedding left in the file for its row lookups, tied or not (gguf_blocks.file_rows)."""
+        return file_rows(self.m.tensors["token_embd.weight"])
 
     def head(self):
         """The output head, or None when it is the token embedding (tied)."""

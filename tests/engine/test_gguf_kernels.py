@@ -341,3 +341,34 @@ def test_an_untied_token_embedding_stays_in_the_mapped_file(kernels, name):
     assert torch.equal(rows.dequantize(kernels), want)
     tied = GGUFModel(Path(__file__).parents[1] / "data" / "gguf" / "qwen2-q4_k_m.gguf")
     assert not isinstance(tied.weights().embed(), FileRows)
+
+
+def test_a_tied_embeddings_lookups_read_the_file_and_the_heads_codes_go():
+    """A tied file on the CPU: the engine's lookups are the file's rows exactly, and the head (this file's Q6_K
+    table in its own blocks) keeps no codes beside its packing for them: their place is pages nothing wrote."""
+    from gguf_reference import GGUF_DIR
+    from servers import MODEL_CACHE
+
+    from inference_api.config import ServerConfig
+    from inference_api.engine.model_runner import load_runner
+    from inference_api.engine.plan import make_plan, model_facts, probe_machine
+    from inference_api.kernels import load_kernels
+    from inference_api.model.gguf_meta import GGUFIndex
+    from inference_api.model.loader import gguf_source, gguf_target, resolve_model_dir
+
+    path = GGUF_DIR / "qwen2-q4_k_m.gguf"
+    config = ServerConfig.from_args(["--model", str(path), "--model-cache-dir", MODEL_CACHE, "--rows", "2"], {})
+    gguf = gguf_source(config)
+    plan = make_plan(config, model_facts(gguf, gguf_target(config, gguf)), probe_machine("cpu"))
+    assert plan.quantize != "none" and plan.model == "compact"
+    kernels = load_kernels(config.model_cache_dir, level=plan.cpu_level)
+    runner = load_runner(config, plan, kernels, gguf, resolve_model_dir(config, weights=False))
+    t = next(t for t in GGUFIndex(path).tensors if t.name == "token_embd.weight")
+    assert t.tensor_type == T.Q6_K and "output.weight" not in {t.name for t in GGUFIndex(path).tensors}
+    n, k = int(t.shape[1]), int(t.shape[0])
+    want = torch.from_numpy(np.asarray(dequantize(np.asarray(t.data), t.tensor_type), dtype=np.float32).reshape(n, k))
+    ids = torch.tensor([0, 5, n - 1])
+    assert torch.equal(runner.model.embed(ids), want[ids])
+    head = runner.model.head
+    assert head.vnni[0] is not None and head.vnni[0].count_nonzero() > 0  # the tiles' packing
+    assert head.weight.raw.shape == (n, t.data.shape[-1]) and head.weight.raw.count_nonzero() == 0

@@ -68,20 +68,20 @@ def build_model(model, plan: ExecutionPlan, kernels, length: int, shard=None, al
             """file_rows: a GGUF's token embedding left in its file (gguf_blocks.file_rows): on the CPU the lookups
             read it, tied or not, so a tied head keeps no codes beside its packing for them."""
             head_mode = "int8" if plan.quantize != "none" else None
-            tied = head_w is embed_w
             file_rows = file_rows if model.device.type == "cpu" else None
-            # the other ranks build a tied quantized head only for the rows rank 0's embedding reads (the same numbers)
-            rows = tied and head_mode is not None and file_rows is None
+            # without the file's rows a tied quantized head keeps its codes for the lookups, and the other ranks build
+            # it only for the rows rank 0's embedding reads (the same numbers)
+            head_lookups = file_rows is None and head_w is embed_w and head_mode is not None
             head = (
-                make_linear(head_w, None, group=plan.group or 32, as_mode=head_mode, lookups=rows)
-                if logits or rows
+                make_linear(head_w, None, group=plan.group or 32, as_mode=head_mode, lookups=head_lookups)
+                if logits or head_lookups
                 else None
             )
-            if rows and head is not None and hasattr(head, "rows"):
-                return head.rows, head if logits else None  # a tied quantized head: embeddings read from its rows
-            head = head if logits else None
             if file_rows is not None:
                 return (lambda ids: file_rows.rows(ids, kernels)), head
+            if head_lookups and hasattr(head, "rows"):
+                return head.rows, head if logits else None  # a tied quantized head: embeddings read from its rows
+            head = head if logits else None
             if isinstance(embed_w, (*QUANTIZED, FileRows)):
                 if model.device.type == "cpu":  # a GGUF's own blocks: rows dequantized when read
                     return (lambda ids: embed_w.rows(ids, kernels)), head

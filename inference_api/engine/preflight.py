@@ -167,7 +167,8 @@ def batch_copy_bytes(plan: ExecutionPlan, quantize: str | None = None, head: boo
     several rows on where the CPU multiplies bfloat16 fastest (linear.SplitLinear), and the weights packed for
     the tiles (quant.vnni_int4, vnni_int8: the same bytes, int8 with a float scale per 32 at most): counted for
     every weight with AVX512-VNNI, and at the AVX2 level for the head (``head``), whose codes stay beside the
-    packing for the embedding's lookups (the other weights' codes are let go once packed)."""
+    packing for a tied model's lookups from a folder (the other weights' codes are let go once packed, and so are a
+    GGUF's head's on the CPU, whose lookups read its file: an over-estimate there)."""
     quantize = quantize or plan.quantize
     if not plan.cpu_kernels or quantize == "none":
         return 0.0

@@ -147,7 +147,8 @@ class FileRows:
             ids = ids.reshape(-1).cpu().numpy()
         else:
             shape = None
-        flat = BlockWeight(torch.from_numpy(np.array(self.raw[ids])), self.ggml_type, self.k)  # (a copy)
+        part = self.raw[ids]  # an index array copies the rows; a slice is a view of the read-only map: copied
+        flat = BlockWeight(torch.from_numpy(part if part.flags.writeable else part.copy()), self.ggml_type, self.k)
         out = flat.rows(slice(None), kernels if self.served else None)
         return out if shape is None else out.view(*shape, self.k)
 

@@ -138,10 +138,10 @@ struct Q8_0 : Scale32<0, false> {
 // and the i-quants whose blocks of 32 take few enough levels, in IQ4_NL's bytes but for d, a float32 (F32D: their
 // scales, a float16 times a factor of 4 bits, take up to 15 significant bits; model/gguf_blocks.py writes them from
 // the file's blocks: type numbers of their own, past ggml's). NL4: the trait the tiles look for.
-template <int Type, int8_t... L>
+template <int Type, bool F32D_, int8_t... L>
 struct NonLinear4 {
   static_assert(sizeof...(L) == 16, "16 levels");
-  static constexpr bool F32D = Type >= 120;
+  static constexpr bool F32D = F32D_;
   static constexpr int TYPE = Type, QK = 32, BYTES = F32D ? 20 : 18, SUB = 32;
   static constexpr bool SIGNED = true, MINS = false, NL4 = true;
   static void scales(const uint8_t* b, float* d, float* m) {
@@ -163,13 +163,13 @@ struct NonLinear4 {
 };
 
 // IQ4_NL: llama.cpp's 16 non-linear int8 levels
-using IQ4_NL = NonLinear4<20, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113>;
+using IQ4_NL = NonLinear4<20, false, -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113>;
 // IQ3_XXS: its grid's values with a sign (quant.LEVEL_TYPES holds the same numbers)
-using IQ3_XXS_L = NonLinear4<120, -62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62>;
+using IQ3_XXS_L = NonLinear4<120, true, -62, -52, -44, -36, -28, -20, -12, -4, 4, 12, 20, 28, 36, 44, 52, 62>;
 // IQ2_XXS: its grid's 8, 25, 43 with a sign (ten levels unused)
-using IQ2_XXS_L = NonLinear4<121, -43, -25, -8, 8, 25, 43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0>;
+using IQ2_XXS_L = NonLinear4<121, true, -43, -25, -8, 8, 25, 43, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0>;
 // IQ1_S: 8 x grid +- 1 (its shift of 1/8 a block's sign), grid -1, 0, 1
-using IQ1_S_L = NonLinear4<122, -9, -7, -1, 1, 7, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0>;
+using IQ1_S_L = NonLinear4<122, true, -9, -7, -1, 1, 7, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0>;
 
 template <typename B, typename = void>
 struct is_nl4 : std::false_type {};

@@ -79,7 +79,7 @@ def build_model(model, plan: ExecutionPlan, kernels, length: int, shard=None, al
             )
             if file_rows is not None:
                 return (lambda ids: file_rows.rows(ids, kernels)), head
-            if head_lookups and hasattr(head, "rows"):
+            if head_lookups and head is not None and hasattr(head, "rows"):
                 return head.rows, head if logits else None  # a tied quantized head: embeddings read from its rows
             head = head if logits else None
             if isinstance(embed_w, (*QUANTIZED, FileRows)):

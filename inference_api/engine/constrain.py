@@ -28,6 +28,8 @@ from .grammar import Grammar
 if TYPE_CHECKING:
     from llguidance import LLExecutor, LLMatcher, LLTokenizer
 
+    from ..model.tokenizer import EngineTokenizer
+
 log = logging.getLogger(__name__)
 
 CACHED_GRAMMARS = 64  # compiled grammars kept for reuse, least recently used dropped first
@@ -161,15 +163,13 @@ def _try_first_tokens(matcher: LLMatcher, most: int = TRIAL_TOKENS) -> None:
         raise ValueError(matcher.get_error().split("\n")[0])
 
 
-def for_hf_tokenizer(hf_tokenizer, vocab_size: int, eos_ids) -> Constraints:
-    """Constraints over a transformers fast tokenizer's vocabulary, the logits ``vocab_size`` wide."""
+def for_tokenizer(tokenizer: EngineTokenizer, vocab_size: int, eos_ids) -> Constraints:
+    """Constraints over a fast tokenizer's vocabulary (its JSON), the logits ``vocab_size`` wide."""
 
     def make():
         from llguidance import LLTokenizer
 
-        return LLTokenizer(
-            llguidance_json(hf_tokenizer.backend_tokenizer.to_str()), n_vocab=vocab_size, eos_token=sorted(eos_ids)
-        )
+        return LLTokenizer(llguidance_json(tokenizer.to_json()), n_vocab=vocab_size, eos_token=sorted(eos_ids))
 
     return Constraints(make)
 

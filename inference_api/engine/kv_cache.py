@@ -1,4 +1,4 @@
-"""One preallocated KV cache for all user rows, plugged into transformers through its Cache interface.
+"""One preallocated KV cache for all user rows (transformers' layers see it through hf_cache.BatchCache).
 
 Storage per layer is [rows, kv_heads, slots, head_dim], allocated once at start-up: slots = the context's length,
 or, for a sliding-window layer when the plan says so (``ExecutionPlan.kv_ring``), a ring of the window plus one
@@ -16,10 +16,8 @@ from __future__ import annotations
 
 import mmap
 from collections.abc import Sequence
-from typing import Any
 
 import torch
-from transformers.cache_utils import Cache
 
 from .plan import kv_slots
 
@@ -171,42 +169,6 @@ class RowKVCache:
         if scales is None:
             return read
         return read.to(dtype) * scales[rows, :, :attend, None].to(dtype)
-
-    def view(self, batch) -> BatchCache:
-        """This cache seen by one forward batch through transformers' Cache interface (the fallback's layers)."""
-        return BatchCache(self, batch)
-
-
-class BatchCache(Cache):
-    """transformers' Cache interface over a RowKVCache for one ForwardBatch, made per forward and dropped."""
-
-    def __init__(self, cache: RowKVCache, batch):
-        super().__init__(layers=[])
-        self.cache, self.batch = cache, batch
-        rows = batch.rows.repeat_interleave(batch.ids.shape[1])
-        self.flat = cache.flat_index(rows, batch.write.reshape(-1))  # every [B, T] token, padding to scratch
-
-    def update(
-        self,
-        key_states: torch.Tensor,
-        value_states: torch.Tensor,
-        layer_idx: int,
-        cache_kwargs: dict[str, Any] | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Write the batch's keys and values [B, kv_heads, T, head_dim]; return its rows' first attend
-        positions, read back in the states' dtype."""
-        k, v = (s.transpose(1, 2).reshape(-1, *s.shape[1:2], s.shape[-1]) for s in (key_states, value_states))
-        self.cache.write(layer_idx, k, v, self.flat)
-        return self.cache.read(layer_idx, self.batch.rows, self.batch.attend, key_states.dtype)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.batch.attend
-
-    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
-        return self.cache.length
-
-    def __len__(self) -> int:
-        return len(self.cache.keys)
 
 
 def quantize_heads(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -35,7 +35,9 @@ class _HFModel:
     """transformers' modules behind the CompactLM call."""
 
     def __init__(self, model):
-        self.model = model
+        from .hf_cache import BatchCache
+
+        self.model, self.batch_cache = model, BatchCache
 
     def forward(self, batch: ForwardBatch, cache: RowKVCache) -> torch.Tensor:
         visible = batch.visible()
@@ -46,7 +48,7 @@ class _HFModel:
             input_ids=batch.ids,
             position_ids=positions,
             attention_mask=mask[:, None],
-            past_key_values=cache.view(batch),
+            past_key_values=self.batch_cache(cache, batch),
             cache_position=positions[0],
             use_cache=True,
             logits_to_keep=1 if batch.last_only else 0,

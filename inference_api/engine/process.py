@@ -89,8 +89,8 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
     if encoder is not None:
         return build_embedder(config, encoder)
     gguf = gguf_source(config)
-    from ..model.tokenizer import HFTokenizer
-    from .constrain import for_hf_tokenizer
+    from ..model.tokenizer import engine_tokenizer
+    from .constrain import for_tokenizer
     from .model_runner import load_runner
     from .parallel import start_group, threads_per_rank
 
@@ -107,8 +107,8 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
     # a GGUF of a described architecture is read straight from its file; anything else through transformers
     direct = gguf is not None and plan.model == "compact"
     model_dir = resolve_model_dir(config, weights=not direct) if gguf is not None else folder
-    tokenizer = HFTokenizer(model_dir)
-    eos = eos_ids(model_dir, tokenizer.tok)
+    tokenizer = engine_tokenizer(model_dir)
+    eos = eos_ids(model_dir, tokenizer)
     source = gguf if direct else None
     # the runner holds its own (packed or quantized) copies of the weights; with --tensor-parallel-size N, rank 0's
     # share of them, ranks 1..N-1 started beside it (parallel.py)
@@ -144,7 +144,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
         config.prefill_chunk,
         eos,
         prefix_cache=config.prefix_cache,
-        constraints=for_hf_tokenizer(tokenizer.tok, runner.vocab_size, eos),
+        constraints=for_tokenizer(tokenizer, runner.vocab_size, eos),
         # speculation where a draft's forward gives each token the numbers of its own step (runner.verifies)
         spec=spec_config(config) if getattr(runner, "verifies", False) else None,
         drafter=load_drafter(config, tokenizer, kernels) if config.draft_model else None,
@@ -263,7 +263,7 @@ def load_drafter(config: ServerConfig, tokenizer, kernels) -> ModelDrafter:
     model's, with the same rows and context; a file of another vocabulary stops the start."""
 
     from ..model.loader import gguf_source, gguf_target, resolve_model_dir
-    from ..model.tokenizer import HFTokenizer
+    from ..model.tokenizer import engine_tokenizer
     from .model_runner import load_runner
     from .plan import make_plan, model_facts, probe_machine
 
@@ -275,7 +275,7 @@ def load_drafter(config: ServerConfig, tokenizer, kernels) -> ModelDrafter:
     if plan.model != "compact":
         raise RuntimeError(f"--draft-model {config.draft_model!r}: architecture {plan.arch!r} cannot draft")
     folder = resolve_model_dir(draft_config, weights=False)
-    if HFTokenizer(folder).tok.get_vocab() != tokenizer.tok.get_vocab():
+    if engine_tokenizer(folder).vocab() != tokenizer.vocab():
         raise RuntimeError(
             f"--draft-model {config.draft_model!r}: its vocabulary is not the model's (drafts are token ids)"
         )

@@ -218,12 +218,11 @@ def load_model(model_dir: Path, device: str, dtype):
 
 def eos_ids(model_dir: Path, tokenizer) -> frozenset[int]:
     """The tokens that end generation: the folder's generation config (for a GGUF, every end-of-generation token
-    the file has), else the tokenizer's EOS."""
-    from transformers import GenerationConfig
-
+    the file has), else the tokenizer's EOS. The config's JSON read as it is (transformers' GenerationConfig reads
+    the same field; the engine process of a GGUF does without transformers)."""
     try:
-        eos = GenerationConfig.from_pretrained(str(model_dir), local_files_only=True).eos_token_id
-    except OSError:
+        eos = json.loads((Path(model_dir) / "generation_config.json").read_text()).get("eos_token_id")
+    except (OSError, ValueError):
         eos = None
     if eos is None:
         eos = tokenizer.eos_token_id

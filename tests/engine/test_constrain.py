@@ -9,7 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 
-from inference_api.engine.constrain import FairQueue, for_hf_tokenizer
+from inference_api.engine.constrain import FairQueue, for_tokenizer
 from inference_api.engine.engine import MAX_COMPILING_PER_TEAM, Engine
 from inference_api.engine.grammar import Grammar
 from inference_api.engine.messages import ErrorKind, FinishReason, GenerateRequest, SamplingParams
@@ -73,8 +73,7 @@ def test_a_team_past_its_compiling_requests_gets_busy_and_other_teams_do_not():
 
 @pytest.fixture(scope="module")
 def constraints(hf_tokenizer):
-    tok = hf_tokenizer.tok
-    return for_hf_tokenizer(tok, len(tok), [tok.eos_token_id])
+    return for_tokenizer(hf_tokenizer, len(hf_tokenizer.tok), [hf_tokenizer.eos_token_id])
 
 
 def test_a_schema_that_fails_at_its_first_token_fails_while_it_is_built(constraints):

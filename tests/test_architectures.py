@@ -21,6 +21,7 @@ from servers import MODEL_CACHE
 from inference_api.config import ServerConfig
 from inference_api.engine.process import build_engine
 from inference_api.model.families import FAMILIES
+from inference_api.model.tokenizer import HFTokenizer
 
 REFERENCE = load_reference()
 
@@ -132,9 +133,9 @@ def test_the_file_decides_bos_and_the_tokenizer_splits_as_llama_cpp():
     """The tiny models' vocabularies add BOS (their GGUFs say so): the text encodes as llama-perplexity
     tokenized it, BOS first."""
     ref = REFERENCE["llama-q4_k_m.gguf"]
-    engine, _ = serve(ref.path)
+    _, ready = serve(ref.path)
     text = Path(__file__).with_name("data").joinpath("english.txt").read_text()
-    ids = engine.tokenizer.encode(text)
+    ids = HFTokenizer(ready.model_dir).encode(text)  # (the app's tokenizer, of the folder the engine names)
     assert ref.add_bos and ids[0] == ref.bos_token_id
     assert ids[: ref.n_ctx] == list(ref.chunks[0].tokens)
 
@@ -209,11 +210,12 @@ def test_an_spm_vocabulary_tokenizes_as_llama_cpp(name):
     llama-server's /tokenize on the same file: spaces, digits, byte fallback, non-ASCII text, control and
     user-defined symbols inside text, with and without BOS."""
     ref = REFERENCE[name]
-    engine, _ = serve(ref.path)
+    _, ready = serve(ref.path)
+    tokenizer = HFTokenizer(ready.model_dir)
     cases = list(ref.tokenize_cases(parse_special=True))
     assert len(cases) > 40
     for case in cases:
-        got = engine.tokenizer.encode(case["text"], add_special_tokens=case["add_special"])
+        got = tokenizer.encode(case["text"], add_special_tokens=case["add_special"])
         assert got == list(case["tokens"]), (case["text"], case["add_special"])
 
 

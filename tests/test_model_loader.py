@@ -338,22 +338,100 @@ def test_the_engines_tokenizer_of_a_gguf_is_transformers_own_without_transformer
     assert isinstance(engine_tokenizer(plain), HFTokenizer)
 
 
-def test_the_engine_process_of_a_gguf_holds_no_transformers_tokenizer():
-    """The engine of a GGUF decodes with JsonTokenizer: transformers' tokenizers and its Cache interface (about
-    0.05 GB with Gemma 3's tokenizer object) are never imported in its process."""
+def test_the_engine_process_of_a_gguf_never_imports_transformers():
+    """The engine of a GGUF decodes with JsonTokenizer and reads the conversion's compact config (ModelConfig):
+    transformers (its tokenizers, its config classes, its Cache; about 0.11 GB with Gemma 3's tokenizer
+    object) is never imported in its process."""
     from gguf_reference import GGUF_DIR
     from servers import MODEL_CACHE
 
     fields = dict(model=str(GGUF_DIR / "gemma3-q4_k_m.gguf"), rows=2, context_length=64)
     config = ServerConfig(**fields, model_cache_dir=Path(MODEL_CACHE))  # type: ignore[arg-type]
-    # (the folder converted first, in this process: a conversion runs transformers' tokenizer, at a first start)
+    # (the folder converted first, in this process: a conversion runs transformers, at a first start)
     resolve_model_dir(config, weights=False)
     code = (
         "import sys; from pathlib import Path; from inference_api.config import ServerConfig; "
         "from inference_api.engine.process import build_engine; "
         f"e, ready = build_engine(ServerConfig(**{fields!r}, model_cache_dir=Path({MODEL_CACHE!r}))); "
-        "print(type(e.tokenizer).__name__, sorted(set(sys.modules) & {'transformers.tokenization_utils_fast', "
-        "'transformers.models.auto.tokenization_auto', 'transformers.cache_utils'}))"
+        "print(type(e.tokenizer).__name__, type(e.runner.config).__name__, "
+        "sorted(m for m in sys.modules if m.split('.')[0] == 'transformers'))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
-    assert out.stdout.split("\n")[-2] == "JsonTokenizer []"
+    assert out.stdout.split("\n")[-2] == "JsonTokenizer ModelConfig []"
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "llama-q4_k_m",
+        "llama3rope-q4_k_m",
+        "qwen2-q4_k_m",
+        "gemma2-q4_k_m",
+        "gemma3-q4_k_m",
+        "falcon-q4_k_m",
+        "phi3longrope-q4_k_m",
+        "gemma-spm-q4_k_m",
+    ],
+)
+def test_the_compact_config_a_conversion_writes_describes_the_model_as_the_file_does(name, tmp_path):
+    """ModelConfig (the folder's compact_config.json, read without transformers) gives the model the same
+    ModelSpec and rotary tables as gguf_config's transformers config of the file: every family's defaults, Llama
+    3's and LongRoPE's divisors, Gemma 3's second base, Phi-3's partial rotary, a linear scaling."""
+    import dataclasses
+
+    from gguf_reference import GGUF_DIR
+
+    from inference_api.model.compact import rotary_tables
+    from inference_api.model.families import describe
+    from inference_api.model.gguf_model import GGUFModel, ModelConfig
+    from inference_api.model.loader import gguf_folder
+
+    gguf = GGUF_DIR / f"{name}.gguf"
+    light = ModelConfig.read(gguf_folder(gguf, tmp_path / name, weights=False))
+    assert light is not None
+    full = GGUFModel(gguf).config
+    a, b = describe(light), describe(full)
+    assert {k: v for k, v in dataclasses.asdict(a).items() if k != "ropes"} == {
+        k: v for k, v in dataclasses.asdict(b).items() if k != "ropes"
+    }
+    assert len(a.ropes) == len(b.ropes)
+    for x, y in zip(a.ropes, b.ropes):
+        for length in (64, 5000):  # (LongRoPE: the long divisors past the original context)
+            for p, q in zip(rotary_tables(x, length, "cpu"), rotary_tables(y, length, "cpu")):
+                assert torch.equal(p, q)
+    scaled = ModelConfig(**{**vars(light), "rope_scaling": {"rope_type": "linear", "factor": 4.0}})
+    full.rope_scaling = {"rope_type": "linear", "factor": 4.0}
+    for p, q in zip(rotary_tables(scaled, 64, "cpu"), rotary_tables(full, 64, "cpu")):
+        assert torch.equal(p, q)
+
+
+def test_a_first_conversion_for_the_engine_runs_in_a_process_of_its_own(tmp_path, monkeypatch):
+    """resolve_model_dir(child=True), as the engine process calls it: a GGUF's first conversion (its whole
+    vocabulary parsed into Python objects, transformers imported) runs in a child process, whose memory leaves
+    with it; the folder it makes is the one an in-process conversion makes. A child that fails leaves the
+    conversion to this process, which raises its own error."""
+    from gguf_reference import GGUF_DIR
+
+    from inference_api.model import gguf_vocab
+    from inference_api.model.loader import gguf_folder
+
+    def here(*args, **kwargs):
+        raise AssertionError("converted in this process")
+
+    gguf = tmp_path / "tiny.gguf"
+    gguf.write_bytes((GGUF_DIR / "qwen3think-q4_k_m.gguf").read_bytes())
+    config = ServerConfig(model=str(gguf), model_cache_dir=tmp_path / "cache")
+    with monkeypatch.context() as m:
+        m.setattr(gguf_vocab, "gguf_tokenizer", here)
+        folder = resolve_model_dir(config, weights=False, child=True)
+    reference = gguf_folder(gguf, tmp_path / "here", weights=False)
+    names = sorted(p.name for p in reference.iterdir())
+    assert sorted(p.name for p in folder.iterdir()) == names and "compact_config.json" in names
+    for name in names:
+        assert (folder / name).read_bytes() == (reference / name).read_bytes(), name
+
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(gguf.read_bytes()[:5000])
+    with pytest.raises(Exception) as error:
+        resolve_model_dir(ServerConfig(model=str(broken), model_cache_dir=tmp_path / "cache"), False, child=True)
+    assert not isinstance(error.value, AssertionError)

@@ -106,12 +106,12 @@ def build_model(model, plan: ExecutionPlan, kernels, length: int, shard=None, al
 def load_runner(config, plan: ExecutionPlan, kernels, gguf, model_dir, shard=None, all_reduce=None) -> ModelRunner:
     """The runner over the model read straight from a GGUF file (gguf: where the compact decoder reads one) or
     loaded from the transformers folder model_dir: one tensor-parallel rank's share where shard says."""
-    from ..model.gguf_model import GGUFModel
+    from ..model.gguf_model import GGUFModel, ModelConfig
     from ..model.loader import load_model
 
     dtype = plan.torch(plan.dtype)
     model = (
-        GGUFModel(gguf, plan.device, dtype, int8_layout=plan.int8_layout)
+        GGUFModel(gguf, plan.device, dtype, int8_layout=plan.int8_layout, config=ModelConfig.read(model_dir))
         if gguf is not None
         else load_model(model_dir, plan.device, dtype)
     )

@@ -48,10 +48,15 @@ def rotary_tables(config, length: int, device) -> tuple[torch.Tensor, torch.Tens
     """cos and sin [length, rotary dims] for every position, with the config's rope base, type and scaling; a
     GGUF's per-frequency divisors as llama.cpp applies them (Llama 3's rope_freqs; Phi-3's LongRoPE short
     factors, or the long ones when the context passes the original one) and its attention factor."""
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     rope_type = (getattr(config, "rope_scaling", None) or {}).get("rope_type", "default")
-    inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, device)
+    if rope_type in ("default", "linear"):  # (every GGUF's: llama.cpp's scalings are the divisors below)
+        inv_freq, scale = default_inv_freq(config, device), 1.0
+        if rope_type == "linear":
+            inv_freq = inv_freq / config.rope_scaling["factor"]
+    else:  # a transformers folder's other scalings (YaRN, dynamic, ...): transformers' own tables
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scale = ROPE_INIT_FUNCTIONS[rope_type](config, device)
     factors = getattr(config, "rope_freq_factors", None)
     if getattr(config, "rope_factors_long", None) is not None:
         long = length - 1 > config.rope_original_context
@@ -62,6 +67,14 @@ def rotary_tables(config, length: int, device) -> tuple[torch.Tensor, torch.Tens
     freqs = torch.outer(torch.arange(length, device=device, dtype=torch.float32), inv_freq.float())
     emb = torch.cat([freqs, freqs], dim=-1)
     return (emb.cos() * scale).contiguous(), (emb.sin() * scale).contiguous()
+
+
+def default_inv_freq(config, device) -> torch.Tensor:
+    """The rotary frequencies base^(-2i/d) over the rotary dims (transformers' default rope, computed alike)."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    dim = int(head_dim * getattr(config, "partial_rotary_factor", 1.0))
+    exponents = torch.arange(0, dim, 2, dtype=torch.int64).to(device=device, dtype=torch.float) / dim
+    return 1.0 / (config.rope_theta**exponents)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

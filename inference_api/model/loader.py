@@ -13,6 +13,8 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -87,13 +89,20 @@ def gguf_target(config: ServerConfig, gguf: Path) -> Path:
     return config.model_cache_dir / f"{name}-{content_digest(gguf, config.model_cache_dir)}"
 
 
-def resolve_model_dir(config: ServerConfig, weights: bool = True) -> Path:
-    """A local folder with config and tokenizer (and weights, unless a GGUF is read straight from its file)."""
+def resolve_model_dir(config: ServerConfig, weights: bool = True, child: bool = False) -> Path:
+    """A local folder with config and tokenizer (and weights, unless a GGUF is read straight from its file).
+    child: a GGUF's first conversion runs in a process of its own (the engine's: the whole vocabulary parsed into
+    Python objects, about 0.6 GB for Gemma 3's, and transformers' import leave with it instead of staying in the
+    engine's heap); where that child fails, the conversion runs here and raises its own error."""
     gguf = gguf_source(config)
     if gguf is not None:
         if not gguf.is_file():
             raise RuntimeError(f"no such GGUF file: {gguf}")
-        return gguf_folder(gguf, gguf_target(config, gguf), weights)
+        target = gguf_target(config, gguf)
+        if child and not is_converted(gguf, target, weights):
+            command = [sys.executable, "-m", "inference_api.model.loader", str(gguf), str(target)]
+            subprocess.run(command + (["--weights"] if weights else []), check=False)
+        return gguf_folder(gguf, target, weights)
     spec = folder_spec(config)
     path = Path(spec)
     if path.is_dir():
@@ -107,8 +116,11 @@ def resolve_model_dir(config: ServerConfig, weights: bool = True) -> Path:
         raise RuntimeError(f"model {spec!r} is not available locally{hint}: {exc}") from exc
 
 
-CONVERSION = 9  # bumped when a conversion's output changes: older folders are converted again
+CONVERSION = 10  # bumped when a conversion's output changes: older folders are converted again
 STAMP = "gguf_source.json"
+# the compact decoder's config of a GGUF as the conversion made it with transformers' config class (every default
+# of the family's class written out): the engine reads it without importing transformers (gguf_model.ModelConfig)
+COMPACT_CONFIG = "compact_config.json"
 
 
 def _file_key(gguf: Path) -> dict:
@@ -176,6 +188,7 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
 
             config = GGUFModel(gguf, reader=reader).config
             config.save_pretrained(tmp)
+            (tmp / COMPACT_CONFIG).write_text(json.dumps(config.to_dict()))
             GenerationConfig(bos_token_id=vocab.bos_id, eos_token_id=eos).save_pretrained(tmp)
             model_type = config.model_type
         tok.save_pretrained(tmp)
@@ -242,3 +255,8 @@ def folder_spec(config: ServerConfig) -> str:
     if config.model is None or gguf_source(config) is not None:
         raise ValueError("the model is a GGUF file, not a folder")
     return config.model
+
+
+if __name__ == "__main__":  # resolve_model_dir's child: python -m inference_api.model.loader GGUF TARGET [--weights]
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    gguf_folder(Path(sys.argv[1]), Path(sys.argv[2]), weights="--weights" in sys.argv[3:])

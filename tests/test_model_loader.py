@@ -435,3 +435,36 @@ def test_a_first_conversion_for_the_engine_runs_in_a_process_of_its_own(tmp_path
     with pytest.raises(Exception) as error:
         resolve_model_dir(ServerConfig(model=str(broken), model_cache_dir=tmp_path / "cache"), False, child=True)
     assert not isinstance(error.value, AssertionError)
+
+
+def test_a_converted_ggufs_tokenizer_loads_without_transformers_mistral_regex_warning(tmp_path, monkeypatch):
+    """transformers 4.57.3 to 4.x warns on any local folder it saved with a vocabulary of more than 100,000 tokens
+    (Qwen2.5's, Gemma 3's) that its regex may be Mistral's broken one; a converted GGUF's folder holds llama.cpp's
+    own pre-tokenizer (checked against llama-server's /tokenize), so the server's log carries no such false
+    alarm, and the ids do not change. (The tiny file's vocabulary is made to look that large.)"""
+    import logging
+
+    import transformers
+
+    monkeypatch.setattr(transformers.PreTrainedTokenizerFast, "vocab_size", property(lambda self: 150_000))
+
+    from gguf_reference import GGUF_DIR
+
+    from inference_api.model.loader import STAMP, gguf_folder
+    from inference_api.model.tokenizer import HFTokenizer
+
+    folder = gguf_folder(GGUF_DIR / "qwen2-q4_k_m.gguf", tmp_path / "qwen2", weights=False)
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        ours = HFTokenizer(folder)
+        (folder / STAMP).unlink()  # the same folder, as any local folder transformers saved
+        theirs = HFTokenizer(folder)
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    warned = [r for r in records if "regex" in r.getMessage()]
+    assert len(warned) == 1  # (the unstamped one: the warning is still there to be silenced)
+    text = "Hello world's 12345 tokens,\n  and   more: ÅÄÖ"
+    assert ours.encode(text) == theirs.encode(text)

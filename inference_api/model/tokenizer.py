@@ -30,7 +30,10 @@ class HFTokenizer:
     def __init__(self, model_dir: str | Path):
         from transformers import AutoTokenizer
 
-        self.tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        # a converted GGUF's folder holds the tokenizer llama.cpp reads from the file (its pre-tokenizer's own
+        # regex): transformers 4.57.3+ warns that any local folder it saved may need Mistral's regex fixed
+        ours = {"fix_mistral_regex": False} if (Path(model_dir) / STAMP).is_file() else {}
+        self.tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **ours)
         # a fast tokenizer's own Rust tokenizer, which encodes the same ids without transformers' Python around it
         # (padding and truncation strategies, none of which the server asks for): 10 us less a short text
         self.backend = self.tok.backend_tokenizer if self.tok.is_fast else None

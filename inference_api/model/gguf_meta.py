@@ -5,6 +5,7 @@ keeps these, so later starts do not parse the file again."""
 from __future__ import annotations
 
 import math
+import mmap
 import struct
 from collections import Counter
 from dataclasses import dataclass
@@ -70,7 +71,9 @@ class GGUFIndex:
         from gguf.quants import quant_shape_to_byte_shape
 
         self.path = Path(path)
-        self.data = np.memmap(self.path, mode="r")
+        with open(self.path, "rb") as f:  # (the map outlives the descriptor)
+            self.map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self.data = np.frombuffer(self.map, dtype=np.uint8)  # read-only, as every tensor viewed from it
         buf = self.data.data  # the file's bytes as a memoryview
         if bytes(buf[:4]) != b"GGUF":
             raise ValueError(f"{path} is not a GGUF file")
@@ -115,6 +118,12 @@ class GGUFIndex:
             at = start + offset
             data = self.data[at : at + count * np.dtype(dtype).itemsize].view(dtype).reshape(shape)
             self.tensors.append(IndexTensor(name, kind, np.array(dims, dtype=np.uint64), n, n * size // block, data))
+
+    def release_pages(self) -> None:
+        """The file's pages read so far leave this process's resident set (they stay in the system's page cache,
+        and are read in again where touched)."""
+        if hasattr(mmap, "MADV_DONTNEED"):
+            self.map.madvise(mmap.MADV_DONTNEED)
 
 
 @dataclass(frozen=True)
@@ -193,6 +202,12 @@ def key_outliers(tensors) -> list[int]:
             if b.size and b.max() > KEY_OUTLIER * max(float(np.median(b)), 1e-12):
                 found.append(int(parts[1]))
     return sorted(found)
+
+
+def vocab_length(path) -> int:
+    """How many tokens the file's vocabulary holds (0: none), from its header alone."""
+    tokens = GGUFIndex(path).fields.get("tokenizer.ggml.tokens")
+    return tokens.length if isinstance(tokens, LongArray) else len(tokens or ())
 
 
 def read_header(path) -> dict:

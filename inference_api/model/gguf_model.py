@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -217,9 +216,9 @@ class GGUFWeights:
         """Nothing held: each tensor is read when asked for. The file's pages read so far leave the process's
         resident set (they stay in the system's page cache): without it a load's resident peak counts the whole
         mapped file beside the weights made of it (Qwen2.5 1.5B IQ3_S: 3.4 GB at the last layer, 2.5 after)."""
-        mapping = getattr(getattr(self.m.reader, "data", None), "_mmap", None)
-        if mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
-            mapping.madvise(mmap.MADV_DONTNEED)
+        release = getattr(self.m.reader, "release_pages", None)  # (GGUFIndex's; a first start's GGUFReader has none)
+        if release is not None:
+            release()
 
 
 class ModelConfig(SimpleNamespace):

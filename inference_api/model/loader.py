@@ -91,15 +91,18 @@ def gguf_target(config: ServerConfig, gguf: Path) -> Path:
 
 def resolve_model_dir(config: ServerConfig, weights: bool = True, child: bool = False) -> Path:
     """A local folder with config and tokenizer (and weights, unless a GGUF is read straight from its file).
-    child: a GGUF's first conversion runs in a process of its own (the engine's: the whole vocabulary parsed into
-    Python objects, about 0.6 GB for Gemma 3's, and transformers' import leave with it instead of staying in the
-    engine's heap); where that child fails, the conversion runs here and raises its own error."""
+    child: the first conversion of a GGUF of a large vocabulary runs in a process of its own (the engine's: the
+    whole vocabulary parsed into Python objects, about 0.6 GB for Gemma 3's, and transformers' import leave with it
+    instead of staying in the engine's heap; a small one's parse costs less than a process's start); where that
+    child fails, the conversion runs here and raises its own error."""
     gguf = gguf_source(config)
     if gguf is not None:
         if not gguf.is_file():
             raise RuntimeError(f"no such GGUF file: {gguf}")
+        from .gguf_meta import vocab_length
+
         target = gguf_target(config, gguf)
-        if child and not is_converted(gguf, target, weights):
+        if child and not is_converted(gguf, target, weights) and vocab_length(gguf) > CHILD_VOCAB:
             command = [sys.executable, "-m", "inference_api.model.loader", str(gguf), str(target)]
             subprocess.run(command + (["--weights"] if weights else []), check=False)
         return gguf_folder(gguf, target, weights)
@@ -121,6 +124,9 @@ STAMP = "gguf_source.json"
 # the compact decoder's config of a GGUF as the conversion made it with transformers' config class (every default
 # of the family's class written out): the engine reads it without importing transformers (gguf_model.ModelConfig)
 COMPACT_CONFIG = "compact_config.json"
+# resolve_model_dir(child=True): a first conversion of a vocabulary larger than this runs in a child process
+# (Qwen2.5's 151,936 tokens and Gemma 3's 262,144 do; SmolLM2's 49,152 and the tests' tiny files convert in place)
+CHILD_VOCAB = 65_536
 
 
 def _file_key(gguf: Path) -> dict:

@@ -87,6 +87,13 @@ SUBJECTS = [
 
 ROOT = Path(__file__).resolve().parent.parent
 
+
+def use_repo() -> None:
+    """The checkout's inference_api importable from this script (run by its path, not as a module)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+
+
 EXTRACT_SOURCE = """\
 From: Dana Whitfield <dana.whitfield@harbor-freight-lines.example>
 Date: 14 March 2026
@@ -637,7 +644,7 @@ class Offline:
     precision (the embedded default model when the server serves it, else the server's model folder)."""
 
     def __init__(self, health: dict, max_tokens: int, chat: bool):
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        use_repo()
         from inference_api import LLM, SamplingParams
         from inference_api.config import DEFAULT_MODEL_NAME
 
@@ -684,17 +691,19 @@ def token_counter(health: dict, max_tokens: int):
     plus the end token, never more than were asked for (an answer cut by max_tokens has no end token)."""
     if health.get("mock", False):
         return lambda text: len(text.encode())
-    from transformers import AutoTokenizer
+    use_repo()
+    from inference_api.model.tokenizer import HFTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(health["model_dir"])
+    tokenizer = HFTokenizer(health["model_dir"])  # (the server's own: the same ids, none of transformers' warnings)
     return lambda text: min(len(tokenizer.encode(text, add_special_tokens=False)) + 1, max_tokens)
 
 
 def long_prompt(model_dir: str, length: int) -> str:
     """A raw prompt of at most ``length`` tokens of the model's tokenizer: the essay prompts, repeated."""
-    from transformers import AutoTokenizer
+    use_repo()
+    from inference_api.model.tokenizer import HFTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer = HFTokenizer(model_dir)
     unit = tokenizer.encode(" ".join(prompts(len(SUBJECTS))) + " ", add_special_tokens=False)
     ids = (unit * (length // len(unit) + 1))[:length]
     while len(tokenizer.encode(text := tokenizer.decode(ids), add_special_tokens=False)) > length:
@@ -734,7 +743,7 @@ def compute_probe(health: dict, seconds: float = 0.5) -> float | None:
     ``int8_peak``: the tiles' instruction alone, no memory traffic), the best of a few runs; printed. The ceiling of
     a compute-bound step such as a long prefill. None when the kernels cannot be loaded here (never fails the run)."""
     try:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        use_repo()
         from inference_api.config import ServerConfig
         from inference_api.kernels import load_kernels
 
@@ -763,7 +772,7 @@ def served_gguf(path: str | None, health: dict) -> tuple[Path | None, str]:
     if path:
         return Path(path), path
     try:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+        use_repo()
         from inference_api.config import DEFAULT_MODEL_NAME
         from inference_api.model.loader import embedded_gguf
 

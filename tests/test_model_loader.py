@@ -406,7 +406,7 @@ def test_the_compact_config_a_conversion_writes_describes_the_model_as_the_file_
 
 
 def test_a_first_conversion_for_the_engine_runs_in_a_process_of_its_own(tmp_path, monkeypatch):
-    """resolve_model_dir(child=True), as the engine process calls it: a GGUF's first conversion of a large
+    """resolve_model_dir, as the engine process calls it: a GGUF's first conversion of a large
     vocabulary (parsed into Python objects, transformers imported) runs in a child process, whose memory leaves
     with it; the folder it makes is the one an in-process conversion makes. A small vocabulary converts in place
     (a process's start would cost more: the suite converts dozens of tiny files). A child that fails leaves the
@@ -414,7 +414,7 @@ def test_a_first_conversion_for_the_engine_runs_in_a_process_of_its_own(tmp_path
     from gguf_reference import GGUF_DIR
 
     from inference_api.model import gguf_vocab, loader
-    from inference_api.model.gguf_meta import vocab_length
+    from inference_api.model.gguf_meta import read_header
     from inference_api.model.loader import gguf_folder
 
     def here(*args, **kwargs):
@@ -422,14 +422,14 @@ def test_a_first_conversion_for_the_engine_runs_in_a_process_of_its_own(tmp_path
 
     gguf = tmp_path / "tiny.gguf"
     gguf.write_bytes((GGUF_DIR / "qwen3think-q4_k_m.gguf").read_bytes())
-    assert vocab_length(gguf) == 514 <= loader.CHILD_VOCAB
+    assert read_header(gguf)["vocab"] == 514 <= loader.CHILD_VOCAB
     config = ServerConfig(model=str(gguf), model_cache_dir=tmp_path / "cache")
     with monkeypatch.context() as m:
         m.setattr(gguf_vocab, "gguf_tokenizer", here)
         with pytest.raises(AssertionError, match="in this process"):  # (small: in place)
-            resolve_model_dir(config, weights=False, child=True)
+            resolve_model_dir(config, weights=False)
         m.setattr(loader, "CHILD_VOCAB", 500)  # (the file's 514 tokens made "large")
-        folder = resolve_model_dir(config, weights=False, child=True)
+        folder = resolve_model_dir(config, weights=False)
     reference = gguf_folder(gguf, tmp_path / "here", weights=False)
     names = sorted(p.name for p in reference.iterdir())
     assert sorted(p.name for p in folder.iterdir()) == names and "compact_config.json" in names
@@ -440,7 +440,7 @@ def test_a_first_conversion_for_the_engine_runs_in_a_process_of_its_own(tmp_path
     broken.write_bytes(gguf.read_bytes()[:5000])
     monkeypatch.setattr(loader, "CHILD_VOCAB", 0)
     with pytest.raises(Exception) as error:
-        resolve_model_dir(ServerConfig(model=str(broken), model_cache_dir=tmp_path / "cache"), False, child=True)
+        resolve_model_dir(ServerConfig(model=str(broken), model_cache_dir=tmp_path / "cache"), False)
     assert not isinstance(error.value, AssertionError)
 
 

@@ -106,7 +106,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
         kernels_state = f"unavailable: {WITHOUT_KERNELS}"
     # a GGUF of a described architecture is read straight from its file; anything else through transformers
     direct = gguf is not None and plan.model == "compact"
-    model_dir = resolve_model_dir(config, weights=not direct, child=True) if gguf is not None else folder
+    model_dir = resolve_model_dir(config, weights=not direct) if gguf is not None else folder
     tokenizer = engine_tokenizer(model_dir)
     eos = eos_ids(model_dir, tokenizer)
     source = gguf if direct else None
@@ -233,7 +233,7 @@ def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineRe
     from ..kernels import WITHOUT_KERNELS, load_kernels
     from ..model.linear import linear_factory
 
-    folder = resolve_model_dir(config, weights=False, child=True)  # its tokenizer, as llama.cpp reads the file's
+    folder = resolve_model_dir(config, weights=False)  # its tokenizer, as llama.cpp reads the file's
     # the encoder runs on the CPU, on the kernels unless another device is asked for: at the plan's level
     # (--cpu-level, checked against this CPU as a decoder's; none where the plan takes a GPU: this CPU's own build)
     on_cpu = config.device in ("auto", "cpu")
@@ -274,7 +274,7 @@ def load_drafter(config: ServerConfig, tokenizer, kernels) -> ModelDrafter:
     plan = make_plan(draft_config, model_facts(gguf, gguf_target(draft_config, gguf)), probe_machine(config.device))
     if plan.model != "compact":
         raise RuntimeError(f"--draft-model {config.draft_model!r}: architecture {plan.arch!r} cannot draft")
-    folder = resolve_model_dir(draft_config, weights=False, child=True)
+    folder = resolve_model_dir(draft_config, weights=False)
     if engine_tokenizer(folder).vocab() != tokenizer.vocab():
         raise RuntimeError(
             f"--draft-model {config.draft_model!r}: its vocabulary is not the model's (drafts are token ids)"

@@ -204,12 +204,6 @@ def key_outliers(tensors) -> list[int]:
     return sorted(found)
 
 
-def vocab_length(path) -> int:
-    """How many tokens the file's vocabulary holds (0: none), from its header alone."""
-    tokens = GGUFIndex(path).fields.get("tokenizer.ggml.tokens")
-    return tokens.length if isinstance(tokens, LongArray) else len(tokens or ())
-
-
 def read_header(path) -> dict:
     """The header's summary (architecture, weight types and mode, shape, chat template), by a GGUFIndex: no
     vocabulary parsed (a fraction of a second, where gguf-py's GGUFReader takes seconds)."""
@@ -243,8 +237,10 @@ def read_header(path) -> dict:
                 iq_params += int(t.n_elements)
             elif t.tensor_type.name not in served:
                 float_params += int(t.n_elements)
+    tokens = index.fields.get("tokenizer.ggml.tokens")
     return {
         "arch": arch,
+        "vocab": tokens.length if isinstance(tokens, LongArray) else len(tokens or ()),  # (0: none)
         "chat_template": field("tokenizer.chat_template"),
         "quantize": mode_of([kind]) if kind else "none",
         "types": [k for k, _ in by_bytes.most_common()],

@@ -231,8 +231,7 @@ class ModelConfig(SimpleNamespace):
         """The folder's compact config, or None where it has none (a folder converted with weights, or none)."""
         from .loader import COMPACT_CONFIG
 
-        path = Path(folder) / COMPACT_CONFIG if folder is not None else None
-        if path is None or not path.is_file():
+        if folder is None or not (path := Path(folder) / COMPACT_CONFIG).is_file():
             return None
         return cls(**json.loads(path.read_text()))
 

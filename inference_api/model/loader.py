@@ -89,20 +89,20 @@ def gguf_target(config: ServerConfig, gguf: Path) -> Path:
     return config.model_cache_dir / f"{name}-{content_digest(gguf, config.model_cache_dir)}"
 
 
-def resolve_model_dir(config: ServerConfig, weights: bool = True, child: bool = False) -> Path:
+def resolve_model_dir(config: ServerConfig, weights: bool = True) -> Path:
     """A local folder with config and tokenizer (and weights, unless a GGUF is read straight from its file).
-    child: the first conversion of a GGUF of a large vocabulary runs in a process of its own (the engine's: the
-    whole vocabulary parsed into Python objects, about 0.6 GB for Gemma 3's, and transformers' import leave with it
-    instead of staying in the engine's heap; a small one's parse costs less than a process's start); where that
-    child fails, the conversion runs here and raises its own error."""
+    The first conversion of a GGUF of a large vocabulary runs in a process of its own (the whole vocabulary parsed
+    into Python objects, about 0.6 GB for Gemma 3's, and transformers' import leave with it instead of staying in
+    the caller's heap: the engine's; a small one's parse costs less than a process's start); where that child
+    fails, the conversion runs here and raises its own error."""
     gguf = gguf_source(config)
     if gguf is not None:
         if not gguf.is_file():
             raise RuntimeError(f"no such GGUF file: {gguf}")
-        from .gguf_meta import vocab_length
+        from .gguf_meta import read_header
 
         target = gguf_target(config, gguf)
-        if child and not is_converted(gguf, target, weights) and vocab_length(gguf) > CHILD_VOCAB:
+        if not is_converted(gguf, target, weights) and read_header(gguf)["vocab"] > CHILD_VOCAB:
             command = [sys.executable, "-m", "inference_api.model.loader", str(gguf), str(target)]
             subprocess.run(command + (["--weights"] if weights else []), check=False)
         return gguf_folder(gguf, target, weights)
@@ -124,7 +124,7 @@ STAMP = "gguf_source.json"
 # the compact decoder's config of a GGUF as the conversion made it with transformers' config class (every default
 # of the family's class written out): the engine reads it without importing transformers (gguf_model.ModelConfig)
 COMPACT_CONFIG = "compact_config.json"
-# resolve_model_dir(child=True): a first conversion of a vocabulary larger than this runs in a child process
+# resolve_model_dir: a first conversion of a vocabulary larger than this runs in a child process
 # (Qwen2.5's 151,936 tokens and Gemma 3's 262,144 do; SmolLM2's 49,152 and the tests' tiny files convert in place)
 CHILD_VOCAB = 65_536
 
@@ -143,6 +143,12 @@ def read_stamp(gguf: Path, target: Path) -> dict | None:
         return None
     ok = all(stamp.get(k) == v for k, v in _file_key(gguf).items()) and (target / "config.json").is_file()
     return stamp if ok else None
+
+
+def is_gguf_folder(folder: Path | str) -> bool:
+    """Whether the folder is a GGUF's conversion (the converter's stamp in it): its tokenizer is transformers'
+    own JSON of the file's vocabulary as llama.cpp reads it."""
+    return (Path(folder) / STAMP).is_file()
 
 
 def is_converted(gguf: Path, target: Path, weights: bool = True) -> bool:

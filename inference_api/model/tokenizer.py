@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
-from .loader import STAMP
+from .loader import is_gguf_folder
 
 
 class Tokenizer(Protocol):
@@ -32,7 +32,7 @@ class HFTokenizer:
 
         # a converted GGUF's folder holds the tokenizer llama.cpp reads from the file (its pre-tokenizer's own
         # regex): transformers 4.57.3+ warns that any local folder it saved may need Mistral's regex fixed
-        ours = {"fix_mistral_regex": False} if (Path(model_dir) / STAMP).is_file() else {}
+        ours = {"fix_mistral_regex": False} if is_gguf_folder(model_dir) else {}
         self.tok = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True, **ours)
         # a fast tokenizer's own Rust tokenizer, which encodes the same ids without transformers' Python around it
         # (padding and truncation strategies, none of which the server asks for): 10 us less a short text
@@ -159,6 +159,6 @@ def engine_tokenizer(model_dir: str | Path) -> EngineTokenizer:
     transformers; any other folder through transformers (its tokenizer.json may leave to tokenizer_config.json
     which added tokens are special)."""
     folder = Path(model_dir)
-    if (folder / STAMP).is_file() and (folder / "tokenizer.json").is_file():
+    if is_gguf_folder(folder) and (folder / "tokenizer.json").is_file():
         return JsonTokenizer(folder)
     return HFTokenizer(folder)

@@ -1116,6 +1116,7 @@ def main() -> None:
         memory = process_memory(pid)
         if memory:
             print(f"{label} memory: {memory}")
+    print_server_memory(health, args.peer_pid)
     if args.structured:
         compile_stall(args.url, model, max(args.concurrency), args.max_tokens, count)
     if args.flood:
@@ -1138,6 +1139,7 @@ def main() -> None:
         run_load(args.url, model, 1, 1, count, api="openai", texts=[text])
         print_row("every row's context", run_load(args.url, model, rows, 8, count, api="openai", texts=[text] * rows))
         print(f"engine memory, every row's context filled: {process_memory(health.get('backend_pid'))}")
+        print_server_memory(health, args.peer_pid, "every row's context filled")
     if offline:
         offline.llm.close()
 
@@ -1313,6 +1315,60 @@ def process_memory(pid: int | None) -> str | None:
         return None
     kib = dict(re.findall(r"^(VmRSS|VmHWM):\s+(\d+) kB", status, re.M))
     return f"{int(kib['VmRSS']) / 2**20:.2f} GiB resident, peak {int(kib['VmHWM']) / 2**20:.2f} GiB"
+
+
+def server_processes(engine_pid: int) -> list[int]:
+    """Every process of the server whose engine this is: the topmost of its ancestors that runs this server
+    (gunicorn's first process), and everything below it (the web worker, the engine, multiprocessing's tracker)."""
+
+    def parent(pid: int) -> int:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+
+    def ours(pid: int) -> bool:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        return b"inference_api" in cmdline or b"inference-api" in cmdline
+
+    top = engine_pid
+    while parent(top) > 1 and ours(parent(top)):
+        top = parent(top)
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                children.setdefault(parent(int(entry.name)), []).append(int(entry.name))
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                pass
+    found, todo = [], [top]
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
+
+
+def proportional_memory(pids: list[int]) -> float:
+    """GiB the processes hold together: each one's proportional set size (a page shared by n processes counts 1/n
+    in each), so pages a fork shares count once."""
+    total = 0
+    for pid in pids:
+        try:
+            rollup = Path(f"/proc/{pid}/smaps_rollup").read_text()
+        except OSError:
+            continue
+        total += int(re.search(r"^Pss:\s+(\d+) kB", rollup, re.M).group(1))  # type: ignore[union-attr]
+    return total / 2**20
+
+
+def print_server_memory(health: dict, peer_pid: int | None, when: str = "") -> None:
+    """The whole server's memory (every process of it: the web worker and gunicorn's first process beside the
+    engine) and the peer's, proportional set sizes; nothing where the server does not run on this host."""
+    try:
+        pids = server_processes(int(health["backend_pid"]))
+    except (KeyError, TypeError, ValueError, OSError):
+        return
+    peer = f", peer {proportional_memory([peer_pid]):.2f} GiB" if peer_pid else ""
+    label = f"server memory, {when}" if when else "server memory"
+    print(f"{label} (all {len(pids)} processes, proportional): {proportional_memory(pids):.2f} GiB{peer}")
 
 
 def median_row(runs: list[dict]) -> dict:

@@ -40,6 +40,9 @@ def test_mock_server_figures(mock_server):
     assert "medians of 2 run(s)" in result.stdout
     assert "TTFT p50" in result.stdout and "ITL p50" in result.stdout
     assert re.search(r"engine memory: [\d.]+ GiB resident, peak [\d.]+ GiB", result.stdout)
+    # the whole server: gunicorn's first process, the web worker, the engine and multiprocessing's tracker
+    found = re.search(r"server memory \(all (\d+) processes, proportional\): ([\d.]+) GiB", result.stdout)
+    assert found and int(found[1]) == 4 and float(found[2]) > 0, result.stdout
     # the engine's decode steps by rows, per load and over all runs: one stream's steps decode one row
     assert re.search(r"decode steps\s+c=1\s+1 row [\d.]+ ms \(\d+ steps\)", result.stdout), result.stdout
     assert re.search(r"decode step time\s+c=1\s+1 row [\d.]+ ms \(\d+ steps\)$", result.stdout, re.M)
@@ -208,6 +211,10 @@ def test_fill_context_fills_every_row_and_reports_the_engines_memory(small_defau
     assert "ERRORS" not in result.stdout
     before, filled = re.findall(r"engine memory(?:, every row's context filled)?: ([\d.]+) GiB resident", result.stdout)
     assert float(filled) > float(before)  # the lazily resident cache took its pages
+    whole = re.search(
+        r"server memory, every row's context filled \(all 4 processes, proportional\): ([\d.]+) GiB", result.stdout
+    )
+    assert whole and float(whole[1]) > float(filled) * 0.9, result.stdout  # (proportional: shared pages split)
 
 
 def test_prefill_times_a_fresh_long_prompt(small_default_server):

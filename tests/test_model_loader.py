@@ -17,6 +17,8 @@ from inference_api.config import ServerConfig
 from inference_api.engine.process import build_engine
 from inference_api.model.loader import embedded_gguf, model_name, resolve_model_dir
 
+DATA = Path(__file__).resolve().parent / "data"
+
 # each family's tiny model: tiny.py's sizes (64 wide, 2 layers, 4 heads), these keys beside them
 ARCHITECTURES: dict[str, dict] = {
     "llama": dict(num_key_value_heads=2),
@@ -297,23 +299,31 @@ def test_a_ggufs_pages_leave_the_resident_set_once_a_layer_is_built():
 
 
 @pytest.mark.parametrize(
-    "name", ["llama-q4_0.gguf", "llama-spm-q4_k_m.gguf", "gemma-spm-q4_k_m.gguf", "qwen3think-q4_k_m.gguf", None]
+    "name",
+    [
+        "llama-q4_0.gguf",
+        "llama-spm-q4_k_m.gguf",
+        "gemma-spm-q4_k_m.gguf",
+        "qwen3think-q4_k_m.gguf",
+        "bert-rerank-f32.gguf",
+        None,
+    ],
 )
-def test_the_engines_tokenizer_of_a_gguf_is_transformers_own_without_transformers(name, tmp_path, model_dir):
-    """A converted GGUF's folder gives the engine process a JsonTokenizer (the tokenizers package over the
+def test_a_ggufs_tokenizer_is_transformers_own_without_transformers(name, tmp_path, model_dir):
+    """A converted GGUF's folder gives the server a JsonTokenizer (the tokenizers package over the
     folder's tokenizer.json): every token alone, every sequence, special and added tokens, partial characters
     decode as transformers' tokenizer decodes them; the same vocabulary, JSON and EOS. Byte-level BPE, both
-    SentencePiece kinds, added thinking tokens, and the embedded model's 49,152 tokens (None). A folder no
-    conversion made is read through transformers."""
+    SentencePiece kinds, added thinking tokens, a reranker's WordPiece (its pairs too), and the embedded model's
+    49,152 tokens (None). A folder no conversion made is read through transformers."""
     import random
 
     from gguf_reference import GGUF_DIR
 
     from inference_api.model.loader import gguf_folder
-    from inference_api.model.tokenizer import HFTokenizer, JsonTokenizer, engine_tokenizer
+    from inference_api.model.tokenizer import HFTokenizer, JsonTokenizer, load_tokenizer
 
     folder = model_dir if name is None else gguf_folder(GGUF_DIR / name, tmp_path / "folder", weights=False)
-    light, full = engine_tokenizer(folder), HFTokenizer(folder)
+    light, full = load_tokenizer(folder), HFTokenizer(folder)
     assert isinstance(light, JsonTokenizer)
     n = len(full.tok)
     assert light.vocab() == full.vocab() and len(light.vocab()) == n
@@ -327,6 +337,8 @@ def test_the_engines_tokenizer_of_a_gguf_is_transformers_own_without_transformer
     text = "Hi there,  it's “quoted” — 7 × 6 = 42 ✓ ok.\n\tEnd"
     ids = full.encode(text)
     assert light.decode(ids) == full.decode(ids)
+    assert light.encode(text) == ids and light.offsets(text) == full.offsets(text)
+    assert light.encode_pair("a query", text) == full.encode_pair("a query", text)
     light.clean_up = full.tok.clean_up_tokenization_spaces = True
     for ids in (full.encode("Hello , world . It 's ok ?"), [rng.randrange(n) for _ in range(40)]):
         assert light.decode(ids) == full.decode(ids)
@@ -335,7 +347,100 @@ def test_the_engines_tokenizer_of_a_gguf_is_transformers_own_without_transformer
     plain.mkdir()
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (plain / f).write_bytes((folder / f).read_bytes())
-    assert isinstance(engine_tokenizer(plain), HFTokenizer)
+    assert isinstance(load_tokenizer(plain), HFTokenizer)
+
+
+# a template that uses what transformers' environment gives every template: its tojson (not HTML-escaped, with its
+# arguments), raise_exception, loop controls, the {% generation %} tag, namespace(), the special tokens by name,
+# strftime_now, and trim_blocks / lstrip_blocks
+FEATURES_TEMPLATE = """{{ bos_token }}
+{% for m in messages %}
+  {% if m.role == 'system' and not loop.first %}{{ raise_exception('the system message must come first') }}{% endif %}
+  <{{ m.role }}>{{ m.content | trim }}{% if m.tool_calls %} {{ m.tool_calls | tojson(indent=2) }}{% endif %}
+  {% if loop.index > 5 %}{% break %}{% endif %}
+{% endfor %}
+{% if tools %}{% for t in tools %}{{ t | tojson(sort_keys=True) }}{% endfor %}{% endif %}
+{% generation %}[{{ eos_token }}]{% endgeneration %}
+{% set ns = namespace(n=0) %}{% for m in messages %}{% set ns.n = ns.n + 1 %}{% endfor %}{{ ns.n }}
+{{ strftime_now('%Y') }}
+{% if add_generation_prompt %}<assistant>{% endif %}"""
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather <now> & tomorrow",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+CALL = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Zürich"}}}
+CONVERSATIONS = [
+    ([{"role": "user", "content": "Hello there!"}], None),
+    (
+        [
+            {"role": "system", "content": "Be brief.  "},
+            {"role": "user", "content": "Say <b>ünïcödé</b> & “quotes” ✓ 日本"},
+            {"role": "assistant", "content": "Done."},
+            {"role": "user", "content": "\tAgain,\nplease."},
+        ],
+        None,
+    ),
+    (
+        [
+            {"role": "user", "content": "Weather in Zürich?"},
+            {"role": "assistant", "content": "", "tool_calls": [CALL]},
+            {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'},
+        ],
+        [TOOL],
+    ),
+]
+
+
+@pytest.mark.parametrize("template", ["embedded", "qwen3think", "qwen2.5-tools", "features"])
+def test_a_ggufs_chat_template_renders_as_transformers_renders_it(template, tmp_path, model_dir):
+    """The web worker of a GGUF renders its chat template without transformers (JsonTokenizer, chat_template.py):
+    the same prompt ids as transformers' apply_chat_template for conversations with a system turn, unicode, HTML
+    characters, tool calls and results and tools given; the same special tokens, template and tools switch; the
+    same encode, offsets and pairs; a template's raise_exception the same jinja2 error. The embedded model's
+    template, the thinking file's, Qwen2.5's tool template and one that uses every part of transformers'
+    environment."""
+    import jinja2
+    from gguf_reference import GGUF_DIR
+
+    from inference_api.model.loader import gguf_folder
+    from inference_api.model.tokenizer import HFTokenizer, JsonTokenizer, load_tokenizer
+
+    if template in ("embedded", "qwen3think"):
+        folder = (
+            model_dir
+            if template == "embedded"
+            else gguf_folder(GGUF_DIR / "qwen3think-q4_k_m.gguf", tmp_path / "think", weights=False)
+        )
+    else:
+        folder = gguf_folder(GGUF_DIR / "qwen2-q4_k_m.gguf", tmp_path / "qwen2", weights=False)
+        source = FEATURES_TEMPLATE if template == "features" else (DATA / "templates" / f"{template}.jinja").read_text()
+        (folder / "chat_template.jinja").write_text(source)
+    light, full = load_tokenizer(folder), HFTokenizer(folder)
+    assert isinstance(light, JsonTokenizer) and light.chat_template == full.tok.chat_template
+    assert light.specials == full.tok.special_tokens_map and light.handles_tools == full.handles_tools
+    for messages, tools in CONVERSATIONS:
+        if tools is not None and not full.handles_tools:
+            continue
+        ids = light.encode_chat(messages, tools)
+        assert ids == full.encode_chat(messages, tools)
+        assert light.decode(ids) == full.decode(ids) and len(ids) > 8
+    text = "Hi there,  it's “quoted” — 7 × 6 = 42 ✓ ok.\n\tEnd"
+    assert light.encode(text) == full.encode(text) and light.offsets(text) == full.offsets(text)
+    assert light.encode(text, add_special_tokens=False) == full.encode(text, add_special_tokens=False)
+    assert light.encode_pair("a query", text) == full.encode_pair("a query", text)
+    if template == "features":
+        late = [{"role": "user", "content": "hi"}, {"role": "system", "content": "late"}]
+        errors = []
+        for tok in (light, full):
+            with pytest.raises(jinja2.TemplateError) as err:
+                tok.encode_chat(late)
+            errors.append(str(err.value))
+        assert errors[0] == errors[1] == "the system message must come first"
 
 
 def test_the_engine_process_of_a_gguf_never_imports_transformers():

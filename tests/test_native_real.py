@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -206,3 +207,31 @@ def test_a_victims_answer_alone_equals_its_answer_beside_adversarial_requests(de
         for o in others:
             o.result()
     assert server.wait_idle()["open_sessions"] == 0
+
+
+def test_the_web_processes_of_a_gguf_hold_neither_torch_nor_transformers_tokenizer(default_server, model_name):
+    """The server's first process (gunicorn's arbiter) and its web worker never load torch (neither pre-flight's
+    checks nor the engine's entry point import it; a GGUF's tokenizer and chat template are read without
+    transformers, which would load it), after chat, tool, structured, log-prob and tokenize requests have taken
+    the web worker's paths: libtorch is not mapped in either, and the worker holds under 0.2 GB."""
+    tool = {"type": "function", "function": {"name": "w", "parameters": {"type": "object", "properties": {}}}}
+    bodies = [
+        {"messages": [{"role": "user", "content": "Say hello."}], "logprobs": True, "top_logprobs": 2},
+        {"messages": [{"role": "user", "content": "Weather?"}], "tools": [tool], "tool_choice": "required"},
+        {"messages": [{"role": "user", "content": "A name"}], "response_format": {"type": "json_object"}},
+    ]
+    for body in bodies:
+        r = requests.post(
+            default_server.url + "/v1/chat/completions", json={"model": model_name, "max_tokens": 8, **body}, timeout=60
+        )
+        assert r.status_code == 200, r.text
+    assert requests.post(default_server.url + "/tokenize", json={"inputs": "hello"}, timeout=30).status_code == 200
+    engine = default_server.health()["backend_pid"]
+    worker = int(Path(f"/proc/{engine}/stat").read_text().rsplit(")", 1)[1].split()[1])
+    assert int(Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1]) == default_server.proc.pid
+    for pid in (default_server.proc.pid, worker):
+        assert "libtorch" not in Path(f"/proc/{pid}/maps").read_text(), pid
+    assert "libtorch" in Path(f"/proc/{engine}/maps").read_text()  # (what the check looks for is there to find)
+    status = Path(f"/proc/{worker}/status").read_text().splitlines()
+    rss_kb = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+    assert rss_kb < 200 * 1024

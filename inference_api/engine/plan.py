@@ -267,7 +267,7 @@ def probe_machine(device: str = "auto") -> Machine:
 
 def is_encoder(arch: str) -> bool:
     """Whether an architecture (a GGUF's, as ModelFacts has it) runs on model/encoder.py."""
-    from ..model.encoder import ENCODERS
+    from ..model.families import ENCODERS
 
     return arch in ENCODERS
 

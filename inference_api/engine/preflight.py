@@ -385,6 +385,8 @@ def estimate(config: ServerConfig) -> Estimate:
 def adapters_bytes(config: ServerConfig, plan: ExecutionPlan) -> int:
     """--lora's adapters as the decoder holds them: their numbers (from the files' headers) in float16 where the
     CPU kernels add their terms, else in the model's dtype."""
+    if not config.lora:  # (model/lora.py imports torch: a server process without adapters never needs it)
+        return 0
     from ..model.lora import adapter_params, adapter_specs
 
     numbers = sum(adapter_params(path) for _, path in adapter_specs(config.lora))
@@ -393,10 +395,9 @@ def adapters_bytes(config: ServerConfig, plan: ExecutionPlan) -> int:
 
 def served_architectures(arch: str | None = None) -> tuple[str, ...]:
     """The GGUF architectures this server runs: the family table's (the compact decoder), the embedding models'
-    (model/encoder.py) and those transformers reads from a GGUF (its layers). With ``arch``: just (arch,) when
+    (ENCODERS) and those transformers reads from a GGUF (its layers). With ``arch``: just (arch,) when
     the first two hold it (transformers, a second's import, is read only for an architecture they do not)."""
-    from ..model.encoder import ENCODERS
-    from ..model.families import FAMILIES
+    from ..model.families import ENCODERS, FAMILIES
 
     known = {f.gguf for f in FAMILIES.values() if f.gguf} | set(ENCODERS)
     if arch in known:

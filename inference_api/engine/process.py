@@ -6,11 +6,9 @@ import dataclasses
 import logging
 import queue
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..config import ServerConfig
-from .adapters import Adapters
-from .embedder import Embedder
-from .engine import Engine
 from .lifeline import die_with_parent, release_free_memory, scheduling_class
 from .messages import (
     AdapterReply,
@@ -24,13 +22,20 @@ from .messages import (
     StepOutput,
     UnloadAdapter,
 )
-from .prompt_cache import PromptCache, cache_bytes, fingerprint
-from .speculative import ModelDrafter, spec_config
+
+if TYPE_CHECKING:  # (imported where used: the web worker imports this module for run_engine, without torch)
+    from .adapters import Adapters
+    from .embedder import Embedder
+    from .engine import Engine
+    from .prompt_cache import PromptCache
+    from .speculative import ModelDrafter
 
 log = logging.getLogger(__name__)
 
 
 def _engine(config: ServerConfig, *args, **kwargs) -> Engine:
+    from .engine import Engine
+
     if config.test_fault_text:
         from .faults import FaultyEngine
 
@@ -42,18 +47,15 @@ def release_freed_memory() -> None:
     """Hand the memory freed by loading back to the system: parsing a GGUF's metadata (Gemma 3's 262,144-token
     vocabulary: about 0.6 GB of Python objects) and its tokenizer leave freed pages that glibc keeps; trimmed,
     the engine of Gemma 3 270M holds 0.69 GB instead of 0.81 after its start (docs/performance.md)."""
-    import ctypes
     import gc
 
     gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
+    release_free_memory()
 
 
 def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
     from ..model.loader import model_name
+    from .speculative import spec_config
 
     if config.mock:
         if config.lora:
@@ -89,7 +91,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
     if encoder is not None:
         return build_embedder(config, encoder)
     gguf = gguf_source(config)
-    from ..model.tokenizer import engine_tokenizer
+    from ..model.tokenizer import load_tokenizer
     from .constrain import for_tokenizer
     from .model_runner import load_runner
     from .parallel import start_group, threads_per_rank
@@ -107,7 +109,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
     # a GGUF of a described architecture is read straight from its file; anything else through transformers
     direct = gguf is not None and plan.model == "compact"
     model_dir = resolve_model_dir(config, weights=not direct) if gguf is not None else folder
-    tokenizer = engine_tokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     eos = eos_ids(model_dir, tokenizer)
     source = gguf if direct else None
     # the runner holds its own (packed or quantized) copies of the weights; with --tensor-parallel-size N, rank 0's
@@ -181,6 +183,7 @@ def load_adapters(config: ServerConfig, runner) -> Adapters | None:
     """The engine's LoRA adapters, --lora's loaded (a file that does not fit the model stops the start, with its
     reason); None where the runner takes none (a tensor-parallel group's)."""
     from ..model.lora import adapter_specs
+    from .adapters import Adapters
 
     if not hasattr(runner, "add_adapter"):
         if config.lora:
@@ -226,6 +229,7 @@ def build_embedder(config: ServerConfig, gguf: Path) -> tuple[Embedder, EngineRe
 
     from ..model.encoder import BertEncoder
     from ..model.loader import model_name, resolve_model_dir
+    from .embedder import Embedder
     from .plan import INT8_LAYOUT, make_plan, model_facts, probe_machine
 
     if config.torch_threads:
@@ -263,9 +267,10 @@ def load_drafter(config: ServerConfig, tokenizer, kernels) -> ModelDrafter:
     model's, with the same rows and context; a file of another vocabulary stops the start."""
 
     from ..model.loader import gguf_source, gguf_target, resolve_model_dir
-    from ..model.tokenizer import engine_tokenizer
+    from ..model.tokenizer import load_tokenizer
     from .model_runner import load_runner
     from .plan import make_plan, model_facts, probe_machine
+    from .speculative import ModelDrafter
 
     draft_config = dataclasses.replace(config, model=config.draft_model, tensor_parallel_size=1)
     gguf = gguf_source(draft_config)
@@ -275,7 +280,7 @@ def load_drafter(config: ServerConfig, tokenizer, kernels) -> ModelDrafter:
     if plan.model != "compact":
         raise RuntimeError(f"--draft-model {config.draft_model!r}: architecture {plan.arch!r} cannot draft")
     folder = resolve_model_dir(draft_config, weights=False)
-    if engine_tokenizer(folder).vocab() != tokenizer.vocab():
+    if load_tokenizer(folder).vocab() != tokenizer.vocab():
         raise RuntimeError(
             f"--draft-model {config.draft_model!r}: its vocabulary is not the model's (drafts are token ids)"
         )
@@ -287,6 +292,8 @@ def load_drafter(config: ServerConfig, tokenizer, kernels) -> ModelDrafter:
 def make_prompt_cache(config: ServerConfig, runner, model, ranks: int = 1) -> PromptCache | None:
     """The prompt cache beyond the rows (None: --cache-ram 0, no prefix cache, or a runner that cannot snapshot
     its rows: a tensor-parallel group's)."""
+    from .prompt_cache import PromptCache, cache_bytes, fingerprint
+
     budget = cache_bytes(config.cache_ram)
     if budget <= 0 or not config.prefix_cache or ranks > 1 or not hasattr(runner, "snapshot"):
         return None
@@ -324,6 +331,8 @@ def run_engine(config: ServerConfig, inbox, outbox) -> None:
     scheduling_class(web_worker=False)  # (started by the web worker, whose class it inherits)
     die_with_parent()
     logging.basicConfig(level=config.log_level.upper(), format="%(asctime)s engine %(levelname)s %(message)s")
+    from .engine import Engine
+
     try:
         engine, ready = build_engine(config)
     except Exception as exc:

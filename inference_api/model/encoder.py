@@ -22,21 +22,10 @@ import torch
 import torch.nn.functional as F
 
 from .compact import apply_rope
+from .families import ENCODERS
 
 # llama.cpp's pooling types (LLAMA_POOLING_TYPE_*)
 POOLING = {0: "none", 1: "mean", 2: "cls", 3: "last", 4: "rank"}
-
-
-@dataclass(frozen=True)
-class EncoderArch:
-    """One GGUF encoder family: what llama.cpp's bert graph does differently for it (src/models/bert.cpp)."""
-
-    rope: bool  # positions by NEOX rotary on q and k (``<arch>.rope.freq_base``), not a learned position_embd
-    gated: bool  # the MLP is SwiGLU (silu(ffn_gate) * ffn_up), not GELU(ffn_up)
-
-
-# the GGUF architectures this module runs
-ENCODERS = {"bert": EncoderArch(rope=False, gated=False), "nomic-bert": EncoderArch(rope=True, gated=True)}
 
 
 Linear = Callable[[torch.Tensor], torch.Tensor]

@@ -159,6 +159,20 @@ FAMILIES: dict[str, Family] = dict(
 GGUF_FAMILIES: dict[str, Family] = {f.gguf: f for f in FAMILIES.values() if f.gguf is not None}
 
 
+@dataclass(frozen=True)
+class EncoderArch:
+    """One GGUF encoder family (an embedding model, model/encoder.py): what llama.cpp's bert graph does differently
+    for it (src/models/bert.cpp)."""
+
+    rope: bool  # positions by NEOX rotary on q and k (``<arch>.rope.freq_base``), not a learned position_embd
+    gated: bool  # the MLP is SwiGLU (silu(ffn_gate) * ffn_up), not GELU(ffn_up)
+
+
+# the GGUF encoder architectures model/encoder.py runs (here, with the decoders' table, so that pre-flight, the plan
+# and the loader read them without importing torch)
+ENCODERS = {"bert": EncoderArch(rope=False, gated=False), "nomic-bert": EncoderArch(rope=True, gated=True)}
+
+
 def model_type(gguf_arch: str) -> str:
     """transformers' model_type for a llama.cpp architecture name (the name itself where no family says otherwise)."""
     family = GGUF_FAMILIES.get(gguf_arch)

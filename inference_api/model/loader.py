@@ -169,7 +169,7 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
     with ``weights`` the float32 checkpoint transformers' layers load."""
     if is_converted(gguf, target, weights):
         return target
-    from .encoder import ENCODERS
+    from .families import ENCODERS
     from .gguf_meta import open_gguf, read_header
     from .gguf_vocab import gguf_tokenizer
 

@@ -1,5 +1,5 @@
-"""The tokenizer interface the app and the engine share, over a transformers tokenizer; and the engine's own view
-of a converted GGUF's tokenizer, without transformers (``engine_tokenizer``)."""
+"""The tokenizer interface the app and the engine share: a converted GGUF's tokenizer without transformers
+(JsonTokenizer), any other folder's through transformers (HFTokenizer); ``load_tokenizer`` picks."""
 
 from __future__ import annotations
 
@@ -61,8 +61,7 @@ class HFTokenizer:
 
     def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
         if not self.tok.chat_template:
-            # a base model without a template: plain concatenation of the turns
-            return self.encode("\n".join(m["content"] for m in messages) + "\n")
+            return self.encode(joined_turns(messages))
         text = self.tok.apply_chat_template(
             list(messages), tools=list(tools) if tools else None, tokenize=False, add_generation_prompt=True
         )
@@ -103,12 +102,13 @@ class EngineTokenizer(Protocol):
 
 
 class JsonTokenizer:
-    """A folder's ``tokenizer.json`` read by the ``tokenizers`` package alone: the same Rust tokenizer that
-    transformers' fast tokenizer wraps, for a folder whose JSON transformers itself wrote (a converted GGUF's:
-    every added token and its special flag are in it), decoding as transformers decodes (``skip_special_tokens``,
-    then its clean-up of spaces where the folder's config asks for it). The engine process of a GGUF holds this
-    instead of transformers' tokenizer and never imports transformers: about 0.1 GB less for Gemma 3's 262,144
-    tokens (docs/performance.md)."""
+    """A converted GGUF's tokenizer without transformers: its folder's ``tokenizer.json`` read by the ``tokenizers``
+    package (the same Rust tokenizer that transformers' fast tokenizer wraps; transformers itself wrote the JSON,
+    every added token and its special flag in it), decoding as transformers decodes (``skip_special_tokens``, then
+    its clean-up of spaces where the folder's config asks for it), and the folder's chat template rendered in
+    transformers' environment (chat_template.py). Both the engine process and the web worker of a GGUF hold this
+    and never import transformers (nor torch, in the web worker): about 0.1 GB less in the engine and 0.4 GB in
+    the web worker with Gemma 3's 262,144 tokens (docs/performance.md)."""
 
     def __init__(self, model_dir: str | Path):
         from tokenizers import Tokenizer as RustTokenizer
@@ -120,6 +120,40 @@ class JsonTokenizer:
         eos = config.get("eos_token")
         eos = eos.get("content") if isinstance(eos, dict) else eos
         self.eos_token_id = self.backend.token_to_id(eos) if isinstance(eos, str) else None
+        # the special tokens by name, as transformers passes them to a template (special_tokens_map.json)
+        specials = folder / "special_tokens_map.json"
+        named = json.loads(specials.read_text()) if specials.is_file() else {}
+        self.specials = {k: _content(v) for k, v in named.items()}
+        template = folder / "chat_template.jinja"  # (where transformers saves it; older folders: the config's)
+        source = template.read_text() if template.is_file() else config.get("chat_template")
+        self.chat_template: str | None = source or None
+        self._compiled = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def offsets(self, text: str) -> list[tuple[int, int, int]]:
+        """(token id, start, stop) for each token of ``text``, character offsets (TGI's /tokenize)."""
+        enc = self.backend.encode(text)
+        return [(t, a, b) for t, (a, b) in zip(enc.ids, enc.offsets)]
+
+    @property
+    def handles_tools(self) -> bool:
+        """As HFTokenizer.handles_tools."""
+        return "tools" in (self.chat_template or "")
+
+    def encode_chat(self, messages: Sequence[dict], tools: Sequence[dict] | None = None) -> list[int]:
+        if not self.chat_template:
+            return self.encode(joined_turns(messages))
+        from .chat_template import compile_template, render
+
+        if self._compiled is None:
+            self._compiled = compile_template(self.chat_template)
+        return self.encode(render(self._compiled, messages, tools, self.specials), add_special_tokens=False)
+
+    def encode_pair(self, first: str, second: str) -> list[int]:
+        """Two texts as one input, as the tokenizer joins a pair (a cross-encoder's query and document)."""
+        return list(self.backend.encode(first, second).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         text = self.backend.decode(list(ids), skip_special_tokens=True)
@@ -130,6 +164,18 @@ class JsonTokenizer:
 
     def to_json(self) -> str:
         return self.backend.to_str()
+
+
+def _content(token):
+    """A special token's text as special_tokens_map.json writes it (a string, an AddedToken's dict, or a list)."""
+    if isinstance(token, list):
+        return [_content(t) for t in token]
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def joined_turns(messages: Sequence[dict]) -> str:
+    """A conversation's prompt for a base model without a chat template: its turns' texts, one a line."""
+    return "\n".join(m["content"] for m in messages) + "\n"
 
 
 def clean_up_spaces(text: str) -> str:
@@ -154,10 +200,11 @@ CLEAN_UP = (
 )
 
 
-def engine_tokenizer(model_dir: str | Path) -> EngineTokenizer:
-    """The engine process's tokenizer: a converted GGUF's folder (the converter's stamp in it) read without
-    transformers; any other folder through transformers (its tokenizer.json may leave to tokenizer_config.json
-    which added tokens are special)."""
+def load_tokenizer(model_dir: str | Path) -> JsonTokenizer | HFTokenizer:
+    """The tokenizer of a model's folder, for the web worker and the engine process alike: a converted GGUF's
+    folder (the converter's stamp in it) read without transformers; any other folder through transformers (its
+    tokenizer.json may leave to tokenizer_config.json which added tokens are special, its template may be one of
+    several)."""
     folder = Path(model_dir)
     if is_gguf_folder(folder) and (folder / "tokenizer.json").is_file():
         return JsonTokenizer(folder)

@@ -692,18 +692,18 @@ def token_counter(health: dict, max_tokens: int):
     if health.get("mock", False):
         return lambda text: len(text.encode())
     use_repo()
-    from inference_api.model.tokenizer import HFTokenizer
+    from inference_api.model.tokenizer import load_tokenizer
 
-    tokenizer = HFTokenizer(health["model_dir"])  # (the server's own: the same ids, none of transformers' warnings)
+    tokenizer = load_tokenizer(health["model_dir"])  # (the server's own: the same ids)
     return lambda text: min(len(tokenizer.encode(text, add_special_tokens=False)) + 1, max_tokens)
 
 
 def long_prompt(model_dir: str, length: int) -> str:
     """A raw prompt of at most ``length`` tokens of the model's tokenizer: the essay prompts, repeated."""
     use_repo()
-    from inference_api.model.tokenizer import HFTokenizer
+    from inference_api.model.tokenizer import load_tokenizer
 
-    tokenizer = HFTokenizer(model_dir)
+    tokenizer = load_tokenizer(model_dir)
     unit = tokenizer.encode(" ".join(prompts(len(SUBJECTS))) + " ", add_special_tokens=False)
     ids = (unit * (length // len(unit) + 1))[:length]
     while len(tokenizer.encode(text := tokenizer.decode(ids), add_special_tokens=False)) > length:

@@ -385,9 +385,7 @@ def estimate(config: ServerConfig) -> Estimate:
 def adapters_bytes(config: ServerConfig, plan: ExecutionPlan) -> int:
     """--lora's adapters as the decoder holds them: their numbers (from the files' headers) in float16 where the
     CPU kernels add their terms, else in the model's dtype."""
-    if not config.lora:  # (model/lora.py imports torch: a server process without adapters never needs it)
-        return 0
-    from ..model.lora import adapter_params, adapter_specs
+    from ..model.lora_files import adapter_params, adapter_specs
 
     numbers = sum(adapter_params(path) for _, path in adapter_specs(config.lora))
     return int(numbers * (2.0 if plan.cpu_kernels else DTYPE_BYTES.get(plan.dtype, 4.0)))

@@ -182,7 +182,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
 def load_adapters(config: ServerConfig, runner) -> Adapters | None:
     """The engine's LoRA adapters, --lora's loaded (a file that does not fit the model stops the start, with its
     reason); None where the runner takes none (a tensor-parallel group's)."""
-    from ..model.lora import adapter_specs
+    from ..model.lora_files import adapter_specs
     from .adapters import Adapters
 
     if not hasattr(runner, "add_adapter"):

@@ -3,7 +3,7 @@ jinja2 environment (sandboxed, ``trim_blocks`` and ``lstrip_blocks``, loop contr
 its ``tojson``, ``raise_exception`` and ``strftime_now``) and the same variables (the messages, the tools, the
 documents, ``add_generation_prompt`` and the tokenizer's special tokens by name). JsonTokenizer renders a converted
 GGUF's template with it, so that the web worker of a GGUF never imports transformers (tests/test_model_loader.py
-checks the text against transformers' on every reference file's template)."""
+checks the prompt ids against transformers' on four templates, tools among them)."""
 
 from __future__ import annotations
 

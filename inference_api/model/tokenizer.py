@@ -117,13 +117,10 @@ class JsonTokenizer:
         self.backend = RustTokenizer.from_file(str(folder / "tokenizer.json"))
         config = json.loads((folder / "tokenizer_config.json").read_text())
         self.clean_up = bool(config.get("clean_up_tokenization_spaces", False))
-        eos = config.get("eos_token")
-        eos = eos.get("content") if isinstance(eos, dict) else eos
+        # the special tokens by name, as transformers passes them to a template (its special_tokens_map)
+        self.specials = {k: _content(config[k]) for k in SPECIAL_NAMES if config.get(k)}
+        eos = self.specials.get("eos_token")
         self.eos_token_id = self.backend.token_to_id(eos) if isinstance(eos, str) else None
-        # the special tokens by name, as transformers passes them to a template (special_tokens_map.json)
-        specials = folder / "special_tokens_map.json"
-        named = json.loads(specials.read_text()) if specials.is_file() else {}
-        self.specials = {k: _content(v) for k, v in named.items()}
         template = folder / "chat_template.jinja"  # (where transformers saves it; older folders: the config's)
         source = template.read_text() if template.is_file() else config.get("chat_template")
         self.chat_template: str | None = source or None
@@ -166,8 +163,21 @@ class JsonTokenizer:
         return self.backend.to_str()
 
 
+# transformers' SPECIAL_TOKENS_ATTRIBUTES: the names a tokenizer's special tokens have in its config and templates
+SPECIAL_NAMES = (
+    "bos_token",
+    "eos_token",
+    "unk_token",
+    "sep_token",
+    "pad_token",
+    "cls_token",
+    "mask_token",
+    "additional_special_tokens",
+)
+
+
 def _content(token):
-    """A special token's text as special_tokens_map.json writes it (a string, an AddedToken's dict, or a list)."""
+    """A special token's text as tokenizer_config.json writes it (a string, an AddedToken's dict, or a list)."""
     if isinstance(token, list):
         return [_content(t) for t in token]
     return token.get("content") if isinstance(token, dict) else token

@@ -24,7 +24,8 @@ from inference_api.engine.messages import (
     UnloadAdapter,
 )
 from inference_api.engine.process import build_engine
-from inference_api.model.lora import adapter_specs, load_adapter
+from inference_api.model.lora import load_adapter
+from inference_api.model.lora_files import adapter_specs
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "lora"
 BASE = DATA / "base-q8_0.gguf"
@@ -271,7 +272,7 @@ def test_the_flag_pre_flight_and_the_mock():
     """--lora repeated (the environment's LORA separated by commas), its adapters' numbers counted by pre-flight in the
     model's dtype, and the mock refusing adapters at start."""
     from inference_api.engine.preflight import estimate
-    from inference_api.model.lora import adapter_params
+    from inference_api.model.lora_files import adapter_params
 
     config = ServerConfig.from_args(flags(*lora_flags("gguf")), {})
     assert config.lora == tuple(f"{n}={DATA / n}.gguf" for n in NAMES)

@@ -1294,17 +1294,61 @@ def flood_ttft(url: str, model: str, health: dict, streams: int = 8, probes: int
     )
 
 
-CPU_FLAGS = ("avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile")
+CPU_FLAGS = (
+    "avx2",
+    "fma",
+    "f16c",
+    "avx512f",
+    "avx512_vnni",
+    "avx512_bf16",
+    "avx_vnni",
+    "avx512_vp2intersect",
+    "amx_tile",
+)
+
+# AMD's cores by family and model (a virtual machine's model name is often just "AMD EPYC"): (family, first model,
+# last model, name), from AMD's published family and model numbers
+AMD_CORES = (
+    (23, 0x00, 0x2F, "Zen / Zen+"),
+    (23, 0x30, 0xFF, "Zen 2"),
+    (25, 0x00, 0x0F, "Zen 3"),
+    (25, 0x10, 0x1F, "Zen 4"),
+    (25, 0x20, 0x5F, "Zen 3"),
+    (25, 0x60, 0xAF, "Zen 4"),
+    (26, 0x00, 0xFF, "Zen 5"),
+)
+
+
+def cpu_core(info: str) -> str:
+    """The CPU's family and model numbers from /proc/cpuinfo's text, with AMD's core name where the table knows
+    it: "family 25 model 17 (Zen 4)"; "" where the file says nothing of them."""
+    field = {}
+    for line in info.splitlines():
+        key, _, value = line.partition(":")
+        field.setdefault(key.strip(), value.strip())
+    try:
+        family, model = int(field["cpu family"]), int(field["model"])
+    except (KeyError, ValueError):
+        return ""
+    name = ""
+    if field.get("vendor_id") == "AuthenticAMD":
+        name = next((n for f, lo, hi, n in AMD_CORES if f == family and lo <= model <= hi), "")
+    return f"family {family} model {model}" + (f" ({name})" if name else "")
 
 
 def cpu_line(health: dict) -> str:
-    """This CPU's model and the instruction-set flags the kernels care about, and the kernel path the server
-    runs (its /health's ``kernels``: "native", "prebuilt avx2", "level avx2", ...)."""
+    """This CPU's model (its family and model numbers too) and the instruction-set flags the kernels care about
+    (avx_vnni and avx512_vp2intersect tell a Zen 5 from a Zen 4), and the kernel path the server runs (its
+    /health's ``kernels``: "native", "prebuilt avx2", "level avx2", ...)."""
     info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
     name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    core = cpu_core(info)
     flags = set(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
     have = " ".join(f for f in CPU_FLAGS if f in flags)
-    return f"CPU: {name}; flags: {have or 'none of ' + ' '.join(CPU_FLAGS)}; server kernels: {health.get('kernels')}"
+    return (
+        f"CPU: {name}{', ' + core if core else ''}; flags: {have or 'none of ' + ' '.join(CPU_FLAGS)}; "
+        f"server kernels: {health.get('kernels')}"
+    )
 
 
 def process_memory(pid: int | None) -> str | None:

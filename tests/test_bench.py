@@ -108,6 +108,29 @@ def test_decode_bytes_of_the_embedded_model(module):
     assert module.step_bytes(GGUF_DIR / "README.md", "") is None  # not a GGUF: unknown, never an error
 
 
+def cpuinfo(vendor: str, family: int, model: int) -> str:
+    return f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\nmodel name\t: X\n"
+
+
+@pytest.mark.parametrize(
+    "vendor, family, model, core",
+    [
+        ("AuthenticAMD", 25, 1, "family 25 model 1 (Zen 3)"),  # EPYC 7003 (Milan)
+        ("AuthenticAMD", 25, 17, "family 25 model 17 (Zen 4)"),  # EPYC 9004 (Genoa)
+        ("AuthenticAMD", 25, 160, "family 25 model 160 (Zen 4)"),  # Bergamo
+        ("AuthenticAMD", 26, 2, "family 26 model 2 (Zen 5)"),  # EPYC 9005 (Turin)
+        ("AuthenticAMD", 23, 49, "family 23 model 49 (Zen 2)"),  # EPYC 7002 (Rome)
+        ("GenuineIntel", 6, 143, "family 6 model 143"),  # Sapphire Rapids: the numbers alone
+    ],
+)
+def test_the_cpu_line_names_the_core_by_its_family_and_model(module, vendor, family, model, core):
+    """A virtual machine's model name is often "AMD EPYC" alone: the bench names the core from the family and
+    model numbers, so that runs on different machines are not taken for one."""
+    assert module.cpu_core(cpuinfo(vendor, family, model)) == core
+    assert module.cpu_core("flags\t: avx2\n") == ""  # no numbers: nothing said
+    assert "avx_vnni" in module.CPU_FLAGS  # a Zen 5 has it, a Zen 4 not
+
+
 def test_read_bandwidth_probe_gives_a_positive_figure(module):
     gbps = module.read_bandwidth(64 * 2**20, budget_s=0.5, repeats=2)
     assert gbps > 0 and math.isfinite(gbps)

@@ -3,6 +3,7 @@ causal LM architecture running through the same engine gives what transformers' 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -270,6 +271,32 @@ def test_a_conversion_another_start_finished_meanwhile_is_kept(tmp_path, monkeyp
     assert gguf_folder(gguf, target, weights=False) == target
     assert is_converted(gguf, target, weights=False) and not (target / "marker").exists()
     assert [p.name for p in target.parent.iterdir()] == [target.name]
+
+
+def test_a_rename_that_finds_the_place_taken_and_then_empty_tries_again(tmp_path, monkeypatch):
+    """Four starts on one cache (two servers, each a web worker and an engine; seen on 2026-11-30): between this
+    start's check and its rename another installed its folder, and a third moved that one aside, so the rename
+    fails (the place taken) and the check after it finds no conversion. The start tries again and serves its own
+    folder instead of failing the engine's start."""
+    import errno
+
+    from inference_api.model import loader
+
+    gguf = Path(__file__).with_name("data") / "gguf" / "llama-q4_0.gguf"
+    target = tmp_path / "cache" / "llama-q4_0-test"
+    real = os.replace
+    failed = []
+
+    def taken_once(src, dst):
+        if Path(dst) == target and not failed:
+            failed.append(1)
+            raise OSError(errno.ENOTEMPTY, "Directory not empty", str(src))
+        return real(src, dst)
+
+    monkeypatch.setattr(loader.os, "replace", taken_once)
+    assert loader.gguf_folder(gguf, target, weights=False) == target
+    assert failed and loader.is_converted(gguf, target, weights=False)
+    assert [p.name for p in target.parent.iterdir()] == [target.name]  # no temporary folder left
 
 
 def test_a_ggufs_pages_leave_the_resident_set_once_a_layer_is_built():

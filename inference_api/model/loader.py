@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -206,13 +207,30 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
         tok.save_pretrained(tmp)
         stamp = {**_file_key(gguf), "weights": weights, "model_type": model_type, **header}
         (tmp / STAMP).write_text(json.dumps(stamp))
-        _install(tmp, target, lambda: is_converted(gguf, target, weights))
+        _install_current(tmp, target, lambda: is_converted(gguf, target, weights))
     except OSError:
         if not is_converted(gguf, target, weights):
             raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _install_current(tmp: Path, target: Path, current: Callable[[], bool], attempts: int = 5) -> None:
+    """``_install``, again while it fails and no current conversion is in place: several starts on one cache (two
+    servers, each a web worker and an engine) can each move the others' folder aside between one's check and its
+    rename, so that a rename finds the place taken and the check after it finds it empty; the next attempt puts
+    ours there, or finds another's current one. The last attempt's error is raised."""
+    for attempt in range(attempts):
+        try:
+            _install(tmp, target, current)
+            return
+        except OSError:
+            if current():
+                return
+            if attempt == attempts - 1:
+                raise
+            time.sleep(0.05 * (attempt + 1))
 
 
 def _install(tmp: Path, target: Path, current: Callable[[], bool]) -> None:

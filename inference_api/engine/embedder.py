@@ -2,16 +2,19 @@
 
 Each step takes inputs round-robin over the open requests (one input of each in turn, so a request of a thousand
 inputs never holds another's one input back for more than a step) until the step holds ``batch_tokens`` tokens
-(``SHARED_STEP_TOKENS`` while several requests are open; packed, no padding), runs one forward of the encoder
-(model/encoder.py) and sends each input's vector (or score) as its own event. An input's numbers do not depend on
-what shares its forward (attention keeps each input to its own tokens). A generation request gets a clear error:
-this model does not generate.
+(``SHARED_STEP_TOKENS`` while several requests are open; packed, no padding), runs the encoder over them
+(model/encoder.py) and sends each input's vector (or score) as its own event: one forward on every configured thread
+while one request is open; while several are, a forward of one thread on each core at once, over its share of the
+step's inputs (no parallel region between the cores, so the web worker taking a core for a while stalls only the
+forward there). An input's numbers do not depend on what shares its forward (attention keeps each input to its own
+tokens). A generation request gets a clear error: this model does not generate.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict, deque
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -21,10 +24,11 @@ log = logging.getLogger(__name__)
 
 NOT_A_GENERATOR = "this server's model is an embedding model: use /v1/embeddings, /embed or /rerank"
 
-# the tokens of a step while several requests are open (else ``batch_tokens``): short forwards on one thread, so
-# that answers flow back to the web worker while the next forward runs, and the step's activations stay in the
-# core's cache. On 2 cores, all-MiniLM-L6-v2 Q8_0 (about 22 tokens a text), 32 kept-alive clients in alternating
-# 8 s loads: 651 to 703 texts/s against 582 to 636 with 512 (2026-11-29); 96 and 192 within the noise of 128.
+# the tokens of each core's forward while several requests are open (else ``batch_tokens`` for the step): short
+# forwards on one thread, so that answers flow back to the web worker while the next forward runs, and the step's
+# activations stay in the core's cache. On 2 cores, all-MiniLM-L6-v2 Q8_0 (about 22 tokens a text), 32 kept-alive
+# clients in alternating 8 s loads: 651 to 703 texts/s against 582 to 636 with 512 (2026-11-29); 96 and 192 within
+# the noise of 128.
 SHARED_STEP_TOKENS = 128
 
 
@@ -37,6 +41,8 @@ class Embedder:
         self.runner = None  # (the process loop closes a runner's other ranks: none here)
         self.embedded = 0
         self.threads = torch.get_num_threads()  # the configured threads (--torch-threads, else every core)
+        # a forward a core while several requests are open (the kernels let go of the GIL while they run)
+        self.pool = ThreadPoolExecutor(self.threads, thread_name_prefix="forward") if self.threads > 1 else None
 
     @property
     def has_work(self) -> bool:
@@ -56,22 +62,30 @@ class Embedder:
         self.pending.pop(session_id, None)
 
     def close(self) -> None:
-        pass
+        if self.pool is not None:
+            self.pool.shutdown(wait=False)
 
-    def _set_threads(self, requests: int) -> None:
-        """Every configured thread for the forward of one request's inputs; one fewer while several requests are
-        open, whose web work (tokens in, JSON out: one GIL-bound worker) needs a core of its own then. On 2 cores,
-        32 kept-alive clients of all-MiniLM-L6-v2 Q8_0: 561 and 473 texts/s on one thread against 522 and 377 on
-        two, whose second spins between parallel regions where the web worker would run (2026-11-29)."""
-        threads = self.threads if requests <= 1 else max(1, self.threads - 1)
+    def _forward(self, inputs: list[list[int]], shared: bool) -> torch.Tensor:
+        """The step's vectors [inputs, dims]: one forward on every configured thread (one request open), else the
+        inputs split in order into a part a thread (about equal tokens), each part a forward of one thread, all at
+        once. Before, several requests took one forward on one thread fewer than configured (two threads' parallel
+        regions waited at each barrier for the core the web worker had taken): on 2 cores, 32 kept-alive clients of
+        all-MiniLM-L6-v2 Q8_0 made 184 to 206 texts/s at the AVX2 level, one core's forward rate, where a forward a
+        core makes 282 to 290; 417 to 425 against 457 to 481 at the AVX-512 level (2026-11-30)."""
+        pool = self.pool
+        parts = _split(inputs, self.threads) if shared and pool is not None else [inputs]
+        threads = 1 if len(parts) > 1 else self.threads
         if torch.get_num_threads() != threads:
             torch.set_num_threads(threads)
+        if pool is None or len(parts) == 1:
+            return self.model.forward(inputs)
+        return torch.cat([f.result() for f in [pool.submit(self.model.forward, part) for part in parts]])
 
     def step(self) -> list[TokenEvent]:
         events, self.refused = self.refused, []
         batch: list[tuple[str, int, tuple[int, ...], bool]] = []
         tokens, requests = 0, len(self.pending)
-        limit = self.batch_tokens if requests <= 1 else min(self.batch_tokens, SHARED_STEP_TOKENS)
+        limit = self.batch_tokens if requests <= 1 else min(self.batch_tokens, SHARED_STEP_TOKENS * self.threads)
         while self.pending:
             took = False
             for sid, queue in list(self.pending.items()):
@@ -87,9 +101,8 @@ class Embedder:
                 break
         if not batch:
             return events
-        self._set_threads(requests)
         try:
-            out = self.model.forward([list(ids) for _, _, ids, _ in batch])
+            out = self._forward([list(ids) for _, _, ids, _ in batch], requests > 1)
         except Exception:
             log.exception("embedding forward failed")
             failed = {sid for sid, _, _, _ in batch}
@@ -114,3 +127,16 @@ class Embedder:
             )
         self.embedded += len(batch)
         return events
+
+
+def _split(inputs: list[list[int]], n: int) -> list[list[list[int]]]:
+    """The inputs in order in at most n non-empty parts of about equal tokens."""
+    total = sum(len(ids) for ids in inputs)
+    parts: list[list[list[int]]] = [[]]
+    done = 0
+    for ids in inputs:
+        if parts[-1] and len(parts) < n and done >= total * len(parts) / n:
+            parts.append([])
+        parts[-1].append(ids)
+        done += len(ids)
+    return parts

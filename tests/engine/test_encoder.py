@@ -114,33 +114,64 @@ def test_the_embedder_takes_requests_in_turn_and_refuses_generation():
     assert refused.finish_reason is FinishReason.ERROR and "embedding model" in (refused.error or "")
 
 
-def test_the_embedder_leaves_a_core_to_the_web_worker_while_several_requests_are_open():
-    """One request's inputs take every configured thread; while several requests are open (many clients, whose
-    tokens and JSON the one web worker makes) the forward takes one fewer."""
-    model = BertEncoder(GGUF_DIR / "bert-q8_0.gguf")
+def test_several_requests_run_a_forward_of_one_thread_on_each_core(kernels):
+    """One request's inputs take one forward on every configured thread; while several requests are open (many
+    clients, whose tokens and JSON the one web worker makes) the step's inputs are split in order between the
+    cores, each part a forward of one thread of its own, all at once (the kernels let go of the GIL), and each
+    input's vector is the one it has alone, to the bit."""
+    import threading
+
+    from inference_api.engine.plan import INT8_LAYOUT
+    from inference_api.model.linear import linear_factory
+
+    make_linear = linear_factory(torch.device("cpu"), torch.float32, "int8", kernels, None, True)
+    model = BertEncoder(GGUF_DIR / "bert-q8_0.gguf", make_linear, INT8_LAYOUT, kernels)
     ids = [tuple(i) for i in REFERENCE["files"]["bert-q8_0.gguf"]["tokens"]]
+    alone = {i: model.forward([list(x)])[0] for i, x in enumerate(ids)}
+    calls = []
+    forward = model.forward
+    both = threading.Barrier(2, timeout=60)  # the split's two forwards pass it only when both run at once
+
+    def recorded(inputs):
+        calls.append((threading.get_ident(), torch.get_num_threads(), len(inputs)))
+        if torch.get_num_threads() == 1:
+            both.wait()
+        return forward(inputs)
+
+    model.forward = recorded
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(2)
         eng = Embedder(model, batch_tokens=4096)
-        threads = []
-        for sessions in (["a"], ["b", "c"], ["d"]):
+        for sessions, forwards, threads in ((["a"], 1, 2), (["b", "c"], 2, 1), (["d"], 1, 2)):
+            calls.clear()
             for sid in sessions:
-                eng.embed(EmbedRequest(sid, tuple(ids)))
+                eng.embed(EmbedRequest(sid, tuple(ids), normalize=False))
             events = eng.step()
-            threads.append(torch.get_num_threads())
-            while eng.has_work:
-                events += eng.step()
-            assert len(events) == len(ids) * len(sessions)
-        assert threads == [2, 1, 2]
+            assert not eng.has_work and len(events) == len(ids) * len(sessions)
+            assert len(calls) == forwards and {n for _, n, _ in calls} == {threads}
+            assert len({tid for tid, _, _ in calls}) == forwards  # each part on a thread of its own, at once
+            for e in events:
+                assert torch.equal(torch.from_numpy(e.vector.copy()), alone[e.index])
     finally:
+        model.forward = forward
+        eng.close()
         torch.set_num_threads(before)
+
+
+def test_the_split_keeps_the_inputs_in_order_in_parts_of_about_equal_tokens():
+    from inference_api.engine.embedder import _split
+
+    assert _split([[1] * 5] * 6, 2) == [[[1] * 5] * 3, [[1] * 5] * 3]
+    assert _split([[1] * 10, [2], [3], [4]], 2) == [[[1] * 10], [[2], [3], [4]]]
+    assert _split([[1]], 2) == [[[1]]]  # never an empty part
+    assert _split([[1, 1], [2, 2], [3, 3]], 3) == [[[1, 1]], [[2, 2]], [[3, 3]]]
 
 
 def test_a_step_shared_by_several_requests_holds_fewer_tokens():
     """One request's inputs fill a step up to ``batch_tokens``; while several are open a step holds
-    SHARED_STEP_TOKENS at most (short forwards, so the web worker's answers flow while the next one runs), inputs
-    of each in turn."""
+    SHARED_STEP_TOKENS at most for each core's forward (short forwards, so the web worker's answers flow while the
+    next one runs), inputs of each in turn."""
     model = BertEncoder(GGUF_DIR / "bert-q8_0.gguf")
     ids = [tuple(i) for i in REFERENCE["files"]["bert-q8_0.gguf"]["tokens"]] * 20
     assert sum(map(len, ids)) > 2 * SHARED_STEP_TOKENS
@@ -150,7 +181,7 @@ def test_a_step_shared_by_several_requests_holds_fewer_tokens():
     eng.embed(EmbedRequest("a", tuple(ids)))
     eng.embed(EmbedRequest("b", tuple(ids)))
     shared = eng.step()
-    assert sum(e.prompt_tokens for e in shared) <= SHARED_STEP_TOKENS
+    assert sum(e.prompt_tokens for e in shared) <= SHARED_STEP_TOKENS * eng.threads  # each core's forward's
     assert {e.session_id for e in shared} == {"a", "b"}
     events = shared
     while eng.has_work:

@@ -6,6 +6,9 @@
 
 using namespace woq;
 
+// The calls an embedding model's forward makes from Python (the linears, encoder attention, the activations) let
+// go of the GIL while they run: its engine runs a forward on each core at once, one thread each (engine/embedder.py).
+// Their arguments are tensors; nothing in them touches a Python object.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // module_local: the module may be imported again from another path in one process (a relative and an
   // absolute model cache), which would otherwise register the class twice and fail the import
@@ -14,15 +17,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("heads"), py::arg("eps"), py::arg("gelu"), py::arg("attn_scale"), py::arg("softcap"))
       .def("forward", &Decoder::forward)
       .def("forward_lora", &Decoder::forward_lora);
-  m.def("linear_int8", &linear_int8, "x @ (q * s)^T, 8-bit weight groups", py::arg("x"), py::arg("q"), py::arg("s"),
+  m.def("linear_int8", &linear_int8, "x @ (q * s)^T, 8-bit weight groups", py::call_guard<py::gil_scoped_release>(),
+        py::arg("x"), py::arg("q"), py::arg("s"), py::arg("bias"), py::arg("int8_inputs") = false,
+        py::arg("vnni_q") = py::none(), py::arg("vnni_s") = py::none());
+  m.def("linear_int4", &linear_int4, "x @ (d * q + m)^T, 4-bit weight groups of 32",
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("q"), py::arg("d"), py::arg("m"),
         py::arg("bias"), py::arg("int8_inputs") = false, py::arg("vnni_q") = py::none(),
         py::arg("vnni_s") = py::none());
-  m.def("linear_int4", &linear_int4, "x @ (d * q + m)^T, 4-bit weight groups of 32", py::arg("x"), py::arg("q"),
-        py::arg("d"), py::arg("m"), py::arg("bias"), py::arg("int8_inputs") = false, py::arg("vnni_q") = py::none(),
-        py::arg("vnni_s") = py::none());
   m.def("linear_gguf", &linear_gguf, "x @ W^T for W a GGUF tensor's rows in their own blocks (raw [N, row bytes])",
-        py::arg("x"), py::arg("raw"), py::arg("type"), py::arg("bias"), py::arg("int8_inputs") = false,
-        py::arg("packed") = py::none());
+        py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("raw"), py::arg("type"), py::arg("bias"),
+        py::arg("int8_inputs") = false, py::arg("packed") = py::none());
   m.def("pack_k8", &pack_k8, "k-quant, IQ4_XS, Q5_0, Q5_1 or IQ4_NL rows packed for the tiles (else empty)",
         py::arg("raw"), py::arg("type"));
   m.def("dequantize_gguf", &dequantize_gguf, "rows of a GGUF tensor's blocks as float32 [R, K]", py::arg("raw"),
@@ -38,10 +42,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k"), py::arg("v"), py::arg("ks"), py::arg("vs"), py::arg("lengths"), py::arg("scale"),
         py::arg("rows") = py::none(), py::arg("starts") = py::none(), py::arg("softcap") = 0.0, py::arg("ring") = 0);
   m.def("encoder_attention", &encoder_attention, "an encoder's inputs packed one after another, each over itself",
-        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("offsets"), py::arg("heads"), py::arg("scale"));
+        py::call_guard<py::gil_scoped_release>(), py::arg("q"), py::arg("k"), py::arg("v"), py::arg("offsets"),
+        py::arg("heads"), py::arg("scale"));
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dimension");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up over the last dimension's halves [gate | up]");
-  m.def("gelu", &gelu, "GELU in its tanh form (llama.cpp's)");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up over the last dimension's halves [gate | up]",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("gelu", &gelu, "GELU in its tanh form (llama.cpp's)", py::call_guard<py::gil_scoped_release>());
   m.def("rope_store", &rope_store, "rotary embedding, each token's key and value into the cache", py::arg("qkv"),
         py::arg("cos"), py::arg("sin"), py::arg("keys"), py::arg("values"), py::arg("key_scales"),
         py::arg("value_scales"), py::arg("positions"), py::arg("heads"), py::arg("rows") = py::none());

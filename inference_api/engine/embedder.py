@@ -72,13 +72,12 @@ class Embedder:
         regions waited at each barrier for the core the web worker had taken): on 2 cores, 32 kept-alive clients of
         all-MiniLM-L6-v2 Q8_0 made 184 to 206 texts/s at the AVX2 level, one core's forward rate, where a forward a
         core makes 282 to 290; 417 to 425 against 457 to 481 at the AVX-512 level (2026-11-30)."""
-        pool = self.pool
-        parts = _split(inputs, self.threads) if shared and pool is not None else [inputs]
-        threads = 1 if len(parts) > 1 else self.threads
-        if torch.get_num_threads() != threads:
-            torch.set_num_threads(threads)
+        pool = self.pool if shared else None
+        parts = _split(inputs, self.threads) if pool is not None else [inputs]
         if pool is None or len(parts) == 1:
+            _use_threads(self.threads)
             return self.model.forward(inputs)
+        _use_threads(1)
         return torch.cat([f.result() for f in [pool.submit(self.model.forward, part) for part in parts]])
 
     def step(self) -> list[TokenEvent]:
@@ -127,6 +126,12 @@ class Embedder:
             )
         self.embedded += len(batch)
         return events
+
+
+def _use_threads(n: int) -> None:
+    """torch's intra-op threads for the next forward (set only when they change: the call restarts the pool)."""
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
 
 
 def _split(inputs: list[list[int]], n: int) -> list[list[list[int]]]:

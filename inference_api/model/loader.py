@@ -207,7 +207,7 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
         tok.save_pretrained(tmp)
         stamp = {**_file_key(gguf), "weights": weights, "model_type": model_type, **header}
         (tmp / STAMP).write_text(json.dumps(stamp))
-        _install_current(tmp, target, lambda: is_converted(gguf, target, weights))
+        _install(tmp, target, lambda: is_converted(gguf, target, weights))
     except OSError:
         if not is_converted(gguf, target, weights):
             raise
@@ -216,38 +216,33 @@ def gguf_folder(gguf: Path, target: Path, weights: bool) -> Path:
     return target
 
 
-def _install_current(tmp: Path, target: Path, current: Callable[[], bool], attempts: int = 5) -> None:
-    """``_install``, again while it fails and no current conversion is in place: several starts on one cache (two
-    servers, each a web worker and an engine) can each move the others' folder aside between one's check and its
-    rename, so that a rename finds the place taken and the check after it finds it empty; the next attempt puts
-    ours there, or finds another's current one. The last attempt's error is raised."""
+def _install(tmp: Path, target: Path, current: Callable[[], bool], attempts: int = 5) -> None:
+    """Put the finished folder ``tmp`` in ``target``'s place. A conversion another process finished meanwhile
+    (two servers, or a server and its engine, starting on one model cache) is kept, and ours dropped: its
+    readers may be loading it. An older one is moved aside in one step before it is removed, so that no reader
+    ever sees a folder half deleted; the last step is atomic, so a concurrent start sees all of ours or none.
+    Several starts can each move the others' folder aside between one's check and its rename, so that a rename
+    finds the place taken and the check after it finds it empty: then again, up to ``attempts`` times (the last
+    attempt's error raised), until ours is in place or another's current one is."""
     for attempt in range(attempts):
-        try:
-            _install(tmp, target, current)
+        if current():
             return
-        except OSError:
+        if target.exists():  # an older conversion (another converter's version, or of another file)
+            aside = target.with_name(f"{target.name}.old.{os.getpid()}")
+            try:
+                os.replace(target, aside)
+            except FileNotFoundError:  # (another start moved it aside first)
+                pass
+            shutil.rmtree(aside, ignore_errors=True)
+        try:
+            os.replace(tmp, target)
+            return
+        except OSError:  # another start installed one just now
             if current():
                 return
             if attempt == attempts - 1:
                 raise
             time.sleep(0.05 * (attempt + 1))
-
-
-def _install(tmp: Path, target: Path, current: Callable[[], bool]) -> None:
-    """Put the finished folder ``tmp`` in ``target``'s place. A conversion another process finished meanwhile
-    (two servers, or a server and its engine, starting on one model cache) is kept, and ours dropped: its
-    readers may be loading it. An older one is moved aside in one step before it is removed, so that no reader
-    ever sees a folder half deleted; the last step is atomic, so a concurrent start sees all of ours or none."""
-    if current():
-        return
-    if target.exists():  # an older conversion (another converter's version, or of another file)
-        aside = target.with_name(f"{target.name}.old.{os.getpid()}")
-        try:
-            os.replace(target, aside)
-        except FileNotFoundError:  # (another start moved it aside first)
-            pass
-        shutil.rmtree(aside, ignore_errors=True)
-    os.replace(tmp, target)  # (an OSError if another process installed one just now: the caller checks it)
 
 
 def load_model(model_dir: Path, device: str, dtype):

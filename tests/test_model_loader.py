@@ -123,6 +123,28 @@ def test_the_model_cache_is_keyed_by_the_files_content(tmp_path):
     assert content_digest(a, cache) == hashlib.sha256(a.read_bytes()).hexdigest()[:16]
 
 
+def test_two_versions_of_the_converter_on_one_cache_keep_a_folder_each(tmp_path, monkeypatch):
+    """A rolling deploy: the old and the new server (converters 9 and 10 here) start on one shared model cache,
+    again and again. Each converts the file once into a folder of its own and finds it at its next start; neither
+    converts over the other's folder, nor removes it under the other's readers."""
+    from inference_api.model import loader
+
+    gguf = tmp_path / "model.gguf"
+    gguf.symlink_to(DATA / "gguf" / "llama-q4_0.gguf")
+    config = ServerConfig(model=str(gguf), model_cache_dir=tmp_path / "cache")
+    folders, stamps = {}, {}
+    for version in (9, 10, 9, 10):
+        monkeypatch.setattr(loader, "CONVERSION", version)
+        folder = resolve_model_dir(config, weights=False)
+        assert loader.is_converted(gguf, folder, weights=False)
+        stamp = (folder / loader.STAMP).stat().st_mtime_ns  # (converted again: a new stamp)
+        assert folders.setdefault(version, folder) == folder and stamps.setdefault(version, stamp) == stamp
+    assert folders[9] != folders[10] and folders[9].parent == folders[10].parent
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir() if p.is_dir()) == sorted(
+        f.name for f in folders.values()
+    )
+
+
 def test_hub_id_loads_from_the_local_hub_cache_and_never_downloads(tmp_path, monkeypatch, model_dir):
     import huggingface_hub.constants
 

@@ -85,9 +85,11 @@ def content_digest(gguf: Path, cache_dir: Path) -> str:
 
 def gguf_target(config: ServerConfig, gguf: Path) -> Path:
     """The model cache's folder for a GGUF file (its tokenizer, config and, for transformers' layers, weights):
-    its name and its content's digest."""
+    its name, its content's digest and the converter's version (CONVERSION). Two versions of the server on one
+    model cache (a rolling deploy on a shared volume) each keep a folder of their own: neither converts over the
+    other's folder, nor removes it under the other's readers, at every start."""
     name = DEFAULT_MODEL_NAME if config.model is None else gguf.stem
-    return config.model_cache_dir / f"{name}-{content_digest(gguf, config.model_cache_dir)}"
+    return config.model_cache_dir / f"{name}-{content_digest(gguf, config.model_cache_dir)}-c{CONVERSION}"
 
 
 def resolve_model_dir(config: ServerConfig, weights: bool = True) -> Path:
@@ -120,7 +122,7 @@ def resolve_model_dir(config: ServerConfig, weights: bool = True) -> Path:
         raise RuntimeError(f"model {spec!r} is not available locally{hint}: {exc}") from exc
 
 
-CONVERSION = 10  # bumped when a conversion's output changes: older folders are converted again
+CONVERSION = 10  # bumped when a conversion's output changes: part of the folder's name (gguf_target) and its stamp
 STAMP = "gguf_source.json"
 # the compact decoder's config of a GGUF as the conversion made it with transformers' config class (every default
 # of the family's class written out): the engine reads it without importing transformers (gguf_model.ModelConfig)
@@ -227,7 +229,7 @@ def _install(tmp: Path, target: Path, current: Callable[[], bool], attempts: int
     for attempt in range(attempts):
         if current():
             return
-        if target.exists():  # an older conversion (another converter's version, or of another file)
+        if target.exists():  # a stale one (without the weights now asked for, left half made, another converter's)
             aside = target.with_name(f"{target.name}.old.{os.getpid()}")
             try:
                 os.replace(target, aside)

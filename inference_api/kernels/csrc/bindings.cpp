@@ -1,6 +1,7 @@
 // The kernels as a Python module (kernels.py builds it): the names quant.py, compact.py and the tests call.
 #include <torch/extension.h>
 
+#include "common.h"  // (WOQ_VNNI)
 #include "decoder.h"
 #include "kernels.h"
 
@@ -17,6 +18,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("heads"), py::arg("eps"), py::arg("gelu"), py::arg("attn_scale"), py::arg("softcap"))
       .def("forward", &Decoder::forward)
       .def("forward_lora", &Decoder::forward_lora);
+#ifdef WOQ_VNNI
+  m.attr("int8_scores") = true;  // an int8 cache's attention scores over int8 queries (ops.cpp: int8_scores)
+#else
+  m.attr("int8_scores") = false;
+#endif
   m.def("linear_int8", &linear_int8, "x @ (q * s)^T, 8-bit weight groups", py::call_guard<py::gil_scoped_release>(),
         py::arg("x"), py::arg("q"), py::arg("s"), py::arg("bias"), py::arg("int8_inputs") = false,
         py::arg("vnni_q") = py::none(), py::arg("vnni_s") = py::none());

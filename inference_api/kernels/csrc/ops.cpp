@@ -211,6 +211,99 @@ inline const c10::Half* run_scales(const c10::Half* base, const Runs& r, std::ve
   return tmp.data();
 }
 
+#ifdef WOQ_VNNI
+// v[j] lane i <- v[i] lane j: the 16 x 16 matrix of 32-bit elements transposed (per 128-bit lane: pairs of
+// elements, then of 64 bits; then the lanes across vectors)
+inline void transpose16(__m512i* v) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2)
+    t[i] = _mm512_unpacklo_epi32(v[i], v[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(v[i], v[i + 1]);
+  for (int i = 0; i < 16; i += 4) {
+    v[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]), v[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]), v[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // v[4 i + m] lane k: element 4 k + m of rows 4 i .. 4 i + 3
+  for (int m = 0; m < 4; ++m) {
+    const __m512i x0 = _mm512_shuffle_i32x4(v[m], v[4 + m], 0x44), x1 = _mm512_shuffle_i32x4(v[m], v[4 + m], 0xee);
+    const __m512i y0 = _mm512_shuffle_i32x4(v[8 + m], v[12 + m], 0x44),
+                  y1 = _mm512_shuffle_i32x4(v[8 + m], v[12 + m], 0xee);
+    t[m] = _mm512_shuffle_i32x4(x0, y0, 0x88), t[4 + m] = _mm512_shuffle_i32x4(x0, y0, 0xdd);
+    t[8 + m] = _mm512_shuffle_i32x4(x1, y1, 0x88), t[12 + m] = _mm512_shuffle_i32x4(x1, y1, 0xdd);
+  }
+  for (int j = 0; j < 16; ++j) v[j] = t[j];
+}
+
+// An int8 cache's scores with AVX512-VNNI (decode_attention_impl's vector path): each query head rounded to int8
+// in blocks of 32 (each its largest magnitude over 127, as llama.cpp rounds the queries to q8_0 for a q8_0 cache),
+// its products with 16 positions' keys at a time exact integers per block (vpdpbusd over the keys' bytes plus 128,
+// 4 of each key a vector: transpose16, less 128 times the block's sum), then the blocks' sums times their scales
+// in order, times the scores' scale and each key's: out[r][l] for the R query heads r (qh[r], n[r] positions of
+// the runs `all` from slot 0 of kp). A score depends only on its query head and its key: the same alone as in any
+// span.
+inline void int8_scores(const float* const* qh, const int64_t* n, float* const* out, int64_t R, const int8_t* kp,
+                        const Runs& all, const c10::Half* ks, int64_t most, int64_t D, float scale) {
+  constexpr int64_t QB = 32;  // a query block's elements
+  const int64_t NB = D / QB;
+  thread_local std::vector<int8_t> q8;  // (each thread's, kept between calls)
+  thread_local std::vector<float> qs;
+  thread_local std::vector<int32_t> qsum, kt;
+  q8.resize(R * D), qs.resize(R * NB), qsum.resize(R * NB), kt.resize(D / 4 * 16);
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t b = 0; b < NB; ++b) {
+      const float* x = qh[r] + b * QB;
+      const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
+      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
+      const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+      _mm_storeu_si128((__m128i*)(q8.data() + r * D + b * QB), _mm512_cvtsepi32_epi8(v0));
+      _mm_storeu_si128((__m128i*)(q8.data() + r * D + b * QB + 16), _mm512_cvtsepi32_epi8(v1));
+      qsum[r * NB + b] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
+      qs[r * NB + b] = amax / 127.f;
+    }
+  const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int64_t l0 = 0; l0 < most; l0 += 16) {
+    const int64_t nb = std::min<int64_t>(16, most - l0);
+    const int8_t* key[16];  // the 16 positions' keys (past the span's last: its last's)
+    for (int64_t i = 0; i < 16; ++i) key[i] = all.at(kp, l0 + std::min(i, nb - 1), D);
+    for (int64_t c = 0; c < D; c += 64) {  // 4 bytes of each of the 16 keys a vector, plus 128 each
+      __m512i v[16];
+      for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_si512(key[i] + c);
+      transpose16(v);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(kt.data() + (c / 4 + j) * 16, _mm512_xor_si512(v[j], flip));
+    }
+    const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1);
+    const __m512 kscale = ks ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, ks + l0)) : _mm512_set1_ps(1.f);
+    for (int64_t r0 = 0; r0 < R; r0 += 4)
+      with_count<4>(std::min<int64_t>(4, R - r0), [&](auto rows) {
+        constexpr int G = decltype(rows)::value;
+        __m512 sum[G];
+        for (int g = 0; g < G; ++g) sum[g] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < NB; ++b) {
+          __m512i acc[G];
+          for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_si512();
+          for (int64_t s = b * QB / 4; s < (b + 1) * QB / 4; ++s) {
+            const __m512i k = _mm512_loadu_si512(kt.data() + s * 16);
+            for (int g = 0; g < G; ++g)
+              acc[g] = _mm512_dpbusd_epi32(acc[g], k, bcast4_512(q8.data() + (r0 + g) * D + 4 * s));
+          }
+          for (int g = 0; g < G; ++g) {
+            const int64_t i = (r0 + g) * NB + b;
+            sum[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[g], _mm512_set1_epi32(qsum[i]))),
+                                     _mm512_set1_ps(qs[i]), sum[g]);
+          }
+        }
+        for (int g = 0; g < G; ++g) {
+          const int64_t r = r0 + g, count = std::min<int64_t>(16, n[r] - l0);
+          if (count > 0)
+            _mm512_mask_storeu_ps(out[r] + l0, static_cast<__mmask16>((1u << count) - 1),
+                                  _mm512_mul_ps(_mm512_mul_ps(sum[g], sv), kscale));
+        }
+      });
+  }
+}
+#endif
+
 // queries of one row that share their first position (a prefill chunk's, outside a sliding window) taken
 // together: each block of their keys converted to float once for all of them
 constexpr int64_t QUERY_GROUP = 8;
@@ -279,8 +372,24 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
 #ifdef WOQ_SIMD
       if constexpr (vector_cache<T>) {
         if (vector_rows(D)) {
-          vf.resize(POSITION_BLOCK * D);
-          for (int64_t l0 = 0; l0 < most; l0 += POSITION_BLOCK) {
+          bool whole = false;  // the scores made by int8_scores
+#ifdef WOQ_VNNI
+          if constexpr (std::is_same_v<T, int8_t>) {
+            whole = D % 64 == 0;  // (heads of 64, 128, 256 bytes)
+            if (whole) {
+              weights.clear(), reads.clear(), outs.clear();
+              for (int64_t b = b0; b < b1; ++b)
+                for (int64_t g = 0; g < group; ++g) {
+                  weights.push_back(q + (b * Hq + kh * group + g) * D), reads.push_back(counts[b]);
+                  outs.push_back(scores.data() + offsets[b - b0] + g * counts[b]);
+                }
+              int8_scores(weights.data(), reads.data(), outs.data(), static_cast<int64_t>(weights.size()), kp, all, ksp,
+                          most, D, scale);
+            }
+          }
+#endif
+          if (!whole) vf.resize(POSITION_BLOCK * D);
+          for (int64_t l0 = 0; !whole && l0 < most; l0 += POSITION_BLOCK) {
             const int64_t nb = std::min(POSITION_BLOCK, most - l0);
             const float* kf = vf.data();
             const int64_t split = all.within(l0, nb) ? nb : all.n0 - l0;  // positions before the ring's wrap

@@ -19,7 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &Decoder::forward)
       .def("forward_lora", &Decoder::forward_lora);
 #ifdef WOQ_VNNI
-  m.attr("int8_scores") = true;  // an int8 cache's attention scores over int8 queries (ops.cpp: int8_scores)
+  m.attr("int8_scores") = true;  // an int8 cache's attention scores over int16 queries (ops.cpp: int8_scores)
 #else
   m.attr("int8_scores") = false;
 #endif

@@ -233,71 +233,67 @@ inline void transpose16(__m512i* v) {
   for (int j = 0; j < 16; ++j) v[j] = t[j];
 }
 
-// An int8 cache's scores with AVX512-VNNI (decode_attention_impl's vector path): each query head rounded to int8
-// in blocks of 32 (each its largest magnitude over 127, as llama.cpp rounds the queries to q8_0 for a q8_0 cache),
-// its products with 16 positions' keys at a time exact integers per block (vpdpbusd over the keys' bytes plus 128,
-// 4 of each key a vector: transpose16, less 128 times the block's sum), then the blocks' sums times their scales
-// in order, times the scores' scale and each key's: out[r][l] for the R query heads r (qh[r], n[r] positions of
+// An int8 cache's scores with AVX512-VNNI (decode_attention_impl's vector path): each query head rounded to int16
+// (one scale a head: its largest magnitude over 32,767), its products with 16 positions' keys at a time exact
+// integers (vpdpwssd over the keys' bytes widened in pairs: 4 of each key a vector by transpose16), then times the
+// query's scale, the scores' scale and each key's: out[r][l] for the R query heads r (qh[r], n[r] positions of
 // the runs `all` from slot 0 of kp). A score depends only on its query head and its key: the same alone as in any
 // span.
 inline void int8_scores(const float* const* qh, const int64_t* n, float* const* out, int64_t R, const int8_t* kp,
                         const Runs& all, const c10::Half* ks, int64_t most, int64_t D, float scale) {
-  constexpr int64_t QB = 32;  // a query block's elements
-  const int64_t NB = D / QB;
-  thread_local std::vector<int8_t> q8;  // (each thread's, kept between calls)
+  thread_local std::vector<int32_t> q16, kt;  // (each thread's, kept between calls)
   thread_local std::vector<float> qs;
-  thread_local std::vector<int32_t> qsum, kt;
-  q8.resize(R * D), qs.resize(R * NB), qsum.resize(R * NB), kt.resize(D / 4 * 16);
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t b = 0; b < NB; ++b) {
-      const float* x = qh[r] + b * QB;
-      const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
-      const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-      const __m512 inv = _mm512_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
-      const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
-      _mm_storeu_si128((__m128i*)(q8.data() + r * D + b * QB), _mm512_cvtsepi32_epi8(v0));
-      _mm_storeu_si128((__m128i*)(q8.data() + r * D + b * QB + 16), _mm512_cvtsepi32_epi8(v1));
-      qsum[r * NB + b] = 128 * _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
-      qs[r * NB + b] = amax / 127.f;
+  // q16 [R][D / 2]: dims (4s, 4s + 2) of row r at 2s, (4s + 1, 4s + 3) at 2s + 1, as int16 pairs; kt [D / 2][16]
+  q16.resize(R * D / 2), qs.resize(R), kt.resize(D / 2 * 16);
+  alignas(64) int32_t v[256];
+  for (int64_t r = 0; r < R; ++r) {
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qh[r] + d)));
+    const float amax = _mm512_reduce_max_ps(mx);
+    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
+    for (int64_t d = 0; d < D; d += 16)
+      _mm512_store_si512(v + d, _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qh[r] + d), inv)));
+    int32_t* row = q16.data() + r * D / 2;
+    for (int64_t st = 0; st < D / 4; ++st) {
+      const int32_t* e = v + 4 * st;
+      row[2 * st] = static_cast<int32_t>((static_cast<uint32_t>(e[2]) << 16) | (static_cast<uint32_t>(e[0]) & 0xffff));
+      row[2 * st + 1] =
+          static_cast<int32_t>((static_cast<uint32_t>(e[3]) << 16) | (static_cast<uint32_t>(e[1]) & 0xffff));
     }
-  const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
-  const __m512 sv = _mm512_set1_ps(scale);
+    qs[r] = amax / 32767.f * scale;
+  }
   for (int64_t l0 = 0; l0 < most; l0 += 16) {
     const int64_t nb = std::min<int64_t>(16, most - l0);
     const int8_t* key[16];  // the 16 positions' keys (past the span's last: its last's)
     for (int64_t i = 0; i < 16; ++i) key[i] = all.at(kp, l0 + std::min(i, nb - 1), D);
-    for (int64_t c = 0; c < D; c += 64) {  // 4 bytes of each of the 16 keys a vector, plus 128 each
-      __m512i v[16];
-      for (int i = 0; i < 16; ++i) v[i] = _mm512_loadu_si512(key[i] + c);
-      transpose16(v);
-      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(kt.data() + (c / 4 + j) * 16, _mm512_xor_si512(v[j], flip));
+    for (int64_t c = 0; c < D; c += 64) {  // 4 bytes of each of the 16 keys a vector, widened to two of int16 pairs
+      __m512i w[16];
+      for (int i = 0; i < 16; ++i) w[i] = _mm512_loadu_si512(key[i] + c);
+      transpose16(w);
+      for (int j = 0; j < 16; ++j) {
+        const int64_t st = c / 4 + j;
+        _mm512_storeu_si512(kt.data() + (2 * st) * 16, _mm512_srai_epi16(_mm512_slli_epi16(w[j], 8), 8));
+        _mm512_storeu_si512(kt.data() + (2 * st + 1) * 16, _mm512_srai_epi16(w[j], 8));
+      }
     }
     const __mmask16 valid = static_cast<__mmask16>((1u << nb) - 1);
     const __m512 kscale = ks ? _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(valid, ks + l0)) : _mm512_set1_ps(1.f);
     for (int64_t r0 = 0; r0 < R; r0 += 4)
       with_count<4>(std::min<int64_t>(4, R - r0), [&](auto rows) {
         constexpr int G = decltype(rows)::value;
-        __m512 sum[G];
-        for (int g = 0; g < G; ++g) sum[g] = _mm512_setzero_ps();
-        for (int64_t b = 0; b < NB; ++b) {
-          __m512i acc[G];
-          for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_si512();
-          for (int64_t s = b * QB / 4; s < (b + 1) * QB / 4; ++s) {
-            const __m512i k = _mm512_loadu_si512(kt.data() + s * 16);
-            for (int g = 0; g < G; ++g)
-              acc[g] = _mm512_dpbusd_epi32(acc[g], k, bcast4_512(q8.data() + (r0 + g) * D + 4 * s));
-          }
-          for (int g = 0; g < G; ++g) {
-            const int64_t i = (r0 + g) * NB + b;
-            sum[g] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[g], _mm512_set1_epi32(qsum[i]))),
-                                     _mm512_set1_ps(qs[i]), sum[g]);
-          }
+        __m512i acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_si512();
+        for (int64_t p = 0; p < D / 2; ++p) {
+          const __m512i k = _mm512_loadu_si512(kt.data() + p * 16);
+          for (int g = 0; g < G; ++g)
+            acc[g] = _mm512_dpwssd_epi32(acc[g], k, _mm512_set1_epi32(q16[(r0 + g) * D / 2 + p]));
         }
         for (int g = 0; g < G; ++g) {
           const int64_t r = r0 + g, count = std::min<int64_t>(16, n[r] - l0);
           if (count > 0)
-            _mm512_mask_storeu_ps(out[r] + l0, static_cast<__mmask16>((1u << count) - 1),
-                                  _mm512_mul_ps(_mm512_mul_ps(sum[g], sv), kscale));
+            _mm512_mask_storeu_ps(
+                out[r] + l0, static_cast<__mmask16>((1u << count) - 1),
+                _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[g]), _mm512_set1_ps(qs[r])), kscale));
         }
       });
   }

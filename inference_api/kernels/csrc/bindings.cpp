@@ -1,7 +1,7 @@
 // The kernels as a Python module (kernels.py builds it): the names quant.py, compact.py and the tests call.
 #include <torch/extension.h>
 
-#include "common.h"  // (WOQ_VNNI)
+#include "common.h"  // (WOQ_SIMD)
 #include "decoder.h"
 #include "kernels.h"
 
@@ -18,7 +18,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("heads"), py::arg("eps"), py::arg("gelu"), py::arg("attn_scale"), py::arg("softcap"))
       .def("forward", &Decoder::forward)
       .def("forward_lora", &Decoder::forward_lora);
-#ifdef WOQ_VNNI
+#ifdef WOQ_SIMD
   m.attr("int8_scores") = true;  // an int8 cache's attention scores over int16 queries (ops.cpp: int8_scores)
 #else
   m.attr("int8_scores") = false;

@@ -211,6 +211,32 @@ inline const c10::Half* run_scales(const c10::Half* base, const Runs& r, std::ve
   return tmp.data();
 }
 
+#ifdef WOQ_SIMD
+// The query heads qh[r] (D floats, r < R) rounded to int16 for int8_scores, one scale a head (its largest magnitude
+// over 32,767, to nearest even): q16 [R][D / 2] the int16 pairs of dims (4s, 4s + 2) at 2s and (4s + 1, 4s + 3)
+// at 2s + 1 (the keys' widened pairs), qs [R] each head's scale times the scores' scale
+inline void int16_queries(const float* const* qh, int64_t R, int64_t D, float scale, std::vector<int32_t>& q16,
+                          std::vector<float>& qs) {
+  q16.resize(R * D / 2), qs.resize(R);
+  auto pair = [](float a, float b, float inv) {
+    const auto lo = static_cast<int32_t>(std::nearbyint(a * inv)), hi = static_cast<int32_t>(std::nearbyint(b * inv));
+    return static_cast<int32_t>((static_cast<uint32_t>(hi) << 16) | (static_cast<uint32_t>(lo) & 0xffff));
+  };
+  for (int64_t r = 0; r < R; ++r) {
+    const float* x = qh[r];
+    float amax = 0.f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    int32_t* row = q16.data() + r * D / 2;
+    for (int64_t st = 0; st < D / 4; ++st) {
+      row[2 * st] = pair(x[4 * st], x[4 * st + 2], inv);
+      row[2 * st + 1] = pair(x[4 * st + 1], x[4 * st + 3], inv);
+    }
+    qs[r] = amax / 32767.f * scale;
+  }
+}
+#endif
+
 #ifdef WOQ_VNNI
 // v[j] lane i <- v[i] lane j: the 16 x 16 matrix of 32-bit elements transposed (per 128-bit lane: pairs of
 // elements, then of 64 bits; then the lanes across vectors)
@@ -243,25 +269,8 @@ inline void int8_scores(const float* const* qh, const int64_t* n, float* const* 
                         const Runs& all, const c10::Half* ks, int64_t most, int64_t D, float scale) {
   thread_local std::vector<int32_t> q16, kt;  // (each thread's, kept between calls)
   thread_local std::vector<float> qs;
-  // q16 [R][D / 2]: dims (4s, 4s + 2) of row r at 2s, (4s + 1, 4s + 3) at 2s + 1, as int16 pairs; kt [D / 2][16]
-  q16.resize(R * D / 2), qs.resize(R), kt.resize(D / 2 * 16);
-  alignas(64) int32_t v[256];
-  for (int64_t r = 0; r < R; ++r) {
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; d += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(qh[r] + d)));
-    const float amax = _mm512_reduce_max_ps(mx);
-    const __m512 inv = _mm512_set1_ps(amax > 0.f ? 32767.f / amax : 0.f);
-    for (int64_t d = 0; d < D; d += 16)
-      _mm512_store_si512(v + d, _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(qh[r] + d), inv)));
-    int32_t* row = q16.data() + r * D / 2;
-    for (int64_t st = 0; st < D / 4; ++st) {
-      const int32_t* e = v + 4 * st;
-      row[2 * st] = static_cast<int32_t>((static_cast<uint32_t>(e[2]) << 16) | (static_cast<uint32_t>(e[0]) & 0xffff));
-      row[2 * st + 1] =
-          static_cast<int32_t>((static_cast<uint32_t>(e[3]) << 16) | (static_cast<uint32_t>(e[1]) & 0xffff));
-    }
-    qs[r] = amax / 32767.f * scale;
-  }
+  int16_queries(qh, R, D, scale, q16, qs);
+  kt.resize(D / 2 * 16);
   for (int64_t l0 = 0; l0 < most; l0 += 16) {
     const int64_t nb = std::min<int64_t>(16, most - l0);
     const int8_t* key[16];  // the 16 positions' keys (past the span's last: its last's)
@@ -294,6 +303,70 @@ inline void int8_scores(const float* const* qh, const int64_t* n, float* const* 
             _mm512_mask_storeu_ps(
                 out[r] + l0, static_cast<__mmask16>((1u << count) - 1),
                 _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc[g]), _mm512_set1_ps(qs[r])), kscale));
+        }
+      });
+  }
+}
+#elif defined(WOQ_SIMD)
+// v[j] lane i <- v[i] lane j: the 8 x 8 matrix of 32-bit elements transposed
+inline void transpose8(__m256i* v) {
+  __m256i t[8];
+  for (int i = 0; i < 8; i += 2)
+    t[i] = _mm256_unpacklo_epi32(v[i], v[i + 1]), t[i + 1] = _mm256_unpackhi_epi32(v[i], v[i + 1]);
+  for (int i = 0; i < 8; i += 4) {
+    v[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]), v[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    v[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]), v[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  // v[4 i + m] lane k: element 4 k + m of rows 4 i .. 4 i + 3
+  for (int m = 0; m < 4; ++m) {
+    t[m] = _mm256_permute2x128_si256(v[m], v[4 + m], 0x20);
+    t[4 + m] = _mm256_permute2x128_si256(v[m], v[4 + m], 0x31);
+  }
+  for (int j = 0; j < 8; ++j) v[j] = t[j];
+}
+
+// int8_scores with AVX2: the same integers (vpmaddwd then vpaddd for vpdpwssd) and the same floats, 8 positions'
+// keys at a time (transpose8)
+inline void int8_scores(const float* const* qh, const int64_t* n, float* const* out, int64_t R, const int8_t* kp,
+                        const Runs& all, const c10::Half* ks, int64_t most, int64_t D, float scale) {
+  thread_local std::vector<int32_t> q16, kt;  // (each thread's, kept between calls)
+  thread_local std::vector<float> qs;
+  int16_queries(qh, R, D, scale, q16, qs);
+  kt.resize(D / 2 * 8);
+  for (int64_t l0 = 0; l0 < most; l0 += 8) {
+    const int64_t nb = std::min<int64_t>(8, most - l0);
+    const int8_t* key[8];  // the 8 positions' keys (past the span's last: its last's)
+    for (int64_t i = 0; i < 8; ++i) key[i] = all.at(kp, l0 + std::min(i, nb - 1), D);
+    for (int64_t c = 0; c < D; c += 32) {  // 4 bytes of each of the 8 keys a vector, widened to two of int16 pairs
+      __m256i w[8];
+      for (int i = 0; i < 8; ++i) w[i] = _mm256_loadu_si256((const __m256i*)(key[i] + c));
+      transpose8(w);
+      for (int j = 0; j < 8; ++j) {
+        const int64_t st = c / 4 + j;
+        _mm256_storeu_si256((__m256i*)(kt.data() + (2 * st) * 8), _mm256_srai_epi16(_mm256_slli_epi16(w[j], 8), 8));
+        _mm256_storeu_si256((__m256i*)(kt.data() + (2 * st + 1) * 8), _mm256_srai_epi16(w[j], 8));
+      }
+    }
+    alignas(32) c10::Half kh[8];
+    for (int64_t i = 0; i < 8; ++i) kh[i] = ks ? ks[l0 + std::min(i, nb - 1)] : c10::Half(1.f);
+    const __m256 kscale = _mm256_cvtph_ps(_mm_load_si128((const __m128i*)kh));
+    for (int64_t r0 = 0; r0 < R; r0 += 4)
+      with_count<4>(std::min<int64_t>(4, R - r0), [&](auto rows) {
+        constexpr int G = decltype(rows)::value;
+        __m256i acc[G];
+        for (int g = 0; g < G; ++g) acc[g] = _mm256_setzero_si256();
+        for (int64_t p = 0; p < D / 2; ++p) {
+          const __m256i k = _mm256_loadu_si256((const __m256i*)(kt.data() + p * 8));
+          for (int g = 0; g < G; ++g)
+            acc[g] = _mm256_add_epi32(acc[g], _mm256_madd_epi16(k, _mm256_set1_epi32(q16[(r0 + g) * D / 2 + p])));
+        }
+        for (int g = 0; g < G; ++g) {
+          const int64_t r = r0 + g, count = std::min<int64_t>(8, n[r] - l0);
+          if (count <= 0) continue;
+          const __m256 v = _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(acc[g]), _mm256_set1_ps(qs[r])), kscale);
+          const __m256i keep = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int32_t>(count)),
+                                                  _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+          _mm256_maskstore_ps(out[r] + l0, keep, v);
         }
       });
   }
@@ -369,7 +442,6 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
       if constexpr (vector_cache<T>) {
         if (vector_rows(D)) {
           bool whole = false;  // the scores made by int8_scores
-#ifdef WOQ_VNNI
           if constexpr (std::is_same_v<T, int8_t>) {
             whole = D % 64 == 0;  // (heads of 64, 128, 256 bytes)
             if (whole) {
@@ -383,7 +455,6 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
                           most, D, scale);
             }
           }
-#endif
           if (!whole) vf.resize(POSITION_BLOCK * D);
           for (int64_t l0 = 0; !whole && l0 < most; l0 += POSITION_BLOCK) {
             const int64_t nb = std::min(POSITION_BLOCK, most - l0);

@@ -386,7 +386,8 @@ constexpr int64_t QUERY_GROUP = 8;
 // (Gemma 2). A query's result depends only on its own row, positions and values: never on the other entries (the
 // same numbers for a token whether it is decoded alone, among 32 rows, or prefilled in any chunk), nor on where
 // a ring's runs split its positions. Consecutive entries of one row from one first position (QUERY_GROUP at most)
-// share each block of keys as floats: every query's scores are the calls a query alone makes, on the same floats.
+// share each block of keys as floats (an int8 cache's: as int16 pairs, int8_scores): every query's scores are the
+// calls a query alone makes, on the same numbers.
 template <typename T>
 void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Half* ks, const c10::Half* vs,
                            const int64_t* lengths, const int64_t* rows, const int64_t* starts, float* out, int64_t B,

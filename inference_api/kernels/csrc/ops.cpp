@@ -456,26 +456,29 @@ void decode_attention_impl(const float* q, const T* k, const T* v, const c10::Ha
                           most, D, scale);
             }
           }
-          if (!whole) vf.resize(POSITION_BLOCK * D);
-          for (int64_t l0 = 0; !whole && l0 < most; l0 += POSITION_BLOCK) {
-            const int64_t nb = std::min(POSITION_BLOCK, most - l0);
-            const float* kf = vf.data();
-            const int64_t split = all.within(l0, nb) ? nb : all.n0 - l0;  // positions before the ring's wrap
-            if constexpr (std::is_same_v<T, float>) {
-              if (split == nb) kf = all.at(kp, l0, D);
-              else {
-                std::copy(all.at(kp, l0, D), all.at(kp, l0, D) + split * D, vf.data());
-                std::copy(kp, kp + (nb - split) * D, vf.data() + split * D);
+          if (!whole) {  // float scores: each block of keys converted once for the span
+            vf.resize(POSITION_BLOCK * D);
+            for (int64_t l0 = 0; l0 < most; l0 += POSITION_BLOCK) {
+              const int64_t nb = std::min(POSITION_BLOCK, most - l0);
+              const float* kf = vf.data();
+              const int64_t split = all.within(l0, nb) ? nb : all.n0 - l0;  // positions before the ring's wrap
+              if constexpr (std::is_same_v<T, float>) {
+                if (split == nb) kf = all.at(kp, l0, D);
+                else {
+                  std::copy(all.at(kp, l0, D), all.at(kp, l0, D) + split * D, vf.data());
+                  std::copy(kp, kp + (nb - split) * D, vf.data() + split * D);
+                }
+              } else {
+                rows_to_float(all.at(kp, l0, D), split, D, vf.data());
+                if (split < nb) rows_to_float(kp, nb - split, D, vf.data() + split * D);
               }
-            } else {
-              rows_to_float(all.at(kp, l0, D), split, D, vf.data());
-              if (split < nb) rows_to_float(kp, nb - split, D, vf.data() + split * D);
-            }
-            for (int64_t b = b0; b < b1; ++b) {
-              const int64_t n = counts[b];
-              if (n <= l0) continue;
-              vector_scores(q + (b * Hq + kh * group) * D, kf, ksp ? ksp + l0 : nullptr,
-                            std::min(POSITION_BLOCK, n - l0), n, D, group, scale, scores.data() + offsets[b - b0] + l0);
+              for (int64_t b = b0; b < b1; ++b) {
+                const int64_t n = counts[b];
+                if (n <= l0) continue;
+                vector_scores(q + (b * Hq + kh * group) * D, kf, ksp ? ksp + l0 : nullptr,
+                              std::min(POSITION_BLOCK, n - l0), n, D, group, scale,
+                              scores.data() + offsets[b - b0] + l0);
+              }
             }
           }
           // every query head's weights, then the values once for the span's heads together

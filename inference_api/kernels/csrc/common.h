@@ -134,6 +134,11 @@ struct Vec {
   static T div(T a, T b) { return _mm512_div_ps(a, b); }
   static T abs(T a) { return _mm512_abs_ps(a); }
   static T max(T a, T b) { return _mm512_max_ps(a, b); }
+  // v rounded to nearest even (the default rounding, as std::nearbyint), within -127 .. 127, as W int8 at p
+  static void store_int8(T v, int8_t* p) {
+    const __m512i r = _mm512_min_epi32(_mm512_cvtps_epi32(v), _mm512_set1_epi32(127));
+    _mm_storeu_si128((__m128i*)p, _mm512_cvtepi32_epi8(_mm512_max_epi32(r, _mm512_set1_epi32(-127))));
+  }
   static T floor(T a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC); }
   // 2 ** n for whole numbers n in [-126, 127]
   static T pow2(T n) {
@@ -176,6 +181,12 @@ struct Vec {
   static T div(T a, T b) { return _mm256_div_ps(a, b); }
   static T abs(T a) { return _mm256_andnot_ps(_mm256_set1_ps(-0.f), a); }
   static T max(T a, T b) { return _mm256_max_ps(a, b); }
+  static void store_int8(T v, int8_t* p) {
+    const __m256i r =
+        _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(v), _mm256_set1_epi32(127)), _mm256_set1_epi32(-127));
+    const __m128i w = _mm_packs_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
+    _mm_storel_epi64((__m128i*)p, _mm_packs_epi16(w, w));
+  }
   static T floor(T a) { return _mm256_floor_ps(a); }
   static T pow2(T n) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23));
@@ -188,6 +199,32 @@ struct Vec {
 };
 #endif
 constexpr int W = Vec::W;
+
+// std::vector's allocator but that sizing a vector leaves trivial elements uninitialized: the kernels' buffers whose
+// every element is written before it is read (the rounded inputs of a call) skip the memset the sizing would do
+// (a 32-row decode step of SmolLM2-135M spent 1 ms of it on the main thread while the other waited)
+template <typename T>
+struct NoInit : std::allocator<T> {
+  template <typename U>
+  struct rebind {
+    using other = NoInit<U>;
+  };
+  template <typename U>
+  void construct(U* p) noexcept {
+    ::new (static_cast<void*>(p)) U;
+  }
+  template <typename U, typename... A>
+  void construct(U* p, A&&... a) {
+    ::new (static_cast<void*>(p)) U(std::forward<A>(a)...);
+  }
+};
+template <typename T>
+using Buffer = std::vector<T, NoInit<T>>;
+
+// at least this many elements make a pass over a call's rows (rounding the inputs, a norm, the rotary) parallel,
+// in pieces of about as many: a 32-row decode step's (18,432 inputs of 576 on SmolLM2-135M) split between the cores
+// instead of one core working while the other waits at the next barrier; one row's stay on one thread
+constexpr int64_t PARALLEL_GRAIN = 8192;
 constexpr int R = 4;      // weight rows per pass of the one-row kernel: independent accumulators, x loaded once
 constexpr int AHEAD = 4;  // passes of R rows prefetched ahead
 

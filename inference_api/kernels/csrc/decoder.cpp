@@ -79,12 +79,14 @@ at::Tensor Decoder::run(const at::Tensor& x, StepInputs& in, const Lora* lora) c
   };
   // as CompactLM._norm, a layer's optional norm of an output
   auto norm = [&](const Norm& w, at::Tensor v) { return w.has_value() ? rms_norm(v, *w, eps_) : v; };
+  at::Tensor normed;  // the next layer's input: the norm of h
+  if (L > 0) normed = rms_norm(h, layers_[0].attn_norm, eps_);
   for (size_t i = 0; i < L; ++i) {
     const Layer& l = layers_[i];
     const Scales ks = in.key_scales.empty() ? Scales() : Scales(in.key_scales[i]);
     const Scales vs = in.value_scales.empty() ? Scales() : Scales(in.value_scales[i]);
     const int64_t Hk = in.keys[i].size(1), D = in.keys[i].size(3);
-    auto qkv = linear(i, 0, l.qkv, rms_norm(h, l.attn_norm, eps_));
+    auto qkv = linear(i, 0, l.qkv, normed);
     if (l.q_norm.has_value()) {  // each head's norm before the rotary, written back into qkv
       auto heads = qkv.view({B, heads_ + 2 * Hk, D});
       heads.narrow(1, 0, heads_).copy_(rms_norm(heads.narrow(1, 0, heads_), *l.q_norm, eps_));
@@ -93,8 +95,9 @@ at::Tensor Decoder::run(const at::Tensor& x, StepInputs& in, const Lora* lora) c
     auto q = rope_store(qkv, in.cos[i], in.sin[i], in.keys[i], in.values[i], ks, vs, in.write[i], heads_, c10::nullopt);
     auto a = decode_attention(q, in.keys[i], in.values[i], ks, vs, in.lengths, attn_scale_, c10::nullopt, in.starts[i],
                               softcap_, in.ring[i]);
-    h.add_(norm(l.post_attn_norm, linear(i, 1, l.o, a.view({B, -1}))));
-    auto up = linear(i, 2, l.gate_up, rms_norm(h, l.mlp_norm, eps_));
+    // each residual add and the norm after it in one pass (the next layer's attention norm after the last)
+    auto up = linear(i, 2, l.gate_up,
+                     add_rms_norm(h, norm(l.post_attn_norm, linear(i, 1, l.o, a.view({B, -1}))), l.mlp_norm, eps_));
     at::Tensor act;
     if (gelu_) {  // as the loop's [gate | up] halves: gelu(gate) * up
       auto halves = up.chunk(2, -1);
@@ -102,7 +105,9 @@ at::Tensor Decoder::run(const at::Tensor& x, StepInputs& in, const Lora* lora) c
     } else {
       act = silu_mul(up);
     }
-    h.add_(norm(l.post_mlp_norm, linear(i, 3, l.down, act)));
+    auto y = norm(l.post_mlp_norm, linear(i, 3, l.down, act));
+    if (i + 1 < L) normed = add_rms_norm(h, y, layers_[i + 1].attn_norm, eps_);
+    else h.add_(y);
   }
   return h;
 }

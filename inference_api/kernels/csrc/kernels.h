@@ -35,6 +35,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& offsets,
                              int64_t heads, double scale);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps);
+at::Tensor add_rms_norm(at::Tensor& h, const at::Tensor& y, const at::Tensor& w, double eps);
 at::Tensor silu_mul(const at::Tensor& x);
 at::Tensor gelu(const at::Tensor& x);
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& keys,

@@ -722,8 +722,17 @@ at::Tensor encoder_attention(const at::Tensor& q, const at::Tensor& k, const at:
   return out;
 }
 
-// elements per piece of a parallel elementwise pass: a decode step's rows stay on one thread
-constexpr int64_t ELEMENTWISE_GRAIN = 32768;
+namespace {
+// RMSNorm of row r (H values) into out: r / sqrt(mean(r^2) + eps) * w
+inline void norm_row(const float* r, const float* w, int64_t H, float eps, float* out) {
+  float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+  for (int64_t j = 0; j < H; ++j) ss += r[j] * r[j];
+  const float inv = 1.f / std::sqrt(ss / H + eps);
+#pragma omp simd
+  for (int64_t j = 0; j < H; ++j) out[j] = w[j] * (r[j] * inv);
+}
+}  // namespace
 
 // RMSNorm of each row of x [M, H] (float32): x / sqrt(mean(x^2) + eps) * w
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
@@ -733,18 +742,30 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   auto y = at::empty_like(x2);
   const float *xp = x2.data_ptr<float>(), *wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, ELEMENTWISE_GRAIN / H), [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const float* r = xp + i * H;
-      float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-      for (int64_t j = 0; j < H; ++j) ss += r[j] * r[j];
-      const float inv = 1.f / std::sqrt(ss / H + static_cast<float>(eps));
-#pragma omp simd
-      for (int64_t j = 0; j < H; ++j) yp[i * H + j] = wp[j] * (r[j] * inv);
-    }
+  at::parallel_for(0, M, std::max<int64_t>(1, PARALLEL_GRAIN / H), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) norm_row(xp + i * H, wp, H, static_cast<float>(eps), yp + i * H);
   });
   return y.view(x.sizes());
+}
+
+// The residual add and the next norm in one pass over the rows: h [M, H] += y, then rms_norm(h, w)
+at::Tensor add_rms_norm(at::Tensor& h, const at::Tensor& y, const at::Tensor& w, double eps) {
+  TORCH_CHECK(h.scalar_type() == at::kFloat && y.scalar_type() == at::kFloat && w.scalar_type() == at::kFloat);
+  TORCH_CHECK(h.is_contiguous() && h.dim() == 2 && y.sizes() == h.sizes());
+  const int64_t M = h.size(0), H = h.size(1);
+  auto yc = y.contiguous();
+  auto out = at::empty_like(h);
+  float *hp = h.data_ptr<float>(), *op = out.data_ptr<float>();
+  const float *yp = yc.data_ptr<float>(), *wp = w.data_ptr<float>();
+  at::parallel_for(0, M, std::max<int64_t>(1, PARALLEL_GRAIN / H), [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      float* r = hp + i * H;
+#pragma omp simd
+      for (int64_t j = 0; j < H; ++j) r[j] += yp[i * H + j];
+      norm_row(r, wp, H, static_cast<float>(eps), op + i * H);
+    }
+  });
+  return out;
 }
 
 // silu(gate) * up of x [..., 2F] = [gate | up] -> [..., F] in one pass: gate * sigmoid(gate) * up, the
@@ -756,7 +777,7 @@ at::Tensor silu_mul(const at::Tensor& x) {
   auto y = at::empty({M, F}, x2.options());
   const float* xp = x2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, M, std::max<int64_t>(1, ELEMENTWISE_GRAIN / F), [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, M, std::max<int64_t>(1, PARALLEL_GRAIN / F), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float *g = xp + i * 2 * F, *u = g + F;
       float* o = yp + i * F;
@@ -785,7 +806,7 @@ at::Tensor gelu(const at::Tensor& x) {
   const float* xp = x2.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   constexpr float a = 2.f * 0.7978845608f, b = 0.044715f;
-  at::parallel_for(0, M, std::max<int64_t>(1, ELEMENTWISE_GRAIN / F), [&](int64_t i0, int64_t i1) {
+  at::parallel_for(0, M, std::max<int64_t>(1, PARALLEL_GRAIN / F), [&](int64_t i0, int64_t i1) {
     for (int64_t i = i0; i < i1; ++i) {
       const float* r = xp + i * F;
       float* o = yp + i * F;
@@ -818,33 +839,47 @@ inline void rope_row(const float* x, const float* c, const float* s, int64_t D, 
 }
 
 // One head vector into a cache position: cast, or for an int8 cache rounded to 127 steps of its own
-// float16 scale (max |x| / 127), the scale stored beside it.
+// float16 scale (max |x| / 127), the scale stored beside it (each value's product and rounding to nearest even
+// as std::nearbyint's, in vectors).
 template <typename T>
 inline void store_head(const float* x, int64_t D, T* dst, c10::Half* scale) {
   if constexpr (std::is_same_v<T, int8_t>) {
+    int64_t d = 0;
     float mx = 0.f;
-    for (int64_t d = 0; d < D; ++d) mx = std::max(mx, std::fabs(x[d]));
+#ifdef WOQ_SIMD
+    Vec::T m = Vec::zero();
+    for (; d + W <= D; d += W) m = Vec::max(m, Vec::abs(Vec::load(x + d)));
+    alignas(64) float lanes[W];
+    Vec::store(lanes, m);
+    for (int l = 0; l < W; ++l) mx = std::max(mx, lanes[l]);
+#endif
+    for (; d < D; ++d) mx = std::max(mx, std::fabs(x[d]));
     const c10::Half s = static_cast<c10::Half>(mx / 127.f);
     const float sf = static_cast<float>(s);
     const float inv = sf > 0.f ? 1.f / sf : 0.f;
-    for (int64_t d = 0; d < D; ++d)
-      dst[d] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[d] * inv))));
+    d = 0;
+#ifdef WOQ_SIMD
+    const Vec::T iv = Vec::set1(inv);
+    for (; d + W <= D; d += W) Vec::store_int8(Vec::mul(Vec::load(x + d), iv), dst + d);
+#endif
+    for (; d < D; ++d) dst[d] = static_cast<int8_t>(std::max(-127.f, std::min(127.f, std::nearbyint(x[d] * inv))));
     *scale = s;
   } else {
     for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<T>(x[d]);
   }
 }
 
-// The heads are split between the threads (never the positions: a prefill's padding tokens all write
-// their row's scratch position); a decode step's rows stay on one thread.
+// Each token's rotary on its query and key heads and its key and value written into the cache. The fused decode
+// step's tokens (rows null: token b is row b, each writing its own row) are split between the threads; otherwise
+// the heads are (never the positions: a prefill's padding tokens all write their row's scratch position).
 template <typename T>
 void rope_store_impl(const float* qkv, const float* cos, const float* sin, T* kc, T* vc, c10::Half* ks, c10::Half* vs,
                      const int64_t* pos, const int64_t* rows, float* q, int64_t B, int64_t Hq, int64_t Hk, int64_t S,
                      int64_t D) {
   const int64_t width = (Hq + 2 * Hk) * D;
-  at::parallel_for(0, Hq + Hk, B * width < ELEMENTWISE_GRAIN ? Hq + Hk : 1, [&](int64_t h0, int64_t h1) {
+  auto run = [&](int64_t b0, int64_t b1, int64_t h0, int64_t h1) {
     std::vector<float> tmp(D);
-    for (int64_t b = 0; b < B; ++b) {
+    for (int64_t b = b0; b < b1; ++b) {
       const float* row = qkv + b * width;
       const float *c = cos + b * D, *s = sin + b * D;
       for (int64_t h = h0; h < h1; ++h) {
@@ -858,7 +893,13 @@ void rope_store_impl(const float* qkv, const float* cos, const float* sin, T* kc
         store_head(row + (Hq + Hk + kh) * D, D, vc + at * D, vs ? vs + at : nullptr);
       }
     }
-  });
+  };
+  if (rows == nullptr)
+    at::parallel_for(0, B, std::max<int64_t>(1, PARALLEL_GRAIN / width),
+                     [&](int64_t b0, int64_t b1) { run(b0, b1, 0, Hq + Hk); });
+  else
+    at::parallel_for(0, Hq + Hk, B * width < PARALLEL_GRAIN ? Hq + Hk : 1,
+                     [&](int64_t h0, int64_t h1) { run(0, B, h0, h1); });
 }
 
 }  // namespace

@@ -16,16 +16,16 @@ namespace woq {
 // which takes back the 128 that the VNNI tiles' unsigned side carries (signed codes and 8-bit weights go in plus
 // 128): exact as an int32 and as a float.
 struct Q8Rows {
-  std::vector<int8_t> q;
-  std::vector<float> d, sum, half;
-  std::vector<int32_t> less128;
+  Buffer<int8_t> q;
+  Buffer<float> d, sum, half;
+  Buffer<int32_t> less128;
   Q8Rows(const float* x, int64_t M, int64_t K, bool halves = false)
       : q(M * K), d(M * K / 32), sum(M * K / 32), half(halves ? M * K / 16 : 0), less128(M * K / 32) {
     const int64_t blocks = M * K / 32;
     auto run = [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) block(x + b * 32, b, halves);
     };
-    if (blocks >= 2048) at::parallel_for(0, blocks, 256, run);  // a prefill's rows
+    if (M * K >= PARALLEL_GRAIN) at::parallel_for(0, blocks, PARALLEL_GRAIN / 64, run);
     else run(0, blocks);
   }
 
@@ -65,16 +65,16 @@ struct Q8Rows {
 // (the sub-blocks' minimums multiply them). With integer sub-block scales a super-block's dot product is then one
 // integer sum, scaled once.
 struct Q8KRows {
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int16_t> bsum, bsum32;  // each 16 inputs' integer sum, each 32's
+  Buffer<int8_t> q;
+  Buffer<float> d;
+  Buffer<int16_t> bsum, bsum32;  // each 16 inputs' integer sum, each 32's
   Q8KRows(const float* x, int64_t M, int64_t K) : q(M * K), d(M * K / 256), bsum(M * K / 16), bsum32(M * K / 32) {
     const int64_t blocks = M * K / 256;
     auto run = [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) block(x + b * 256, b);
       for (int64_t j = b0 * 8; j < b1 * 8; ++j) bsum32[j] = static_cast<int16_t>(bsum[2 * j] + bsum[2 * j + 1]);
     };
-    if (blocks >= 256) at::parallel_for(0, blocks, 32, run);  // a prefill's rows
+    if (M * K >= PARALLEL_GRAIN) at::parallel_for(0, blocks, PARALLEL_GRAIN / 512, run);
     else run(0, blocks);
   }
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import ServerConfig
-from .lifeline import die_with_parent, release_free_memory, scheduling_class
+from .lifeline import die_with_parent, keep_step_buffers, release_free_memory, scheduling_class
 from .messages import (
     AdapterReply,
     CancelRequest,
@@ -51,6 +51,7 @@ def release_freed_memory() -> None:
 
     gc.collect()
     release_free_memory()
+    keep_step_buffers()  # then the steps' buffers stay for the next step until the engine goes idle
 
 
 def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:

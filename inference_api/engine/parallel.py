@@ -312,7 +312,7 @@ def rank_main(fd: int) -> None:
 def run_rank(config, plan, rank: int, port: int, gguf, model_dir, parent: int, conn: Channel) -> None:
     """Ranks 1..N-1: join the group, build this rank's shard of the model and cache through the runner's own build
     path, then run rank 0's calls until it closes the channel or says close. ``parent``: rank 0's process id."""
-    from .lifeline import die_with_parent, release_free_memory
+    from .lifeline import die_with_parent, settle_after_load
     from .model_runner import load_runner
 
     die_with_parent(parent)
@@ -330,7 +330,7 @@ def run_rank(config, plan, rank: int, port: int, gguf, model_dir, parent: int, c
 
             kernels = load_kernels(config.model_cache_dir, level=plan.cpu_level)
         runner = load_runner(config, plan, kernels, gguf, model_dir, Shard.of(plan, rank), group.all_reduce)
-        release_free_memory()
+        settle_after_load()
     except Exception as exc:
         log.exception("rank %d failed to start", rank)
         conn.send(("failed", f"rank {rank}: {exc}"))

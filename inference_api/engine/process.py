@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..config import ServerConfig
-from .lifeline import die_with_parent, keep_step_buffers, release_free_memory, scheduling_class
+from .lifeline import die_with_parent, release_free_memory, scheduling_class, settle_after_load
 from .messages import (
     AdapterReply,
     CancelRequest,
@@ -41,17 +41,6 @@ def _engine(config: ServerConfig, *args, **kwargs) -> Engine:
 
         return FaultyEngine(*args, fault_text=config.test_fault_text, **kwargs)
     return Engine(*args, **kwargs)
-
-
-def release_freed_memory() -> None:
-    """Hand the memory freed by loading back to the system: parsing a GGUF's metadata (Gemma 3's 262,144-token
-    vocabulary: about 0.6 GB of Python objects) and its tokenizer leave freed pages that glibc keeps; trimmed,
-    the engine of Gemma 3 270M holds 0.69 GB instead of 0.81 after its start (docs/performance.md)."""
-    import gc
-
-    gc.collect()
-    release_free_memory()
-    keep_step_buffers()  # then the steps' buffers stay for the next step until the engine goes idle
 
 
 def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
@@ -119,7 +108,7 @@ def build_engine(config: ServerConfig) -> tuple[Engine | Embedder, EngineReady]:
         runner = start_group(config, plan, kernels, source, model_dir)
     else:
         runner = load_runner(config, plan, kernels, source, model_dir)
-    release_freed_memory()
+    settle_after_load()
     if plan.model != "compact":
         log.warning(
             "architecture %r is not described for the compact decoder: it runs on transformers' layers "

@@ -221,9 +221,10 @@ struct NoInit : std::allocator<T> {
 template <typename T>
 using Buffer = std::vector<T, NoInit<T>>;
 
-// at least this many elements make a pass over a call's rows (rounding the inputs, a norm, the rotary) parallel,
-// in pieces of about as many: a 32-row decode step's (18,432 inputs of 576 on SmolLM2-135M) split between the cores
-// instead of one core working while the other waits at the next barrier; one row's stay on one thread
+// past this many elements a pass over a call's rows (rounding the inputs, a norm, the rotary) runs in parallel, in
+// pieces of about as many (the grain at::parallel_for takes, in the pass's rows or blocks): a 32-row decode step's
+// (18,432 inputs of 576 on SmolLM2-135M) split between the cores instead of one core working while the other waits
+// at the next barrier; one row's stay on one thread
 constexpr int64_t PARALLEL_GRAIN = 8192;
 constexpr int R = 4;      // weight rows per pass of the one-row kernel: independent accumulators, x loaded once
 constexpr int AHEAD = 4;  // passes of R rows prefetched ahead
@@ -264,6 +265,21 @@ inline void store_half(__m256 acc, int h, int64_t rows, float* y) {
   for (int64_t r = 8 * h; r < std::min<int64_t>(rows, 8 * h + 8); ++r) y[r] = out[r - 8 * h];
 }
 #endif  // WOQ_SIMD
+
+// the largest magnitude of x[0 .. n) (exact in any order: the vector lanes, then the tail)
+inline float max_abs(const float* x, int64_t n) {
+  int64_t i = 0;
+  float m = 0.f;
+#ifdef WOQ_SIMD
+  Vec::T v = Vec::zero();
+  for (; i + W <= n; i += W) v = Vec::max(v, Vec::abs(Vec::load(x + i)));
+  alignas(64) float lanes[W];
+  Vec::store(lanes, v);
+  for (int l = 0; l < W; ++l) m = std::max(m, lanes[l]);
+#endif
+  for (; i < n; ++i) m = std::max(m, std::fabs(x[i]));
+  return m;
+}
 
 // exp(x) for x <= 0 (softmax after subtracting the maximum): Cephes' expf, 2 ** n times a degree-6
 // polynomial on [-ln 2 / 2, ln 2 / 2], about 1e-7 relative; plain code the compiler vectorizes.

@@ -224,8 +224,7 @@ inline void int16_queries(const float* const* qh, int64_t R, int64_t D, float sc
   };
   for (int64_t r = 0; r < R; ++r) {
     const float* x = qh[r];
-    float amax = 0.f;
-    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float amax = max_abs(x, D);
     const float inv = amax > 0.f ? 32767.f / amax : 0.f;
     int32_t* row = q16.data() + r * D / 2;
     for (int64_t st = 0; st < D / 4; ++st) {
@@ -844,20 +843,10 @@ inline void rope_row(const float* x, const float* c, const float* s, int64_t D, 
 template <typename T>
 inline void store_head(const float* x, int64_t D, T* dst, c10::Half* scale) {
   if constexpr (std::is_same_v<T, int8_t>) {
-    int64_t d = 0;
-    float mx = 0.f;
-#ifdef WOQ_SIMD
-    Vec::T m = Vec::zero();
-    for (; d + W <= D; d += W) m = Vec::max(m, Vec::abs(Vec::load(x + d)));
-    alignas(64) float lanes[W];
-    Vec::store(lanes, m);
-    for (int l = 0; l < W; ++l) mx = std::max(mx, lanes[l]);
-#endif
-    for (; d < D; ++d) mx = std::max(mx, std::fabs(x[d]));
-    const c10::Half s = static_cast<c10::Half>(mx / 127.f);
+    const c10::Half s = static_cast<c10::Half>(max_abs(x, D) / 127.f);
     const float sf = static_cast<float>(s);
     const float inv = sf > 0.f ? 1.f / sf : 0.f;
-    d = 0;
+    int64_t d = 0;
 #ifdef WOQ_SIMD
     const Vec::T iv = Vec::set1(inv);
     for (; d + W <= D; d += W) Vec::store_int8(Vec::mul(Vec::load(x + d), iv), dst + d);

@@ -25,8 +25,7 @@ struct Q8Rows {
     auto run = [&](int64_t b0, int64_t b1) {
       for (int64_t b = b0; b < b1; ++b) block(x + b * 32, b, halves);
     };
-    if (M * K >= PARALLEL_GRAIN) at::parallel_for(0, blocks, PARALLEL_GRAIN / 64, run);
-    else run(0, blocks);
+    at::parallel_for(0, blocks, PARALLEL_GRAIN / 32, run);
   }
 
  private:
@@ -74,18 +73,12 @@ struct Q8KRows {
       for (int64_t b = b0; b < b1; ++b) block(x + b * 256, b);
       for (int64_t j = b0 * 8; j < b1 * 8; ++j) bsum32[j] = static_cast<int16_t>(bsum[2 * j] + bsum[2 * j + 1]);
     };
-    if (M * K >= PARALLEL_GRAIN) at::parallel_for(0, blocks, PARALLEL_GRAIN / 512, run);
-    else run(0, blocks);
+    at::parallel_for(0, blocks, PARALLEL_GRAIN / 256, run);
   }
 
  private:
   void block(const float* xb, int64_t b) {
-    __m256 mx = _mm256_setzero_ps();
-    for (int j = 0; j < 256; j += 8)
-      mx = _mm256_max_ps(mx, _mm256_andnot_ps(_mm256_set1_ps(-0.f), _mm256_loadu_ps(xb + j)));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
+    const float amax = max_abs(xb, 256);
     const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
     int8_t* out = q.data() + b * 256;
     for (int j = 0; j < 256; j += 16) {
